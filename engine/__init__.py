@@ -1,0 +1,37 @@
+"""hookloop's core: the :class:`Trainer`, its :class:`Events` and :class:`TrainState`, the step
+bodies, parallelism set-up, learning-rate schedules and configuration.
+
+Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
+"""
+
+from engine.config import HookloopConfig, load_config, validate_config
+from engine.errors import ConfigError, HookloopError, TrainingAborted
+from engine.events import Events, StepEvents
+from engine.exit_codes import ExitCode
+from engine.lr import build_lr_scheduler, lr_at
+from engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
+from engine.state import TrainState
+from engine.trainer import Trainer, default_prepare_batch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DistInfo",
+    "Events",
+    "ExitCode",
+    "HookloopConfig",
+    "HookloopError",
+    "StepEvents",
+    "TrainState",
+    "Trainer",
+    "TrainingAborted",
+    "agree_any",
+    "build_lr_scheduler",
+    "default_prepare_batch",
+    "init_distributed",
+    "load_config",
+    "lr_at",
+    "validate_config",
+    "wrap_data_parallel",
+]

@@ -1,0 +1,141 @@
+"""Fixed-length training windows over a flat file of token ids.
+
+The file is a raw little-endian array of ``uint8``/``uint16``/``uint32`` ids (what
+:func:`engine.data.prepare_tokens` writes) read through ``numpy.memmap``, so a corpus much larger
+than RAM costs only the pages a batch touches. The dtype comes from the ``<path>.json`` sidecar
+written next to the file, or from the ``dtype`` argument when there is no sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from engine.errors import ConfigError
+
+__all__ = ["SUPPORTED_TOKEN_DTYPES", "TokenDataset", "read_token_metadata", "sidecar_path"]
+
+SUPPORTED_TOKEN_DTYPES: tuple[str, ...] = ("uint8", "uint16", "uint32")
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where the metadata of token file ``path`` lives: ``<path>.json``."""
+    p = Path(path)
+    return p.with_name(p.name + ".json")
+
+
+def read_token_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The sidecar metadata of token file ``path``, or None when there is no sidecar."""
+    side = sidecar_path(path)
+    if not side.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError("path", f"sidecar {str(side)!r} is not readable JSON ({exc}); rewrite it with prepare_tokens")
+    if not isinstance(meta, dict):
+        raise ConfigError("path", f"sidecar {str(side)!r} must hold a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _check_dtype(dtype: Any, field: str) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError as exc:
+        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}") from exc
+    if resolved.name not in SUPPORTED_TOKEN_DTYPES:
+        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}")
+    return resolved.newbyteorder("<")
+
+
+class TokenDataset(Dataset):
+    """Non-overlapping windows of ``seq_len`` tokens with next-token labels.
+
+    Item ``i`` reads tokens ``[i*seq_len, i*seq_len + seq_len + 1)`` and returns
+    ``(input_ids, labels)``, two int64 tensors of length ``seq_len`` where ``labels`` is
+    ``input_ids`` shifted left by one. ``len()`` is the number of full windows; the tail that does
+    not fill one is never read. Windows share their boundary token (the last label of window ``i``
+    is the first input of window ``i + 1``), so every token except the very first is a label once.
+
+    The memory map is opened lazily and dropped on pickling, so the dataset is cheap to send to
+    DataLoader worker processes.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], seq_len: int, *, dtype: str | np.dtype | None = None) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
+            raise ConfigError("seq_len", f"must be an integer >= 1, got {seq_len!r}")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(
+                f"path: token file {str(self.path)!r} does not exist; create it with prepare_tokens "
+                "or `python -m engine.data prepare`"
+            )
+        meta = read_token_metadata(self.path)
+        meta_dtype = None if meta is None else meta.get("dtype")
+        if dtype is None and meta_dtype is None:
+            raise ConfigError(
+                "dtype",
+                f"no sidecar {str(sidecar_path(self.path))!r} with a 'dtype' entry; pass dtype= "
+                f"(one of {list(SUPPORTED_TOKEN_DTYPES)})",
+            )
+        if dtype is not None and meta_dtype is not None and np.dtype(_check_dtype(dtype, "dtype")).name != meta_dtype:
+            raise ConfigError(
+                "dtype",
+                f"{dtype!r} contradicts the sidecar's {meta_dtype!r}; drop the dtype argument or fix the sidecar",
+            )
+        self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
+        self.seq_len = int(seq_len)
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise ConfigError(
+                "dtype",
+                f"file size {size} bytes is not a multiple of {self.dtype.name}'s {self.dtype.itemsize} bytes; "
+                "the dtype does not match how the file was written",
+            )
+        self.num_tokens = size // self.dtype.itemsize
+        if self.num_tokens < self.seq_len + 1:
+            raise ConfigError(
+                "seq_len",
+                f"{str(self.path)!r} holds {self.num_tokens} tokens but one window needs seq_len + 1 = "
+                f"{self.seq_len + 1}; use a smaller seq_len or a longer token file",
+            )
+        self._num_windows = (self.num_tokens - 1) // self.seq_len
+        self._tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._num_windows
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole token file as a read-only memory-mapped array."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        return self._tokens
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(index)
+        if i < 0:
+            i += self._num_windows
+        if not 0 <= i < self._num_windows:
+            raise IndexError(f"index {index} out of range for {self._num_windows} windows")
+        start = i * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        # inputs get their own storage so in-place edits (masking, noise) never reach the labels
+        return window[:-1].clone(), window[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tokens"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({str(self.path)!r}, seq_len={self.seq_len}, dtype={self.dtype.name!r}, "
+            f"windows={self._num_windows})"
+        )

@@ -1,0 +1,31 @@
+"""Exception types. Each message names the field or argument at fault and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "HookloopError", "TrainingAborted"]
+
+
+class HookloopError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(HookloopError, ValueError):
+    """Invalid configuration or argument; raised before any process group or model is built.
+
+    ``field`` is the dotted name of the offending field (``train.max_steps``) or argument.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class TrainingAborted(HookloopError, RuntimeError):
+    """The run was stopped on purpose (e.g. NaN rollbacks exhausted, failed health check).
+
+    ``exit_code`` is one of :class:`engine.ExitCode`; a launcher script exits with it.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        self.exit_code = int(exit_code)
+        super().__init__(message)

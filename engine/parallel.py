@@ -1,0 +1,165 @@
+"""Process groups, device mesh, data-parallel wrapping, and the small collectives decisions use.
+
+``torchrun`` is the launcher: :func:`init_distributed` reads its environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). A single process needs no process
+group at all, and every helper here degrades to a no-op then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import ConfigError
+
+__all__ = [
+    "DistInfo",
+    "agree_any",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "destroy_distributed",
+    "init_distributed",
+    "rank",
+    "world_size",
+    "wrap_data_parallel",
+]
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class DistInfo:
+    """Where this process sits: ranks, device, and the device mesh (None for one process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    mesh: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> DistInfo:
+    """Join the process group torchrun describes, or return single-process info without one.
+
+    ``backend`` defaults to nccl with CUDA, else gloo. Every collective on the group times out
+    after ``timeout_s`` instead of hanging. The mesh defaults to one ``dp`` dimension.
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ConfigError("distributed.backend", f"must be 'gloo', 'nccl' or None (auto), got {backend!r}")
+    if timeout_s <= 0:
+        raise ConfigError("distributed.timeout_s", f"must be > 0 seconds, got {timeout_s!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ConfigError("distributed.backend", "nccl needs CUDA; use 'gloo' on CPU")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if env_world <= 1 and not dist.is_initialized():
+        return DistInfo(device=device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    shape = mesh_shape or (world,)
+    names = mesh_dim_names or (("dp",) if len(shape) == 1 else None)
+    if int(torch.tensor(shape).prod()) != world:
+        raise ConfigError("distributed", f"mesh shape {shape} does not multiply to the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    return DistInfo(dist.get_rank(), world, local_rank, device, backend, mesh)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (call before exit, after checkpoints are drained)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_data_parallel(model: torch.nn.Module, mode: str = "ddp", *, mesh: Any = None) -> torch.nn.Module:
+    """Wrap ``model`` for data parallelism: ``"ddp"`` (DistributedDataParallel), ``"fsdp"``
+    (FSDP2 ``fully_shard`` on each block, then the root) or ``"none"``. One process: unchanged."""
+    if mode not in ("ddp", "fsdp", "none"):
+        raise ConfigError("distributed.dp_mode", f"must be 'ddp', 'fsdp' or 'none', got {mode!r}")
+    if mode == "none" or world_size() == 1:
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        process_group = mesh.get_group() if mesh is not None else None
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=process_group)
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    if blocks is not None:
+        for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _collective_device() -> torch.device:
+    # nccl reduces only CUDA tensors; gloo reduces CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over ranks (a copy on the input's device). One process: unchanged."""
+    if world_size() == 1:
+        return tensor
+    out = tensor.detach().to(_collective_device(), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out.to(tensor.device)
+
+
+def all_reduce_max(value: float, group: Any = None) -> float:
+    """The largest ``value`` over ranks."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0])
+
+
+def agree_any(flag: bool, group: Any = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank: how skip/stop/save are agreed."""
+    if world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t[0])

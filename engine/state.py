@@ -1,0 +1,99 @@
+"""The trainer's state: counters and metrics handlers read, flags handlers use to ask.
+
+Handlers *request* through flags; the trainer *decides* at fixed points. Reset rules:
+
+=================  =====================================  ==========================================
+flag               who sets it, when                      reset
+=================  =====================================  ==========================================
+skip_step          any handler, at BEFORE_OPTIMIZER_STEP  False before every STEP_START
+should_checkpoint  scheduler at STEP_START, or anyone     False before every STEP_START
+should_validate    scheduler at STEP_START, or anyone     False before every STEP_START
+should_log_remote  scheduler at STEP_START                False before every STEP_START
+is_last_step       scheduler at STEP_START                False before every STEP_START
+should_stop        any handler, any time                  latches; cleared when a run starts
+exit_code          whoever stops the run                  0 when a run starts
+=================  =====================================  ==========================================
+
+``skip_step`` and ``should_stop`` are agreed across data-parallel ranks by the trainer (if any
+rank asks, every rank does it), so no rank steps or stops alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ignite.engine.events import State
+
+__all__ = ["TrainState"]
+
+_PER_STEP_FLAGS = ("skip_step", "should_checkpoint", "should_validate", "should_log_remote", "is_last_step")
+
+
+class TrainState(State):
+    """ignite's ``State`` plus what a training run needs.
+
+    ``step`` is ignite's ``iteration``: optimizer steps completed, which equals the 1-based number
+    of the current step from STEP_START on. Every ignite filter (``every=``) counts it.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.reset_counters()
+        self.should_stop = False
+        self.stop_reason: str | None = None
+        self.exit_code = 0
+        self.clear_step_flags()
+        super().__init__(**kwargs)
+
+    def reset_counters(self) -> None:
+        """Zero what a fresh run counts (ignite resets ``iteration`` and ``epoch`` itself)."""
+        self.microbatch = 0
+        self.microbatches_seen = 0
+        self.loss = float("nan")
+        self.microbatch_loss = float("nan")
+        self.grad_norm = float("nan")
+        self.lr = float("nan")
+        self.tokens_seen = 0
+        self.samples_seen = 0
+        self.step_tokens = 0
+        self.skipped_steps = 0
+        self.validations = 0
+        self.checkpoints_saved = 0
+        self.rollbacks = 0
+
+    @property
+    def step(self) -> int:
+        return self.iteration
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.iteration = value
+
+    def clear_step_flags(self) -> None:
+        for name in _PER_STEP_FLAGS:
+            setattr(self, name, False)
+
+    def request_stop(self, reason: str, exit_code: int | None = None) -> None:
+        """Ask the trainer to stop after the current step (agreed across ranks at STEP_END)."""
+        self.should_stop = True
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        if exit_code is not None and not self.exit_code:
+            self.exit_code = int(exit_code)
+
+    def counters(self) -> dict[str, Any]:
+        """What a checkpoint must hold to continue the run: counters, not flags."""
+        return {
+            "step": self.iteration,
+            "epoch": self.epoch,
+            "microbatches_seen": self.microbatches_seen,
+            "tokens_seen": self.tokens_seen,
+            "samples_seen": self.samples_seen,
+            "skipped_steps": self.skipped_steps,
+            "validations": self.validations,
+            "checkpoints_saved": self.checkpoints_saved,
+            "rollbacks": self.rollbacks,
+        }
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        for key, value in counters.items():
+            setattr(self, "iteration" if key == "step" else key, value)
