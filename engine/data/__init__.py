@@ -1,0 +1,25 @@
+"""Data primitives of the phase-curriculum mixer.
+
+* :class:`TokenDataset` -- fixed-length next-token windows over a memory-mapped token file.
+* :func:`prepare_tokens` -- write byte-level token files; :func:`stdlib_docs_text` and
+  :func:`stdlib_source_files` give text every Python install has, for runs without downloads.
+* :class:`MixtureDataset` -- named datasets in one index space, items tagged with their source.
+* :class:`MixtureSampler` -- endless weighted, resumable, rank-disjoint index stream over a mixture.
+"""
+
+from engine.data.mixture import MixtureDataset
+from engine.data.prepare import DOC_SEPARATOR, prepare_tokens, stdlib_docs_text, stdlib_source_files
+from engine.data.sampler import MixtureSampler
+from engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, TokenDataset, read_token_metadata
+
+__all__ = [
+    "DOC_SEPARATOR",
+    "SUPPORTED_TOKEN_DTYPES",
+    "MixtureDataset",
+    "MixtureSampler",
+    "TokenDataset",
+    "prepare_tokens",
+    "read_token_metadata",
+    "stdlib_docs_text",
+    "stdlib_source_files",
+]

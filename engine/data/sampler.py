@@ -1,0 +1,464 @@
+"""An endless, resumable, rank-disjoint stream of indices into a :class:`MixtureDataset`.
+
+The stream
+    One global sequence of *draws*, shared by all ranks. Draw ``g`` picks a source by comparing a
+    uniform number ``u_g`` with the cumulative probabilities, then takes that source's next
+    position. ``u_g`` depends only on ``(seed, g)``: the uniforms come in fixed blocks of
+    ``2**16`` draws, block ``b`` generated from ``SeedSequence([seed, tag, b])``. Weights only
+    change how ``u_g`` maps to a source, so a weight change never disturbs the uniforms and any
+    position is reachable without replaying earlier draws.
+
+Sources
+    Source ``s`` keeps a count of the positions all draws have taken from it. Position ``k`` is
+    element ``k % len`` of the permutation of epoch ``k // len``, seeded by ``(seed, name, len,
+    epoch)``, so each source walks through its own epochs in order whatever the weights do: within
+    an epoch no item repeats or is skipped. (Sources shorter than 4096 items draw the permutations of
+    several consecutive epochs from one generator, which keeps tiny sources cheap.)
+
+Ranks
+    Draws are dealt round-robin: rank ``r`` of ``W`` yields draws ``r, r + W, r + 2W, ...``. Every
+    rank computes the source of every draw (a few comparisons, no data access) to keep the shared
+    counts, so no two ranks ever receive the same (source, epoch, position), and the union of the
+    ranks' streams is exactly the single-rank stream.
+
+Consumption and resume
+    An index counts as consumed the moment the iterator yields it. :meth:`state_dict` describes the
+    position right after the last index yielded (for ``W > 1``: after the whole round of ``W`` draws
+    containing it), and :meth:`load_state_dict` restores it in O(1). A ``DataLoader`` asks its sampler
+    for indices ahead of training (``num_workers * prefetch_factor`` batches with workers, one batch
+    without), so a snapshot taken from the training loop is ahead of what the model has seen by that
+    prefetch. The sampler is the stream's only state: calling ``iter()`` again continues where the
+    previous iterator stopped (the previous iterator ends); it does not restart.
+
+The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (ignite's
+``epoch_length`` / ``max_steps``), not by epochs of the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from engine.data.mixture import MixtureDataset
+from engine.errors import ConfigError
+
+__all__ = ["MixtureSampler"]
+
+_STATE_FORMAT = "hookloop-mixture-sampler"
+_STATE_VERSION = 1
+_CHOICE_TAG = 0x43484F49  # domain-separates the source-choice uniforms from the permutations
+_PERM_TAG = 0x5045524D
+_UNIFORM_BLOCK = 1 << 16  # draws per block of the uniform stream; part of the stream's definition
+_PERM_GROUP = 4096  # sources shorter than this share one generator across several epochs
+_MIN_CHUNK_DRAWS = 1024  # first chunk after a start, resume or weight change: cheap to throw away
+_MAX_CHUNK_DRAWS = 1 << 16
+_CACHED_BLOCKS = 2
+_CACHED_GROUPS = 2
+
+
+def _tempered_probabilities(weights: np.ndarray, temperature: float) -> np.ndarray:
+    """``p_i = w_i**(1/T) / sum_j w_j**(1/T)``; a zero weight gives exactly zero at any ``T``.
+
+    Weights are divided by their maximum first, so the power is taken of numbers in ``(0, 1]`` and
+    cannot overflow whatever the temperature.
+    """
+    scaled = weights / weights.max()
+    if temperature != 1.0:
+        scaled = scaled ** (1.0 / temperature)
+    return scaled / scaled.sum()
+
+
+class _Chunk:
+    """Indices precomputed for the next rounds, and how many of them were yielded."""
+
+    __slots__ = ("consumed", "indices", "own_sources", "sources", "start")
+
+    def __init__(self, start: int, sources: np.ndarray, own_sources: np.ndarray, indices: list[int]) -> None:
+        self.start = start
+        self.sources = sources
+        self.own_sources = own_sources
+        self.indices = indices
+        self.consumed = 0
+
+
+class MixtureSampler(Sampler[int]):
+    """Endless weighted sampler over the sources of a :class:`MixtureDataset`.
+
+    ``weights`` maps every source name to a finite weight ``>= 0`` (not all zero); the probability
+    of drawing source ``i`` is ``w_i**(1/temperature)`` normalised, so ``temperature > 1`` flattens
+    the mixture, ``< 1`` sharpens it, and a zero weight always stays exactly zero.
+    :meth:`update_weights` applies to the very next index yielded. ``rank``/``world_size`` split one
+    global stream disjointly between data-parallel ranks; every rank must be built with the same
+    mixture, seed and weights, and must change weights after the same number of yielded indices.
+    See the module documentation for the stream, resume and prefetch semantics.
+    """
+
+    def __init__(
+        self,
+        mixture: MixtureDataset,
+        weights: Mapping[str, float],
+        *,
+        temperature: float = 1.0,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not isinstance(mixture, MixtureDataset):
+            raise TypeError(f"mixture: expected a MixtureDataset, got {type(mixture).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int | np.integer) or world_size < 1:
+            raise ConfigError("world_size", f"must be an integer >= 1, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < world_size:
+            raise ConfigError("rank", f"must be an integer in [0, world_size={world_size}), got {rank!r}")
+        self._mixture = mixture
+        self._names = mixture.names
+        self._lengths = np.asarray(mixture.lengths, dtype=np.int64)
+        self._offsets = np.asarray(mixture.offsets, dtype=np.int64)
+        self._keys = [zlib.crc32(name.encode("utf-8")) for name in self._names]
+        self._rank = int(rank)
+        self._world_size = int(world_size)
+        self._seed = int(seed)
+        self._weights = self._check_weights(weights)
+        self._temperature = self._check_temperature(temperature)
+        self._set_probabilities()
+        self._draws = 0
+        self._taken = np.zeros(len(self._names), dtype=np.int64)
+        self._yielded = np.zeros(len(self._names), dtype=np.int64)
+        self._chunk: _Chunk | None = None
+        self._chunk_draws = _MIN_CHUNK_DRAWS
+        self._iter_token: object | None = None
+        self._block_cache: dict[int, np.ndarray] = {}
+        self._group_cache: list[dict[int, np.ndarray]] = [{} for _ in self._names]
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_weights(self, weights: Mapping[str, float]) -> np.ndarray:
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights: expected a mapping name -> weight, got {type(weights).__name__}")
+        unknown = [name for name in weights if name not in self._names]
+        if unknown:
+            raise ConfigError(
+                "weights", f"unknown dataset name(s) {unknown}; the mixture's names are {list(self._names)}"
+            )
+        missing = [name for name in self._names if name not in weights]
+        if missing:
+            raise ConfigError(
+                "weights", f"no weight for dataset(s) {missing}; give every source a weight (0 to leave it out)"
+            )
+        values = np.zeros(len(self._names), dtype=np.float64)
+        for i, name in enumerate(self._names):
+            raw = weights[name]
+            field = f"weights[{name!r}]"
+            if isinstance(raw, str | bytes | bool):
+                raise TypeError(f"{field}: expected a number, got {type(raw).__name__} {raw!r}")
+            try:
+                value = float(raw)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{field}: expected a number, got {type(raw).__name__} {raw!r}") from exc
+            if not math.isfinite(value):
+                raise ConfigError(field, f"must be finite, got {value}")
+            if value < 0:
+                raise ConfigError(field, f"must be >= 0, got {value}")
+            if value > 0 and self._lengths[i] == 0:
+                raise ConfigError(field, f"is {value} but dataset {name!r} is empty; give it weight 0")
+            values[i] = value
+        if not values.any():
+            raise ConfigError("weights", "are all zero; give at least one dataset a positive weight")
+        return values
+
+    @staticmethod
+    def _check_temperature(temperature: float) -> float:
+        if isinstance(temperature, str | bytes | bool) or not isinstance(temperature, int | float | np.number):
+            raise TypeError(f"temperature: expected a number, got {type(temperature).__name__}")
+        value = float(temperature)
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError("temperature", f"must be finite and > 0, got {temperature!r}")
+        return value
+
+    def _set_probabilities(self) -> None:
+        probs = _tempered_probabilities(self._weights, self._temperature)
+        cdf = np.cumsum(probs)
+        # pin the total to exactly 1 from the last positive source on, so rounding can neither pick
+        # a zero-weight source at the end nor fall off the table
+        cdf[np.flatnonzero(probs > 0)[-1] :] = 1.0
+        self._probs = probs
+        self._thresholds = cdf[:-1].copy()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def mixture(self) -> MixtureDataset:
+        """The dataset whose global indices this sampler yields."""
+        return self._mixture
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def temperature(self) -> float:
+        return self._temperature
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The raw weights (before the temperature) as last set."""
+        return {name: float(w) for name, w in zip(self._names, self._weights)}
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        """Current probability of each source per draw: weights tempered and normalised."""
+        return {name: float(p) for name, p in zip(self._names, self._probs)}
+
+    @property
+    def draws(self) -> int:
+        """Global draws (all ranks) consumed so far; ``world_size`` times this rank's yields since 0."""
+        return self._position()[0]
+
+    def consumed_per_source(self, *, all_ranks: bool = False) -> dict[str, int]:
+        """Indices yielded per source by this rank, or with ``all_ranks`` taken by all ranks' draws."""
+        _, taken, yielded = self._position()
+        counts = taken if all_ranks else yielded
+        return {name: int(c) for name, c in zip(self._names, counts)}
+
+    def update_weights(self, weights: Mapping[str, float], temperature: float | None = None) -> None:
+        """Set new weights (and optionally temperature), effective from the very next index yielded.
+
+        On several ranks the change applies from the next round of ``world_size`` draws, so every
+        rank must call this after the same number of yielded indices. Invalid input leaves the
+        sampler unchanged.
+        """
+        new_weights = self._check_weights(weights)
+        new_temperature = self._temperature if temperature is None else self._check_temperature(temperature)
+        self._invalidate()
+        self._weights = new_weights
+        self._temperature = new_temperature
+        self._set_probabilities()
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "MixtureSampler is an endless stream and has no length; bound the run by steps "
+            "(e.g. ignite's epoch_length or max_steps)"
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        token = object()
+        self._invalidate()  # an older iterator stops here; this one continues its stream
+        self._iter_token = token
+        while self._iter_token is token:
+            chunk = self._build_chunk()
+            self._chunk = chunk
+            for consumed, index in enumerate(chunk.indices, 1):
+                chunk.consumed = consumed
+                yield index
+                if self._chunk is not chunk:  # weights changed, state loaded or a new iterator started
+                    break
+            else:
+                self._commit()
+                self._chunk_draws = min(2 * self._chunk_draws, _MAX_CHUNK_DRAWS)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position right after the last index yielded, as plain Python values (JSON-safe)."""
+        draws, taken, yielded = self._position()
+        sources = {}
+        for name, length, count, own in zip(self._names, self._lengths, taken, yielded):
+            epoch, cursor = divmod(int(count), int(length)) if length else (0, 0)
+            sources[name] = {"length": int(length), "epoch": epoch, "cursor": cursor, "yielded": int(own)}
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "seed": self._seed,
+            "draws": draws,
+            "temperature": self._temperature,
+            "weights": self.weights,
+            "sources": sources,
+            "rank": self._rank,
+            "world_size": self._world_size,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` in O(1); the next index is the one the saved run yields next.
+
+        The seed, weights, temperature and position come from ``state_dict``; ``rank`` and
+        ``world_size`` stay this sampler's, so a run may resume on a different number of ranks (all
+        ranks must load the same ``draws``). Raises ``ValueError`` when the state does not belong to
+        this mixture.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
+        if state_dict.get("format") != _STATE_FORMAT or state_dict.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                "state_dict",
+                f"expected format {_STATE_FORMAT!r} version {_STATE_VERSION}, got "
+                f"{state_dict.get('format')!r} version {state_dict.get('version')!r}",
+            )
+        sources = state_dict.get("sources")
+        if not isinstance(sources, Mapping) or list(sources) != list(self._names):
+            got = list(sources) if isinstance(sources, Mapping) else sources
+            raise ConfigError(
+                "state_dict",
+                f"was saved for sources {got}, this mixture has {list(self._names)}; build the same mixture",
+            )
+        taken = np.zeros(len(self._names), dtype=np.int64)
+        yielded = np.zeros(len(self._names), dtype=np.int64)
+        for i, name in enumerate(self._names):
+            entry = sources[name]
+            length = int(self._lengths[i])
+            if entry.get("length") != length:
+                raise ConfigError(
+                    f"state_dict['sources'][{name!r}]",
+                    f"was saved for a dataset of length {entry.get('length')}, this one has {length}; "
+                    "the permutations would differ, so rebuild the dataset exactly",
+                )
+            epoch, cursor, own = int(entry["epoch"]), int(entry["cursor"]), int(entry["yielded"])
+            if epoch < 0 or own < 0 or not (0 <= cursor < length or cursor == length == 0):
+                raise ConfigError(f"state_dict['sources'][{name!r}]", f"has an invalid position {dict(entry)}")
+            taken[i] = epoch * length + cursor
+            yielded[i] = own
+        draws = int(state_dict["draws"])
+        if draws < 0:
+            raise ConfigError("state_dict['draws']", f"must be >= 0, got {draws}")
+        seed = int(state_dict["seed"])
+        if seed < 0:
+            raise ConfigError("state_dict['seed']", f"must be >= 0, got {seed}")
+        weights = self._check_weights(state_dict["weights"])
+        temperature = self._check_temperature(state_dict["temperature"])
+
+        self._invalidate()
+        if seed != self._seed:
+            self._block_cache.clear()
+            for cache in self._group_cache:
+                cache.clear()
+        self._seed = seed
+        self._weights = weights
+        self._temperature = temperature
+        self._set_probabilities()
+        self._draws = draws
+        self._taken = taken
+        self._yielded = yielded
+
+    # ------------------------------------------------------------------ stream mechanics
+
+    def _position(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(draws, taken per source, yielded per source) right after the last index yielded."""
+        chunk = self._chunk
+        if chunk is None or chunk.consumed == 0:
+            return self._draws, self._taken.copy(), self._yielded.copy()
+        n = len(self._names)
+        done = chunk.consumed * self._world_size
+        taken = self._taken + np.bincount(chunk.sources[:done], minlength=n)
+        yielded = self._yielded + np.bincount(chunk.own_sources[: chunk.consumed], minlength=n)
+        return chunk.start + done, taken, yielded
+
+    def _commit(self) -> None:
+        """Fold the yielded part of the current chunk into the counters and drop the rest."""
+        if self._chunk is not None:
+            self._draws, self._taken, self._yielded = self._position()
+            self._chunk = None
+
+    def _invalidate(self) -> None:
+        self._commit()
+        self._chunk_draws = _MIN_CHUNK_DRAWS
+
+    def _uniform_block(self, block: int) -> np.ndarray:
+        cached = self._block_cache.get(block)
+        if cached is None:
+            rng = np.random.default_rng(np.random.SeedSequence([self._seed, _CHOICE_TAG, block]))
+            cached = rng.random(_UNIFORM_BLOCK)
+            if len(self._block_cache) >= _CACHED_BLOCKS:
+                del self._block_cache[min(self._block_cache)]
+            self._block_cache[block] = cached
+        return cached
+
+    def _uniforms(self, start: int, count: int) -> np.ndarray:
+        parts = []
+        first, last = start // _UNIFORM_BLOCK, (start + count - 1) // _UNIFORM_BLOCK
+        for block in range(first, last + 1):
+            base = block * _UNIFORM_BLOCK
+            lo, hi = max(start, base) - base, min(start + count, base + _UNIFORM_BLOCK) - base
+            parts.append(self._uniform_block(block)[lo:hi])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _choose_sources(self, uniforms: np.ndarray) -> np.ndarray:
+        if len(self._thresholds) <= 16:
+            sources = np.zeros(len(uniforms), dtype=np.int16)
+            for threshold in self._thresholds:
+                sources += uniforms >= threshold
+            return sources
+        return np.searchsorted(self._thresholds, uniforms, side="right").astype(np.int32)
+
+    def _group_size(self, source: int) -> int:
+        return max(1, _PERM_GROUP // int(self._lengths[source]))
+
+    def _permutation_group(self, source: int, group: int) -> np.ndarray:
+        """Permutations of epochs ``[group*G, (group+1)*G)`` of ``source``, concatenated."""
+        cache = self._group_cache[source]
+        perms = cache.get(group)
+        if perms is None:
+            length = int(self._lengths[source])
+            size = self._group_size(source)
+            seq = np.random.SeedSequence([self._seed, _PERM_TAG, self._keys[source], length, group])
+            rng = np.random.default_rng(seq)
+            if size == 1:
+                perms = rng.permutation(length)
+            else:
+                perms = rng.permuted(np.broadcast_to(np.arange(length), (size, length)), axis=1).ravel()
+            if len(cache) >= _CACHED_GROUPS:
+                del cache[min(cache)]
+            cache[group] = perms
+        return perms
+
+    def _local_indices(self, source: int, positions: np.ndarray) -> np.ndarray:
+        """Item of ``source`` at each absolute position (ascending) of its epoch sequence."""
+        span = self._group_size(source) * int(self._lengths[source])
+        first, last = int(positions[0]) // span, int(positions[-1]) // span
+        if first == last:
+            return self._permutation_group(source, first)[positions - first * span]
+        out = np.empty_like(positions)
+        bounds = np.searchsorted(positions, np.arange(first + 1, last + 1, dtype=np.int64) * span).tolist()
+        lo = 0
+        for group, hi in zip(range(first, last + 1), [*bounds, len(positions)]):
+            if hi > lo:
+                out[lo:hi] = self._permutation_group(source, group)[positions[lo:hi] - group * span]
+            lo = hi
+        return out
+
+    def _build_chunk(self) -> _Chunk:
+        world = self._world_size
+        rounds = max(1, self._chunk_draws // world)
+        count = rounds * world
+        sources = self._choose_sources(self._uniforms(self._draws, count))
+        num_sources = len(self._names)
+        # occurrence number of each draw within its source: the draw's offset from the source's cursor
+        per_source = np.bincount(sources, minlength=num_sources)
+        order = np.argsort(sources, kind="stable")
+        occurrence = np.empty(count, dtype=np.int64)
+        occurrence[order] = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(per_source) - per_source, per_source)
+        own = slice(self._rank, count, world)
+        own_sources = sources[own]
+        positions = self._taken[own_sources] + occurrence[own]
+        indices = np.empty(rounds, dtype=np.int64)
+        for source in np.flatnonzero(np.bincount(own_sources, minlength=num_sources)).tolist():
+            mine = np.flatnonzero(own_sources == source)
+            indices[mine] = self._offsets[source] + self._local_indices(source, positions[mine])
+        return _Chunk(self._draws, sources, own_sources, indices.tolist())
+
+    def __repr__(self) -> str:
+        probs = ", ".join(f"{name}={p:.4g}" for name, p in self.probabilities.items())
+        return (
+            f"MixtureSampler({probs}; temperature={self._temperature:g}, seed={self._seed}, "
+            f"rank={self._rank}/{self._world_size}, draws={self.draws})"
+        )

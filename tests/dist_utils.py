@@ -1,0 +1,130 @@
+"""Start real multi-process (gloo) runs from tests, always with a hard timeout and cleanup."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, env: dict, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure to the parent, then leave
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined into one
+    process group by the usual torchrun environment. Returns each rank's result, in rank order.
+    Raises if a rank fails or the whole run exceeds ``timeout`` (every process is killed)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        import queue as queue_mod
+
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise TimeoutError(
+                    f"distributed run did not finish within {timeout}s (ranks done: {sorted(results)})"
+                ) from None
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+        for p in procs:
+            p.join(timeout=10)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def run_torchrun(
+    script: str | Path,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 180.0,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole process group on
+    timeout. Returns the completed process (check ``returncode``, ``stdout``, ``stderr``)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", str(script), *args,
+    ]
+    return run_process(cmd, timeout=timeout, env=env, cwd=cwd)
+
+
+def run_process(
+    cmd: Sequence[str], *, timeout: float = 180.0, env: dict | None = None, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the group and raise TimeoutError."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(
+        list(cmd), cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise TimeoutError(f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
