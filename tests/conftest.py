@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from examples.models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Bitwise comparisons hold only at a fixed thread count.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)
+    cfg.update(overrides)
+    return GPT(GPTConfig(**cfg))
+
+
+def token_batches(n: int, batch: int = 2, seq_len: int = 16, vocab: int = 64, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
