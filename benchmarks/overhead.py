@@ -1,0 +1,126 @@
+"""Engine overhead: the same training run by a hand-written loop, a bare Trainer, and a Trainer with
+10 no-op handlers on every event.
+
+Each contender trains the same tiny GPT on the same data from the same seed for ``--steps`` steps;
+contenders alternate over ``--repeats`` rounds (this machine is noisy) and the figure is the median
+per-step time over rounds, with the ratio to the hand-written loop measured in the same run.
+
+    python benchmarks/overhead.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import Events, Trainer  # noqa: E402
+from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+
+ACCUM = 2
+CLIP = 1.0
+EVENTS = [
+    Events.TRAIN_START, Events.EPOCH_START, Events.STEP_START, Events.MICROBATCH,
+    Events.BEFORE_OPTIMIZER_STEP, Events.STEP_END, Events.EPOCH_END, Events.TRAIN_END,
+]
+
+
+def setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=64, n_heads=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched
+
+
+def make_data(steps: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (steps * ACCUM, 8, 65), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in x]
+
+
+def hand_written(data: list) -> float:
+    model, opt, sched = setup()
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    start = time.perf_counter()
+    for i in range(0, len(data), ACCUM):
+        group = data[i:i + ACCUM]
+        total = 0.0
+        for x, y in group:
+            loss = cross_entropy_loss(model(x), y)
+            (loss / len(group)).backward()
+            total += float(loss.detach())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, CLIP, norm, foreach=True)
+        float(norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) / (len(data) // ACCUM)
+
+
+def hookloop(data: list, n_handlers: int = 0) -> float:
+    model, opt, sched = setup()
+    trainer = Trainer(model, opt, cross_entropy_loss, lr_scheduler=sched, grad_accum_steps=ACCUM, grad_clip_norm=CLIP)
+    for _ in range(n_handlers):
+        for event in EVENTS:
+            trainer.add_event_handler(event, lambda: None)
+    start = time.perf_counter()
+    trainer.run(data, max_epochs=1)
+    return (time.perf_counter() - start) / (len(data) // ACCUM)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 20, 3
+    torch.set_num_threads(args.threads)
+    data = make_data(args.steps)
+    contenders = {
+        "hand-written loop": lambda: hand_written(data),
+        "Trainer, no handlers": lambda: hookloop(data, 0),
+        "Trainer, 10 no-op handlers x 8 events": lambda: hookloop(data, 10),
+    }
+    for fn in contenders.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, fn in contenders.items():
+            times[name].append(fn())
+    base = statistics.median(times["hand-written loop"])
+    rows = {}
+    print(f"{'contender':42s} {'median ms/step':>15s} {'spread ms':>10s} {'ratio':>7s}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        spread = (max(ts) - min(ts)) * 1e3
+        # Ratio per round (same round, same machine load), then the median over rounds.
+        ratio = statistics.median(t / b for t, b in zip(ts, times["hand-written loop"]))
+        rows[name] = {"median_ms": med * 1e3, "spread_ms": spread, "ratio": ratio}
+        print(f"{name:42s} {med * 1e3:15.3f} {spread:10.3f} {ratio:7.3f}")
+    print(f"target: bare <= 1.02 (got {rows['Trainer, no handlers']['ratio']:.3f}), "
+          f"10 handlers <= 1.05 (got {rows['Trainer, 10 no-op handlers x 8 events']['ratio']:.3f}); "
+          f"hand-written loop {base * 1e3:.3f} ms/step")
+    result = {"benchmark": "overhead", "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
+              "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Train a small byte-level GPT on text every Python install has.
+
+    python examples/train_gpt.py                                   # examples/configs/gpt_tiny.yaml
+    python examples/train_gpt.py --config examples/configs/gpt_mixture.yaml
+    python examples/train_gpt.py step_scheduler.max_steps=50 train.run_dir=runs/try
+    torchrun --nproc-per-node 2 examples/train_gpt.py              # data parallel (DDP, gloo on CPU)
+
+Datasets are the standard library's own documentation text (``stdlib_docs``) and its ``.py``
+source files (``stdlib_source``), tokenized to bytes into ``data.cache_dir`` on first use. The run
+directory gets ``metrics.jsonl`` (one line per logged step). The process exits with
+``state.exit_code`` (see ``engine.ExitCode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import (  # noqa: E402
+    ConfigError,
+    Events,
+    HookloopConfig,
+    Trainer,
+    build_lr_scheduler,
+    init_distributed,
+    load_config,
+    wrap_data_parallel,
+)
+from engine.data import (  # noqa: E402
+    MixtureDataset,
+    MixtureSampler,
+    TokenDataset,
+    prepare_tokens,
+    stdlib_docs_text,
+    stdlib_source_files,
+)
+from engine.parallel import destroy_distributed  # noqa: E402
+from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
+BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[HookloopConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description="Train a small GPT with hookloop.")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML or TOML config")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides), args
+
+
+def token_file(source: str, cache_dir: Path) -> Path:
+    """The token file for a dataset entry: a built-in corpus (tokenized once) or a path."""
+    if source not in BUILTIN_SOURCES:
+        return Path(source)
+    path = cache_dir / f"{source}.u8"
+    if not path.exists():  # every rank writes the same bytes; the write is an atomic rename
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        docs = [stdlib_docs_text()] if source == "stdlib_docs" else stdlib_source_files()
+        prepare_tokens(docs, path)
+    return path
+
+
+def build_data(cfg: HookloopConfig, rank: int, world: int):
+    """Train loader over the weighted mixture (endless, resumable sampler) and a validation loader."""
+    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data.distributed import DistributedSampler
+
+    train_parts, val_parts = {}, {}
+    for name, source in cfg.data.datasets.items():
+        ds = TokenDataset(token_file(source, Path(cfg.data.cache_dir)), cfg.train.seq_len)
+        n_val = max(1, int(len(ds) * cfg.data.val_fraction)) if cfg.data.val_fraction > 0 else 0
+        train_parts[name] = Subset(ds, range(len(ds) - n_val))
+        if n_val:
+            val_parts[name] = Subset(ds, range(len(ds) - n_val, len(ds)))
+    mixture = MixtureDataset(train_parts)
+    weights = {name: cfg.data.weights.get(name, 1.0) for name in train_parts}
+    sampler = MixtureSampler(
+        mixture, weights, temperature=cfg.data.mix_temperature, seed=cfg.train.seed, rank=rank, world_size=world
+    )
+    train = DataLoader(mixture, batch_size=cfg.train.local_batch_size, sampler=sampler, num_workers=0)
+    val = None
+    if val_parts:
+        val_set = MixtureDataset(val_parts)
+        val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        val = DataLoader(val_set, batch_size=cfg.train.local_batch_size, sampler=val_sampler)
+    return train, val, sampler
+
+
+def build_optimizer(cfg: HookloopConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, _ = parse_args(argv)
+        GPTConfig(**cfg.model)  # model settings are checked before any process group exists
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except TypeError as e:
+        print(f"config error: model: {e}", file=sys.stderr)
+        return 2
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
+    try:
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        run_dir = Path(cfg.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        train_loader, val_loader, _sampler = build_data(cfg, info.rank, info.world_size)
+
+        model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(info.device)
+        model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
+        optimizer = build_optimizer(cfg, model)
+        sched = cfg.step_scheduler
+        lr_scheduler = build_lr_scheduler(
+            optimizer,
+            warmup_steps=cfg.lr.warmup_steps,
+            decay_steps=cfg.lr.decay_steps or sched.max_steps,
+            decay_style=cfg.lr.decay_style,
+            min_lr=cfg.lr.min_lr,
+            warmup_init=cfg.lr.warmup_init,
+            wsd_decay_steps=cfg.lr.wsd_decay_steps,
+            wsd_decay_style=cfg.lr.wsd_decay_style,
+        )
+        dp = info.world_size // cfg.distributed.pp_size
+        trainer = Trainer(
+            model,
+            optimizer,
+            cross_entropy_loss,
+            lr_scheduler=lr_scheduler,
+            grad_accum_steps=sched.global_batch_size // (cfg.train.local_batch_size * dp),
+            grad_clip_norm=cfg.train.grad_clip_norm,
+            device=info.device,
+        )
+        if val_loader is not None:
+            trainer.set_validation(val_loader, eval_iters=8, every_steps=sched.val_every_steps)
+
+        log_every = cfg.logging.log_interval
+        metrics_path = run_dir / "metrics.jsonl"
+
+        @trainer.on(Events.STEP_END(every=log_every))
+        def log(engine: Trainer) -> None:
+            s = engine.state
+            row = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, "tokens": s.tokens_seen}
+            if "val_loss" in s.metrics:
+                row["val_loss"] = s.metrics["val_loss"]
+            if info.is_main:
+                print(json.dumps(row), flush=True)
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+        state = trainer.run(train_loader, max_steps=sched.max_steps, max_epochs=sched.num_epochs)
+        if info.is_main:
+            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {state.exit_code}", flush=True)
+        return int(state.exit_code)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
