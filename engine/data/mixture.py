@@ -36,7 +36,8 @@ class MixtureDataset(Dataset):
                 length = len(dataset)
             except TypeError as exc:
                 raise TypeError(
-                    f"datasets[{name!r}]: a map-style dataset with __len__ is required, got {type(dataset).__name__}"
+                    f"datasets[{name!r}]: a map-style dataset with __len__ is required, "
+                    f"got {type(dataset).__name__}"
                 ) from exc
             names.append(name)
             lengths.append(int(length))

@@ -79,7 +79,9 @@ def prepare_tokens(
         raise ConfigError("dtype", f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}")
     max_token = np.iinfo(np_dtype).max
     if isinstance(separator, bool) or not isinstance(separator, int) or not 0 <= separator <= max_token:
-        raise ConfigError("separator", f"must be an integer in [0, {max_token}] for dtype {dtype}, got {separator!r}")
+        raise ConfigError(
+            "separator", f"must be an integer in [0, {max_token}] for dtype {dtype}, got {separator!r}"
+        )
     if isinstance(sources, str | bytes | bytearray | os.PathLike):
         sources = [sources]
     out = Path(out_path)
@@ -140,7 +142,9 @@ def stdlib_source_files(limit: int | None = None) -> list[Path]:
         raise ConfigError("limit", f"must be None or an integer >= 0, got {limit!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(f"standard library directory {str(root)!r} (sysconfig 'stdlib') does not exist")
+        raise FileNotFoundError(
+            f"standard library directory {str(root)!r} (sysconfig 'stdlib') does not exist"
+        )
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith(".")]
@@ -174,5 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         documents = list(args.files)
     meta = prepare_tokens(documents, args.out, dtype=args.dtype)
-    print(f"wrote {meta['num_tokens']} tokens ({meta['num_documents']} documents, {meta['dtype']}) to {args.out}")
+    print(
+        f"wrote {meta['num_tokens']} tokens ({meta['num_documents']} documents, {meta['dtype']}) to "
+        f"{args.out}"
+    )
     return 0

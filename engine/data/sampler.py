@@ -24,11 +24,14 @@ Ranks
 Consumption and resume
     An index counts as consumed the moment the iterator yields it. :meth:`state_dict` describes the
     position right after the last index yielded (for ``W > 1``: after the whole round of ``W`` draws
-    containing it), and :meth:`load_state_dict` restores it in O(1). A ``DataLoader`` asks its sampler
-    for indices ahead of training (``num_workers * prefetch_factor`` batches with workers, one batch
-    without), so a snapshot taken from the training loop is ahead of what the model has seen by that
-    prefetch. The sampler is the stream's only state: calling ``iter()`` again continues where the
-    previous iterator stopped (the previous iterator ends); it does not restart.
+    containing it), and :meth:`load_state_dict` restores it in O(1). What "consumed" means to training
+    depends on the ``DataLoader``: with ``num_workers=0`` it takes a batch's indices only when that
+    batch is requested, so a snapshot after step ``k`` covers exactly the batches of steps ``1..k``
+    and a weight change reaches the very next batch. With workers it hands out the indices of
+    ``num_workers * prefetch_factor`` batches ahead, so snapshots and weight changes both run that
+    many batches ahead of the model; a loader that must be exact either uses no workers or is
+    re-created (new iterator) after a change. The sampler is the stream's only state: ``iter()``
+    again continues where the previous iterator stopped (that iterator ends); it does not restart.
 
 The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (ignite's
 ``epoch_length`` / ``max_steps``), not by epochs of the sampler.
@@ -64,12 +67,17 @@ _CACHED_GROUPS = 2
 def _tempered_probabilities(weights: np.ndarray, temperature: float) -> np.ndarray:
     """``p_i = w_i**(1/T) / sum_j w_j**(1/T)``; a zero weight gives exactly zero at any ``T``.
 
-    Weights are divided by their maximum first, so the power is taken of numbers in ``(0, 1]`` and
-    cannot overflow whatever the temperature.
+    Positive weights are raised to ``1/T`` relative to the largest one, in log space, so neither the
+    ratio nor the power can overflow or underflow early whatever the temperature; zero weights are
+    never touched by the arithmetic (no epsilon), so they stay exactly zero.
     """
-    scaled = weights / weights.max()
-    if temperature != 1.0:
-        scaled = scaled ** (1.0 / temperature)
+    positive = weights > 0
+    if temperature == 1.0:
+        scaled = weights / weights.max()
+    else:
+        scaled = np.zeros_like(weights)
+        logs = np.log(weights[positive])
+        scaled[positive] = np.exp((logs - logs.max()) / temperature)
     return scaled / scaled.sum()
 
 
@@ -116,6 +124,7 @@ class MixtureSampler(Sampler[int]):
             raise ConfigError("world_size", f"must be an integer >= 1, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < world_size:
             raise ConfigError("rank", f"must be an integer in [0, world_size={world_size}), got {rank!r}")
+        super().__init__()
         self._mixture = mixture
         self._names = mixture.names
         self._lengths = np.asarray(mixture.lengths, dtype=np.int64)
@@ -149,7 +158,8 @@ class MixtureSampler(Sampler[int]):
         missing = [name for name in self._names if name not in weights]
         if missing:
             raise ConfigError(
-                "weights", f"no weight for dataset(s) {missing}; give every source a weight (0 to leave it out)"
+                "weights",
+                f"no weight for dataset(s) {missing}; give every source a weight (0 to leave it out)",
             )
         values = np.zeros(len(self._names), dtype=np.float64)
         for i, name in enumerate(self._names):
@@ -174,7 +184,9 @@ class MixtureSampler(Sampler[int]):
 
     @staticmethod
     def _check_temperature(temperature: float) -> float:
-        if isinstance(temperature, str | bytes | bool) or not isinstance(temperature, int | float | np.number):
+        if isinstance(temperature, str | bytes | bool) or not isinstance(
+            temperature, int | float | np.number
+        ):
             raise TypeError(f"temperature: expected a number, got {type(temperature).__name__}")
         value = float(temperature)
         if not math.isfinite(value) or value <= 0:
@@ -325,12 +337,18 @@ class MixtureSampler(Sampler[int]):
                 )
             epoch, cursor, own = int(entry["epoch"]), int(entry["cursor"]), int(entry["yielded"])
             if epoch < 0 or own < 0 or not (0 <= cursor < length or cursor == length == 0):
-                raise ConfigError(f"state_dict['sources'][{name!r}]", f"has an invalid position {dict(entry)}")
+                raise ConfigError(
+                    f"state_dict['sources'][{name!r}]", f"has an invalid position {dict(entry)}"
+                )
             taken[i] = epoch * length + cursor
             yielded[i] = own
         draws = int(state_dict["draws"])
-        if draws < 0:
-            raise ConfigError("state_dict['draws']", f"must be >= 0, got {draws}")
+        if draws != int(taken.sum()):
+            raise ConfigError(
+                "state_dict['draws']",
+                f"is {draws} but the sources' positions add up to {int(taken.sum())} draws; "
+                "the state is corrupted or was edited by hand",
+            )
         seed = int(state_dict["seed"])
         if seed < 0:
             raise ConfigError("state_dict['seed']", f"must be >= 0, got {seed}")
@@ -446,7 +464,9 @@ class MixtureSampler(Sampler[int]):
         per_source = np.bincount(sources, minlength=num_sources)
         order = np.argsort(sources, kind="stable")
         occurrence = np.empty(count, dtype=np.int64)
-        occurrence[order] = np.arange(count, dtype=np.int64) - np.repeat(np.cumsum(per_source) - per_source, per_source)
+        occurrence[order] = np.arange(count, dtype=np.int64) - np.repeat(
+            np.cumsum(per_source) - per_source, per_source
+        )
         own = slice(self._rank, count, world)
         own_sources = sources[own]
         positions = self._taken[own_sources] + occurrence[own]

@@ -38,7 +38,9 @@ def read_token_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         meta = json.loads(side.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError("path", f"sidecar {str(side)!r} is not readable JSON ({exc}); rewrite it with prepare_tokens")
+        raise ConfigError(
+            "path", f"sidecar {str(side)!r} is not readable JSON ({exc}); rewrite it with prepare_tokens"
+        ) from exc
     if not isinstance(meta, dict):
         raise ConfigError("path", f"sidecar {str(side)!r} must hold a JSON object, got {type(meta).__name__}")
     return meta
@@ -48,7 +50,9 @@ def _check_dtype(dtype: Any, field: str) -> np.dtype:
     try:
         resolved = np.dtype(dtype)
     except TypeError as exc:
-        raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}") from exc
+        raise ConfigError(
+            field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}"
+        ) from exc
     if resolved.name not in SUPPORTED_TOKEN_DTYPES:
         raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}")
     return resolved.newbyteorder("<")
@@ -67,7 +71,9 @@ class TokenDataset(Dataset):
     DataLoader worker processes.
     """
 
-    def __init__(self, path: str | os.PathLike[str], seq_len: int, *, dtype: str | np.dtype | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, *, dtype: str | np.dtype | None = None
+    ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int | np.integer) or seq_len < 1:
             raise ConfigError("seq_len", f"must be an integer >= 1, got {seq_len!r}")
         self.path = Path(path)
@@ -84,10 +90,15 @@ class TokenDataset(Dataset):
                 f"no sidecar {str(sidecar_path(self.path))!r} with a 'dtype' entry; pass dtype= "
                 f"(one of {list(SUPPORTED_TOKEN_DTYPES)})",
             )
-        if dtype is not None and meta_dtype is not None and np.dtype(_check_dtype(dtype, "dtype")).name != meta_dtype:
+        if (
+            dtype is not None
+            and meta_dtype is not None
+            and np.dtype(_check_dtype(dtype, "dtype")).name != meta_dtype
+        ):
             raise ConfigError(
                 "dtype",
-                f"{dtype!r} contradicts the sidecar's {meta_dtype!r}; drop the dtype argument or fix the sidecar",
+                f"{dtype!r} contradicts the sidecar's {meta_dtype!r}; "
+                "drop the dtype argument or fix the sidecar",
             )
         self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
         self.seq_len = int(seq_len)
@@ -95,8 +106,8 @@ class TokenDataset(Dataset):
         if size % self.dtype.itemsize:
             raise ConfigError(
                 "dtype",
-                f"file size {size} bytes is not a multiple of {self.dtype.name}'s {self.dtype.itemsize} bytes; "
-                "the dtype does not match how the file was written",
+                f"file size {size} bytes is not a multiple of {self.dtype.name}'s "
+                f"{self.dtype.itemsize} bytes; the dtype does not match how the file was written",
             )
         self.num_tokens = size // self.dtype.itemsize
         if self.num_tokens < self.seq_len + 1:

@@ -1,0 +1,132 @@
+"""Index generation speed and resume cost of :class:`engine.data.MixtureSampler`.
+
+Figures (medians over repeats):
+
+* ``throughput_*`` -- indices per second a rank's iterator yields in steady state: one rank,
+  one rank with a weight change every 1024 indices (a curriculum updating often), and rank 3 of 8.
+* ``restore_at_*`` -- seconds to ``load_state_dict`` a snapshot taken ``N`` global draws into a
+  run, and to get the first index after it. The snapshots at 1e3 and 1e6 come from real runs; the
+  one at 1e8 is the 1e6 snapshot with every counter scaled by 100 (an equally valid position),
+  since generating 1e8 draws just to snapshot them would dominate the benchmark.
+
+Usage: ``python benchmarks/data.py [--quick]``. Only index generation is measured; no items are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import itertools
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.data import MixtureDataset, MixtureSampler  # noqa: E402
+
+LENGTHS = {"web": 1_000_000, "code": 100_000, "math": 1_000}
+WEIGHTS = {"web": 6.0, "code": 3.0, "math": 1.0}
+OTHER_WEIGHTS = {"web": 2.0, "code": 3.0, "math": 5.0}
+
+
+class Sized:
+    """Stands in for a token dataset: only its length matters to the sampler."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def mixture() -> MixtureDataset:
+    return MixtureDataset({name: Sized(n) for name, n in LENGTHS.items()})
+
+
+def consume(iterator, n: int) -> None:
+    collections.deque(itertools.islice(iterator, n), maxlen=0)
+
+
+def throughput(n: int, repeats: int, *, rank: int = 0, world_size: int = 1, update_every: int = 0) -> float:
+    """Median indices/s over ``repeats`` runs of ``n`` indices after a warm-up."""
+    rates = []
+    for repeat in range(repeats):
+        sampler = MixtureSampler(mixture(), WEIGHTS, seed=repeat, rank=rank, world_size=world_size)
+        it = iter(sampler)
+        consume(it, 100_000)  # reach full chunk size, build first permutations
+        start = time.perf_counter()
+        if update_every:
+            for step in range(n // update_every):
+                sampler.update_weights(OTHER_WEIGHTS if step % 2 else WEIGHTS)
+                consume(it, update_every)
+        else:
+            consume(it, n)
+        rates.append(n / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def snapshot_at(draws: int) -> dict:
+    sampler = MixtureSampler(mixture(), WEIGHTS, seed=0)
+    consume(iter(sampler), draws)
+    return sampler.state_dict()
+
+
+def scaled(state: dict, factor: int) -> dict:
+    deep = copy.deepcopy(state)
+    deep["draws"] *= factor
+    for entry in deep["sources"].values():
+        taken = (entry["epoch"] * entry["length"] + entry["cursor"]) * factor
+        entry["epoch"], entry["cursor"] = divmod(taken, entry["length"])
+        entry["yielded"] = taken
+    return deep
+
+
+def restore_times(state: dict, repeats: int) -> tuple[float, float]:
+    """Median seconds for load_state_dict alone, and for load plus the first index."""
+    load, first = [], []
+    for _ in range(repeats):
+        sampler = MixtureSampler(mixture(), WEIGHTS, seed=0)
+        start = time.perf_counter()
+        sampler.load_state_dict(state)
+        loaded = time.perf_counter()
+        next(iter(sampler))
+        done = time.perf_counter()
+        load.append(loaded - start)
+        first.append(done - start)
+    return statistics.median(load), statistics.median(first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, finishes in a few seconds")
+    args = parser.parse_args()
+    n, repeats = (300_000, 3) if args.quick else (3_000_000, 7)
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}")
+    print(f"mixture lengths {LENGTHS}, weights {WEIGHTS}; {n} indices x {repeats} repeats")
+    figures = {
+        "throughput_1rank": throughput(n, repeats),
+        "throughput_1rank_update_every_1024": throughput(n, repeats, update_every=1024),
+        "throughput_rank3_of_8": throughput(n // 4, repeats, rank=3, world_size=8),
+    }
+    shallow, mid = snapshot_at(1_000), snapshot_at(1_000_000)
+    for label, state in (("1e3", shallow), ("1e6", mid), ("1e8", scaled(mid, 100))):
+        load, first = restore_times(state, repeats)
+        figures[f"restore_at_{label}_load_s"] = load
+        figures[f"restore_at_{label}_first_index_s"] = first
+    for name, value in figures.items():
+        unit = "indices/s" if name.startswith("throughput") else "s"
+        print(f"{name}: {value:.4g} {unit}")
+
+
+if __name__ == "__main__":
+    main()
