@@ -5,6 +5,7 @@ Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are importe
 """
 
 from engine.config import HookloopConfig, load_config, validate_config
+from engine.data import MixtureDataset, MixtureSampler, TokenDataset, prepare_tokens
 from engine.errors import ConfigError, HookloopError, TrainingAborted
 from engine.events import Events, StepEvents
 from engine.exit_codes import ExitCode
@@ -19,6 +20,9 @@ __all__ = [
     "ConfigError",
     "DistInfo",
     "Events",
+    "MixtureDataset",
+    "MixtureSampler",
+    "TokenDataset",
     "ExitCode",
     "HookloopConfig",
     "HookloopError",
@@ -31,6 +35,7 @@ __all__ = [
     "default_prepare_batch",
     "init_distributed",
     "load_config",
+    "prepare_tokens",
     "lr_at",
     "validate_config",
     "wrap_data_parallel",

@@ -86,7 +86,8 @@ def prepare_tokens(
         sources = [sources]
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    # A name of its own per writer: several ranks may prepare the same file at once.
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     sep = np.array([separator], dtype=np_dtype)
     num_tokens = 0
     num_documents = 0
@@ -102,20 +103,25 @@ def prepare_tokens(
                 num_documents += 1
         if num_documents == 0:
             raise ConfigError("sources", "is empty; pass at least one document (text, bytes or Path)")
+        meta: dict[str, Any] = {
+            "format": "hookloop-tokens",
+            "version": 1,
+            "tokenizer": "utf8-bytes",
+            "dtype": np_dtype.name,
+            "num_tokens": num_tokens,
+            "num_documents": num_documents,
+            "separator": separator,
+        }
+        # The sidecar lands first and the token file last, so a reader that sees the token file
+        # always finds its sidecar.
+        side = sidecar_path(out)
+        side_tmp = side.with_name(f"{side.name}.{os.getpid()}.tmp")
+        side_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        os.replace(side_tmp, side)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             tmp.unlink()
-    meta: dict[str, Any] = {
-        "format": "hookloop-tokens",
-        "version": 1,
-        "tokenizer": "utf8-bytes",
-        "dtype": np_dtype.name,
-        "num_tokens": num_tokens,
-        "num_documents": num_documents,
-        "separator": separator,
-    }
-    sidecar_path(out).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
 
 
