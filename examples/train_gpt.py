@@ -115,11 +115,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = parse_args(argv)
-        GPTConfig(**cfg.model)  # model settings are checked before any process group exists
+        # Model settings are checked before any process group exists.
+        GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         print(f"config error: model: {e}", file=sys.stderr)
         return 2
     if cfg.train.num_threads:

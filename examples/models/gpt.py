@@ -26,6 +26,14 @@ class GPTConfig:
     n_heads: int = 4
     dropout: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads})")
+
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -51,8 +59,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        if cfg.d_model % cfg.n_heads:
-            raise ValueError(f"model.d_model ({cfg.d_model}) must be a multiple of model.n_heads ({cfg.n_heads})")
         self.cfg = cfg
         self.tok_emb: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb: nn.Module | None = nn.Embedding(cfg.seq_len, cfg.d_model)
