@@ -12,14 +12,15 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from ignite.engine import Engine
-from ignite.engine.events import EventsList, RemovableEventHandle
+from ignite.engine.events import CallableEventWithFilter, EventsList, RemovableEventHandle, State
 
-from engine import parallel
+from engine import checkpoint_io, parallel
 from engine.errors import ConfigError
 from engine.events import STEP_EVENT_TO_ATTR, Events, StepEvents
 from engine.state import TrainState
@@ -60,42 +61,127 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _every_gate(event_name: Any) -> tuple[str, int] | None:
+    """``(state attribute, N)`` when ``event_name`` carries ignite's plain ``every=N`` filter."""
+    if not isinstance(event_name, CallableEventWithFilter) or event_name.filter is None:
+        return None
+    f = event_name.filter
+    if not getattr(f, "__qualname__", "").endswith("every_event_filter.<locals>.wrapper"):
+        return None
+    every = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ()))).get("every")
+    attr = State.event_to_attr.get(event_name)
+    return (attr, every) if isinstance(every, int) and attr else None
+
+
 class _StepBatches:
     """Groups a microbatch iterable into lists of ``trainer.grad_accum_steps`` microbatches.
 
     One pass over ``data`` is one epoch; its last group may be shorter. ``skip_next`` drops that
-    many microbatches at the start of the next pass (resume into the middle of an epoch when the
-    data source cannot restore its own position).
+    many microbatches at the start of the next pass.
+
+    It also knows the data position, for exact resume: ``consumed`` microbatches and ``steps``
+    groups taken in the current pass, the RNG states right before the pass began (python, numpy,
+    torch and the data's own generators, which decide a shuffled ``DataLoader``'s order), and the
+    state of a stateful data source. :meth:`load_state_dict` positions the next pass: a stateful
+    source (``data`` itself with ``state_dict``/``load_state_dict``, or the sampler of a
+    ``DataLoader`` without worker processes, whose sampler is never read ahead) restores its own
+    position in O(1); any other iterable is replayed from the pass's start RNG states and the
+    consumed microbatches are skipped, which costs O(consumed) fetches.
     """
 
     def __init__(self, trainer: Trainer, data: Iterable) -> None:
         self.trainer = trainer
         self.data = data
         self.skip_next = 0
+        self.consumed = 0
+        self.steps = 0
+        self._pass_start_rng: dict | None = None
+        self._resume: dict | None = None
 
     def __len__(self) -> int:
         n = len(self.data)  # type: ignore[arg-type]
         return math.ceil(n / self.trainer.grad_accum_steps)
 
+    def stateful_source(self) -> Any:
+        """The object that can save and restore the data position itself, or None."""
+        data = self.data
+        if _is_stateful(data):
+            return data
+        if getattr(data, "num_workers", None) == 0:  # a DataLoader that does not read ahead
+            batch_sampler = getattr(data, "batch_sampler", None)
+            candidates = (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(data, "sampler", None))
+            for candidate in candidates:
+                if _is_stateful(candidate):
+                    return candidate
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position after the microbatches handed out so far in this pass."""
+        state: dict[str, Any] = {
+            "microbatches": self.consumed,
+            "steps": self.steps,
+            "pass_start_rng": self._pass_start_rng,
+        }
+        source = self.stateful_source()
+        if source is not None:
+            state["source"] = source.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next pass at ``state``'s position. The RNG states current at this call are
+        reinstated once the data is positioned, so set them before calling."""
+        generators = checkpoint_io.data_generators(self.data)
+        self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
+
     def __iter__(self) -> Iterator[list]:
         accum = self.trainer.grad_accum_steps
-        it = iter(self.data)
+        generators = checkpoint_io.data_generators(self.data)
+        resume, self._resume = self._resume, None
         skip, self.skip_next = self.skip_next, 0
+        self.consumed = self.steps = 0
+        replay = resume is not None and resume.get("microbatches", 0) > 0 and "source" not in resume
+        if resume is not None and "source" in resume:
+            self.stateful_source().load_state_dict(resume["source"])
+        if replay and resume.get("pass_start_rng") is not None:
+            checkpoint_io.restore_rng(resume["pass_start_rng"], generators)
+        if resume is not None and resume.get("microbatches", 0) > 0:
+            self._pass_start_rng = resume.get("pass_start_rng")
+            self.consumed, self.steps = resume["microbatches"], resume["steps"]
+        else:
+            self._pass_start_rng = checkpoint_io.capture_rng(generators)
+        it = iter(self.data)
+        if replay:
+            skip += resume["microbatches"]
+            self.consumed -= resume["microbatches"]
         for _ in range(skip):
-            next(it, None)
+            if next(it, _END) is _END:
+                break
+            self.consumed += 1
+        if resume is not None:
+            checkpoint_io.restore_rng(resume["rng_after"], generators)
         group: list = []
         yielded = False
         for microbatch in it:
             group.append(microbatch)
+            self.consumed += 1
             if len(group) == accum:
                 yielded = True
+                self.steps += 1
                 yield group
                 group = []
         if group:
             yielded = True
+            self.steps += 1
             yield group
-        if not yielded and not skip:
+        if not yielded and not skip and resume is None:
             raise ValueError("data yielded no microbatches in this epoch: pass a non-empty dataset or loader")
+
+
+_END = object()
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class Trainer(Engine):
@@ -110,6 +196,9 @@ class Trainer(Engine):
         grad_clip_norm: clip the total gradient norm to this value; ``None`` measures only.
         prepare_batch: ``prepare_batch(microbatch, device) -> (inputs, targets)``.
         device: where batches go; defaults to the device of the model's first parameter.
+        pipeline: a :class:`engine.pipeline.PipelineRuntime` (from ``build_pipeline``): run the
+            pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
+            ``runtime.n_microbatches`` microbatches.
     """
 
     def __init__(
@@ -123,6 +212,7 @@ class Trainer(Engine):
         grad_clip_norm: float | None = None,
         prepare_batch: PrepareBatch | None = None,
         device: torch.device | str | None = None,
+        pipeline: Any | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -137,11 +227,29 @@ class Trainer(Engine):
         if grad_clip_norm is not None and not (isinstance(grad_clip_norm, (int, float)) and grad_clip_norm > 0):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
 
-        super().__init__(self._step_body)
+        if pipeline is not None:
+            if not hasattr(pipeline, "run_step"):
+                raise TypeError(
+                    "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
+                    f"returns, got {type(pipeline).__name__}; build the optimizer over runtime.parameters()"
+                )
+            if grad_accum_steps not in (1, pipeline.n_microbatches):
+                raise ConfigError(
+                    "grad_accum_steps",
+                    f"is {grad_accum_steps} but the pipeline takes {pipeline.n_microbatches} microbatches per step "
+                    "(pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
+                )
+            self.grad_accum_steps = pipeline.n_microbatches
+            if pipeline.loss_fn is None:
+                pipeline.loss_fn = loss_fn
+        self.pipeline = pipeline
+        super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
         self.logger = logger
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
         self._priorities: dict[int, float] = {}
+        self._gates: dict[int, tuple[str, int]] = {}
+        self._plans: dict[Any, tuple[list, int, list]] = {}
         self._stateful: dict[str, Any] = {}
 
         self.model = model
@@ -199,9 +307,52 @@ class Trainer(Engine):
         handle = super().add_event_handler(event_name, handler, *args, **kwargs)
         entries = self._event_handlers[event_name]
         self._priorities[id(entries[-1])] = priority
+        gate = _every_gate(event_name)
+        if gate is not None:
+            self._gates[id(entries[-1])] = gate
         if priority != 0 or any(self._priorities.get(id(e), 0) != 0 for e in entries):
             entries.sort(key=lambda e: -self._priorities.get(id(e), 0))
+        self._plans.pop(event_name, None)
         return handle
+
+    def remove_event_handler(self, handler: Callable, event_name: Any) -> None:
+        super().remove_event_handler(handler, event_name)
+        self._plans.pop(event_name, None)
+
+    def _plan(self, event_name: Any) -> list:
+        """Handlers of one event as runs sharing one ``every=N`` gate (or none), in firing order,
+        so a run of filtered-out handlers costs one modulo instead of a call each."""
+        entries = self._event_handlers.get(event_name, [])
+        cached = self._plans.get(event_name)
+        if cached is not None and cached[0] is entries and cached[1] == len(entries):
+            return cached[2]
+        plan: list = []
+        for entry in entries:
+            gate = self._gates.get(id(entry))
+            if plan and plan[-1][0] == gate:
+                plan[-1][1].append(entry)
+            else:
+                plan.append((gate, [entry]))
+        self._plans[event_name] = (entries, len(entries), plan)
+        return plan
+
+    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        # ignite's dispatch, minus its per-call debug formatting, plus the every=N gates.
+        self.last_event_name = event_name
+        state = self.state
+        for gate, entries in self._plan(event_name):
+            if gate is not None and getattr(state, gate[0]) % gate[1]:
+                continue
+            for func, args, kwargs in entries:
+                if event_kwargs:
+                    kwargs.update(event_kwargs)
+                if args and isinstance(args[0], weakref.ref):
+                    engine = args[0]()
+                    if engine is None:
+                        raise RuntimeError("Engine reference not resolved. Cannot execute event handler.")
+                    func(engine, *event_args, *args[1:], **kwargs)
+                else:
+                    func(*event_args, *args, **kwargs)
 
     def on(self, event_name: Any, *args: Any, priority: float = 0, **kwargs: Any) -> Callable:  # type: ignore[override]
         def decorator(f: Callable) -> Callable:
@@ -354,6 +505,10 @@ class Trainer(Engine):
         state.grad_norm = self._clip_gradients()
         return self._optimizer_step()
 
+    def _pipeline_step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
+        """Pipeline-parallel step (``engine/pipeline/runtime.py``): same events as the local body."""
+        return self.pipeline.run_step(self, list(microbatches))
+
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -385,6 +540,8 @@ class Trainer(Engine):
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
             norm = norm.full_tensor()
+        if self.pipeline is not None:  # this rank holds only some stages: the norm over all of them
+            norm = self.pipeline.reduce_grad_norm(norm)
         if self.grad_clip_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
         return float(norm)
@@ -423,13 +580,16 @@ class Trainer(Engine):
         model = self.model
         was_training = model.training
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        for i, microbatch in enumerate(data):
-            if eval_iters is not None and i >= eval_iters:
-                break
-            inputs, targets = self.prepare_batch(microbatch, self.device)
-            total[0] += float(self.loss_fn(model(inputs), targets))
-            total[1] += 1
+        if self.pipeline is not None:  # forward through the schedule, n_microbatches batches a pass
+            total = self.pipeline.validation_totals(self, data, eval_iters)
+        else:
+            total = torch.zeros(2, dtype=torch.float64)
+            for i, microbatch in enumerate(data):
+                if eval_iters is not None and i >= eval_iters:
+                    break
+                inputs, targets = self.prepare_batch(microbatch, self.device)
+                total[0] += float(self.loss_fn(model(inputs), targets))
+                total[1] += 1
         if parallel.world_size() > 1:
             total = parallel.all_reduce_sum(total)
         model.train(was_training)

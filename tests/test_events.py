@@ -94,3 +94,25 @@ def test_unknown_event_is_rejected():
     trainer = make_trainer()
     with pytest.raises(ValueError, match="not a valid event"):
         trainer.add_event_handler("no_such_event", lambda: None)
+
+
+def test_every_filters_interleaved_with_plain_handlers_keep_order():
+    trainer = make_trainer(accum=1)
+    log = []
+    trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("e2", e.state.step)))
+    trainer.add_event_handler(Events.STEP_END, lambda e: log.append(("plain", e.state.step)))
+    trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("e2b", e.state.step)))
+    trainer.add_event_handler(Events.STEP_END(every=3), lambda e: log.append(("e3", e.state.step)), priority=1)
+    handle = trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("gone", e.state.step)))
+    handle.remove()
+    trainer.run(token_batches(6))
+    expected = []
+    for step in range(1, 7):
+        if step % 3 == 0:
+            expected.append(("e3", step))
+        if step % 2 == 0:
+            expected.append(("e2", step))
+        expected.append(("plain", step))
+        if step % 2 == 0:
+            expected.append(("e2b", step))
+    assert log == expected
