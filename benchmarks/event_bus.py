@@ -38,9 +38,11 @@ def per_event_us(event, n_handlers: int, filtered: bool, fires: int, repeats: in
     if event is Events.MICROBATCH:
         fire = lambda: trainer.fire(Events.MICROBATCH)  # noqa: E731
     else:
+
         def fire():
             trainer.state.iteration += 1
             trainer._fire_event(event)
+
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -71,8 +73,10 @@ def main(argv: list[str] | None = None) -> dict:
         running = (rows[f"{name}/100"]["us_per_event"] - base) / 100
         skipped = (rows[f"{name}/100 every=100 (skipped)"]["us_per_event"] - base) / 100
         rows[f"{name}/skipped_vs_running"] = {"ratio": skipped / running}
-        print(f"{name}: a filtered-out handler costs {skipped:.3f} us, a running no-op one {running:.3f} us "
-              f"(ratio {skipped / running:.2f})")
+        print(
+            f"{name}: a filtered-out handler costs {skipped:.3f} us, a running no-op one {running:.3f} us "
+            f"(ratio {skipped / running:.2f})"
+        )
     result = {"benchmark": "event_bus", "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,14 @@ from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 ACCUM = 2
 CLIP = 1.0
 EVENTS = [
-    Events.TRAIN_START, Events.EPOCH_START, Events.STEP_START, Events.MICROBATCH,
-    Events.BEFORE_OPTIMIZER_STEP, Events.STEP_END, Events.EPOCH_END, Events.TRAIN_END,
+    Events.TRAIN_START,
+    Events.EPOCH_START,
+    Events.STEP_START,
+    Events.MICROBATCH,
+    Events.BEFORE_OPTIMIZER_STEP,
+    Events.STEP_END,
+    Events.EPOCH_END,
+    Events.TRAIN_END,
 ]
 
 
@@ -52,7 +58,7 @@ def hand_written(data: list) -> float:
     model.train()
     start = time.perf_counter()
     for i in range(0, len(data), ACCUM):
-        group = data[i:i + ACCUM]
+        group = data[i : i + ACCUM]
         total = 0.0
         for x, y in group:
             loss = cross_entropy_loss(model(x), y)
@@ -69,7 +75,9 @@ def hand_written(data: list) -> float:
 
 def hookloop(data: list, n_handlers: int = 0) -> float:
     model, opt, sched = setup()
-    trainer = Trainer(model, opt, cross_entropy_loss, lr_scheduler=sched, grad_accum_steps=ACCUM, grad_clip_norm=CLIP)
+    trainer = Trainer(
+        model, opt, cross_entropy_loss, lr_scheduler=sched, grad_accum_steps=ACCUM, grad_clip_norm=CLIP
+    )
     for _ in range(n_handlers):
         for event in EVENTS:
             trainer.add_event_handler(event, lambda: None)
@@ -111,11 +119,18 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = statistics.median(t / b for t, b in zip(ts, times["hand-written loop"]))
         rows[name] = {"median_ms": med * 1e3, "spread_ms": spread, "ratio": ratio}
         print(f"{name:42s} {med * 1e3:15.3f} {spread:10.3f} {ratio:7.3f}")
-    print(f"target: bare <= 1.02 (got {rows['Trainer, no handlers']['ratio']:.3f}), "
-          f"10 handlers <= 1.05 (got {rows['Trainer, 10 no-op handlers x 8 events']['ratio']:.3f}); "
-          f"hand-written loop {base * 1e3:.3f} ms/step")
-    result = {"benchmark": "overhead", "steps": args.steps, "repeats": args.repeats, "threads": args.threads,
-              "rows": rows}
+    print(
+        f"target: bare <= 1.02 (got {rows['Trainer, no handlers']['ratio']:.3f}), "
+        f"10 handlers <= 1.05 (got {rows['Trainer, 10 no-op handlers x 8 events']['ratio']:.3f}); "
+        f"hand-written loop {base * 1e3:.3f} ms/step"
+    )
+    result = {
+        "benchmark": "overhead",
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "rows": rows,
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -60,14 +60,18 @@ def _check(
         raise ConfigError("lr.warmup_init", f"must be >= 0, got {warmup_init!r}")
     if decay_style in ("linear", "cosine", "WSD"):
         if decay_steps is None:
-            raise ConfigError("lr.decay_steps", f"is required for decay_style={decay_style!r} (e.g. max_steps)")
+            raise ConfigError(
+                "lr.decay_steps", f"is required for decay_style={decay_style!r} (e.g. max_steps)"
+            )
         if decay_steps <= warmup_steps:
             raise ConfigError(
                 "lr.decay_steps", f"({decay_steps}) must be larger than lr.warmup_steps ({warmup_steps})"
             )
     if decay_style == "WSD":
         if wsd_decay_steps is None or wsd_decay_steps < 1:
-            raise ConfigError("lr.wsd_decay_steps", f"must be >= 1 for decay_style='WSD', got {wsd_decay_steps!r}")
+            raise ConfigError(
+                "lr.wsd_decay_steps", f"must be >= 1 for decay_style='WSD', got {wsd_decay_steps!r}"
+            )
         assert decay_steps is not None
         if wsd_decay_steps > decay_steps - warmup_steps:
             raise ConfigError(
@@ -135,7 +139,9 @@ def build_lr_scheduler(
 ) -> LambdaLR:
     """A ``LambdaLR`` that follows :func:`lr_at` for every parameter group."""
     peak = float(peak_lr if peak_lr is not None else optimizer.param_groups[0]["lr"])
-    _check(peak, warmup_steps, decay_steps, decay_style, min_lr, warmup_init, wsd_decay_steps, wsd_decay_style)
+    _check(
+        peak, warmup_steps, decay_steps, decay_style, min_lr, warmup_init, wsd_decay_steps, wsd_decay_style
+    )
     params = dict(
         peak_lr=peak,
         warmup_steps=warmup_steps,

@@ -41,6 +41,9 @@ class TrainState(State):
         self.should_stop = False
         self.stop_reason: str | None = None
         self.exit_code = 0
+        # Set by a rollback requester while ROLLBACK fires: keep the data position (move past the
+        # bad window) instead of restoring the checkpoint's.
+        self.rollback_keep_data_position = False
         self.clear_step_flags()
         super().__init__(**kwargs)
 

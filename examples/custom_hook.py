@@ -59,7 +59,9 @@ def main() -> None:
         prepare_tokens([stdlib_docs_text()], path)
     data = torch.utils.data.DataLoader(TokenDataset(path, 32), batch_size=8, shuffle=True)
     model = GPT(GPTConfig(seq_len=32, n_layers=2, d_model=64, n_heads=4))
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy_loss, grad_accum_steps=2)
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy_loss, grad_accum_steps=2
+    )
 
     # 1. A plain function on a filtered event: runs on every 10th step only.
     @trainer.on(Events.STEP_END(every=10))

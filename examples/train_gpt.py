@@ -85,13 +85,20 @@ def build_data(cfg: HookloopConfig, rank: int, world: int):
     mixture = MixtureDataset(train_parts)
     weights = {name: cfg.data.weights.get(name, 1.0) for name in train_parts}
     sampler = MixtureSampler(
-        mixture, weights, temperature=cfg.data.mix_temperature, seed=cfg.train.seed, rank=rank, world_size=world
+        mixture,
+        weights,
+        temperature=cfg.data.mix_temperature,
+        seed=cfg.train.seed,
+        rank=rank,
+        world_size=world,
     )
     train = DataLoader(mixture, batch_size=cfg.train.local_batch_size, sampler=sampler, num_workers=0)
     val = None
     if val_parts:
         val_set = MixtureDataset(val_parts)
-        val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        val_sampler = (
+            DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        )
         val = DataLoader(val_set, batch_size=cfg.train.local_batch_size, sampler=val_sampler)
     return train, val, sampler
 
@@ -165,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         @trainer.on(Events.STEP_END(every=log_every))
         def log(engine: Trainer) -> None:
             s = engine.state
-            row = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, "tokens": s.tokens_seen}
+            row = {
+                "step": s.step,
+                "loss": s.loss,
+                "lr": s.lr,
+                "grad_norm": s.grad_norm,
+                "tokens": s.tokens_seen,
+            }
             if "val_loss" in s.metrics:
                 row["val_loss"] = s.metrics["val_loss"]
             if info.is_main:

@@ -106,8 +106,13 @@ def run_torchrun(
     """Run ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole process group on
     timeout. Returns the completed process (check ``returncode``, ``stdout``, ``stderr``)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
     ]
     return run_process(cmd, timeout=timeout, env=env, cwd=cwd)
 
@@ -118,13 +123,20 @@ def run_process(
     """Run ``cmd`` in its own process group; on timeout kill the group and raise TimeoutError."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(
-        list(cmd), cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        list(cmd),
+        cwd=cwd or REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise TimeoutError(f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}") from None
+        raise TimeoutError(
+            f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -51,7 +51,10 @@ def test_example_config_loads():
         (["train.max_steps=10"], "train.max_steps"),
         (["step_scheduler.max_steps"], "step_scheduler.max_steps"),
         (["step_scheduler.max_steps=-3"], "step_scheduler.max_steps"),
-        (["step_scheduler.global_batch_size=12", "train.local_batch_size=8"], "step_scheduler.global_batch_size"),
+        (
+            ["step_scheduler.global_batch_size=12", "train.local_batch_size=8"],
+            "step_scheduler.global_batch_size",
+        ),
         (["step_scheduler.ckpt_every_steps=0"], "step_scheduler.ckpt_every_steps"),
         (["optimizer.name=lamb"], "optimizer.name"),
         (["optimizer.lr=0"], "optimizer.lr"),
@@ -84,10 +87,13 @@ def test_bad_values_name_the_field(overrides, field):
 def test_bad_phases_name_the_field():
     base = ["step_scheduler.max_steps=100"]
     cases = [
-        ('data.phases=[{start_step: 5}, {start_step: 5}]', "data.phases[1].start_step"),
-        ('data.phases=[{start_step: 0, dataset_weights: {zzz: 1.0}}]', "data.phases[0].dataset_weights.zzz"),
-        ('data.phases=[{start_step: 0, dataset_weights: {docs: -2.0}}]', "data.phases[0].dataset_weights.docs"),
-        ('data.phases=[{start_step: 0, lr_scale: 0}]', "data.phases[0].lr_scale"),
+        ("data.phases=[{start_step: 5}, {start_step: 5}]", "data.phases[1].start_step"),
+        ("data.phases=[{start_step: 0, dataset_weights: {zzz: 1.0}}]", "data.phases[0].dataset_weights.zzz"),
+        (
+            "data.phases=[{start_step: 0, dataset_weights: {docs: -2.0}}]",
+            "data.phases[0].dataset_weights.docs",
+        ),
+        ("data.phases=[{start_step: 0, lr_scale: 0}]", "data.phases[0].lr_scale"),
     ]
     for override, field in cases:
         with pytest.raises(ConfigError) as info:

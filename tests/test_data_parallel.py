@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, mode: str) -> dict:
     model = tiny_gpt()
     reference = copy.deepcopy(model)
     full = token_batches(ACCUM * 2, batch=2 * world)  # two steps of global microbatches
-    local = [(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]) for x, y in full]
+    local = [(x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2]) for x, y in full]
     wrapped = wrap_data_parallel(model, mode, mesh=info.mesh)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     trainer = Trainer(wrapped, opt, cross_entropy_loss, grad_accum_steps=ACCUM)
@@ -57,9 +57,7 @@ def _worker(rank: int, world: int, mode: str) -> dict:
     for x, y in full[:ACCUM]:
         (cross_entropy_loss(reference(x), y) / ACCUM).backward()
     ref_loss = sum(float(cross_entropy_loss(reference(x), y).detach()) for x, y in full[:ACCUM]) / ACCUM
-    max_diff = max(
-        (seen["grads"][n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
-    )
+    max_diff = max((seen["grads"][n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
     unchanged = all(torch.equal(before_step2[n], _full(p)) for n, p in wrapped.named_parameters())
     return {
         "max_grad_diff": max_diff,

@@ -9,8 +9,14 @@ from examples.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 ALL = [
-    "TRAIN_START", "EPOCH_START", "STEP_START", "MICROBATCH", "BEFORE_OPTIMIZER_STEP",
-    "STEP_END", "EPOCH_END", "TRAIN_END",
+    "TRAIN_START",
+    "EPOCH_START",
+    "STEP_START",
+    "MICROBATCH",
+    "BEFORE_OPTIMIZER_STEP",
+    "STEP_END",
+    "EPOCH_END",
+    "TRAIN_END",
 ]
 
 
@@ -55,7 +61,8 @@ def test_filters_on_builtin_and_custom_events():
     trainer.add_event_handler(Events.STEP_END(every=2), lambda e: every.append(e.state.step))
     trainer.add_event_handler(Events.STEP_START(once=3), lambda e: once.append(e.state.step))
     trainer.add_event_handler(
-        Events.BEFORE_OPTIMIZER_STEP(event_filter=lambda _, s: s % 3 == 0), lambda e: custom.append(e.state.step)
+        Events.BEFORE_OPTIMIZER_STEP(event_filter=lambda _, s: s % 3 == 0),
+        lambda e: custom.append(e.state.step),
     )
     trainer.add_event_handler(Events.MICROBATCH(every=3), lambda e: mb.append(e.state.microbatches_seen))
     trainer.run(token_batches(12), max_epochs=1)
@@ -84,7 +91,9 @@ def test_priority_orders_handlers_and_ties_keep_attach_order():
 def test_removable_handle_and_events_list():
     trainer = make_trainer(accum=1)
     seen = []
-    handle = trainer.add_event_handler(Events.STEP_START | Events.STEP_END, lambda: seen.append(1), priority=3)
+    handle = trainer.add_event_handler(
+        Events.STEP_START | Events.STEP_END, lambda: seen.append(1), priority=3
+    )
     handle.remove()
     trainer.run(token_batches(2))
     assert seen == []
@@ -102,7 +111,9 @@ def test_every_filters_interleaved_with_plain_handlers_keep_order():
     trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("e2", e.state.step)))
     trainer.add_event_handler(Events.STEP_END, lambda e: log.append(("plain", e.state.step)))
     trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("e2b", e.state.step)))
-    trainer.add_event_handler(Events.STEP_END(every=3), lambda e: log.append(("e3", e.state.step)), priority=1)
+    trainer.add_event_handler(
+        Events.STEP_END(every=3), lambda e: log.append(("e3", e.state.step)), priority=1
+    )
     handle = trainer.add_event_handler(Events.STEP_END(every=2), lambda e: log.append(("gone", e.state.step)))
     handle.remove()
     trainer.run(token_batches(6))

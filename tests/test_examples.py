@@ -26,7 +26,9 @@ def read_metrics(tmp_path) -> list[dict]:
 
 
 def test_train_gpt_loss_falls(tmp_path):
-    proc = run_process([sys.executable, str(SCRIPT), *common(tmp_path), "step_scheduler.max_steps=30"], timeout=180)
+    proc = run_process(
+        [sys.executable, str(SCRIPT), *common(tmp_path), "step_scheduler.max_steps=30"], timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows][-1] == 30

@@ -57,7 +57,13 @@ def test_inverse_square_root():
 )
 def test_wsd(style, coeff):
     lrs = trace(
-        22, warmup_steps=2, decay_steps=20, decay_style="WSD", wsd_decay_steps=8, wsd_decay_style=style, min_lr=MIN
+        22,
+        warmup_steps=2,
+        decay_steps=20,
+        decay_style="WSD",
+        wsd_decay_steps=8,
+        wsd_decay_style=style,
+        min_lr=MIN,
     )
     assert lrs[2:13] == pytest.approx([PEAK] * 11)  # stable until 20 - 8
     for s in range(13, 21):
@@ -88,7 +94,10 @@ def test_groups_keep_their_ratio_and_state_round_trips():
         (dict(decay_style="cosine"), "lr.decay_steps"),
         (dict(decay_style="linear", warmup_steps=10, decay_steps=5), "lr.decay_steps"),
         (dict(decay_style="WSD", decay_steps=10), "lr.wsd_decay_steps"),
-        (dict(decay_style="WSD", decay_steps=10, wsd_decay_steps=3, wsd_decay_style="step"), "lr.wsd_decay_style"),
+        (
+            dict(decay_style="WSD", decay_steps=10, wsd_decay_steps=3, wsd_decay_style="step"),
+            "lr.wsd_decay_style",
+        ),
         (dict(decay_style="constant", min_lr=2.0), "lr.min_lr"),
         (dict(decay_style="constant", warmup_steps=-1), "lr.warmup_steps"),
     ],

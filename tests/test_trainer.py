@@ -23,7 +23,9 @@ def test_accumulated_gradients_equal_full_batch_gradients():
     model = tiny_gpt()
     ref = copy.deepcopy(model)
     captured = {}
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=4)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=4
+    )
     trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, lambda: captured.update(grads_of(model)))
     trainer.run(data, max_steps=1)
     x = torch.cat([d[0] for d in data])
@@ -39,7 +41,9 @@ def test_accumulated_gradients_equal_full_batch_gradients():
 
 def test_short_last_group_makes_a_step_and_max_epochs():
     model = tiny_gpt()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=3)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=3
+    )
     sizes = []
     trainer.add_event_handler(Events.STEP_START, lambda e: sizes.append(len(e.state.batch)))
     state = trainer.run(token_batches(7), max_epochs=2)
@@ -49,7 +53,9 @@ def test_short_last_group_makes_a_step_and_max_epochs():
 
 def test_max_steps_before_max_epochs_and_iterable_without_length():
     model = tiny_gpt()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=2)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_accum_steps=2
+    )
     data = token_batches(6)
 
     class Stream:
@@ -99,7 +105,9 @@ def test_veto_leaves_params_and_optimizer_untouched_and_counts():
 def test_grad_norm_is_before_clipping_and_clipping_applies():
     model = tiny_gpt()
     seen = {}
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_clip_norm=0.01)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, grad_clip_norm=0.01
+    )
 
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
     def measure(e):
@@ -127,8 +135,12 @@ def test_flags_are_cleared_after_each_step():
     model = tiny_gpt()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
     seen = []
-    trainer.add_event_handler(Events.STEP_START(once=1), lambda e: setattr(e.state, "should_checkpoint", True))
-    trainer.add_event_handler(Events.STEP_START, lambda e: seen.append(e.state.should_checkpoint), priority=-1)
+    trainer.add_event_handler(
+        Events.STEP_START(once=1), lambda e: setattr(e.state, "should_checkpoint", True)
+    )
+    trainer.add_event_handler(
+        Events.STEP_START, lambda e: seen.append(e.state.should_checkpoint), priority=-1
+    )
     trainer.run(token_batches(3))
     assert seen == [True, False, False]
 
@@ -139,7 +151,9 @@ def test_validation_runs_on_request_and_fires_event():
     val = token_batches(3, seed=1)
     trainer.set_validation(val, eval_iters=2, every_steps=2)
     got = []
-    trainer.add_event_handler(Events.VALIDATION_END, lambda e: got.append((e.state.step, e.state.metrics["val_loss"])))
+    trainer.add_event_handler(
+        Events.VALIDATION_END, lambda e: got.append((e.state.step, e.state.metrics["val_loss"]))
+    )
     trainer.run(token_batches(4))
     assert [s for s, _ in got] == [2, 4]
     with torch.no_grad():
@@ -158,7 +172,9 @@ def test_ignite_handlers_attach_unchanged():
     timer = Timer(average=True)
     timer.attach(trainer, start=Events.TRAIN_START, step=Events.STEP_END)
     ProgressBar(persist=False, disable=True).attach(trainer, metric_names=["avg_loss"])
-    stopper = EarlyStopping(patience=1, score_function=lambda e: -e.state.metrics["avg_loss"], trainer=trainer)
+    stopper = EarlyStopping(
+        patience=1, score_function=lambda e: -e.state.metrics["avg_loss"], trainer=trainer
+    )
     trainer.add_event_handler(Events.EPOCH_END, stopper)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(e.state.loss))
@@ -212,8 +228,13 @@ def test_bad_inputs_give_clear_errors():
 
     with pytest.raises(ValueError, match="no microbatches"):
         Trainer(model, opt, cross_entropy_loss).run(EmptyStream())
-    per_token = Trainer(model, opt, lambda out, y: torch.nn.functional.cross_entropy(
-        out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none"))
+    per_token = Trainer(
+        model,
+        opt,
+        lambda out, y: torch.nn.functional.cross_entropy(
+            out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none"
+        ),
+    )
     with pytest.raises(ValueError, match="scalar"):
         per_token.run(token_batches(1))
     with pytest.raises(TypeError, match="microbatch"):

@@ -32,7 +32,9 @@ class GPTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads})")
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads})"
+            )
 
 
 class Block(nn.Module):

@@ -1,0 +1,216 @@
+"""NaNDetector: skip bad optimizer steps on every rank together, and roll back when they persist.
+
+At BEFORE_OPTIMIZER_STEP each rank checks the step's loss (and gradient norm) for NaN/Inf, and
+optionally for a spike over the running median of recent good losses. The verdict is agreed with
+one small all-reduce: if any rank is bad, every rank vetoes the step, so no rank steps alone.
+
+``action``:
+
+- ``"warn"``: log and veto the step.
+- ``"raise"``: stop at the first bad step with :class:`~engine.TrainingAborted` (exit code
+  ``ExitCode.NAN_ABORT``), naming the step.
+- ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, fire ``Events.ROLLBACK`` at
+  the end of that step. A checkpointer answers it by restoring the newest complete checkpoint
+  (model, optimizer, LR scheduler, handlers, RNG, trainer counters); with
+  ``skip_data_on_rollback`` the data position is *not* restored, so training continues past the
+  window that went bad instead of re-feeding it. After ``max_rollbacks`` rollbacks the next one
+  raises ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
+
+The detector's own counters survive a rollback (``restore_on_rollback = False``) and are saved in
+checkpoints, so a resumed run keeps its rollback budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+from typing import Any
+
+from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from engine.parallel import rank
+
+__all__ = ["NaNDetector"]
+
+logger = logging.getLogger(__name__)
+
+ACTIONS = ("warn", "raise", "rollback")
+_MIN_SPIKE_HISTORY = 10
+
+
+class NaNDetector:
+    """Skip non-finite (or spiking) steps across ranks; roll back when they persist."""
+
+    state_key = "nan_detector"
+    restore_on_rollback = False
+
+    def __init__(
+        self,
+        *,
+        max_consecutive: int = 5,
+        check_grad_norm: bool = True,
+        action: str = "rollback",
+        max_rollbacks: int = 3,
+        skip_data_on_rollback: bool = True,
+        spike_factor: float | None = None,
+        spike_window: int = 100,
+        bad_steps_kept: int = 1000,
+    ) -> None:
+        if action not in ACTIONS:
+            raise ConfigError("nan.action", f"must be one of {', '.join(ACTIONS)}, got {action!r}")
+        for name, value, low in (
+            ("nan.max_consecutive", max_consecutive, 1),
+            ("nan.max_rollbacks", max_rollbacks, 0),
+            ("nan.spike_window", spike_window, 1),
+            ("bad_steps_kept", bad_steps_kept, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+        if spike_factor is not None and not (isinstance(spike_factor, (int, float)) and spike_factor > 1):
+            raise ConfigError(
+                "nan.spike_factor",
+                f"must be > 1 (a multiple of the median loss) or None, got {spike_factor!r}",
+            )
+        self.max_consecutive = max_consecutive
+        self.check_grad_norm = check_grad_norm
+        self.action = action
+        self.max_rollbacks = max_rollbacks
+        self.skip_data_on_rollback = skip_data_on_rollback
+        self.spike_factor = spike_factor
+        self.consecutive = 0
+        self.total = 0
+        self.rollbacks = 0
+        self.bad_steps: collections.deque[int] = collections.deque(maxlen=bad_steps_kept)
+        self.last_good_step: int | None = None
+        self.last_good_loss: float | None = None
+        self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
+        self._rollback_pending = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> NaNDetector:
+        """Build from the ``nan:`` config section."""
+        return cls(
+            max_consecutive=cfg.max_consecutive,
+            check_grad_norm=cfg.check_grad_norm,
+            action=cfg.action,
+            max_rollbacks=cfg.max_rollbacks,
+            skip_data_on_rollback=cfg.skip_data_on_rollback,
+            spike_factor=cfg.spike_factor,
+            spike_window=cfg.spike_window,
+        )
+
+    def attach(self, trainer: Trainer) -> None:
+        if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):
+            raise ConfigError(
+                "nan.action",
+                "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an AsyncCheckpointer "
+                "before the NaNDetector, or use action='warn' or 'raise'",
+            )
+        # Early among BEFORE_OPTIMIZER_STEP handlers, so later ones see the verdict.
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=100)
+        # Late at STEP_END: loggers and checkpoints see the bad step first, then the rollback.
+        trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=-1000)
+        trainer.register_stateful(self.state_key, self)
+
+    # ---------------------------------------------------------------- checks
+    def _is_bad(self, loss: float, grad_norm: float) -> str | None:
+        if not math.isfinite(loss):
+            return "non-finite loss"
+        if self.check_grad_norm and not math.isfinite(grad_norm):
+            return "non-finite grad norm"
+        if self.spike_factor is not None and len(self._window) >= min(
+            _MIN_SPIKE_HISTORY, self._window.maxlen or 1
+        ):
+            median = statistics.median(self._window)
+            if median > 0 and loss > self.spike_factor * median:
+                return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
+        return None
+
+    def _check(self, trainer: Trainer) -> None:
+        state = trainer.state
+        reason = self._is_bad(state.loss, state.grad_norm)
+        bad = trainer.agree_any(reason is not None)
+        if not bad:
+            self.consecutive = 0
+            self.last_good_step, self.last_good_loss = state.step, state.loss
+            self._window.append(state.loss)
+            self._publish(state)
+            return
+        state.skip_step = True
+        self.consecutive += 1
+        self.total += 1
+        self.bad_steps.append(state.step)
+        logger.warning(
+            "rank %d step %d: %s (loss %s, grad norm %s); step skipped on every rank (%d in a row)",
+            rank(),
+            state.step,
+            reason or "bad on another rank",
+            state.loss,
+            state.grad_norm,
+            self.consecutive,
+        )
+        self._publish(state)
+        if self.action == "raise":
+            raise TrainingAborted(
+                f"step {state.step}: {reason or 'non-finite values on another rank'} (nan.action='raise')",
+                ExitCode.NAN_ABORT,
+            )
+        if self.action == "rollback" and self.consecutive >= self.max_consecutive:
+            self._rollback_pending = True
+
+    def _maybe_roll_back(self, trainer: Trainer) -> None:
+        if not self._rollback_pending:
+            return
+        self._rollback_pending = False
+        state = trainer.state
+        if self.rollbacks >= self.max_rollbacks:
+            raise TrainingAborted(
+                f"step {state.step}: {self.consecutive} bad steps in a row after {self.rollbacks} rollbacks "
+                f"(nan.max_rollbacks={self.max_rollbacks}); giving up, checkpoints left as they are",
+                ExitCode.NAN_ABORT,
+            )
+        self.rollbacks += 1
+        self.consecutive = 0
+        logger.warning(
+            "step %d: %d bad steps in a row; rolling back to the last complete checkpoint "
+            "(rollback %d of %d)",
+            state.step,
+            self.max_consecutive,
+            self.rollbacks,
+            self.max_rollbacks,
+        )
+        state.rollback_keep_data_position = self.skip_data_on_rollback
+        try:
+            trainer.fire(Events.ROLLBACK)
+        finally:
+            state.rollback_keep_data_position = False
+        self._publish(state)
+
+    def _publish(self, state: Any) -> None:
+        state.metrics["nan/bad_steps"] = self.total
+        state.metrics["nan/consecutive"] = self.consecutive
+        state.metrics["nan/rollbacks"] = self.rollbacks
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consecutive": self.consecutive,
+            "total": self.total,
+            "rollbacks": self.rollbacks,
+            "bad_steps": list(self.bad_steps),
+            "last_good_step": self.last_good_step,
+            "last_good_loss": self.last_good_loss,
+            "window": list(self._window),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive = int(state["consecutive"])
+        self.total = int(state["total"])
+        self.rollbacks = int(state["rollbacks"])
+        self.bad_steps.clear()
+        self.bad_steps.extend(state["bad_steps"])
+        self.last_good_step = state["last_good_step"]
+        self.last_good_loss = state["last_good_loss"]
+        self._window.clear()
+        self._window.extend(state["window"])

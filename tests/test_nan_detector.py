@@ -1,0 +1,142 @@
+"""NaNDetector on real training with injected faults: skip, raise, agree across ranks, spikes."""
+
+import copy
+
+import pytest
+import torch
+
+from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from examples.models.gpt import cross_entropy_loss
+from handlers.nan_detector import NaNDetector
+from tests.conftest import tiny_gpt, token_batches
+from tests.dist_utils import run_distributed
+
+
+def poisoned_loss(trainer_ref: dict, bad_steps: set, factor: float = float("nan")):
+    """cross-entropy, multiplied by ``factor`` on ``bad_steps`` (NaN poisons the gradients too)."""
+
+    def loss_fn(out, y):
+        loss = cross_entropy_loss(out, y)
+        return loss * factor if trainer_ref["t"].state.step in bad_steps else loss
+
+    return loss_fn
+
+
+def build(bad_steps: set, factor: float = float("nan"), **kwargs):
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref: dict = {}
+    trainer = Trainer(model, opt, poisoned_loss(ref, bad_steps, factor), grad_accum_steps=2)
+    ref["t"] = trainer
+    detector = NaNDetector(**kwargs)
+    detector.attach(trainer)
+    return trainer, model, opt, detector
+
+
+def test_isolated_bad_steps_are_skipped_and_leave_state_bitwise_unchanged():
+    trainer, model, opt, detector = build({3, 6}, action="warn")
+    before: dict = {}
+
+    @trainer.on(Events.STEP_START)
+    def snapshot(e):
+        before[e.state.step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["state"]))
+
+    changed = {}
+
+    @trainer.on(Events.STEP_END)
+    def compare(e):
+        params, opt_state = before[e.state.step]
+        same_params = all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+        now = opt.state_dict()["state"]
+        same_opt = all(torch.equal(now[i][k], v) for i, st in opt_state.items() for k, v in st.items())
+        changed[e.state.step] = not (same_params and same_opt)
+
+    state = trainer.run(token_batches(16), max_epochs=1)
+    assert state.step == 8 and state.skipped_steps == 2
+    assert [s for s, c in changed.items() if not c] == [3, 6]
+    assert detector.total == 2 and list(detector.bad_steps) == [3, 6]
+    assert detector.last_good_step == 8 and detector.consecutive == 0
+    assert state.metrics["nan/bad_steps"] == 2
+
+
+def test_raise_stops_with_the_documented_code_naming_the_step():
+    trainer, *_ = build({2}, action="raise")
+    with pytest.raises(TrainingAborted, match="step 2") as info:
+        trainer.run(token_batches(8))
+    assert info.value.exit_code == ExitCode.NAN_ABORT == 76
+
+
+def test_grad_norm_check_and_spikes():
+    # A finite loss 1000x the median counts as bad with spike_factor; without it, it is a good step.
+    trainer, _, _, detector = build({12}, factor=1000.0, action="warn", spike_factor=5.0)
+    state = trainer.run(token_batches(28), max_epochs=1)
+    assert list(detector.bad_steps) == [12] and state.skipped_steps == 1
+    trainer, _, _, detector = build({12}, factor=1000.0, action="warn")
+    assert trainer.run(token_batches(28), max_epochs=1).skipped_steps == 0
+
+
+def test_rollback_without_checkpointer_is_an_attach_time_error():
+    model = tiny_gpt()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
+    with pytest.raises(ConfigError, match="checkpointer") as info:
+        NaNDetector(action="rollback").attach(trainer)
+    assert info.value.field == "nan.action"
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(action="ignore"), "nan.action"),
+        (dict(max_consecutive=0), "nan.max_consecutive"),
+        (dict(max_rollbacks=-1), "nan.max_rollbacks"),
+        (dict(spike_factor=0.5), "nan.spike_factor"),
+        (dict(spike_window=0), "nan.spike_window"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        NaNDetector(**kwargs)
+    assert info.value.field == field
+
+
+def test_state_dict_round_trip():
+    trainer, _, _, detector = build({2, 3}, action="warn", spike_factor=3.0)
+    trainer.run(token_batches(10), max_epochs=1)
+    other = NaNDetector(action="warn", spike_factor=3.0)
+    other.load_state_dict(detector.state_dict())
+    assert other.state_dict() == detector.state_dict()
+    assert other.state_dict()["bad_steps"] == [2, 3]
+
+
+def _one_rank_nan(rank: int, world: int) -> dict:
+    from engine import init_distributed, wrap_data_parallel
+
+    init_distributed()
+    model = wrap_data_parallel(tiny_gpt(), "ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref: dict = {}
+    bad = {2} if rank == 1 else set()
+    trainer = Trainer(model, opt, poisoned_loss(ref, bad))
+    ref["t"] = trainer
+    detector = NaNDetector(action="warn", check_grad_norm=False)
+    detector.attach(trainer)
+    skipped = []
+    trainer.add_event_handler(
+        Events.STEP_END, lambda e: skipped.append(e.state.step) if e.state.skip_step else None
+    )
+    state = trainer.run(token_batches(4, seed=rank), max_epochs=1)
+    return {
+        "skipped": skipped,
+        "step": state.step,
+        "psum": float(sum(p.double().sum() for p in model.parameters())),
+    }
+
+
+@pytest.mark.distributed
+def test_nan_on_one_rank_only_skips_the_step_on_both():
+    # check_grad_norm=False: rank 0's loss is finite and DDP's all-reduce spreads rank 1's NaN
+    # gradients, so only the loss vote (rank 1 alone) decides: both ranks must still skip.
+    a, b = run_distributed(_one_rank_nan, 2, timeout=90)
+    assert a["skipped"] == b["skipped"] == [2]
+    assert a["step"] == b["step"] == 4
+    assert a["psum"] == b["psum"]
