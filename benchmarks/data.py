@@ -18,6 +18,7 @@ import argparse
 import collections
 import copy
 import itertools
+import json
 import platform
 import statistics
 import sys
@@ -108,6 +109,7 @@ def restore_times(state: dict, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, finishes in a few seconds")
+    parser.add_argument("--json", type=Path, help="also write the figures here (see benchmarks/run.py)")
     args = parser.parse_args()
     n, repeats = (300_000, 3) if args.quick else (3_000_000, 7)
 
@@ -126,6 +128,33 @@ def main() -> None:
     for name, value in figures.items():
         unit = "indices/s" if name.startswith("throughput") else "s"
         print(f"{name}: {value:.4g} {unit}")
+    if args.json:
+        rate = figures["throughput_1rank"]
+        shallow_load, deep_load = figures["restore_at_1e3_load_s"], figures["restore_at_1e8_load_s"]
+        table = [
+            {
+                "figure": "sampler index generation, 1 rank",
+                "hookloop": rate,
+                "target": ">= 1e6",
+                "met": rate >= 1e6,
+                "unit": "indices/s",
+            },
+            {
+                "figure": "sampler index generation, rank 3 of 8",
+                "hookloop": figures["throughput_rank3_of_8"],
+                "unit": "indices/s",
+            },
+            {
+                "figure": "sampler restore at draw 1e8 vs at 1e3 (load_state_dict)",
+                "hookloop": deep_load * 1e6,
+                "reference": shallow_load * 1e6,
+                "ratio": deep_load / shallow_load,
+                "target": "independent of depth (<= 2)",
+                "met": deep_load / shallow_load <= 2,
+                "unit": "us",
+            },
+        ]
+        args.json.write_text(json.dumps({"benchmark": "data", "figures": table, "raw": figures}, indent=2))
 
 
 if __name__ == "__main__":
