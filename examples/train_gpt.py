@@ -37,6 +37,7 @@ from engine import (  # noqa: E402
 )
 from engine.data import (  # noqa: E402
     MixtureDataset,
+    MixtureLoader,
     MixtureSampler,
     TokenDataset,
     prepare_tokens,
@@ -45,6 +46,8 @@ from engine.data import (  # noqa: E402
 )
 from engine.parallel import destroy_distributed  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from handlers.curriculum import PhaseCurriculum  # noqa: E402
+from handlers.dataset_metrics import PerDatasetMetrics  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
@@ -92,7 +95,9 @@ def build_data(cfg: HookloopConfig, rank: int, world: int):
         rank=rank,
         world_size=world,
     )
-    train = DataLoader(mixture, batch_size=cfg.train.local_batch_size, sampler=sampler, num_workers=0)
+    # The loader's position is the sampler's right after the batches training received, also with
+    # worker prefetch, so resume is exact and O(1).
+    train = MixtureLoader(sampler, cfg.train.local_batch_size, num_workers=cfg.data.num_workers)
     val = None
     if val_parts:
         val_set = MixtureDataset(val_parts)
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         run_dir = Path(cfg.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        train_loader, val_loader, _sampler = build_data(cfg, info.rank, info.world_size)
+        train_loader, val_loader, sampler = build_data(cfg, info.rank, info.world_size)
 
         model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(info.device)
         model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
@@ -167,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.set_validation(val_loader, eval_iters=8, every_steps=sched.val_every_steps)
 
         log_every = cfg.logging.log_interval
+        validations_logged = [0]
+        # Phases (weights and lr_scale by step; none configured is fine) and per-dataset loss/tokens.
+        PhaseCurriculum.from_config(cfg.data, sampler).attach(trainer)
+        PerDatasetMetrics(sampler, log_every).attach(trainer)
         metrics_path = run_dir / "metrics.jsonl"
 
         @trainer.on(Events.STEP_END(every=log_every))
@@ -179,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 "grad_norm": s.grad_norm,
                 "tokens": s.tokens_seen,
             }
-            if "val_loss" in s.metrics:
+            if s.validations > validations_logged[0]:  # a validation ran since the last line
                 row["val_loss"] = s.metrics["val_loss"]
+                validations_logged[0] = s.validations
+            per_dataset = ("loss/", "tokens/")
+            row.update({k: v for k, v in s.metrics.items() if k.startswith(per_dataset) or k == "phase"})
             if info.is_main:
                 print(json.dumps(row), flush=True)
                 with metrics_path.open("a") as f:

@@ -5,8 +5,11 @@
   :func:`stdlib_source_files` give text every Python install has, for runs without downloads.
 * :class:`MixtureDataset` -- named datasets in one index space, items tagged with their source.
 * :class:`MixtureSampler` -- endless weighted, resumable, rank-disjoint index stream over a mixture.
+* :class:`MixtureLoader` -- a ``DataLoader`` over a ``MixtureSampler`` whose state is exactly the
+  batches it returned, however far its workers prefetch.
 """
 
+from engine.data.loader import MixtureLoader
 from engine.data.mixture import MixtureDataset
 from engine.data.prepare import DOC_SEPARATOR, prepare_tokens, stdlib_docs_text, stdlib_source_files
 from engine.data.sampler import MixtureSampler
@@ -16,6 +19,7 @@ __all__ = [
     "DOC_SEPARATOR",
     "SUPPORTED_TOKEN_DTYPES",
     "MixtureDataset",
+    "MixtureLoader",
     "MixtureSampler",
     "TokenDataset",
     "prepare_tokens",

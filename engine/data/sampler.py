@@ -21,6 +21,13 @@ Ranks
     counts, so no two ranks ever receive the same (source, epoch, position), and the union of the
     ranks' streams is exactly the single-rank stream.
 
+Weights as a function of the draw
+    The weights in force are a piecewise-constant function of the global draw index: a list of
+    segments, each ``(first draw, weights, temperature)``. :meth:`update_weights` starts a new
+    segment at the next draw; :meth:`set_schedule` lays out future changes at given draw indices in
+    advance. Because draw ``g``'s source depends only on ``u_g`` and the segment containing ``g``,
+    the stream is a pure function of the seed and the schedule, whenever the indices are pulled.
+
 Consumption and resume
     An index counts as consumed the moment the iterator yields it. :meth:`state_dict` describes the
     position right after the last index yielded (for ``W > 1``: after the whole round of ``W`` draws
@@ -28,10 +35,14 @@ Consumption and resume
     depends on the ``DataLoader``: with ``num_workers=0`` it takes a batch's indices only when that
     batch is requested, so a snapshot after step ``k`` covers exactly the batches of steps ``1..k``
     and a weight change reaches the very next batch. With workers it hands out the indices of
-    ``num_workers * prefetch_factor`` batches ahead, so snapshots and weight changes both run that
-    many batches ahead of the model; a loader that must be exact either uses no workers or is
-    re-created (new iterator) after a change. The sampler is the stream's only state: ``iter()``
-    again continues where the previous iterator stopped (that iterator ends); it does not restart.
+    ``num_workers * prefetch_factor`` batches ahead, so the sampler's own position runs that many
+    batches ahead of the model and an :meth:`update_weights` call lands that late. Both have an exact
+    answer that does not depend on prefetching: :meth:`set_schedule` fixes weight changes at draw
+    indices before they are drawn, and :meth:`state_dict_at` gives the state at any draw index near
+    the current one (for example the end of the last optimizer step), computed from the uniforms
+    without touching data. ``handlers.curriculum.PhaseCurriculum`` uses both to tie phases and
+    checkpoints to optimizer steps. The sampler is the stream's only state: ``iter()`` again
+    continues where the previous iterator stopped (that iterator ends); it does not restart.
 
 The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (ignite's
 ``epoch_length`` / ``max_steps``), not by epochs of the sampler.
@@ -39,9 +50,10 @@ The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +74,26 @@ _MIN_CHUNK_DRAWS = 1024  # first chunk after a start, resume or weight change: c
 _MAX_CHUNK_DRAWS = 1 << 16
 _CACHED_BLOCKS = 2
 _CACHED_GROUPS = 2
+_KEPT_PAST_SEGMENTS = 64  # weight segments kept behind the position, so state_dict_at can rewind
+_COUNT_BLOCK = 1 << 16  # draws per pass when state_dict_at counts sources between two positions
+
+
+class _Segment:
+    """Weights in force from global draw ``start`` until the next segment starts."""
+
+    __slots__ = ("probs", "start", "temperature", "thresholds", "weights")
+
+    def __init__(self, start: int, weights: np.ndarray, temperature: float) -> None:
+        self.start = start
+        self.weights = weights
+        self.temperature = temperature
+        probs = _tempered_probabilities(weights, temperature)
+        cdf = np.cumsum(probs)
+        # pin the total to exactly 1 from the last positive source on, so rounding can neither pick
+        # a zero-weight source at the end nor fall off the table
+        cdf[np.flatnonzero(probs > 0)[-1] :] = 1.0
+        self.probs = probs
+        self.thresholds = cdf[:-1].copy()
 
 
 def _tempered_probabilities(weights: np.ndarray, temperature: float) -> np.ndarray:
@@ -133,10 +165,10 @@ class MixtureSampler(Sampler[int]):
         self._rank = int(rank)
         self._world_size = int(world_size)
         self._seed = int(seed)
-        self._weights = self._check_weights(weights)
-        self._temperature = self._check_temperature(temperature)
-        self._set_probabilities()
+        self._segments = [_Segment(0, self._check_weights(weights), self._check_temperature(temperature))]
+        self._source_dtype = np.int16 if len(self._names) <= 17 else np.int32
         self._draws = 0
+        self._loads = 0  # bumped by load_state_dict, so a wrapper can tell a jump from prefetching
         self._taken = np.zeros(len(self._names), dtype=np.int64)
         self._yielded = np.zeros(len(self._names), dtype=np.int64)
         self._chunk: _Chunk | None = None
@@ -193,14 +225,60 @@ class MixtureSampler(Sampler[int]):
             raise ConfigError("temperature", f"must be finite and > 0, got {temperature!r}")
         return value
 
-    def _set_probabilities(self) -> None:
-        probs = _tempered_probabilities(self._weights, self._temperature)
-        cdf = np.cumsum(probs)
-        # pin the total to exactly 1 from the last positive source on, so rounding can neither pick
-        # a zero-weight source at the end nor fall off the table
-        cdf[np.flatnonzero(probs > 0)[-1] :] = 1.0
-        self._probs = probs
-        self._thresholds = cdf[:-1].copy()
+    def _check_changes(
+        self, changes: Sequence[Sequence[Any]], after: int, field: str, temperature: float
+    ) -> list[_Segment]:
+        """``[(draw, weights[, temperature]), ...]`` -> segments with draws strictly increasing from
+        ``after`` on; a change without a temperature keeps the previous one (first: ``temperature``)."""
+        if isinstance(changes, str | bytes | Mapping) or not isinstance(changes, Sequence):
+            raise TypeError(f"{field}: expected a list of (draw, weights[, temperature]) entries")
+        segments: list[_Segment] = []
+        for i, change in enumerate(changes):
+            entry = f"{field}[{i}]"
+            if (
+                isinstance(change, str | bytes | Mapping)
+                or not isinstance(change, Sequence)
+                or not (2 <= len(change) <= 3)
+            ):
+                raise TypeError(
+                    f"{entry}: expected (draw, weights) or (draw, weights, temperature), got {change!r}"
+                )
+            draw = change[0]
+            if isinstance(draw, bool) or not isinstance(draw, int | np.integer):
+                raise TypeError(f"{entry}: the draw index must be an integer, got {draw!r}")
+            draw = int(draw)
+            if draw < after:
+                raise ConfigError(
+                    entry,
+                    f"starts at draw {draw}, but draws up to {after} are already taken; schedule changes "
+                    "before the loader draws them (e.g. at TRAIN_START)",
+                )
+            if segments and draw <= segments[-1].start:
+                raise ConfigError(
+                    entry, f"draw {draw} must be after the previous change's draw {segments[-1].start}"
+                )
+            if len(change) == 3 and change[2] is not None:
+                temperature = self._check_temperature(change[2])
+            segments.append(_Segment(draw, self._check_weights(change[1]), temperature))
+        return segments
+
+    def _segment_at(self, draw: int) -> _Segment:
+        segments = self._segments
+        if len(segments) == 1 or draw < segments[1].start:
+            return segments[0]
+        return segments[bisect.bisect_right([seg.start for seg in segments], draw) - 1]
+
+    def _replace_future(self, segments: list[_Segment]) -> None:
+        """Drop every segment starting at or after ``segments[0].start``, then append ``segments``."""
+        start = segments[0].start
+        kept = [seg for seg in self._segments if seg.start < start]
+        if not kept:  # the new first segment also covers the draws back to the old floor
+            segments[0] = _Segment(self._segments[0].start, segments[0].weights, segments[0].temperature)
+        merged = kept + segments
+        past = bisect.bisect_right([seg.start for seg in merged], self._draw_position()) - 1
+        if past > _KEPT_PAST_SEGMENTS:  # bound the history; state_dict_at cannot rewind before it
+            merged = merged[past - _KEPT_PAST_SEGMENTS :]
+        self._segments = merged
 
     # ------------------------------------------------------------------ public API
 
@@ -223,17 +301,29 @@ class MixtureSampler(Sampler[int]):
 
     @property
     def temperature(self) -> float:
-        return self._temperature
+        """The temperature in force for the next draw."""
+        return self._segment_at(self._draw_position()).temperature
 
     @property
     def weights(self) -> dict[str, float]:
-        """The raw weights (before the temperature) as last set."""
-        return {name: float(w) for name, w in zip(self._names, self._weights)}
+        """The raw weights (before the temperature) in force for the next draw."""
+        segment = self._segment_at(self._draw_position())
+        return {name: float(w) for name, w in zip(self._names, segment.weights)}
 
     @property
     def probabilities(self) -> dict[str, float]:
-        """Current probability of each source per draw: weights tempered and normalised."""
-        return {name: float(p) for name, p in zip(self._names, self._probs)}
+        """Probability of each source for the next draw: weights tempered and normalised."""
+        return {name: float(p) for name, p in zip(self._names, self._segment_at(self._draw_position()).probs)}
+
+    @property
+    def schedule(self) -> list[tuple[int, dict[str, float], float]]:
+        """``(first draw, weights, temperature)`` of the segment in force and of every later one."""
+        position = self._draw_position()
+        return [
+            (seg.start, {name: float(w) for name, w in zip(self._names, seg.weights)}, seg.temperature)
+            for seg in self._segments
+            if seg is self._segment_at(position) or seg.start > position
+        ]
 
     @property
     def draws(self) -> int:
@@ -250,15 +340,32 @@ class MixtureSampler(Sampler[int]):
         """Set new weights (and optionally temperature), effective from the very next index yielded.
 
         On several ranks the change applies from the next round of ``world_size`` draws, so every
-        rank must call this after the same number of yielded indices. Invalid input leaves the
-        sampler unchanged.
+        rank must call this after the same number of yielded indices. Changes scheduled for later
+        draws (:meth:`set_schedule`) are dropped. Invalid input leaves the sampler unchanged.
         """
-        new_weights = self._check_weights(weights)
-        new_temperature = self._temperature if temperature is None else self._check_temperature(temperature)
+        position = self._draw_position()
+        current = self._segment_at(position).temperature
+        segments = self._check_changes([(position, weights, temperature)], position, "weights", current)
         self._invalidate()
-        self._weights = new_weights
-        self._temperature = new_temperature
-        self._set_probabilities()
+        self._replace_future(segments)
+
+    def set_schedule(self, changes: Sequence[Sequence[Any]]) -> None:
+        """Lay out weight changes at future global draw indices, replacing any scheduled before.
+
+        ``changes`` is ``[(draw, weights), ...]`` or ``[(draw, weights, temperature), ...]`` with
+        strictly increasing ``draw >= self.draws``: ``weights`` apply from global draw ``draw`` on
+        (the temperature carries over when not given). Draws before the first change keep the
+        weights in force now. Because the change points are fixed before the indices are drawn, a
+        ``DataLoader`` prefetching ahead with workers gets exactly the scheduled weights for every
+        draw. Every rank must set the same schedule. Invalid input leaves the sampler unchanged.
+        """
+        position = self._draw_position()
+        current = self._segment_at(position).temperature
+        segments = self._check_changes(changes, position, "changes", current)
+        if not segments:
+            return
+        self._invalidate()
+        self._replace_future(segments)
 
     def __len__(self) -> int:
         raise TypeError(
@@ -284,7 +391,47 @@ class MixtureSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position right after the last index yielded, as plain Python values (JSON-safe)."""
-        draws, taken, yielded = self._position()
+        return self._state(*self._position())
+
+    def state_dict_at(self, draws: int) -> dict[str, Any]:
+        """The :meth:`state_dict` the sampler has (or will have) when its position is global draw ``draws``.
+
+        Rewinds or advances by recomputing the sources of the draws in between (a vectorised pass,
+        no data access; cost proportional to the distance), so a caller that knows how many draws
+        training really used (e.g. steps x samples per step) gets an exact snapshot while a loader
+        prefetches ahead. ``draws`` must differ from the current position by whole rounds of
+        ``world_size`` draws and must not lie before the weight history the sampler keeps (the last
+        64 weight changes, back to its creation or last :meth:`load_state_dict`).
+        """
+        if isinstance(draws, bool) or not isinstance(draws, int | np.integer):
+            raise TypeError(f"draws: expected an integer, got {draws!r}")
+        draws = int(draws)
+        current, taken, yielded = self._position()
+        if (draws - current) % self._world_size:
+            raise ConfigError(
+                "draws",
+                f"{draws} is not a whole number of rounds of world_size={self._world_size} draws away from "
+                f"the current position {current}",
+            )
+        if draws < self._segments[0].start:
+            raise ConfigError(
+                "draws",
+                f"{draws} is before draw {self._segments[0].start}, the oldest position whose weights this "
+                "sampler still knows",
+            )
+        lo, hi, sign = (current, draws, 1) if draws >= current else (draws, current, -1)
+        n = len(self._names)
+        start = lo
+        while start < hi:
+            count = min(_COUNT_BLOCK * self._world_size, hi - start)
+            sources = self._sources(start, count)
+            taken = taken + sign * np.bincount(sources, minlength=n)
+            yielded = yielded + sign * np.bincount(sources[self._rank :: self._world_size], minlength=n)
+            start += count
+        return self._state(draws, taken, yielded)
+
+    def _state(self, draws: int, taken: np.ndarray, yielded: np.ndarray) -> dict[str, Any]:
+        segment = self._segment_at(draws)
         sources = {}
         for name, length, count, own in zip(self._names, self._lengths, taken, yielded):
             epoch, cursor = divmod(int(count), int(length)) if length else (0, 0)
@@ -294,8 +441,13 @@ class MixtureSampler(Sampler[int]):
             "version": _STATE_VERSION,
             "seed": self._seed,
             "draws": draws,
-            "temperature": self._temperature,
-            "weights": self.weights,
+            "temperature": segment.temperature,
+            "weights": {name: float(w) for name, w in zip(self._names, segment.weights)},
+            "schedule": [
+                [seg.start, {name: float(w) for name, w in zip(self._names, seg.weights)}, seg.temperature]
+                for seg in self._segments
+                if seg.start > draws
+            ],
             "sources": sources,
             "rank": self._rank,
             "world_size": self._world_size,
@@ -304,10 +456,10 @@ class MixtureSampler(Sampler[int]):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict` in O(1); the next index is the one the saved run yields next.
 
-        The seed, weights, temperature and position come from ``state_dict``; ``rank`` and
-        ``world_size`` stay this sampler's, so a run may resume on a different number of ranks (all
-        ranks must load the same ``draws``). Raises ``ValueError`` when the state does not belong to
-        this mixture.
+        The seed, weights, temperature, scheduled changes and position come from ``state_dict``;
+        ``rank`` and ``world_size`` stay this sampler's, so a run may resume on a different number of
+        ranks (all ranks must load the same ``draws``). Raises ``ConfigError`` when the state does not
+        belong to this mixture.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
@@ -353,7 +505,10 @@ class MixtureSampler(Sampler[int]):
         if seed < 0:
             raise ConfigError("state_dict['seed']", f"must be >= 0, got {seed}")
         weights = self._check_weights(state_dict["weights"])
-        temperature = self._check_temperature(state_dict["temperature"])
+        first = _Segment(draws, weights, self._check_temperature(state_dict["temperature"]))
+        later = self._check_changes(
+            state_dict.get("schedule", []), draws + 1, "state_dict['schedule']", first.temperature
+        )
 
         self._invalidate()
         if seed != self._seed:
@@ -361,14 +516,20 @@ class MixtureSampler(Sampler[int]):
             for cache in self._group_cache:
                 cache.clear()
         self._seed = seed
-        self._weights = weights
-        self._temperature = temperature
-        self._set_probabilities()
+        self._segments = [first, *later]
+        self._loads += 1
         self._draws = draws
         self._taken = taken
         self._yielded = yielded
 
     # ------------------------------------------------------------------ stream mechanics
+
+    def _draw_position(self) -> int:
+        """Global draws consumed, right after the last index yielded (cheap form of ``_position()[0]``)."""
+        chunk = self._chunk
+        if chunk is None or chunk.consumed == 0:
+            return self._draws
+        return chunk.start + chunk.consumed * self._world_size
 
     def _position(self) -> tuple[int, np.ndarray, np.ndarray]:
         """(draws, taken per source, yielded per source) right after the last index yielded."""
@@ -410,13 +571,31 @@ class MixtureSampler(Sampler[int]):
             parts.append(self._uniform_block(block)[lo:hi])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _choose_sources(self, uniforms: np.ndarray) -> np.ndarray:
-        if len(self._thresholds) <= 16:
+    def _choose_sources(self, uniforms: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+        if self._source_dtype == np.int16:
             sources = np.zeros(len(uniforms), dtype=np.int16)
-            for threshold in self._thresholds:
+            for threshold in thresholds:
                 sources += uniforms >= threshold
             return sources
-        return np.searchsorted(self._thresholds, uniforms, side="right").astype(np.int32)
+        return np.searchsorted(thresholds, uniforms, side="right").astype(np.int32)
+
+    def _sources(self, start: int, count: int) -> np.ndarray:
+        """Source of each global draw in ``[start, start + count)``, each under its own segment's weights."""
+        uniforms = self._uniforms(start, count)
+        segments = self._segments
+        end = start + count
+        i = bisect.bisect_right([seg.start for seg in segments], start) - 1
+        next_start = segments[i + 1].start if i + 1 < len(segments) else end
+        if next_start >= end:  # the common case: one segment covers the whole range
+            return self._choose_sources(uniforms, segments[i].thresholds)
+        out = np.empty(count, dtype=self._source_dtype)
+        pos = start
+        while pos < end:
+            hi = min(segments[i + 1].start if i + 1 < len(segments) else end, end)
+            part = slice(pos - start, hi - start)
+            out[part] = self._choose_sources(uniforms[part], segments[i].thresholds)
+            pos, i = hi, i + 1
+        return out
 
     def _group_size(self, source: int) -> int:
         return max(1, _PERM_GROUP // int(self._lengths[source]))
@@ -458,7 +637,7 @@ class MixtureSampler(Sampler[int]):
         world = self._world_size
         rounds = max(1, self._chunk_draws // world)
         count = rounds * world
-        sources = self._choose_sources(self._uniforms(self._draws, count))
+        sources = self._sources(self._draws, count)
         num_sources = len(self._names)
         # occurrence number of each draw within its source: the draw's offset from the source's cursor
         per_source = np.bincount(sources, minlength=num_sources)
@@ -479,6 +658,6 @@ class MixtureSampler(Sampler[int]):
     def __repr__(self) -> str:
         probs = ", ".join(f"{name}={p:.4g}" for name, p in self.probabilities.items())
         return (
-            f"MixtureSampler({probs}; temperature={self._temperature:g}, seed={self._seed}, "
+            f"MixtureSampler({probs}; temperature={self.temperature:g}, seed={self._seed}, "
             f"rank={self._rank}/{self._world_size}, draws={self.draws})"
         )

@@ -1,0 +1,95 @@
+"""A ``DataLoader`` over a :class:`MixtureSampler` whose state is the batches it handed out.
+
+A ``DataLoader`` with workers pulls ``num_workers * prefetch_factor`` batches of indices ahead of
+the consumer, so the sampler's own position runs ahead of training. :class:`MixtureLoader` counts
+the batches it has actually returned and reports the sampler state at exactly that point
+(:meth:`MixtureSampler.state_dict_at`), so a checkpoint taken after optimizer step ``k`` holds the
+position right after step ``k``'s data, whatever the workers prefetched. A new iterator (a new
+``run()``, a rollback) first gives the prefetched-but-unused indices back to the sampler, so no
+sample is lost between runs. With a trainer, every ``grad_accum_steps`` batches are one step, so the
+position after step ``k`` is ``k * grad_accum_steps * batch_size * world_size`` draws past the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from engine.data.sampler import MixtureSampler
+
+__all__ = ["MixtureLoader"]
+
+_SAME_POSITION_KEYS = ("format", "version", "seed", "draws", "sources")
+
+
+class MixtureLoader(DataLoader):
+    """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position.
+
+    ``state_dict()`` / ``load_state_dict()`` are the sampler's, taken at the end of the last batch
+    this loader returned (O(prefetch depth) to compute, O(1) to restore). Every other argument
+    (``num_workers``, ``prefetch_factor``, ``pin_memory``, ...) is passed to ``DataLoader``. The stream
+    is endless; bound the run by steps.
+    """
+
+    def __init__(self, sampler: MixtureSampler, batch_size: int, **kwargs: Any) -> None:
+        if not isinstance(sampler, MixtureSampler):
+            raise TypeError(f"sampler: expected a MixtureSampler, got {type(sampler).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+        for name in ("sampler", "batch_sampler", "shuffle", "dataset"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: MixtureLoader sets it from the MixtureSampler; leave it out")
+        super().__init__(sampler.mixture, batch_size=batch_size, sampler=sampler, **kwargs)
+        self.mixture_sampler = sampler
+        self._position: int | None = None  # global draws after the last batch returned
+        self._loads = sampler._loads
+
+    @property
+    def draws_per_batch(self) -> int:
+        """Global draws (all ranks) one batch of this rank stands for."""
+        return self.batch_size * self.mixture_sampler.world_size
+
+    @property
+    def position(self) -> int:
+        """Global draw position right after the last batch this loader returned."""
+        self._sync()
+        assert self._position is not None
+        return self._position
+
+    def _sync(self) -> None:
+        """Adopt the sampler's position if nothing was returned yet or someone loaded a state into it."""
+        sampler = self.mixture_sampler
+        if self._position is None or sampler._loads != self._loads:
+            self._position = sampler.draws
+            self._loads = sampler._loads
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._sync()
+        sampler = self.mixture_sampler
+        if sampler.draws != self._position:  # an earlier iterator prefetched past what it returned
+            sampler.load_state_dict(sampler.state_dict_at(self._position))
+            self._loads = sampler._loads
+        step = self.draws_per_batch
+        iterator = super().__iter__()
+        try:
+            for batch in iterator:
+                self._sync()
+                self._position += step
+                yield batch
+        finally:
+            del iterator  # shut the workers down now, not at garbage collection
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler state right after the last batch returned (JSON-safe)."""
+        return self.mixture_sampler.state_dict_at(self.position)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue right after the batches ``state_dict`` describes. A state naming the position
+        the sampler already has (e.g. restored by ``PhaseCurriculum``) is not loaded again, so a
+        weight schedule set since is kept."""
+        current = self.mixture_sampler.state_dict_at(self.position)
+        if any(current.get(k) != state_dict.get(k) for k in _SAME_POSITION_KEYS):
+            self.mixture_sampler.load_state_dict(state_dict)
+        self._sync()

@@ -1,0 +1,435 @@
+"""PhaseCurriculum: training phases that change the data mixture and scale the learning rate.
+
+A :class:`Phase` starting at step ``k`` applies to step ``k`` itself: its weights choose the data of
+step ``k``, its ``lr_scale`` the update of step ``k``. Datasets a phase does not name keep their
+original weight (the sampler's weights when the curriculum is built); steps before the first phase
+use the original weights and temperature, phases use ``mix_temperature``.
+
+Data: step-aligned, not call-aligned
+    Every optimizer step takes ``samples_per_step = batch_size * grad_accum_steps`` samples per rank,
+    i.e. ``D = samples_per_step * world_size`` draws of the sampler's global stream. At TRAIN_START the
+    curriculum anchors the stream (after step ``s0`` the position is draw ``d0``) and hands the
+    sampler the whole phase schedule in draw indices: phase ``k``'s weights from draw
+    ``d0 + (k - 1 - s0) * D`` on (:meth:`MixtureSampler.set_schedule`). The weights of a draw are
+    thus fixed by the step it belongs to before anything is drawn, so a ``DataLoader`` whose workers
+    prefetch batches ahead still delivers every batch of step ``k - 1`` from the old phase and every
+    batch of step ``k`` from the new one. Nothing changes weights during the run.
+
+Resume
+    The curriculum is registered as a stateful handler (``state_key``). Its state is the sampler state
+    at the position right after the last completed step (``d0 + (step - s0) * D``, computed, not the
+    sampler's read-ahead position) plus that step, so loading it with the trainer counters continues
+    with exactly the batches the uninterrupted run would have had, in O(1). The active phase follows
+    from the step. Use :class:`engine.data.MixtureLoader` as the training loader so that a
+    checkpointer saving the loader position gets the same exact position with workers.
+
+Learning rate
+    Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, where ``scheduler_lr`` is what the
+    LR scheduler set after step ``s - 1`` (``get_last_lr()``; without a scheduler, the optimizer's
+    rates when training started). The scaled value is in ``optimizer.param_groups`` (and
+    ``state.lr``) from the end of step ``s - 1`` (right after the scheduler steps, at STEP_END, or at
+    TRAIN_START for a run's first step) until step ``s``'s update. The scale is always applied to the
+    scheduler's own unscaled value, never to the previous scaled one: before each scheduler step the
+    unscaled rates are put back, so even chainable schedulers (``ExponentialLR``, ...) never see a
+    scaled rate and nothing compounds. A vetoed step does not step the scheduler; the next step
+    still gets the right scale. To do this the curriculum replaces ``trainer.lr_scheduler`` with a
+    thin wrapper (state, ``get_last_lr`` and every attribute delegate to the original scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.data.loader import MixtureLoader
+from engine.data.sampler import MixtureSampler
+from engine.errors import ConfigError
+from engine.events import Events
+
+__all__ = ["Phase", "PhaseCurriculum"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_FORMAT = "hookloop-phase-curriculum"
+_STATE_VERSION = 1
+# TRAIN_START: after resume (the checkpointer loads at 1e9), before ordinary handlers.
+_ALIGN_PRIORITY = 1e6
+# STEP_END: right after the trainer's own work, before loggers and the checkpointer (10).
+_STEP_END_PRIORITY = 1e6
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From optimizer step ``start_step`` on (1-based; 0 means from the start): these dataset weights
+    (datasets not named keep their original weight) and ``lr_scale`` times the scheduler's LR."""
+
+    start_step: int
+    dataset_weights: Mapping[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_phases(phases: Sequence[Any], names: Sequence[str], prefix: str = "phases") -> list[Phase]:
+    """Validate phases (``Phase``, a config object with the same attributes, or a mapping) against the
+    dataset ``names``; errors name the field as ``<prefix>[i].<attribute>``."""
+    if isinstance(phases, str | bytes | Mapping) or not isinstance(phases, Sequence):
+        raise ConfigError(prefix, f"must be a list of phases, got {type(phases).__name__}")
+    out: list[Phase] = []
+    last = -1
+    for i, raw in enumerate(phases):
+        q = f"{prefix}[{i}]"
+        if isinstance(raw, Mapping):
+            unknown = set(raw) - {"start_step", "dataset_weights", "lr_scale"}
+            if unknown:
+                raise ConfigError(
+                    q, f"unknown key(s) {sorted(unknown)}; a phase has start_step, dataset_weights, lr_scale"
+                )
+            get = raw.get
+        else:
+            get = lambda key, default=None, _raw=raw: getattr(_raw, key, default)  # noqa: E731
+        start = get("start_step")
+        weights = get("dataset_weights", {}) or {}
+        scale = get("lr_scale", 1.0)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ConfigError(
+                f"{q}.start_step", f"must be an integer >= 0 (an optimizer step), got {start!r}"
+            )
+        if start <= last:
+            raise ConfigError(
+                f"{q}.start_step",
+                f"must be larger than the previous phase's ({last}): phases are in step order",
+            )
+        last = start
+        if not isinstance(weights, Mapping):
+            raise ConfigError(f"{q}.dataset_weights", f"must be a mapping name -> weight, got {weights!r}")
+        for name, w in weights.items():
+            if name not in names:
+                raise ConfigError(
+                    f"{q}.dataset_weights.{name}", f"unknown dataset; known: {', '.join(names)}"
+                )
+            if not (_number(w) and math.isfinite(w) and w >= 0):
+                raise ConfigError(f"{q}.dataset_weights.{name}", f"must be a finite number >= 0, got {w!r}")
+        if not (_number(scale) and math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"{q}.lr_scale", f"must be a finite number > 0, got {scale!r}")
+        out.append(Phase(start, {k: float(v) for k, v in weights.items()}, float(scale)))
+    return out
+
+
+class _PhaseScaledScheduler:
+    """Steps the wrapped scheduler from unscaled rates, then applies the curriculum's scale."""
+
+    def __init__(self, inner: Any, curriculum: PhaseCurriculum) -> None:
+        self.inner = inner
+        self._curriculum = curriculum
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        curriculum = self._curriculum
+        for group, lr in zip(curriculum._trainer.optimizer.param_groups, self.inner.get_last_lr()):
+            group["lr"] = lr  # chainable schedulers compute the next rate from the current one
+        self.inner.step(*args, **kwargs)
+        curriculum._apply_lr(curriculum._trainer.state.step + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return self.inner.get_last_lr()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "_curriculum"):  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class PhaseCurriculum:
+    """Phases of training: per-phase dataset weights and LR scale, exact at step boundaries.
+
+    Args:
+        sampler: the training loader's :class:`MixtureSampler` (its weights now are the originals).
+        phases: :class:`Phase` list (or config objects / mappings with the same fields), validated:
+            strictly increasing ``start_step``, known dataset names, weights ``>= 0`` and not all zero,
+            ``lr_scale > 0``.
+        mix_temperature: temperature of the phases' weights (``p_i ∝ w_i**(1/T)``).
+        samples_per_step: samples per optimizer step on one rank; by default ``batch_size *
+            trainer.grad_accum_steps`` from the ``DataLoader`` passed to ``trainer.run``, which must
+            draw from ``sampler``.
+        state_key: key of the curriculum (and the data position) in checkpoints.
+
+    Publishes ``state.metrics["phase"]`` (index of the active phase, -1 before the first) and
+    ``state.metrics["lr_scale"]`` at every step. See the module documentation for exact semantics.
+    """
+
+    # a rollback restores the counters and rewinds (or keeps) the data itself; the anchor follows
+    restore_on_rollback = False
+
+    def __init__(
+        self,
+        sampler: MixtureSampler,
+        phases: Sequence[Any],
+        *,
+        mix_temperature: float = 1.0,
+        samples_per_step: int | None = None,
+        state_key: str = "curriculum",
+        _field: str = "phases",
+    ) -> None:
+        if not isinstance(sampler, MixtureSampler):
+            raise TypeError(f"sampler: expected a MixtureSampler, got {type(sampler).__name__}")
+        temperature_field = "data.mix_temperature" if _field.startswith("data.") else "mix_temperature"
+        if not (_number(mix_temperature) and math.isfinite(mix_temperature) and mix_temperature > 0):
+            raise ConfigError(temperature_field, f"must be a finite number > 0, got {mix_temperature!r}")
+        if samples_per_step is not None and (
+            isinstance(samples_per_step, bool)
+            or not isinstance(samples_per_step, int)
+            or samples_per_step < 1
+        ):
+            raise ConfigError(
+                "samples_per_step", f"must be a positive integer or None, got {samples_per_step!r}"
+            )
+        names = list(sampler.mixture.names)
+        self.sampler = sampler
+        self.phases = check_phases(phases, names, _field)
+        self.mix_temperature = float(mix_temperature)
+        self.samples_per_step = samples_per_step
+        self.state_key = state_key
+        self.original_weights = sampler.weights
+        self.original_temperature = sampler.temperature
+        self._phase_weights: list[dict[str, float]] = []
+        for i, phase in enumerate(self.phases):
+            merged = {**self.original_weights, **phase.dataset_weights}
+            if not any(w > 0 for w in merged.values()):
+                raise ConfigError(
+                    f"{_field}[{i}].dataset_weights",
+                    f"leaves every dataset at weight 0 ({merged}); give at least one a positive weight",
+                )
+            self._phase_weights.append(merged)
+        self._scales_lr = any(phase.lr_scale != 1.0 for phase in self.phases)
+        self._trainer: Any = None
+        self._anchor: tuple[int, int] | None = None  # after step s0 the stream is at global draw d0
+        self._completed: int | None = None  # the last step that completed (STEP_END)
+        self._draws_per_step: int | None = None
+        self._fixed_lrs: list[float] | None = None  # unscaled rates when there is no LR scheduler
+        self._last_phase: int | None = None
+
+    @classmethod
+    def from_config(cls, data_cfg: Any, sampler: MixtureSampler, **kwargs: Any) -> PhaseCurriculum:
+        """From the ``data`` config section (``phases``, ``mix_temperature``); errors name
+        ``data.phases[i]...``. With no phases it still keeps the data position step-exact."""
+        return cls(
+            sampler, data_cfg.phases, mix_temperature=data_cfg.mix_temperature, _field="data.phases", **kwargs
+        )
+
+    # ------------------------------------------------------------------ phase arithmetic
+    def phase_index(self, step: int) -> int:
+        """Index of the phase that applies to optimizer step ``step`` (1-based), -1 before the first."""
+        index = -1
+        for i, phase in enumerate(self.phases):
+            if max(phase.start_step, 1) <= step:
+                index = i
+        return index
+
+    def weights_at(self, step: int) -> dict[str, float]:
+        """Dataset weights that choose the data of step ``step``."""
+        i = self.phase_index(step)
+        return dict(self.original_weights if i < 0 else self._phase_weights[i])
+
+    def lr_scale_at(self, step: int) -> float:
+        i = self.phase_index(step)
+        return 1.0 if i < 0 else self.phases[i].lr_scale
+
+    def _temperature_at(self, step: int) -> float:
+        return self.original_temperature if self.phase_index(step) < 0 else self.mix_temperature
+
+    def _draws_after(self, step: int) -> int:
+        assert self._anchor is not None and self._draws_per_step is not None
+        s0, d0 = self._anchor
+        return d0 + (step - s0) * self._draws_per_step
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, trainer: Any) -> PhaseCurriculum:
+        if self._trainer is not None:
+            raise RuntimeError("this PhaseCurriculum is already attached to a trainer")
+        self._trainer = trainer
+        trainer.register_stateful(self.state_key, self)
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_ALIGN_PRIORITY)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_STEP_END_PRIORITY)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=-_ALIGN_PRIORITY)
+        if self._scales_lr and trainer.lr_scheduler is not None:
+            if isinstance(trainer.lr_scheduler, _PhaseScaledScheduler):
+                raise RuntimeError("trainer.lr_scheduler is already scaled by another PhaseCurriculum")
+            trainer.lr_scheduler = _PhaseScaledScheduler(trainer.lr_scheduler, self)
+        return self
+
+    def _infer_samples_per_step(self) -> int:
+        trainer = self._trainer
+        loader = trainer.step_data.data if trainer.step_data is not None else None
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        sampler = getattr(batch_sampler, "sampler", None)
+        batch_size = getattr(loader, "batch_size", None) or getattr(batch_sampler, "batch_size", None)
+        if self.samples_per_step is not None:
+            expected = batch_size * trainer.grad_accum_steps if batch_size else None
+            if sampler is self.sampler and expected and self.samples_per_step != expected:
+                raise ConfigError(
+                    "samples_per_step",
+                    f"is {self.samples_per_step} but the loader takes batch_size {batch_size} x "
+                    f"grad_accum_steps {trainer.grad_accum_steps} = {expected} samples per step",
+                )
+            return self.samples_per_step
+        if sampler is not self.sampler or not batch_size:
+            raise ConfigError(
+                "samples_per_step",
+                "cannot be inferred: the data passed to trainer.run is not a DataLoader (with a batch_size) "
+                "drawing from this curriculum's sampler; pass samples_per_step=batch_size*grad_accum_steps",
+            )
+        if getattr(loader, "num_workers", 0) and not isinstance(loader, MixtureLoader):
+            logger.warning(
+                "the training DataLoader prefetches with workers: use engine.data.MixtureLoader so that a "
+                "checkpoint of the loader position is exact too (the curriculum's own state is exact)"
+            )
+        return batch_size * trainer.grad_accum_steps
+
+    # ------------------------------------------------------------------ events
+    def _on_train_start(self) -> None:
+        trainer, state, sampler = self._trainer, self._trainer.state, self.sampler
+        draws_per_step = self._infer_samples_per_step() * sampler.world_size
+        if self._anchor is not None and self._completed is not None:
+            consumed = self._draws_after(self._completed)  # after the last step that trained
+        else:
+            loader = trainer.step_data.data if trainer.step_data is not None else None
+            consumed = loader.position if isinstance(loader, MixtureLoader) else sampler.draws
+        if sampler.draws != consumed:  # indices read ahead by an earlier iterator go back to the stream
+            sampler.load_state_dict(sampler.state_dict_at(consumed))
+        self._anchor = (state.step, consumed)
+        self._completed = state.step
+        self._draws_per_step = draws_per_step
+        sampler.set_schedule(self._schedule())
+        if self._fixed_lrs is None and trainer.lr_scheduler is None:
+            self._fixed_lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+        self._last_phase = None
+        self._apply_lr(state.step + 1)
+        state.lr = trainer.optimizer.param_groups[0]["lr"]
+
+    def _schedule(self) -> list[tuple[int, dict[str, float], float]]:
+        s0, d0 = self._anchor  # type: ignore[misc]
+        first = s0 + 1
+        changes = [(d0, self.weights_at(first), self._temperature_at(first))]
+        for i, phase in enumerate(self.phases):
+            start = max(phase.start_step, 1)
+            if start > first:
+                changes.append((self._draws_after(start - 1), self._phase_weights[i], self.mix_temperature))
+        return changes
+
+    def _on_step_start(self) -> None:
+        state = self._trainer.state
+        index = self.phase_index(state.step)
+        if index != self._last_phase:
+            if self._last_phase is not None or index >= 0:
+                logger.info(
+                    "step %d: phase %d (weights %s, lr_scale %g)",
+                    state.step,
+                    index,
+                    self.weights_at(state.step),
+                    self.lr_scale_at(state.step),
+                )
+            self._last_phase = index
+        self._apply_lr(state.step)
+        state.metrics["phase"] = index
+        state.metrics["lr_scale"] = self.lr_scale_at(state.step)
+
+    def _on_step_end(self) -> None:
+        state = self._trainer.state
+        self._completed = state.step
+        self._apply_lr(state.step + 1)
+        state.lr = self._trainer.optimizer.param_groups[0]["lr"]
+
+    def _on_rollback(self) -> None:
+        # The checkpointer moved the counters back to the checkpoint's step. If it also rewound the data
+        # the anchor still maps steps to draws; if the data keeps going, the step the data is at moved.
+        state = self._trainer.state
+        if getattr(state, "rollback_keep_data_position", False) and self._completed is not None:
+            if self._anchor is not None and self._draws_per_step is not None:
+                self._anchor = (state.step, self._draws_after(self._completed))
+        self._completed = state.step
+        self._apply_lr(state.step + 1)
+
+    # ------------------------------------------------------------------ learning rate
+    def _unscaled_lrs(self) -> list[float] | None:
+        scheduler = self._trainer.lr_scheduler if self._trainer is not None else None
+        if scheduler is not None:
+            return list(scheduler.get_last_lr())
+        return self._fixed_lrs
+
+    def _apply_lr(self, step: int) -> None:
+        if not self._scales_lr:
+            return
+        unscaled = self._unscaled_lrs()
+        if unscaled is None:
+            return
+        scale = self.lr_scale_at(step)
+        for group, lr in zip(self._trainer.optimizer.param_groups, unscaled):
+            group["lr"] = lr * scale
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """The data position right after step ``trainer.state.step`` and that step's phase (JSON-safe).
+        Taken at STEP_END (as checkpointers do) it describes the position after the step just done."""
+        step = self._trainer.state.step if self._trainer is not None else (self._completed or 0)
+        if self._anchor is not None and self._draws_per_step is not None:
+            draws = self._draws_after(step)
+            sampler_state = self.sampler.state_dict_at(draws)
+        else:
+            sampler_state = self.sampler.state_dict()
+            draws = sampler_state["draws"]
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "step": int(step),
+            "phase": self.phase_index(step),
+            "draws": int(draws),
+            "draws_per_step": self._draws_per_step,
+            "unscaled_lrs": self._fixed_lrs,
+            "sampler": sampler_state,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue right after the step ``state_dict`` was taken at (load the trainer counters too)."""
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
+            raise ConfigError(
+                "state_dict", f"is not a {_STATE_FORMAT!r} state (got {type(state_dict).__name__})"
+            )
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ConfigError(
+                "state_dict", f"has version {state_dict.get('version')!r}, expected {_STATE_VERSION}"
+            )
+        step, draws = int(state_dict["step"]), int(state_dict["draws"])
+        if int(state_dict["sampler"]["draws"]) != draws:
+            raise ConfigError("state_dict['draws']", "does not match the sampler state it holds")
+        self.sampler.load_state_dict(state_dict["sampler"])
+        self._anchor = (step, draws)
+        self._completed = step
+        if state_dict.get("draws_per_step") is not None:
+            self._draws_per_step = int(state_dict["draws_per_step"])
+        else:
+            self._draws_per_step = 0
+        if state_dict.get("unscaled_lrs") is not None:
+            self._fixed_lrs = [float(lr) for lr in state_dict["unscaled_lrs"]]
+        if state_dict.get("phase") != self.phase_index(step):
+            logger.warning(
+                "the checkpoint was in phase %s at step %d, the configured phases give phase %d: "
+                "the configured phases apply from here on",
+                state_dict.get("phase"),
+                step,
+                self.phase_index(step),
+            )
+
+    def __repr__(self) -> str:
+        return f"PhaseCurriculum({len(self.phases)} phases, mix_temperature={self.mix_temperature:g})"
