@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "destroy_distributed",
+    "exit_process",
     "init_distributed",
     "rank",
     "world_size",
@@ -89,8 +90,10 @@ def init_distributed(
         device = torch.device("cpu")
     if env_world <= 1 and not dist.is_initialized():
         return DistInfo(device=device)
+    global _used_process_group
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _used_process_group = True
     world = dist.get_world_size()
     shape = mesh_shape or (world,)
     names = mesh_dim_names or (("dp",) if len(shape) == 1 else None)
@@ -100,6 +103,26 @@ def init_distributed(
 
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return DistInfo(dist.get_rank(), world, local_rank, device, backend, mesh)
+
+
+_used_process_group = False
+
+
+def exit_process(code: int) -> None:
+    """Flush, leave the process group, and exit with ``code``.
+
+    After a gloo process group was used, the interpreter's own shutdown can abort now and then
+    ("terminate called without an active exception"), turning a clean exit into SIGABRT and losing
+    the exit code a job script relies on; leaving through ``os._exit`` after the flush avoids it.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    destroy_distributed()
+    if _used_process_group:
+        os._exit(int(code))
+    sys.exit(int(code))
 
 
 def destroy_distributed() -> None:

@@ -44,7 +44,7 @@ from engine.data import (  # noqa: E402
     stdlib_docs_text,
     stdlib_source_files,
 )
-from engine.parallel import destroy_distributed  # noqa: E402
+from engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 from handlers.curriculum import PhaseCurriculum  # noqa: E402
 from handlers.dataset_metrics import PerDatasetMetrics  # noqa: E402
@@ -208,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    exit_process(main())

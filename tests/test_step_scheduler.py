@@ -1,0 +1,672 @@
+"""StepScheduler: cadence against the reference semantics, epochs, resume, and as a trainer handler
+(published flags, loss average, GC, exit interval / duration, stop signals in 1 and 2 processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine import ConfigError, Events, ExitCode, Trainer
+from engine.config import StepSchedulerConfig as ConfigSection
+from examples.models.gpt import cross_entropy_loss
+from handlers.step_scheduler import StepScheduler, StepSchedulerConfig
+from tests.conftest import tiny_gpt, token_batches
+from tests.dist_utils import REPO, free_port
+
+SIGNAL_SCRIPT = REPO / "tests" / "scripts" / "step_scheduler_signal.py"
+
+
+class Stream:
+    """An iterable without a length, like a loader over an IterableDataset."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def reference_trace(
+    n, acc, *, num_epochs=None, max_steps=None, ckpt=None, every_epoch=True, val=None, sized=True
+):
+    """The reference scheduler's decisions, written its way: counters 0-based and evaluated before
+    the step counter increments (hence the -1 offsets). Rows: (size, epoch, ckpt, val, last batch,
+    last step) for every step, in order."""
+    epoch_len = math.ceil(n / acc) if sized else None
+    if num_epochs is None:
+        num_epochs = math.ceil(max_steps / epoch_len) if max_steps is not None and epoch_len else 10
+    if max_steps is None:
+        max_steps = num_epochs * epoch_len
+    if ckpt is None:
+        ckpt = epoch_len if epoch_len else max(1, max_steps // 2)
+    step = epoch = 0
+    rows = []
+
+    def decide(size):
+        last_batch = epoch_len is not None and step % epoch_len == epoch_len - 1
+        last_step = step + 1 >= max_steps or (epoch + 1 >= num_epochs and last_batch)
+        is_ckpt = step % ckpt == ckpt - 1 or (every_epoch and last_batch) or last_step
+        is_val = (val is not None and step % val == val - 1) or is_ckpt
+        rows.append((size, epoch, is_ckpt, is_val, last_batch, last_step))
+
+    for _ in range(num_epochs):
+        if step >= max_steps:
+            break
+        buffered, stopped = 0, False
+        for _ in range(n):
+            buffered += 1
+            if buffered == acc:
+                decide(buffered)
+                step, buffered = step + 1, 0
+                if step >= max_steps:
+                    stopped = True
+                    break
+        if stopped:
+            break
+        if buffered:
+            decide(buffered)
+            step += 1
+        epoch += 1
+    return rows
+
+
+def trace(scheduler):
+    """Iterate standalone; rows as in reference_trace, plus the 1-based step numbers seen."""
+    rows, steps = [], []
+    for e in scheduler.epochs:
+        for group in scheduler:
+            assert scheduler.epoch == e
+            steps.append(scheduler.step)
+            rows.append(
+                (
+                    len(group),
+                    scheduler.epoch,
+                    scheduler.is_ckpt_step,
+                    scheduler.is_val_step,
+                    scheduler.is_last_batch,
+                    scheduler.is_last_step,
+                )
+            )
+    return rows, steps
+
+
+CASES = [
+    # n microbatches, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized
+    (12, 4, 2, None, None, True, None, True),  # divisible
+    (10, 4, 3, None, None, True, None, True),  # short last group
+    (10, 1, 2, None, 3, False, 4, True),  # ckpt and val cadence across epochs
+    (10, 4, None, 5, 2, True, None, True),  # max_steps mid-epoch, epochs derived
+    (10, 4, 2, 100, None, True, None, True),  # data runs out before max_steps
+    (9, 3, None, 3, None, True, None, True),  # max_steps ends exactly at an epoch end
+    (10, 4, None, 7, None, True, 2, False),  # no length: ckpt default max_steps // 2
+    (10, 2, 2, 25, 4, True, None, False),  # no length, epochs bound the run first
+]
+
+
+@pytest.mark.parametrize("n, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized", CASES)
+def test_decisions_match_the_reference_semantics(
+    n, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized
+):
+    data = list(range(n)) if sized else Stream(list(range(n)))
+    s = StepScheduler(
+        acc * 2,
+        1,
+        2,
+        data,
+        ckpt_every_steps=ckpt,
+        save_checkpoint_every_epoch=every_epoch,
+        val_every_steps=val,
+        num_epochs=num_epochs,
+        max_steps=max_steps,
+        stop_signals=None,
+    )
+    rows, steps = trace(s)
+    assert rows == reference_trace(
+        n,
+        acc,
+        num_epochs=num_epochs,
+        max_steps=max_steps,
+        ckpt=ckpt,
+        every_epoch=every_epoch,
+        val=val,
+        sized=sized,
+    )
+    assert steps == list(range(1, len(rows) + 1))  # one 1-based convention
+
+
+def test_one_step_convention_by_hand():
+    # 7 microbatches, 2 per step: epochs of 4 steps (the 4th holds one microbatch); 2 epochs.
+    s = StepScheduler(
+        4, 1, 2, list(range(7)), ckpt_every_steps=3, val_every_steps=5, num_epochs=2, stop_signals=None
+    )
+    assert (s.grad_acc_steps, s.epoch_len, s.max_steps) == (2, 4, 8)
+    seen = []
+    for _ in s.epochs:
+        for group in s:
+            seen.append((s.step, s.epoch, group, s.is_ckpt_step, s.is_val_step, s.is_last_step))
+    assert seen == [
+        (1, 0, [0, 1], False, False, False),
+        (2, 0, [2, 3], False, False, False),
+        (3, 0, [4, 5], True, True, False),  # multiple of ckpt_every_steps
+        (4, 0, [6], True, True, False),  # last batch of epoch 0
+        (5, 1, [0, 1], False, True, False),  # multiple of val_every_steps
+        (6, 1, [2, 3], True, True, False),
+        (7, 1, [4, 5], False, False, False),
+        (8, 1, [6], True, True, True),  # last step
+    ]
+    assert s.state_dict() == {"step": 8, "epoch": 2}
+
+
+def test_data_running_out_before_max_steps_makes_the_last_batch_the_last_step():
+    s = StepScheduler(
+        1, 1, 1, list(range(60)), num_epochs=1, max_steps=100, ckpt_every_steps=1000, stop_signals=None
+    )
+    rows, steps = trace(s)
+    assert len(rows) == 60
+    assert [i + 1 for i, r in enumerate(rows) if r[5]] == [60]
+    assert [i + 1 for i, r in enumerate(rows) if r[2]] == [60]
+
+
+def test_derived_limits_and_defaults():
+    s = StepScheduler(8, 2, 2, list(range(10)), max_steps=7, stop_signals=None)  # 2 per step: 5 steps/epoch
+    assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, 5)
+    s = StepScheduler(8, 2, 2, list(range(10)), num_epochs=3, stop_signals=None)
+    assert s.max_steps == 15
+    s = StepScheduler(4, 2, 2, Stream(range(10)), max_steps=9, stop_signals=None)
+    assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, 4)
+
+
+def test_iterable_without_length_runs_across_epochs_until_max_steps():
+    s = StepScheduler(2, 1, 1, Stream(list(range(5))), max_steps=7, ckpt_every_steps=3, stop_signals=None)
+    groups, flags = [], []
+    for _ in s.epochs:
+        for group in s:
+            groups.append(group)
+            flags.append((s.step, s.epoch, s.is_ckpt_step, s.is_last_batch, s.is_last_step))
+    assert groups == [[0, 1], [2, 3], [4], [0, 1], [2, 3], [4], [0, 1]]
+    assert [f[0] for f in flags if f[2]] == [3, 6, 7]  # every 3 steps and the last step
+    assert not any(f[3] for f in flags)  # no length: epoch ends are unknown ahead of time
+    assert [f[1] for f in flags] == [0, 0, 0, 1, 1, 1, 2]
+    assert s.state_dict() == {"step": 7, "epoch": 2}
+
+
+def test_remote_logging_and_gc_steps_are_multiples():
+    s = StepScheduler(1, 1, 1, list(range(12)), log_remote_every_steps=4, gc_every_steps=5, stop_signals=None)
+    log, collect = [], []
+    for _ in s:
+        log.append(s.is_remote_logging_step)
+        collect.append(s.is_gc_step)
+    assert [i + 1 for i, v in enumerate(log) if v] == [4, 8, 12]
+    assert [i + 1 for i, v in enumerate(collect) if v] == [5, 10]
+
+
+@pytest.mark.parametrize("stateful_loader", [False, True])
+def test_resume_mid_epoch_continues_the_same_cadence_and_data(stateful_loader):
+    kwargs = dict(ckpt_every_steps=4, val_every_steps=3, num_epochs=3, stop_signals=None)
+    full = StepScheduler(4, 1, 2, list(range(11)), **kwargs)  # 2 per step, 6 steps per epoch
+    full_rows = []
+    for _ in full.epochs:
+        for group in full:
+            full_rows.append(
+                (full.step, full.epoch, group, full.is_ckpt_step, full.is_val_step, full.is_last_step)
+            )
+
+    first = StepScheduler(4, 1, 2, list(range(11)), max_steps=8, **kwargs)  # stops in epoch 1
+    for _ in first.epochs:
+        for _group in first:
+            pass
+    saved = first.state_dict()
+    assert saved == {"step": 8, "epoch": 1}
+
+    if stateful_loader:  # a loader that restores its own position: nothing is skipped by us
+
+        class Loader:
+            def __init__(self):
+                self.position = 0
+
+            def __iter__(self):
+                while self.position < 11:
+                    self.position += 1
+                    yield self.position - 1
+                self.position = 0
+
+            def __len__(self):
+                return 11
+
+            def state_dict(self):
+                return {"position": self.position}
+
+            def load_state_dict(self, d):
+                self.position = d["position"]
+
+        data = Loader()
+        data.load_state_dict({"position": 4})  # 2 steps of 2 microbatches into epoch 1
+    else:
+        data = list(range(11))
+    resumed = StepScheduler(4, 1, 2, data, **kwargs)
+    resumed.load_state_dict(saved)
+    rows = []
+    for _ in resumed.epochs:
+        for group in resumed:
+            rows.append(
+                (
+                    resumed.step,
+                    resumed.epoch,
+                    group,
+                    resumed.is_ckpt_step,
+                    resumed.is_val_step,
+                    resumed.is_last_step,
+                )
+            )
+    assert rows == full_rows[8:]
+
+
+def test_start_position_must_lie_in_its_epoch():
+    with pytest.raises(ConfigError, match="start_step.*start_epoch=2"):
+        StepScheduler(1, 1, 1, list(range(4)), start_step=9, start_epoch=0, stop_signals=None)
+    s = StepScheduler(1, 1, 1, list(range(4)), start_step=8, start_epoch=1, stop_signals=None)  # epoch 1 done
+    assert (s.step, s.epoch) == (8, 2)
+    with pytest.raises(ConfigError, match="state_dict\\['step'\\]"):
+        s.load_state_dict({"step": 3, "epoch": 2})
+    with pytest.raises(KeyError, match="'step' and 'epoch'"):
+        s.load_state_dict({"step": 3})
+
+
+def test_standalone_stop_signal_ends_iteration_with_a_checkpoint_step():
+    previous = signal.getsignal(signal.SIGUSR1)
+    s = StepScheduler(1, 1, 1, list(range(10)), val_every_steps=1, stop_signals=["SIGUSR1"])
+    seen = []
+    for _ in s.epochs:
+        for _group in s:
+            if s.step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            seen.append((s.step, s.is_ckpt_step, s.is_val_step, s.sigterm_received))
+    assert seen[-1] == (3, True, False, True)
+    assert [x[0] for x in seen] == [1, 2, 3] and not any(x[1] for x in seen[:2])
+    assert s.exit_reason == "signal SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is previous  # restored when the epochs ran out
+
+
+# ---------------------------------------------------------------------------------------- trainer
+
+
+def make_trainer(seed=0):
+    model = tiny_gpt(seed, n_layers=1)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cross_entropy_loss)
+
+
+def record_flags(trainer, into):
+    @trainer.on(Events.STEP_START)  # normal priority: after the scheduler published
+    def _record():
+        s = trainer.state
+        into.append((s.step, s.should_checkpoint, s.should_validate, s.should_log_remote, s.is_last_step))
+
+
+def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
+    data = token_batches(10)  # 3 per step: epochs of 4 steps, the last with one microbatch
+    trainer = make_trainer()
+    s = StepScheduler(
+        6,
+        2,
+        1,
+        data,
+        ckpt_every_steps=3,
+        val_every_steps=5,
+        log_remote_every_steps=2,
+        loss_average_window_steps=3,
+        num_epochs=2,
+        stop_signals=None,
+    )
+    s.attach(trainer)
+    assert (trainer.grad_accum_steps, trainer.max_steps, trainer.max_epochs) == (3, 8, 2)
+    assert trainer.stateful["step_scheduler"] is s
+    flags, losses, sizes, positions = [], [], [], []
+    record_flags(trainer, flags)
+    trainer.add_event_handler(Events.STEP_START, lambda: sizes.append(len(trainer.state.batch)))
+    trainer.add_event_handler(Events.STEP_START, lambda: positions.append((s.step, s.epoch)))
+
+    @trainer.on(Events.STEP_END)
+    def _loss():
+        losses.append((trainer.state.loss, trainer.state.metrics["loss_avg"]))
+
+    state = trainer.run(data)
+    assert state.step == 8 and state.exit_code == ExitCode.SUCCESS
+    assert sizes == [3, 3, 3, 1] * 2
+    assert positions == [(k, (k - 1) // 4) for k in range(1, 9)]
+    assert flags == [
+        # step, checkpoint, validate, log remotely, last step
+        (1, False, False, False, False),
+        (2, False, False, True, False),
+        (3, True, True, False, False),
+        (4, True, True, True, False),  # end of epoch 0
+        (5, False, True, False, False),
+        (6, True, True, True, False),
+        (7, False, False, False, False),
+        (8, True, True, True, True),
+    ]
+    for i, (_loss_k, avg) in enumerate(losses):
+        window = [x for x, _ in losses[max(0, i - 2) : i + 1]]
+        assert avg == pytest.approx(sum(window) / len(window))
+    assert s.state_dict() == {"step": 8, "epoch": 2}
+    assert not state.should_checkpoint  # the trainer cleared the per-step flags
+
+
+@pytest.mark.parametrize("restored_by", ["scheduler", "checkpoint_handler"])
+def test_attached_resume_mid_epoch_continues_flags_and_data(restored_by):
+    data = token_batches(10)  # 3 per step: 4 steps per epoch
+
+    def run(checkpoint=None, **kwargs):
+        trainer = make_trainer()
+        s = StepScheduler(6, 2, 1, data, ckpt_every_steps=3, num_epochs=3, stop_signals=None, **kwargs)
+        if checkpoint is not None and restored_by == "scheduler":
+            s.load_state_dict(checkpoint["scheduler"])  # fresh trainer: the scheduler moves it there
+
+        @trainer.on(Events.TRAIN_START, priority=10_000)  # what a checkpoint handler does, first
+        def _restore():
+            if checkpoint is not None and restored_by == "checkpoint_handler":
+                trainer.state.load_counters(checkpoint["counters"])
+                for key, obj in trainer.stateful.items():
+                    obj.load_state_dict(checkpoint[key])
+                trainer.step_data.skip_next = checkpoint["microbatches_into_epoch"]
+
+        s.attach(trainer)
+        rows = []
+        record_flags(trainer, rows)
+        trainer.add_event_handler(
+            Events.STEP_START, lambda: rows.append((s.step, s.epoch, int(trainer.state.batch[0][0].sum())))
+        )
+        state = trainer.run(data)
+        saved = {
+            "scheduler": s.state_dict(),
+            "step_scheduler": s.state_dict(),
+            "counters": state.counters(),
+            "microbatches_into_epoch": (state.step % 4) * 3,
+        }
+        return state, saved, rows
+
+    _, _, full_rows = run()
+    stopped, saved, _ = run(exit_interval=6)  # stops after step 6, in the middle of epoch 1
+    assert (stopped.step, stopped.exit_code) == (6, ExitCode.STOPPED)
+    assert saved["scheduler"] == {"step": 6, "epoch": 1}
+    state, _, rows = run(saved)
+    assert (state.step, state.epoch, state.exit_code) == (12, 3, ExitCode.SUCCESS)
+    # the same decisions, epochs and microbatches as the uninterrupted run: nothing replayed
+    assert rows == full_rows[12:]
+
+
+def test_gc_is_manual_during_training_and_restored_after():
+    data = token_batches(6)
+    collected_at = []
+    trainer = make_trainer()
+    StepScheduler(2, 2, 1, data, gc_every_steps=2, num_epochs=1, stop_signals=None).attach(trainer)
+    enabled_during = []
+    trainer.add_event_handler(Events.STEP_END, lambda: enabled_during.append(gc.isenabled()))
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            collected_at.append(trainer.state.step)
+
+    assert gc.isenabled()
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.run(data)
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert enabled_during == [False] * 6
+    assert collected_at == [2, 4, 6]
+    assert gc.isenabled()
+
+    trainer = make_trainer()
+    StepScheduler(2, 2, 1, data, gc_every_steps=2, num_epochs=1, stop_signals=None).attach(trainer)
+
+    def boom():
+        if trainer.state.step == 2:
+            raise RuntimeError("boom")
+
+    trainer.add_event_handler(Events.STEP_END, boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.run(data)
+    assert gc.isenabled()
+
+
+def test_exit_interval_stops_with_a_checkpoint_request_on_that_step():
+    data = token_batches(20)
+    trainer = make_trainer()
+    s = StepScheduler(2, 2, 1, data, exit_interval=4, ckpt_every_steps=100, num_epochs=1, stop_signals=None)
+    s.attach(trainer)
+    flags = []
+    record_flags(trainer, flags)
+    state = trainer.run(data)
+    assert (state.step, state.exit_code, state.should_stop) == (4, ExitCode.STOPPED, True)
+    assert [f[0] for f in flags if f[1]] == [4]
+    assert "exit_interval" in state.stop_reason
+
+
+def test_exit_duration_stops_on_the_first_step_past_the_limit():
+    data = token_batches(20)
+    trainer = make_trainer()
+    s = StepScheduler(
+        2, 2, 1, data, exit_duration_in_mins=1e-9, val_every_steps=1, num_epochs=1, stop_signals=None
+    )
+    s.attach(trainer)
+    trainer.set_validation(data[:1])
+    checkpoint_flags, validated = [], []
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: checkpoint_flags.append(trainer.state.should_checkpoint)
+    )
+    trainer.add_event_handler(Events.VALIDATION_END, lambda: validated.append(trainer.state.step))
+    state = trainer.run(data)
+    assert (state.step, state.exit_code) == (1, ExitCode.STOPPED)
+    assert checkpoint_flags == [True] and validated == []  # no validation when time is up
+    assert "exit_duration_in_mins" in state.stop_reason
+
+
+@pytest.mark.parametrize("signal_step, expected_exit", [(2, ExitCode.STOPPED), (5, ExitCode.SUCCESS)])
+def test_signal_in_one_process_stops_after_that_step(signal_step, expected_exit):
+    data = token_batches(5)
+    trainer = make_trainer()
+    s = StepScheduler(
+        2, 2, 1, data, val_every_steps=1, ckpt_every_steps=100, num_epochs=1, stop_signals="SIGUSR2"
+    )
+    s.attach(trainer)
+    trainer.set_validation(data[:1])
+    seen, validated, during = [], [], []
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    @trainer.on(Events.MICROBATCH)
+    def _send():
+        during.append(signal.getsignal(signal.SIGUSR2))
+        if trainer.state.step == signal_step:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    trainer.add_event_handler(Events.VALIDATION_END, lambda: validated.append(trainer.state.step))
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: seen.append((trainer.state.step, trainer.state.should_checkpoint))
+    )
+    state = trainer.run(data)
+    assert state.step == signal_step and state.exit_code == expected_exit
+    assert seen[-1] == (signal_step, True)
+    assert not any(flag for _, flag in seen[:-1])
+    assert validated == list(range(1, signal_step))  # the stopping step skips its validation
+    assert during[0] is not previous and signal.getsignal(signal.SIGUSR2) is previous
+    if expected_exit == ExitCode.STOPPED:
+        assert state.stop_reason == "signal SIGUSR2" and s.sigterm_received
+
+
+def test_trainer_settings_that_disagree_with_the_scheduler_are_refused():
+    data = token_batches(4)
+    trainer = make_trainer()
+    StepScheduler(2, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
+    with pytest.raises(ConfigError, match="max_steps.*set it on the StepScheduler"):
+        trainer.run(data, max_steps=2)
+    trainer = make_trainer()
+    StepScheduler(2, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
+    with pytest.raises(ConfigError, match="dataloader"):
+        trainer.run(token_batches(6))
+
+
+def test_standalone_iteration_is_refused_once_attached():
+    data = token_batches(2)
+    s = StepScheduler(2, 2, 1, data, stop_signals=None).attach(make_trainer())
+    with pytest.raises(RuntimeError, match="trainer.run"):
+        iter(s)
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+BASE = dict(global_batch_size=4, local_batch_size=1, dp_size=2, dataloader=list(range(8)))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("global_batch_size", 5),  # not a multiple of local_batch_size * dp_size
+        ("global_batch_size", 0),
+        ("local_batch_size", 0),
+        ("dp_size", -1),
+        ("ckpt_every_steps", 0),
+        ("val_every_steps", -2),
+        ("log_remote_every_steps", 0),
+        ("loss_average_window_steps", 0),
+        ("gc_every_steps", 0),
+        ("start_step", -1),
+        ("start_epoch", 1.5),
+        ("num_epochs", 0),
+        ("max_steps", 0),
+        ("exit_interval", 0),
+        ("exit_duration_in_mins", -1.0),
+        ("stop_signals", ["SIGNOPE"]),
+        ("stop_signals", "SIGKILL"),
+        ("save_checkpoint_every_epoch", "yes"),
+        ("dataloader", []),
+        ("dataloader", 3),
+    ],
+)
+def test_bad_input_names_the_argument(field, value):
+    with pytest.raises(ConfigError) as info:
+        StepScheduler(**{**BASE, field: value})
+    assert info.value.field == field
+
+
+def test_no_length_and_no_max_steps_is_an_error():
+    with pytest.raises(ConfigError, match="max_steps.*no length"):
+        StepScheduler(1, 1, 1, Stream([1, 2]))
+
+
+def test_config_section_builds_the_scheduler():
+    assert StepSchedulerConfig is ConfigSection
+    cfg = StepSchedulerConfig(global_batch_size=8, num_epochs=2, ckpt_every_steps=3, exit_interval=5)
+    s = cfg.build(list(range(12)), dp_group_size=2, local_batch_size=2)
+    assert (s.grad_acc_steps, s.epoch_len, s.max_steps, s.exit_interval) == (2, 6, 12, 5)
+    assert s.stop_signals == (signal.SIGTERM,)
+
+
+# ---------------------------------------------------------------------------------------- 2 processes
+
+
+def kill_groups(procs):
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def read_records(path):
+    """The complete JSON lines written so far (a line still being written is left out)."""
+    return [
+        json.loads(x) for x in path.read_text().splitlines(keepends=True) if x.endswith("\n") and x.strip()
+    ]
+
+
+def launch_two_ranks(tmp_path, args, *, external_signal_after_step=None, timeout=90.0):
+    """Start the signal script as 2 ranks (torchrun's environment, no agent in between, so each
+    process's own exit code is seen); output goes to files, so no pipe can fill and block a rank.
+    Returns [(exit code, JSON records, stderr)] per rank; kills both on ``timeout``."""
+    port = free_port()
+    procs, outs, errs = [], [], []
+    try:
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+            }
+            outs.append(tmp_path / f"rank{rank}.out")
+            errs.append(tmp_path / f"rank{rank}.err")
+            with outs[-1].open("w") as out, errs[-1].open("w") as err:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SIGNAL_SCRIPT), *args],
+                        env=env,
+                        cwd=REPO,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        if external_signal_after_step is not None:  # rank 1 announces each finished step
+            while not any(
+                r.get("step") == external_signal_after_step and not r.get("final")
+                for r in read_records(outs[1])
+            ):
+                assert procs[1].poll() is None, f"rank 1 ended before step {external_signal_after_step}"
+                assert time.monotonic() < deadline, "rank 1 did not reach the signal step in time"
+                time.sleep(0.02)
+            os.kill(procs[1].pid, signal.SIGTERM)
+        results = []
+        for rank, p in enumerate(procs):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, read_records(outs[rank]), errs[rank].read_text()))
+        return results
+    finally:
+        kill_groups([p for p in procs if p.poll() is None])
+        for p in procs:
+            p.wait(timeout=10)
+
+
+def check_agreed_stop(results, stop_step):
+    for rank, (code, records, err) in enumerate(results):
+        assert code == ExitCode.STOPPED, f"rank {rank} exited {code}:\n{err[-3000:]}"
+        steps = [r for r in records if not r.get("final")]
+        final = records[-1]
+        assert final["final"] and final["step"] == stop_step and final["exit_code"] == ExitCode.STOPPED
+        assert final["stop_reason"] == "signal SIGTERM" and final["handler_restored"]
+        assert [r["step"] for r in steps] == list(range(1, stop_step + 1))
+        assert [r["should_checkpoint"] for r in steps] == [False] * (stop_step - 1) + [True]
+        assert steps[-1]["should_stop"] and not steps[-1]["validated"]
+        assert all(r["validated"] for r in steps[:-1])
+
+
+def test_two_processes_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    results = launch_two_ranks(
+        tmp_path, ["--mode", "self", "--signal-rank", "1", "--signal-step", "3", "--max-steps", "8"]
+    )
+    check_agreed_stop(results, 3)
+    assert results[0][1][-2]["loss_avg"] == pytest.approx(results[1][1][-2]["loss_avg"])
+
+
+def test_two_processes_signal_from_outside_stops_both_after_the_same_step(tmp_path):
+    results = launch_two_ranks(
+        tmp_path,
+        ["--mode", "external", "--max-steps", "40", "--step-sleep", "0.05"],
+        external_signal_after_step=2,
+    )
+    stop_step = results[1][1][-1]["step"]
+    assert 3 <= stop_step < 40
+    check_agreed_stop(results, stop_step)
