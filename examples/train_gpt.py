@@ -164,12 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             optimizer,
             cross_entropy_loss,
             lr_scheduler=lr_scheduler,
-            grad_accum_steps=sched.global_batch_size // (cfg.train.local_batch_size * dp),
             grad_clip_norm=cfg.train.grad_clip_norm,
             device=info.device,
         )
+        # The step scheduler decides when: accumulation, last step, validation/checkpoint cadence,
+        # stop signals (SIGTERM -> final checkpoint request, exit code 75).
+        sched.build(train_loader, dp, cfg.train.local_batch_size).attach(trainer)
         if val_loader is not None:
-            trainer.set_validation(val_loader, eval_iters=8, every_steps=sched.val_every_steps)
+            trainer.set_validation(val_loader, eval_iters=8)
 
         log_every = cfg.logging.log_interval
         validations_logged = [0]
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
-        state = trainer.run(train_loader, max_steps=sched.max_steps, max_epochs=sched.num_epochs)
+        state = trainer.run(train_loader)
         if info.is_main:
             print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {state.exit_code}", flush=True)
         return int(state.exit_code)
