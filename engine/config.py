@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # OmegaConf resolves annotations at run time, so sections spell Optional/Dict/List the old way.
-# ruff: noqa: UP006, UP007, UP045
+# ruff: noqa: UP006, UP007, UP035, UP045
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> None:
@@ -62,7 +62,9 @@ def _positive_float(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ConfigError(name, f"must be a positive finite number{' or null' if allow_none else ''}, got {value!r}")
+        raise ConfigError(
+            name, f"must be a positive finite number{' or null' if allow_none else ''}, got {value!r}"
+        )
 
 
 def _one_of(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -153,12 +155,15 @@ class DistributedConfig:
 
 @dataclass
 class PipelineSection:
-    """Pipeline-parallel settings (used when ``distributed.pp_size > 1``)."""
+    """Pipeline-parallel settings (used when ``distributed.pp_size > 1``); see
+    :class:`engine.pipeline.PipelineConfig`. Batch sizes left null follow the run's:
+    ``pp_microbatch_size = train.local_batch_size`` and ``pp_batch_size =
+    step_scheduler.global_batch_size // data-parallel size``."""
 
     pp_schedule: str = "1f1b"
     pp_schedule_csv: Optional[str] = None
-    pp_microbatch_size: int = 1
-    pp_batch_size: int = 1
+    pp_microbatch_size: Optional[int] = None
+    pp_batch_size: Optional[int] = None
     layers_per_stage: Optional[int] = None
     round_virtual_stages_to_pp_multiple: Optional[str] = None
     module_fqns_per_model_part: Optional[List[List[str]]] = None
@@ -166,12 +171,18 @@ class PipelineSection:
     scale_grads_in_schedule: bool = False
     pp_seq_len: Optional[int] = None
 
-    def validate(self, p: str = "pipeline") -> None:
-        _positive_int(f"{p}.pp_microbatch_size", self.pp_microbatch_size)
-        _positive_int(f"{p}.pp_batch_size", self.pp_batch_size)
-        _positive_int(f"{p}.layers_per_stage", self.layers_per_stage, allow_none=True)
-        if self.round_virtual_stages_to_pp_multiple is not None:
-            _one_of(f"{p}.round_virtual_stages_to_pp_multiple", self.round_virtual_stages_to_pp_multiple, ("up", "down"))
+    def validate(self, p: str = "pipeline", pp_size: Optional[int] = None) -> None:
+        """Checked by :class:`engine.pipeline.PipelineConfig`; the schedule name or CSV file only
+        when ``pp_size > 1`` (looking it up imports torch's pipelining, about two seconds)."""
+        from engine.pipeline.config import PipelineConfig
+
+        unset: dict = {}  # null batch sizes are filled in by validate_config; stand-ins that divide
+        if self.pp_microbatch_size is None:
+            unset["pp_microbatch_size"] = 1
+        if self.pp_batch_size is None:
+            unset["pp_batch_size"] = self.pp_microbatch_size or 1
+        pipe = PipelineConfig.from_section(self, **unset)
+        pipe.validate(p, pp_size=pp_size if pp_size and pp_size > 1 and not unset else None)
 
 
 @dataclass
@@ -235,7 +246,9 @@ class CheckpointConfig:
         _positive_int(f"{p}.keep_last", self.keep_last)
         _one_of(f"{p}.mode", self.mode, ("sync", "async", "async_staged"))
         if self.finetune_from is not None and self.resume not in (None, "auto"):
-            raise ConfigError(f"{p}.finetune_from", "cannot be combined with an explicit checkpoint.resume path")
+            raise ConfigError(
+                f"{p}.finetune_from", "cannot be combined with an explicit checkpoint.resume path"
+            )
 
 
 @dataclass
@@ -254,7 +267,9 @@ class NaNConfig:
         _one_of(f"{p}.action", self.action, ("warn", "raise", "rollback"))
         _positive_int(f"{p}.max_rollbacks", self.max_rollbacks, allow_zero=True)
         if self.spike_factor is not None and not self.spike_factor > 1:
-            raise ConfigError(f"{p}.spike_factor", f"must be > 1 (a multiple of the median loss), got {self.spike_factor!r}")
+            raise ConfigError(
+                f"{p}.spike_factor", f"must be > 1 (a multiple of the median loss), got {self.spike_factor!r}"
+            )
         _positive_int(f"{p}.spike_window", self.spike_window)
 
 
@@ -284,25 +299,36 @@ class DataConfig:
         names = set(self.datasets)
         for name in self.weights:
             if name not in names:
-                raise ConfigError(f"{p}.weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}")
+                raise ConfigError(
+                    f"{p}.weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}"
+                )
         for name, w in self.weights.items():
             if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
                 raise ConfigError(f"{p}.weights.{name}", f"must be a finite number >= 0, got {w!r}")
         if self.weights and sum(self.weights.get(n, 1.0) for n in names) <= 0:
-            raise ConfigError(f"{p}.weights", "all weights are zero: give at least one dataset a positive weight")
+            raise ConfigError(
+                f"{p}.weights", "all weights are zero: give at least one dataset a positive weight"
+            )
         _positive_float(f"{p}.mix_temperature", self.mix_temperature)
         last = -1
         for i, phase in enumerate(self.phases):
             q = f"{p}.phases[{i}]"
             _positive_int(f"{q}.start_step", phase.start_step, allow_zero=True)
             if phase.start_step <= last:
-                raise ConfigError(f"{q}.start_step", f"must be larger than the previous phase's ({last}): phases are ordered")
+                raise ConfigError(
+                    f"{q}.start_step",
+                    f"must be larger than the previous phase's ({last}): phases are ordered",
+                )
             last = phase.start_step
             for name, w in phase.dataset_weights.items():
                 if name not in names:
-                    raise ConfigError(f"{q}.dataset_weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}")
+                    raise ConfigError(
+                        f"{q}.dataset_weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}"
+                    )
                 if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                    raise ConfigError(f"{q}.dataset_weights.{name}", f"must be a finite number >= 0, got {w!r}")
+                    raise ConfigError(
+                        f"{q}.dataset_weights.{name}", f"must be a finite number >= 0, got {w!r}"
+                    )
             _positive_float(f"{q}.lr_scale", phase.lr_scale)
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"{p}.val_fraction", f"must be in [0, 1), got {self.val_fraction!r}")
@@ -311,12 +337,19 @@ class DataConfig:
 
 @dataclass
 class LoggingConfig:
+    """Metric publication cadence and the loggers to attach (see ``docs/observability.md``).
+
+    ``wandb_every_steps`` None: W&B follows ``step_scheduler.log_remote_every_steps``.
+    ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
+    """
+
     log_interval: int = 10
     jsonl: bool = True
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "hookloop"
     wandb_mode: Optional[str] = None
+    wandb_every_steps: Optional[int] = None
     console: bool = True
     progress_bar: Optional[bool] = None
 
@@ -324,6 +357,7 @@ class LoggingConfig:
         _positive_int(f"{p}.log_interval", self.log_interval)
         if self.wandb_mode is not None:
             _one_of(f"{p}.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
+        _positive_int(f"{p}.wandb_every_steps", self.wandb_every_steps, allow_none=True)
 
 
 @dataclass
@@ -349,8 +383,12 @@ class ProfilingConfig:
 
     def validate(self, p: str = "profiling") -> None:
         _positive_int(f"{p}.start_step", self.start_step)
+        for r in self.ranks:
+            _positive_int(f"{p}.ranks", r, allow_zero=True)
         if self.end_step <= self.start_step:
-            raise ConfigError(f"{p}.end_step", f"must be larger than start_step ({self.start_step}), got {self.end_step}")
+            raise ConfigError(
+                f"{p}.end_step", f"must be larger than start_step ({self.start_step}), got {self.end_step}"
+            )
 
 
 @dataclass
@@ -373,7 +411,10 @@ class StragglerConfig:
     def validate(self, p: str = "straggler") -> None:
         _positive_int(f"{p}.every_steps", self.every_steps)
         if self.stop_threshold is not None and not self.stop_threshold > 1:
-            raise ConfigError(f"{p}.stop_threshold", f"must be > 1 (slowest / median step time), got {self.stop_threshold!r}")
+            raise ConfigError(
+                f"{p}.stop_threshold",
+                f"must be > 1 (slowest / median step time), got {self.stop_threshold!r}",
+            )
 
 
 @dataclass
@@ -424,18 +465,51 @@ def validate_config(cfg: HookloopConfig, world_size: int | None = None) -> Hookl
     if world % pp:
         raise ConfigError("distributed.pp_size", f"({pp}) must divide the world size ({world})")
     dp = world // pp
+    if pp > 1:
+        pipe = cfg.pipeline
+        if pipe.pp_microbatch_size is None:
+            pipe.pp_microbatch_size = cfg.train.local_batch_size
+        if pipe.pp_batch_size is None:
+            pipe.pp_batch_size = cfg.step_scheduler.global_batch_size // dp
+        pipe.validate("pipeline", pp_size=pp)
+        if cfg.train.local_batch_size != pipe.pp_microbatch_size:
+            raise ConfigError(
+                "train.local_batch_size",
+                f"({cfg.train.local_batch_size}) must equal pipeline.pp_microbatch_size "
+                f"({pipe.pp_microbatch_size}): each loader batch is one pipeline microbatch",
+            )
+        if cfg.step_scheduler.global_batch_size != pipe.pp_batch_size * dp:
+            raise ConfigError(
+                "step_scheduler.global_batch_size",
+                f"({cfg.step_scheduler.global_batch_size}) must equal pipeline.pp_batch_size x "
+                f"data-parallel size ({pipe.pp_batch_size} x {dp} = {pipe.pp_batch_size * dp})",
+            )
     gbs, lbs = cfg.step_scheduler.global_batch_size, cfg.train.local_batch_size
     if pp == 1 and gbs % (lbs * dp):
         raise ConfigError(
             "step_scheduler.global_batch_size",
-            f"({gbs}) must be a multiple of train.local_batch_size x data-parallel size ({lbs} x {dp} = {lbs * dp})",
+            f"({gbs}) must be a multiple of train.local_batch_size x data-parallel size "
+            f"({lbs} x {dp} = {lbs * dp})",
         )
     sched = cfg.step_scheduler
-    if cfg.lr.decay_style in ("linear", "cosine", "WSD") and cfg.lr.decay_steps is None and sched.max_steps is None:
-        raise ConfigError("lr.decay_steps", f"is needed for decay_style={cfg.lr.decay_style!r} unless step_scheduler.max_steps is set")
+    if (
+        cfg.lr.decay_style in ("linear", "cosine", "WSD")
+        and cfg.lr.decay_steps is None
+        and sched.max_steps is None
+    ):
+        raise ConfigError(
+            "lr.decay_steps",
+            f"is needed for decay_style={cfg.lr.decay_style!r} unless step_scheduler.max_steps is set",
+        )
     decay = cfg.lr.decay_steps or sched.max_steps
-    if decay is not None and cfg.lr.decay_style in ("linear", "cosine", "WSD") and decay <= cfg.lr.warmup_steps:
-        raise ConfigError("lr.warmup_steps", f"({cfg.lr.warmup_steps}) must be smaller than the decay steps ({decay})")
+    if (
+        decay is not None
+        and cfg.lr.decay_style in ("linear", "cosine", "WSD")
+        and decay <= cfg.lr.warmup_steps
+    ):
+        raise ConfigError(
+            "lr.warmup_steps", f"({cfg.lr.warmup_steps}) must be smaller than the decay steps ({decay})"
+        )
     if cfg.lr.min_lr > cfg.optimizer.lr:
         raise ConfigError("lr.min_lr", f"({cfg.lr.min_lr}) must not exceed optimizer.lr ({cfg.optimizer.lr})")
     return cfg
@@ -462,7 +536,9 @@ def load_config(
         layers.append(OmegaConf.create(_read_file(Path(path))))
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(item, "an override must look like section.key=value (e.g. step_scheduler.max_steps=100)")
+            raise ConfigError(
+                item, "an override must look like section.key=value (e.g. step_scheduler.max_steps=100)"
+            )
         key = item.split("=", 1)[0].strip()
         if key in _MOVED:
             raise ConfigError(key, f"is not a setting here; use {_MOVED[key]}")
@@ -482,7 +558,9 @@ def load_config(
 
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError("config", f"file {str(path)!r} does not exist; pass the path of a .yaml or .toml file")
+        raise ConfigError(
+            "config", f"file {str(path)!r} does not exist; pass the path of a .yaml or .toml file"
+        )
     text = path.read_text()
     if path.suffix == ".toml":
         import tomllib

@@ -109,7 +109,11 @@ class _StepBatches:
             return data
         if getattr(data, "num_workers", None) == 0:  # a DataLoader that does not read ahead
             batch_sampler = getattr(data, "batch_sampler", None)
-            candidates = (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(data, "sampler", None))
+            candidates = (
+                batch_sampler,
+                getattr(batch_sampler, "sampler", None),
+                getattr(data, "sampler", None),
+            )
             for candidate in candidates:
                 if _is_stateful(candidate):
                     return candidate
@@ -159,16 +163,30 @@ class _StepBatches:
             self.consumed += 1
         if resume is not None:
             checkpoint_io.restore_rng(resume["rng_after"], generators)
+        size = _length(self.data)
         group: list = []
         yielded = False
-        for microbatch in it:
+        pending: Any = _END
+        while True:
+            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
+            if microbatch is _END:
+                break
             group.append(microbatch)
             self.consumed += 1
+            if self.consumed == size:
+                # Run the source to its end now, before this step's checkpoint: whatever RNG it
+                # draws at its end (a sampler's next permutation) is then part of that checkpoint.
+                pending = next(it, _END)
+                ended = pending is _END
+            else:
+                ended = False
             if len(group) == accum:
                 yielded = True
                 self.steps += 1
                 yield group
                 group = []
+            if ended:
+                break
         if group:
             yielded = True
             self.steps += 1
@@ -178,6 +196,13 @@ class _StepBatches:
 
 
 _END = object()
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:  # no __len__, or an IterableDataset's loader
+        return None
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -224,7 +249,9 @@ class Trainer(Engine):
             raise TypeError("prepare_batch must be callable: prepare_batch(microbatch, device)")
         self._grad_accum_steps = 1
         self.grad_accum_steps = grad_accum_steps
-        if grad_clip_norm is not None and not (isinstance(grad_clip_norm, (int, float)) and grad_clip_norm > 0):
+        if grad_clip_norm is not None and not (
+            isinstance(grad_clip_norm, (int, float)) and grad_clip_norm > 0
+        ):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
 
         if pipeline is not None:
@@ -233,11 +260,13 @@ class Trainer(Engine):
                     "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
                     f"returns, got {type(pipeline).__name__}; build the optimizer over runtime.parameters()"
                 )
+            if model is not pipeline.module:
+                raise ValueError("with pipeline=runtime, the model must be runtime.module (its stages)")
             if grad_accum_steps not in (1, pipeline.n_microbatches):
                 raise ConfigError(
                     "grad_accum_steps",
-                    f"is {grad_accum_steps} but the pipeline takes {pipeline.n_microbatches} microbatches per step "
-                    "(pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
+                    f"is {grad_accum_steps} but the pipeline takes {pipeline.n_microbatches} microbatches "
+                    "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
                 )
             self.grad_accum_steps = pipeline.n_microbatches
             if pipeline.loss_fn is None:
@@ -387,6 +416,10 @@ class Trainer(Engine):
         if self._event_handlers.get(event):
             self._fire_event(event, *args, **kwargs)
 
+    def has_event_handler_for(self, event: Any) -> bool:
+        """Whether any handler is attached to ``event``."""
+        return bool(self._event_handlers.get(event))
+
     def agree_any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
         return parallel.agree_any(flag)
@@ -473,7 +506,7 @@ class Trainer(Engine):
 
     def _step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """Local (non-pipeline) step: forward/backward per microbatch, then one optimizer step."""
-        state, model, optimizer = self.state, self.model, self.optimizer
+        state, model = self.state, self.model
         model.train()
         n = len(microbatches)
         fire_microbatch = bool(self._event_handlers.get(Events.MICROBATCH))
@@ -580,7 +613,7 @@ class Trainer(Engine):
         model = self.model
         was_training = model.training
         model.eval()
-        if self.pipeline is not None:  # forward through the schedule, n_microbatches batches a pass
+        if self.pipeline is not None:  # forward through the stages, n_microbatches batches a pass
             total = self.pipeline.validation_totals(self, data, eval_iters)
         else:
             total = torch.zeros(2, dtype=torch.float64)

@@ -1,0 +1,158 @@
+"""How long does a checkpoint block training, and what does saving cost in throughput?
+
+A model of 4 x Linear(2048, 2048) trained with AdamW holds about 200 MB (parameters plus the two
+moment buffers). For each mode (sync, async, async_staged) the script trains ``--steps`` steps,
+saving every ``--every`` steps, and reports
+
+* blocked: the time training waited for each save (median; from ``state.times["checkpoint"]``,
+  which includes a staged save's wait before the next optimizer step and publishing the previous
+  save),
+* durable: from the start of a save until its write finished on disk (median),
+* throughput: steps/s of the run relative to the same run without checkpoints, and the CPU time
+  per step relative to it (the CPU figure is robust to other processes on a shared machine; the
+  wall-clock one is what a user sees).
+
+``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
+Figures vary with the disk and with what else runs; the writer thread competes with training for
+the same cores, which bounds the throughput on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from engine import Events, Trainer
+from handlers.checkpoint import AsyncCheckpointer
+
+
+def build(width: int) -> Trainer:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return Trainer(model, optimizer, torch.nn.functional.mse_loss)
+
+
+def state_megabytes(trainer: Trainer) -> float:
+    n = sum(p.numel() for p in trainer.model.parameters())
+    return 3 * n * 4 / 1e6  # parameters + exp_avg + exp_avg_sq, float32
+
+
+def run(mode: str | None, width: int, steps: int, every: int, directory: str) -> dict:
+    trainer = build(width)
+    data = [(torch.randn(8, width), torch.randn(8, width)) for _ in range(16)]
+    per_step: dict[int, float] = {}
+    save_steps: list[int] = []
+    durable: list[float] = []
+    checkpointer = None
+    if mode is not None:
+        checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=every, keep_last=2, resume=None)
+        checkpointer.attach(trainer)
+
+        @trainer.on(Events.STEP_END, priority=-100)
+        def _account(engine: Trainer) -> None:
+            step = engine.state.step
+            per_step[step] = engine.state.times.get("checkpoint", 0.0)
+            if checkpointer.last_saved_step != step:
+                return
+            save_steps.append(step)
+            save = checkpointer._inflight
+            if save is None:  # sync: durable when the call returned
+                durable.append(per_step[step])
+                return
+            started = time.perf_counter() - per_step[step]
+            save.done.add_done_callback(lambda _f, s=started: durable.append(time.perf_counter() - s))
+
+    warmup = 2
+    trainer.run(data, max_steps=warmup)  # first-call costs (allocations, thread pools) out of the timing
+    start, cpu_start = time.perf_counter(), time.process_time()
+    trainer.run(data, max_steps=warmup + steps)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if checkpointer is not None:
+        checkpointer.close()
+    # A save blocks at its own step, and (staged) before the next optimizer step or save.
+    timed = [s for s in save_steps if s > warmup]
+    blocked = [
+        sum(per_step.get(t, 0.0) for t in range(s, s + every)) for s in timed if s + every <= warmup + steps
+    ]
+    return {
+        "steps_per_s": steps / elapsed,
+        "cpu_per_step": cpu / steps,
+        "blocked": statistics.median(blocked) if blocked else float("nan"),
+        "durable": statistics.median(durable) if durable else float("nan"),
+        "saves": len(durable),
+        "mb": state_megabytes(trainer),
+    }
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 50 MB model and fewer steps")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--every", type=int, default=None, help="save every this many steps")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per mode (default 2, --quick 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    width = 1024 if args.quick else 2048
+    steps = args.steps or (20 if args.quick else 60)
+    every = args.every or (5 if args.quick else 10)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = args.dir or tempfile.mkdtemp(prefix="hookloop-ckpt-bench-")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {cpu_model()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    modes = (None, "sync", "async", "async_staged")
+    runs: dict = {mode: [] for mode in modes}
+    try:
+        print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+        for _ in range(args.repeats):  # interleaved, so drifting background load hits every mode alike
+            for mode in modes:
+                runs[mode].append(run(mode, width, steps, every, os.path.join(root, str(mode))))
+        print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def med(mode: str | None, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    base_rate, base_cpu = med(None, "steps_per_s"), med(None, "cpu_per_step")
+    mb = runs[None][0]["mb"]
+    print(
+        f"state {mb:.0f} MB, {steps} steps per run, a save every {every} steps, {args.repeats} run(s) per "
+        f"mode (medians); no checkpoints: {base_rate:.2f} steps/s, {base_cpu:.2f} CPU s/step"
+    )
+    print(f"{'mode':<14}{'blocked/save':>14}{'vs sync':>9}{'durable':>10}{'throughput':>12}{'CPU/step':>10}")
+    sync_blocked = med("sync", "blocked")
+    for mode in modes[1:]:
+        blocked = med(mode, "blocked")
+        print(
+            f"{mode:<14}{blocked * 1e3:>11.1f} ms{blocked / sync_blocked:>9.0%}{med(mode, 'durable'):>9.2f}s"
+            f"{med(mode, 'steps_per_s') / base_rate:>12.1%}{med(mode, 'cpu_per_step') / base_cpu:>10.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Import time of ``import engine, handlers`` (with every observability module) against
+``import torch, ignite``, each in a fresh interpreter, alternated, medians over repeats.
+
+    python benchmarks/import_time.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "python (empty)": "pass",
+    "import torch": "import torch",
+    "import torch, ignite": "import torch, ignite, ignite.engine",
+    "import engine, handlers": (
+        "import engine, handlers, handlers.metrics, handlers.loggers, handlers.jsonl_logger, "
+        "handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
+        "handlers.health_check, handlers.straggler, handlers.plot"
+    ),
+}
+
+
+def time_import(code: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 9)
+    for code in CASES.values():  # warm the file cache
+        time_import(code)
+    times: dict[str, list[float]] = {name: [] for name in CASES}
+    for r in range(repeats):
+        names = list(CASES) if r % 2 == 0 else list(CASES)[::-1]
+        for name in names:
+            times[name].append(time_import(CASES[name]))
+    ref = statistics.median(times["import torch, ignite"])
+    print(f"\n{repeats} repeats, fresh interpreter each (wall time of `python -c ...`)")
+    print(f"{'case':28s} {'median s':>9s} {'min s':>7s} {'ratio to torch+ignite':>22s}")
+    for name in CASES:
+        med = statistics.median(times[name])
+        print(f"{name:28s} {med:9.3f} {min(times[name]):7.3f} {med / ref:22.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Pipeline parallelism: :class:`PipelineConfig`, stage splitting, schedules, and the PP step body.
+
+Typical use (under ``torchrun``)::
+
+    info = init_distributed(mesh_shape=(world // pp, pp), mesh_dim_names=("dp", "pp"))
+    runtime = build_pipeline(model, PipelineConfig(pp_schedule="1f1b", pp_batch_size=8), info)
+    optimizer = torch.optim.AdamW(runtime.parameters())
+    trainer = Trainer(runtime.module, optimizer, loss_fn, pipeline=runtime)
+
+Importing this package is cheap: ``torch.distributed.pipelining`` (about two seconds) is imported
+only when a schedule is looked up or built.
+"""
+
+from engine.pipeline.config import PipelineConfig, bubble_fraction
+from engine.pipeline.runtime import PipelineRuntime, build_pipeline
+from engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
+from engine.pipeline.split import default_module_fqns, split_stage_module
+
+__all__ = [
+    "PipelineConfig",
+    "PipelineRuntime",
+    "available_schedules",
+    "bubble_fraction",
+    "build_pipeline",
+    "default_module_fqns",
+    "parse_schedule_csv",
+    "resolve_schedule",
+    "split_stage_module",
+]

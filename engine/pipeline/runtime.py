@@ -1,0 +1,356 @@
+"""The pipeline runtime: this rank's stages, the schedule over them, and the PP step body.
+
+:func:`build_pipeline` cuts the model into stages (see :mod:`engine.pipeline.split`), wraps each
+stage for data parallelism across the ``dp`` mesh dimension, and builds the schedule. A
+:class:`~engine.Trainer` given ``pipeline=runtime`` runs :meth:`PipelineRuntime.run_step` as its
+step body instead of the local one; both fire the same events.
+
+Microbatches: the trainer's microbatches *are* the schedule's. One step takes
+``n_microbatches = pp_batch_size // pp_microbatch_size`` microbatches of ``pp_microbatch_size``
+samples, concatenates them into one batch and hands it to ``schedule.step``, which cuts it back
+into the same microbatches. A short group (the end of an epoch) is padded with copies whose loss
+weight is zero, so gradients are the mean over the real microbatches, as in the local body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.errors import ConfigError
+from engine.events import Events
+from engine.pipeline.config import PipelineConfig
+from engine.pipeline.schedules import losses_computed
+from engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
+
+__all__ = ["PipelineRuntime", "build_pipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineRuntime:
+    """This rank's pipeline stages and their schedule. Build with :func:`build_pipeline`.
+
+    ``module`` (an ``nn.ModuleList`` of this rank's stage modules, DDP/FSDP-wrapped when the
+    data-parallel degree is > 1) is what the optimizer and the Trainer take.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        stages: list[Any],
+        mesh: Any,
+        device: torch.device,
+        loss_fn: Callable | None,
+        rank_stages: dict[int, list[int]],
+    ) -> None:
+        self.config = config
+        self.stages = stages
+        self.schedule: Any = None  # set by build_pipeline: the schedule calls this runtime's loss
+        self.device = device
+        self.loss_fn = loss_fn
+        self.module = nn.ModuleList(stage.submod for stage in stages)
+        self.stage_ids = [stage.stage_index for stage in stages]
+        self.num_stages = stages[0].num_stages
+        self.n_microbatches = config.n_microbatches
+        self.pp_group = stages[0].group
+        self.pp_size = dist.get_world_size(self.pp_group)
+        self.pp_rank = dist.get_rank(self.pp_group)
+        names = mesh.mesh_dim_names or ()
+        self.dp_size = mesh["dp"].size() if "dp" in names else 1
+        self.dp_rank = mesh["dp"].get_local_rank() if "dp" in names else 0
+        self.has_first = any(stage.is_first for stage in stages)
+        self.has_last = any(stage.is_last for stage in stages)
+        # The pp-group rank holding the last stage broadcasts the losses.
+        self._rank_stages = rank_stages
+        last_stage_rank = next(r for r, ids in rank_stages.items() if self.num_stages - 1 in ids)
+        self._loss_src = dist.get_global_rank(self.pp_group, last_stage_rank)
+        self._raw_losses: dict[int, torch.Tensor] = {}
+        self._weights: list[float] = []
+        self._input_shape: tuple[int, ...] | None = None
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        """This rank's trainable parameters (build the optimizer over these)."""
+        return self.module.parameters()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend(self.pp_group) == "nccl" else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        sched = type(self.schedule).__name__
+        return (
+            f"PipelineRuntime({sched}, stages {self.stage_ids} of {self.num_stages}, "
+            f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"{self.n_microbatches} microbatches)"
+        )
+
+    # ------------------------------------------------------------------ the loss the schedule calls
+    def _scheduled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ConfigError(
+                "pipeline.loss_fn", "no loss: pass loss_fn to build_pipeline, PipelineConfig or the Trainer"
+            )
+        loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())")
+        i = losses_computed(self.schedule)
+        self._raw_losses[i] = loss.detach()
+        weight = self._weights[i] if i < len(self._weights) else 1.0
+        return loss if weight == 1.0 else loss * weight
+
+    def _set_weights(self, n_real: int) -> None:
+        n = self.n_microbatches
+        # The schedule divides gradients by n when it scales them itself; otherwise the loss does.
+        real = n / n_real if self.config.scale_grads_in_schedule else 1.0 / n_real
+        self._weights = [real if i < n_real else 0.0 for i in range(n)]
+
+    # ------------------------------------------------------------------ running the schedule
+    def _prepare(self, trainer: Any, microbatches: list[Any]) -> list[tuple[Any, Any]]:
+        n = self.n_microbatches
+        if not 0 < len(microbatches) <= n:
+            raise ValueError(
+                f"a pipeline step takes {n} microbatches (pipeline.pp_batch_size // pp_microbatch_size), got "
+                f"{len(microbatches)}; leave trainer.grad_accum_steps at {n}"
+            )
+        pairs = [trainer.prepare_batch(mb, trainer.device) for mb in microbatches]
+        cfg = self.config
+        for i, (inputs, _) in enumerate(pairs):
+            if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+                raise TypeError(
+                    f"pipeline microbatch {i}: inputs must be a batched tensor, got {type(inputs).__name__}"
+                )
+            shape = tuple(inputs.shape)
+            if shape[0] != cfg.pp_microbatch_size:
+                raise ValueError(
+                    f"pipeline.pp_microbatch_size is {cfg.pp_microbatch_size} but microbatch {i} holds "
+                    f"{shape[0]} samples: make the loader's batch size pipeline.pp_microbatch_size"
+                )
+            if cfg.pp_seq_len is not None and (len(shape) < 2 or shape[1] != cfg.pp_seq_len):
+                raise ValueError(
+                    f"pipeline.pp_seq_len is {cfg.pp_seq_len} but microbatch {i} has shape {shape}"
+                )
+            if self._input_shape is None:
+                self._input_shape = shape
+            elif shape != self._input_shape:
+                raise ValueError(
+                    f"pipeline stages fixed their activation shapes at the first step ({self._input_shape}); "
+                    f"microbatch {i} has shape {shape}: keep every microbatch the same shape "
+                    "(pad or pack sequences)"
+                )
+        return pairs + [pairs[0]] * (self.n_microbatches - len(pairs))
+
+    def _run_schedule(self, pairs: list[tuple[Any, Any]], *, keep_outputs: bool) -> tuple[torch.Tensor, Any]:
+        """One pass of the schedule over ``pairs``; returns every microbatch's (unweighted) loss on
+        every pp rank, and the merged output on the last stage when ``keep_outputs``."""
+        self._raw_losses = {}
+        args = (torch.cat([x for x, _ in pairs]),) if self.has_first else ()
+        kwargs: dict[str, Any] = {"return_outputs": keep_outputs}
+        if self.has_last:
+            kwargs.update(target=torch.cat([y for _, y in pairs]), losses=[])
+        output = self.schedule.step(*args, **kwargs)
+        n = self.n_microbatches
+        if self.has_last:
+            if sorted(self._raw_losses) != list(range(n)):
+                raise RuntimeError(
+                    f"the schedule computed losses for microbatches {sorted(self._raw_losses)}, "
+                    f"not 0..{n - 1}"
+                )
+            values = torch.stack([self._raw_losses[i] for i in range(n)]).to(self._comm_device, torch.float64)
+        else:
+            values = torch.zeros(n, dtype=torch.float64, device=self._comm_device)
+        dist.broadcast(values, src=self._loss_src, group=self.pp_group)
+        self._raw_losses = {}
+        return values.cpu(), output
+
+    def run_step(self, trainer: Any, microbatches: list[Any]) -> float:
+        """The PP step body: the step's microbatches through the schedule as one batch, the loss
+        broadcast to every pp rank, MICROBATCH per microbatch, clip over all stages, optimizer."""
+        state = trainer.state
+        trainer.model.train()
+        n_real = len(microbatches)
+        pairs = self._prepare(trainer, microbatches)
+        self._set_weights(n_real)
+        fire_microbatch = bool(trainer._event_handlers.get(Events.MICROBATCH))
+        losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
+        tokens = samples = 0
+        if self.has_first:  # count each sample once per pipeline, not once per stage
+            for inputs, _ in pairs[:n_real]:
+                samples += inputs.shape[0]
+                if not inputs.is_floating_point():
+                    tokens += inputs.numel()
+        outputs = (
+            torch.split(output, self.config.pp_microbatch_size) if isinstance(output, torch.Tensor) else None
+        )
+        for i in range(n_real):
+            state.microbatch = i
+            if fire_microbatch:
+                state.microbatch_loss = float(losses[i])
+                state.microbatch_output = outputs[i] if outputs is not None else None
+                state.microbatch_targets = pairs[i][1]
+                trainer.fire(Events.MICROBATCH)
+                state.microbatch_output = state.microbatch_targets = None
+            else:
+                state.microbatches_seen += 1
+        trainer._reduce_step_metrics(losses[:n_real].mean(), tokens, samples)
+        state.grad_norm = trainer._clip_gradients()
+        return trainer._optimizer_step()
+
+    def reduce_grad_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The total gradient norm over every stage from this rank's part (one all-reduce)."""
+        sq = (norm.detach().to(self._comm_device, torch.float64) ** 2).reshape(1)
+        dist.all_reduce(sq, group=self.pp_group)
+        return sq.sqrt()[0].to(norm.device, norm.dtype)
+
+    @torch.no_grad()
+    def _forward_only(self, pairs: list[tuple[Any, Any]]) -> torch.Tensor:
+        """Every microbatch's loss, forward only, stage after stage (schedule-independent: some
+        torch schedules cannot run ``eval``). Activations move with plain send/recv, their shape
+        sent first, so any count and size of microbatches works (a short last batch too)."""
+        x = torch.cat([x for x, _ in pairs])
+        local = dict(zip(self.stage_ids, self.module))
+        owner = {s: r for r, ids in self._rank_stages.items() for s in ids}
+        h: Any = x if self.has_first else None
+        for s in range(self.num_stages):
+            if owner[s] != self.pp_rank:
+                continue
+            if s > 0 and owner[s - 1] != self.pp_rank:
+                h = self._recv(owner[s - 1])
+            h = local[s](h)
+            if s < self.num_stages - 1 and owner[s + 1] != self.pp_rank:
+                self._send(h, owner[s + 1])
+        values = torch.zeros(len(pairs), dtype=torch.float64, device=self._comm_device)
+        if self.has_last:
+            outputs = torch.split(h, [x.shape[0] for x, _ in pairs])
+            for i, (_, y) in enumerate(pairs):
+                values[i] = float(self.loss_fn(outputs[i], y))
+        dist.broadcast(values, src=self._loss_src, group=self.pp_group)
+        return values.cpu()
+
+    def _send(self, t: torch.Tensor, pp_rank: int) -> None:
+        dst = dist.get_global_rank(self.pp_group, pp_rank)
+        dist.send_object_list(
+            [(tuple(t.shape), t.dtype)], dst=dst, group=self.pp_group, device=self._comm_device
+        )
+        dist.send(t.contiguous().to(self._comm_device), dst=dst, group=self.pp_group)
+
+    def _recv(self, pp_rank: int) -> torch.Tensor:
+        src = dist.get_global_rank(self.pp_group, pp_rank)
+        meta: list[Any] = [None]
+        dist.recv_object_list(meta, src=src, group=self.pp_group, device=self._comm_device)
+        shape, dtype = meta[0]
+        t = torch.empty(shape, dtype=dtype, device=self._comm_device)
+        dist.recv(t, src=src, group=self.pp_group)
+        return t.to(self.device)
+
+    def validation_totals(self, trainer: Any, data: Iterable, eval_iters: int | None) -> torch.Tensor:
+        """``[sum of batch losses, batch count]`` over ``data`` (``n_microbatches`` batches per
+        pass through the stages); the same on every pp rank."""
+        total = torch.zeros(2, dtype=torch.float64)
+        group: list[Any] = []
+
+        def flush() -> None:
+            losses = self._forward_only([trainer.prepare_batch(mb, trainer.device) for mb in group])
+            total[0] += losses.sum()
+            total[1] += len(group)
+            group.clear()
+
+        for i, microbatch in enumerate(data):
+            if eval_iters is not None and i >= eval_iters:
+                break
+            group.append(microbatch)
+            if len(group) == self.n_microbatches:
+                flush()
+        if group:
+            flush()
+        return total
+
+
+def build_pipeline(
+    model: nn.Module,
+    config: PipelineConfig | Any,
+    dist_info: Any = None,
+    loss_fn: Callable | None = None,
+    *,
+    dp_mode: str = "ddp",
+    mesh: Any = None,
+) -> PipelineRuntime:
+    """Split ``model`` into stages for this rank and build the schedule.
+
+    Args:
+        model: the whole model (on CPU or meta-free; each stage deep-copies its part).
+        config: a :class:`PipelineConfig` or the ``pipeline`` section of a run config.
+        dist_info: what :func:`engine.init_distributed` returned; its mesh must have a ``pp``
+            dimension (and ``dp`` for data parallelism): ``init_distributed(mesh_shape=(world //
+            pp, pp), mesh_dim_names=("dp", "pp"))``.
+        loss_fn: ``loss_fn(output, target)``; defaults to ``config.loss_fn``, else the Trainer's.
+        dp_mode: ``"ddp"``, ``"fsdp"`` or ``"none"``: how each stage is replicated across ``dp``.
+        mesh: a device mesh to use instead of ``dist_info.mesh``.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    from engine.parallel import wrap_data_parallel
+    from engine.pipeline import schedules
+
+    cfg = PipelineConfig.from_section(config)
+    cfg.validate("pipeline")
+    if dp_mode not in ("ddp", "fsdp", "none"):
+        raise ConfigError("distributed.dp_mode", f"must be 'ddp', 'fsdp' or 'none', got {dp_mode!r}")
+    mesh = mesh if mesh is not None else getattr(dist_info, "mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is None or "pp" not in names:
+        raise ConfigError(
+            "distributed.pp_size",
+            "pipeline parallelism needs a device mesh with a 'pp' dimension: "
+            "init_distributed(mesh_shape=(world_size // pp_size, pp_size), mesh_dim_names=('dp', 'pp'))",
+        )
+    pp_mesh = mesh["pp"]
+    pp_size, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if pp_size < 2:
+        raise ConfigError(
+            "distributed.pp_size", f"is {pp_size}: a pipeline needs at least 2 ranks; train without one"
+        )
+    n_layers = None
+    if cfg.module_fqns_per_model_part is None:
+        n_layers = len(list(getattr(model, find_layer_container(model)).children()))
+    plan = cfg.stage_plan(pp_size, n_layers)
+    num_stages = plan["num_stages"]
+    fqns = cfg.module_fqns_per_model_part or default_module_fqns(model, num_stages)
+    device = getattr(dist_info, "device", None) or torch.device("cpu")
+    dtype = cfg.torch_dtype
+    dp_mesh = mesh["dp"] if "dp" in names and mesh["dp"].size() > 1 else None
+    stages = []
+    for stage_id in plan["rank_stages"][pp_rank]:
+        part = split_stage_module(model, fqns, stage_id).to(device=device, dtype=dtype)
+        if dp_mesh is not None:
+            part = wrap_data_parallel(part, dp_mode, mesh=dp_mesh)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+    runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn or cfg.loss_fn, plan["rank_stages"])
+    kwargs = {"loss_fn": runtime._scheduled_loss, "scale_grads": cfg.scale_grads_in_schedule}
+    style = plan["style"]
+    if style == "csv":
+        schedule = schedules.build_csv_schedule(stages, plan["schedule"], cfg.n_microbatches, **kwargs)
+    elif style == "single":
+        schedule = plan["schedule"](stages[0], cfg.n_microbatches, **kwargs)
+    else:
+        schedule = plan["schedule"](stages, cfg.n_microbatches, **kwargs)
+    mapping = getattr(schedule, "stage_index_to_group_rank", None)
+    if (
+        style != "single"
+        and mapping is not None
+        and any(mapping.get(s) != pp_rank for s in plan["rank_stages"][pp_rank])
+    ):
+        raise RuntimeError(
+            f"{type(schedule).__name__} places stages {mapping} but this rank built "
+            f"{plan['rank_stages'][pp_rank]}; this schedule's layout is not known here: "
+            "use a pipeline.pp_schedule_csv file"
+        )
+    runtime.schedule = schedule
+    logger.info("pipeline: %r", runtime)
+    return runtime

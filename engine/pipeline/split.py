@@ -1,0 +1,117 @@
+"""Cut a model into pipeline stages by module names.
+
+A stage is a deep copy of the model with every module outside the stage removed: a plain child is
+set to ``None`` and a ``ModuleDict`` entry is deleted, so parameter names stay those of the whole
+model and the model's own ``forward`` runs the stage as long as it skips parts that are ``None``
+(the examples' GPT does). The default split puts the modules before the layer container
+(embeddings) on the first stage, the ones after it (norm, head) on the last, and spreads the layers
+evenly over the stages.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from engine.errors import ConfigError
+
+__all__ = ["default_module_fqns", "find_layer_container", "split_stage_module"]
+
+_LAYER_NAMES = ("layers", "blocks", "h", "layer")
+_FIELD = "pipeline.module_fqns_per_model_part"
+
+
+def find_layer_container(model: nn.Module) -> str:
+    """The name of the model's child holding its repeated layers (a ``ModuleDict`` or ``ModuleList``)."""
+    containers = [n for n, c in model.named_children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
+    for name in _LAYER_NAMES:
+        if name in containers:
+            return name
+    if len(containers) == 1:
+        return containers[0]
+    raise ConfigError(
+        _FIELD,
+        f"cannot tell which child of {type(model).__name__} holds its layers "
+        f"(candidates: {containers or 'none'}); list the modules of each stage in "
+        "pipeline.module_fqns_per_model_part",
+    )
+
+
+def default_module_fqns(
+    model: nn.Module, num_stages: int, layers_field: str = "pipeline.layers_per_stage"
+) -> list[list[str]]:
+    """Module names per stage: children before the layer container on stage 0, children after it
+    on the last stage, layers spread evenly (earlier stages take the remainder)."""
+    container = find_layer_container(model)
+    names = [n for n, _ in model.named_children()]
+    at = names.index(container)
+    layer_keys = [f"{container}.{k}" for k, _ in getattr(model, container).named_children()]
+    n_layers = len(layer_keys)
+    base, extra = divmod(n_layers, num_stages)
+    parts: list[list[str]] = []
+    start = 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        parts.append(layer_keys[start : start + size])
+        start += size
+    parts[0] = names[:at] + parts[0]
+    parts[-1] = parts[-1] + names[at + 1 :]
+    for s, part in enumerate(parts):
+        if not part:
+            raise ConfigError(
+                layers_field,
+                f"{n_layers} layers cannot fill {num_stages} stages (stage {s} would be empty); "
+                "use fewer stages (a larger layers_per_stage, round 'down', or a single-stage schedule)",
+            )
+    return parts
+
+
+def split_stage_module(model: nn.Module, fqns_per_stage: list[list[str]], stage: int) -> nn.Module:
+    """A deep copy of ``model`` that keeps only the modules of stage ``stage``."""
+    _check_cover(model, fqns_per_stage)
+    keep = set(fqns_per_stage[stage])
+    part = copy.deepcopy(model)
+    _prune(part, "", keep)
+    if not any(True for _ in part.parameters()):
+        raise ConfigError(f"{_FIELD}[{stage}]", f"stage {stage} holds no parameters ({sorted(keep)})")
+    return part
+
+
+def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
+    for name, child in list(module.named_children()):
+        fqn = prefix + name
+        if fqn in keep:
+            continue
+        if any(k.startswith(fqn + ".") for k in keep):
+            _prune(child, fqn + ".", keep)
+        elif isinstance(module, nn.ModuleDict):
+            del module[name]
+        elif isinstance(module, nn.ModuleList):
+            raise ConfigError(
+                _FIELD,
+                f"{prefix.rstrip('.')} is a ModuleList: removing {fqn} would renumber the others; "
+                "make it a ModuleDict keyed '0', '1', ... so layer names stay stable",
+            )
+        else:
+            setattr(module, name, None)
+
+
+def _check_cover(model: nn.Module, fqns_per_stage: list[list[str]]) -> None:
+    """Every name exists, and every parameter belongs to exactly one stage."""
+    modules = dict(model.named_modules())
+    owner: dict[str, int] = {}
+    for s, part in enumerate(fqns_per_stage):
+        for fqn in part:
+            if fqn not in modules:
+                raise ConfigError(f"{_FIELD}[{s}]", f"{type(model).__name__} has no module {fqn!r}")
+            for pname, _ in modules[fqn].named_parameters(prefix=fqn):
+                if pname in owner and owner[pname] != s:
+                    raise ConfigError(f"{_FIELD}[{s}]", f"{pname} is already in stage {owner[pname]}")
+                owner[pname] = s
+    missing = [n for n, _ in model.named_parameters() if n not in owner]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ConfigError(
+            _FIELD, f"parameters in no stage would never train: {shown}; add their modules to a stage"
+        )

@@ -1,0 +1,756 @@
+"""AsyncCheckpointer: sharded, asynchronous, crash-safe checkpoints and exact resume.
+
+What a checkpoint holds: model and optimizer through ``torch.distributed.checkpoint`` (DCP, sharded
+and reshardable), and per rank as JSON: the LR scheduler, the trainer's counters, every stateful
+handler registered with the trainer, the data position and the RNG states (python, numpy, torch,
+CUDA, the data's own generators). The on-disk layout and the safe readers are in
+:mod:`engine.checkpoint_io`.
+
+When it saves (at STEP_END, after the StepScheduler has set its flags): on
+``state.should_checkpoint``, every ``every_steps`` steps, at the last step, when the run stops on
+request (``state.should_stop`` with a resumable exit code), and at TRAIN_END if the last step was
+not saved yet; never twice for one step. The decision is agreed across ranks.
+
+Modes (``mode=``):
+
+* ``"sync"``: ``dcp.save``; training waits for the whole write.
+* ``"async"``: ``dcp.async_save`` on its own gloo process group; training waits while the state is
+  copied to host memory, then the write runs on a background thread.
+* ``"async_staged"``: the copy to host memory (pinned with CUDA) also runs in the background;
+  training waits for it only right before the next ``optimizer.step`` (parameters must not change
+  mid-copy) or the next save.
+
+Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable: the
+next STEP_END polls the write, the ranks agree "all done" with one small all-reduce, then rank 0
+writes the completion marker, renames the directory to ``step_N`` and moves ``latest``; then
+``Events.CHECKPOINT_SAVED(step, path)`` fires. ``wait()`` drains the save in flight; it runs at
+TRAIN_END and on the exception path. On the exception path (and after a failure exit code) it only
+waits locally, with a timeout, and starts no collective, since a peer may be gone: with several
+ranks that save stays an incomplete ``.partial`` directory which resume ignores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from engine import checkpoint_io as io
+from engine.checkpoint_io import CheckpointError
+from engine.errors import ConfigError
+from engine.events import Events
+from engine.exit_codes import ExitCode
+
+__all__ = ["AsyncCheckpointer", "CheckpointError"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("sync", "async", "async_staged")
+_FORMAT = "hookloop-checkpoint"
+_VERSION = 1
+# TRAIN_START: right after the trainer's own first handler (priority inf), before everyone else.
+_RESUME_PRIORITY = 1e9
+# STEP_END: after the StepScheduler's flags and validation, before loggers (priority 0).
+_SAVE_PRIORITY = 10
+# BEFORE_OPTIMIZER_STEP: last, right before optimizer.step.
+_STAGING_PRIORITY = -1e9
+_RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
+# Counters that count events fired (filters read them): a rollback keeps them monotonic.
+_EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks")
+
+
+class _Save:
+    """One save in flight: where it goes and the futures that tell when it is staged/durable."""
+
+    def __init__(self, step: int, partial: str, final: str, done: Future, staged: Future | None) -> None:
+        self.step, self.partial, self.final = step, partial, final
+        self.done, self.staged = done, staged
+
+
+def _done_future() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
+
+
+class AsyncCheckpointer:
+    """Save sharded checkpoints (sync, async or staged-async), resume exactly, answer ROLLBACK.
+
+    Args:
+        directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
+        every_steps: also save every this many steps (None: only on request, at the end, on stop).
+        keep_last: complete checkpoints to keep; older ones are deleted after a new one is durable.
+        mode: ``"sync"``, ``"async"`` or ``"async_staged"`` (see the module docstring).
+        resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
+            there is none), a checkpoint directory path (must exist and be complete), or None.
+        load_optimizer: restore the optimizer state too (False: model, counters and the rest only).
+        finetune_from: a checkpoint whose model weights are loaded at the start of a fresh run
+            (step 0); used only when ``resume`` finds nothing to resume from.
+        wait_timeout_s: the longest any local wait for a save may take before it is an error.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int | None = None,
+        keep_last: int = 3,
+        mode: str = "async",
+        resume: str | os.PathLike | None = "auto",
+        load_optimizer: bool = True,
+        finetune_from: str | os.PathLike | None = None,
+        wait_timeout_s: float = 600.0,
+    ) -> None:
+        if directory is None or str(directory) == "":
+            raise ConfigError("checkpoint.directory", "is required: the directory checkpoints are written to")
+        if every_steps is not None and (
+            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
+        ):
+            raise ConfigError(
+                "checkpoint.every_steps", f"must be a positive integer or None, got {every_steps!r}"
+            )
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ConfigError("checkpoint.keep_last", f"must be an integer >= 1, got {keep_last!r}")
+        if mode not in MODES:
+            raise ConfigError("checkpoint.mode", f"must be one of {', '.join(MODES)}; got {mode!r}")
+        if not wait_timeout_s > 0:
+            raise ConfigError("checkpoint.wait_timeout_s", f"must be > 0 seconds, got {wait_timeout_s!r}")
+        self.directory = os.path.abspath(directory)
+        self.every_steps = every_steps
+        self.keep_last = keep_last
+        self.mode = mode
+        self.load_optimizer = load_optimizer
+        self.wait_timeout_s = wait_timeout_s
+        self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
+        self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
+        if finetune_from is not None and resume not in (None, "auto"):
+            raise ConfigError("checkpoint.finetune_from", "cannot be combined with an explicit resume path")
+        _check_writable(self.directory)
+        if self.resume not in (None, "auto"):
+            _check_loadable(self.resume, "checkpoint.resume")
+        if self.finetune_from is not None:
+            _check_loadable(self.finetune_from, "checkpoint.finetune_from")
+
+        self.trainer: Any = None
+        self.last_saved_step: int | None = None
+        self.resumed_from: str | None = None
+        self.last_checkpoint: str | None = None
+        self._inflight: _Save | None = None
+        self._group: Any = None
+        self._stager: Any = None
+        self._session = ""
+        self._started = False
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> AsyncCheckpointer | None:
+        """Build from an ``engine.config.CheckpointConfig`` (None when ``enabled`` is false)."""
+        if not cfg.enabled:
+            return None
+        return cls(
+            cfg.directory,
+            every_steps=cfg.every_steps,
+            keep_last=cfg.keep_last,
+            mode=cfg.mode,
+            resume=cfg.resume,
+            load_optimizer=cfg.load_optimizer,
+            finetune_from=cfg.finetune_from,
+        )
+
+    # ------------------------------------------------------------------------------ attaching
+    def attach(self, trainer: Any) -> AsyncCheckpointer:
+        if self.trainer is not None:
+            raise RuntimeError(
+                "this AsyncCheckpointer is already attached to a trainer; build one per trainer"
+            )
+        if getattr(trainer, "checkpointer", None) is not None:
+            raise RuntimeError("the trainer already has a checkpointer attached; attach only one")
+        self.trainer = trainer
+        trainer.checkpointer = self
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_RESUME_PRIORITY)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_RESUME_PRIORITY)
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=_STAGING_PRIORITY)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_SAVE_PRIORITY)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_RESUME_PRIORITY)
+        trainer.add_event_handler(Events.EXCEPTION, self._on_exception, priority=_RESUME_PRIORITY)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback)
+        return self
+
+    # ------------------------------------------------------------------------------ events
+    def _on_train_start(self) -> None:
+        self._setup_group()
+        if self._started:  # a later run() in this process continues; it does not reload
+            return
+        self._started = True
+        if self.resume is not None:
+            path = self._agreed_checkpoint(self.resume)
+            if path is not None:
+                self._load(path, rollback=False)
+                max_steps = self.trainer.max_steps
+                if max_steps is not None and self.trainer.state.iteration >= max_steps:
+                    logger.info("the checkpoint is at step %d >= max_steps: nothing left to train", max_steps)
+                    self.trainer.terminate()
+                return
+        if self.finetune_from is not None:
+            self._load_weights(self.finetune_from)
+
+    def _on_step_start(self) -> None:
+        self.trainer.state.times["checkpoint"] = 0.0
+
+    def _wait_staged(self) -> None:
+        save = self._inflight
+        if save is None or save.staged is None or save.staged.done():
+            return
+        start = time.perf_counter()
+        self._result(save.staged, "staging")
+        self._add_blocked(time.perf_counter() - start)
+
+    def _on_step_end(self) -> None:
+        start = time.perf_counter()
+        state = self.trainer.state
+        step = state.iteration
+        want = step != self.last_saved_step and (
+            state.should_checkpoint
+            or (self.every_steps is not None and step % self.every_steps == 0)
+            or state.is_last_step
+            or self._at_last_step()
+            or (state.should_stop and state.exit_code in _RESUMABLE_EXIT_CODES)
+        )
+        inflight = self._inflight
+        local_done = inflight is None or inflight.done.done()
+        want, all_done = self._agree(want, local_done)
+        if inflight is not None and (all_done or want):
+            self._finish(wait=not all_done)
+        if want:
+            self._start_save(step)
+        self._add_blocked(time.perf_counter() - start)
+
+    def _on_train_end(self) -> None:
+        state = self.trainer.state
+        resumable = state.exit_code in _RESUMABLE_EXIT_CODES
+        if resumable and state.iteration > 0 and state.iteration != self.last_saved_step:
+            self._start_save(state.iteration)  # data ran out before a step the flags knew was last
+        if resumable:
+            self.wait()
+        else:
+            self._wait_local()
+
+    def _on_exception(self, _error: BaseException) -> None:
+        self._wait_local()
+
+    def _on_rollback(self) -> None:
+        keep = bool(getattr(self.trainer.state, "rollback_keep_data_position", False))
+        self.restore_latest(keep_data_position=keep)
+
+    # ------------------------------------------------------------------------------ public
+    @property
+    def saving(self) -> bool:
+        """A save was started and is not yet published as a complete checkpoint."""
+        return self._inflight is not None
+
+    def wait(self) -> None:
+        """Drain the save in flight: wait until it is durable on every rank, then publish it
+        (marker, ``latest``, pruning, CHECKPOINT_SAVED). Collective: call it on every rank."""
+        if self._inflight is not None:
+            self._finish(wait=True)
+
+    def restore_latest(self, keep_data_position: bool = False) -> int:
+        """Restore the newest complete checkpoint into the running trainer (model, optimizer, LR
+        scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is False, RNG)
+        and return its step. ``keep_data_position``: the data continues from where it is now
+        instead of going back. Collective: every rank calls it (ROLLBACK is agreed)."""
+        self.wait()
+        path = self._agreed_checkpoint("auto")
+        if path is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory} to roll back to")
+        self._load(path, rollback=True, keep_data_position=keep_data_position)
+        return self.trainer.state.iteration
+
+    def close(self) -> None:
+        """Drain the save in flight and release the checkpoint process group and stager."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+        self._session = ""  # a later run() sets both up again
+
+    # ------------------------------------------------------------------------------ saving
+    def _at_last_step(self) -> bool:
+        trainer, state = self.trainer, self.trainer.state
+        if trainer.max_steps is not None and state.iteration >= trainer.max_steps:
+            return True
+        length, epochs = state.epoch_length, state.max_epochs
+        return bool(
+            length
+            and epochs
+            and epochs < 2**40
+            and state.epoch >= epochs
+            and trainer.step_data is not None
+            and trainer.step_data.steps >= length
+        )
+
+    def _start_save(self, step: int) -> None:
+        name = io.step_dir_name(step)
+        partial = os.path.join(self.directory, f"{name}.partial-{self._session}")
+        try:
+            os.makedirs(partial, exist_ok=True)
+            io.write_json_atomic(os.path.join(partial, f"rank_{_rank():05d}.json"), self._rank_state(step))
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
+                f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
+            ) from e
+        model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer)
+        state_dict = {"model": model_sd, "optim": optim_sd}
+        kwargs: dict[str, Any] = {
+            "checkpoint_id": partial,
+            "process_group": self._group,
+            "no_dist": self._group is None,
+        }
+        staged: Future | None = None
+        try:
+            with _quiet_single_process():
+                if self.mode == "sync":
+                    dcp.save(state_dict, **kwargs)
+                    done = _done_future()
+                elif self.mode == "async":
+                    done = dcp.async_save(state_dict, **kwargs)
+                else:
+                    response = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
+                    staged, done = response.staging_completion, response.upload_completion
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"saving step {step} to {partial} failed: {e}") from e
+        self._inflight = _Save(step, partial, os.path.join(self.directory, name), done, staged)
+        self.last_saved_step = step
+        if self.mode == "sync":
+            self._finish(wait=False)
+
+    def _rank_state(self, step: int) -> dict[str, Any]:
+        trainer, state = self.trainer, self.trainer.state
+        handlers = {}
+        for key, obj in trainer.stateful.items():
+            handlers[key] = io.encode(obj.state_dict(), f"handler {key!r} state_dict()")
+        data = trainer.step_data.state_dict() if trainer.step_data is not None else None
+        scheduler = trainer.lr_scheduler
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "step": step,
+            "rank": _rank(),
+            "world_size": _world(),
+            "counters": state.counters(),
+            "epoch_length": state.epoch_length,
+            "lr_scheduler": None if scheduler is None else io.encode(scheduler.state_dict(), "lr_scheduler"),
+            "handlers": handlers,
+            "data": io.encode(data, "data position"),
+            "rng": io.capture_rng(self._data_generators()),
+        }
+
+    def _data_generators(self) -> list[torch.Generator]:
+        step_data = self.trainer.step_data
+        return io.data_generators(step_data.data) if step_data is not None else []
+
+    def _get_stager(self) -> Any:
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            # Without an accelerator a non-blocking, pinned copy is impossible: copy on a thread.
+            self._stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+        return self._stager
+
+    def _finish(self, wait: bool) -> None:
+        """Publish the save in flight once every rank's write is durable (collective)."""
+        save, self._inflight = self._inflight, None
+        error: BaseException | None = None
+        try:
+            if wait:
+                self._result(save.done, "write")
+            elif save.done.exception() is not None:
+                raise save.done.exception()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = e
+        failed = self._agree_failed(error is not None)
+        if failed:
+            where = f": {error}" if error is not None else " on another rank"
+            raise CheckpointError(
+                f"writing the checkpoint of step {save.step} to {save.partial} failed{where}; the previous "
+                "complete checkpoint and `latest` are unchanged"
+            ) from (error if isinstance(error, Exception) else None)
+        ok = True
+        if _rank() == 0:
+            ok = self._publish(save)
+        if _world() > 1:
+            ok = not self._agree_failed(not ok)
+        if not ok:
+            raise CheckpointError(f"publishing the checkpoint of step {save.step} at {save.final} failed")
+        self.last_checkpoint = save.final
+        self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
+
+    def _publish(self, save: _Save) -> bool:
+        """Rank 0: marker, rename to ``step_N``, move ``latest``, prune. Every rank's data is durable."""
+        try:
+            marker = {"step": save.step, "world_size": _world(), "mode": self.mode, "time": time.time()}
+            io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
+            if os.path.exists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
+                trash = f"{save.final}.replaced-{self._session}"
+                os.replace(save.final, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(save.partial, save.final)
+            io.fsync_dir(self.directory)
+            io.write_latest(self.directory, os.path.basename(save.final))
+        except OSError as e:
+            logger.error("could not publish checkpoint %s: %s", save.final, e)
+            return False
+        logger.info("checkpoint of step %d is complete: %s", save.step, save.final)
+        self._prune()
+        return True
+
+    def _prune(self) -> None:
+        complete, torn = io.complete_checkpoints(self.directory)
+        newest = complete[0][0] if complete else -1
+        for path in torn:  # left by a deletion that a crash interrupted (a save in flight is .partial)
+            step = io.parse_step(os.path.basename(path))
+            if step is not None and step < newest:
+                shutil.rmtree(path, ignore_errors=True)
+        keep = {path for _, path in complete[: self.keep_last]}
+        latest = io.read_latest(self.directory)
+        if latest:
+            keep.add(os.path.join(self.directory, latest))
+        for _, path in complete[self.keep_last :]:
+            if path in keep:
+                continue
+            try:
+                os.remove(os.path.join(path, io.MARKER))  # incomplete first, so a reader never loads it
+                shutil.rmtree(path)
+            except OSError as e:
+                logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
+
+    def _wait_local(self) -> None:
+        """Wait for this rank's own write only (no collective: a peer may be gone)."""
+        save = self._inflight
+        if save is None:
+            return
+        try:
+            save.done.result(timeout=self.wait_timeout_s)
+        except FutureTimeout:
+            logger.error(
+                "checkpoint of step %d did not finish writing within %.0fs", save.step, self.wait_timeout_s
+            )
+            return
+        except BaseException as e:  # noqa: BLE001 - already failing; report and go on
+            logger.error("checkpoint of step %d failed: %r", save.step, e)
+            self._inflight = None
+            return
+        if _world() == 1:  # no peer to agree with: this save is complete
+            self._finish(wait=False)
+        else:
+            self._inflight = None
+            logger.warning(
+                "checkpoint of step %d stays incomplete (%s): the ranks could not agree it finished",
+                save.step,
+                save.partial,
+            )
+
+    # ------------------------------------------------------------------------------ loading
+    def _agreed_checkpoint(self, which: str) -> str | None:
+        """Every rank gets rank 0's choice: the newest complete checkpoint for ``"auto"``."""
+        if which != "auto":
+            _check_loadable(which, "checkpoint.resume")
+            return which
+        step = -1
+        if _rank() == 0:
+            complete, torn = io.complete_checkpoints(self.directory)
+            newest = complete[0][0] if complete else -1
+            for path in torn:
+                step_of = io.parse_step(os.path.basename(path))
+                if step_of is not None and step_of > newest:
+                    logger.warning("skipping incomplete checkpoint %s (no %s marker)", path, io.MARKER)
+            step = newest
+        if self._group is not None:
+            t = torch.tensor([step], dtype=torch.int64)
+            dist.broadcast(t, src=0, group=self._group)
+            step = int(t[0])
+        return None if step < 0 else os.path.join(self.directory, io.step_dir_name(step))
+
+    def _check_compatible(self, path: str, state_dict: dict[str, Any]) -> None:
+        metadata = io.SafeReader(path).read_metadata()
+        stored = metadata.state_dict_metadata
+        wanted = {f"model.{k}": v for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
+        stored_model = {k for k in stored if k.startswith("model.")}
+        missing = sorted(set(wanted) - stored_model)
+        unexpected = sorted(stored_model - set(wanted))
+        wrong = sorted(
+            k
+            for k in set(wanted) & stored_model
+            if tuple(getattr(stored[k], "size", ())) != tuple(wanted[k].shape)
+        )
+        if missing or unexpected or wrong:
+
+            def show(keys: list[str]) -> str:
+                return ", ".join(k.removeprefix("model.") for k in keys[:5]) + (
+                    " ..." if len(keys) > 5 else ""
+                )
+
+            parts = [
+                f"{label} {len(keys)} ({show(keys)})"
+                for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                if keys
+            ]
+            raise CheckpointError(
+                f"checkpoint {path} is from a different model: {'; '.join(parts)}; resume with the model "
+                "that wrote it, or start fresh (checkpoint.resume=None) / fine-tune matching weights"
+            )
+
+    def _dcp_load(self, path: str, state_dict: dict[str, Any]) -> None:
+        self._check_compatible(path, state_dict)
+        with _quiet_single_process():
+            try:
+                dcp.load(
+                    state_dict,
+                    storage_reader=io.SafeReader(path),
+                    planner=io.SafeLoadPlanner(),
+                    process_group=self._group,
+                    no_dist=self._group is None,
+                )
+            except CheckpointException as e:  # DCP's error derives from BaseException
+                first = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+                raise CheckpointError(
+                    f"loading {path} failed: {first}; if the optimizer changed since it was written, "
+                    "resume with load_optimizer=False"
+                ) from None
+
+    def _load_weights(self, path: str) -> None:
+        model = self.trainer.model
+        model_sd = get_model_state_dict(model)
+        state_dict = {"model": model_sd}
+        self._dcp_load(path, state_dict)
+        set_model_state_dict(model, state_dict["model"])
+        logger.info("fine-tuning from the model weights of %s (starting at step 0)", path)
+
+    def _load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> None:
+        trainer, state = self.trainer, self.trainer.state
+        extra = self._read_rank_state(path)
+        if self.load_optimizer:
+            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+            state_dict = {"model": model_sd, "optim": optim_sd}
+            self._dcp_load(path, state_dict)
+            set_state_dict(
+                trainer.model,
+                trainer.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+            )
+        else:
+            state_dict = {"model": get_model_state_dict(trainer.model)}
+            self._dcp_load(path, state_dict)
+            set_model_state_dict(trainer.model, state_dict["model"])
+        if trainer.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+            trainer.lr_scheduler.load_state_dict(io.decode(extra["lr_scheduler"]))
+        self._load_handlers(extra.get("handlers", {}), rollback)
+        counters = dict(extra["counters"])
+        if rollback:
+            for name in (*_EVENT_COUNTERS, "epoch"):
+                counters.pop(name, None)
+        position = io.decode(extra["data"]) if extra.get("data") is not None else None
+        epoch_length = extra.get("epoch_length")
+        state.load_counters(counters)
+        io.restore_rng(extra["rng"], self._data_generators())
+        state.lr = trainer.optimizer.param_groups[0]["lr"]
+        self.last_saved_step = extra["step"]
+        self.resumed_from = path
+        if not rollback:
+            self._position_data(position, epoch_length, counters["epoch"])
+        elif not keep_data_position:
+            self._rewind_data(position, epoch_length, counters)
+        logger.info("%s %s (step %d)", "rolled back to" if rollback else "resumed from", path, extra["step"])
+
+    def _position_data(self, position: dict | None, epoch_length: int | None, epoch: int) -> None:
+        """Before the first epoch starts: counters so ignite re-enters the saved epoch at the saved
+        step, and the data source at the saved microbatch."""
+        trainer, state = self.trainer, self.trainer.state
+        if state.epoch_length is None and epoch_length is not None:
+            state.epoch_length = epoch_length
+        elif epoch_length is not None and state.epoch_length != epoch_length:
+            logger.warning(
+                "the data has %s steps per epoch, the checkpoint %s: the data position is not "
+                "restored exactly",
+                state.epoch_length,
+                epoch_length,
+            )
+        steps = position["steps"] if position else 0
+        mid_epoch = (
+            position is not None and steps > 0 and not (epoch_length is not None and steps >= epoch_length)
+        )
+        # ignite adds 1 to ``epoch`` before each epoch and counts the steps already done in it
+        state.epoch = epoch - 1 if mid_epoch else epoch
+        trainer._init_iter = steps if mid_epoch else 0
+        if trainer.step_data is None or position is None:
+            return
+        if mid_epoch:
+            trainer.step_data.load_state_dict(position)
+        elif "source" in position:
+            trainer.step_data.load_state_dict(
+                {"microbatches": 0, "steps": 0, "pass_start_rng": None, "source": position["source"]}
+            )
+
+    def _rewind_data(self, position: dict | None, epoch_length: int | None, counters: dict) -> None:
+        """Rollback without keeping the data position: the live data iterator restarts at the
+        checkpoint's position. ignite's own count of steps in this epoch is not reset, so after such
+        a rollback EPOCH_END may fire early by the rewound steps; the data order is exact."""
+        trainer = self.trainer
+        if trainer.step_data is None or position is None:
+            return
+        trainer.step_data.load_state_dict(position)
+        trainer._dataloader_iter = iter(trainer.step_data)
+
+    def _load_handlers(self, states: dict[str, Any], rollback: bool) -> None:
+        registered = self.trainer.stateful
+        for key, obj in registered.items():
+            if rollback and getattr(obj, "restore_on_rollback", True) is False:
+                continue
+            if key not in states:
+                logger.warning("handler state %r is not in the checkpoint; it starts fresh", key)
+                continue
+            obj.load_state_dict(io.decode(states[key]))
+        for key in sorted(set(states) - set(registered)):
+            logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
+
+    def _read_rank_state(self, path: str) -> dict[str, Any]:
+        own = os.path.join(path, f"rank_{_rank():05d}.json")
+        if not os.path.exists(own):
+            own = os.path.join(path, "rank_00000.json")
+            logger.warning(
+                "%s was written by a different number of ranks: rank %d takes rank 0's data position "
+                "and RNG states",
+                path,
+                _rank(),
+            )
+        try:
+            extra = io.read_json(own)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {own}: {e}") from e
+        if extra.get("format") != _FORMAT or extra.get("version") != _VERSION:
+            raise CheckpointError(f"{own} is not a {_FORMAT} v{_VERSION} state file")
+        return extra
+
+    # ------------------------------------------------------------------------------ collectives
+    def _setup_group(self) -> None:
+        """Once: the gloo group async writes use (so they never collide with training collectives),
+        and the session id that names this run's partial directories."""
+        if self._session:
+            return
+        session = uuid.uuid4().int & 0x7FFFFFFF
+        if dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+            t = torch.tensor([session], dtype=torch.int64)
+            dist.broadcast(t, src=0, group=self._group)
+            session = int(t[0])
+        self._session = f"{session:08x}"
+        if _rank() == 0:
+            self._remove_stale_partials()
+
+    def _remove_stale_partials(self) -> None:
+        for name in os.listdir(self.directory):
+            if ".partial-" in name or ".replaced-" in name:
+                if name.endswith(f"-{self._session}"):
+                    continue
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _agree(self, want: bool, done: bool) -> tuple[bool, bool]:
+        """One all-reduce (MAX) on the training group: any rank wants a save / any rank not done."""
+        if _world() == 1:
+            return want, done
+        t = torch.tensor([int(want), int(not done)], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0]), not bool(t[1])
+
+    def _agree_failed(self, failed: bool) -> bool:
+        if _world() == 1:
+            return failed
+        t = torch.tensor([int(failed)], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0])
+
+    def _result(self, future: Future, what: str) -> Any:
+        try:
+            return future.result(timeout=self.wait_timeout_s)
+        except FutureTimeout:
+            raise CheckpointError(
+                f"checkpoint {what} did not finish within {self.wait_timeout_s:.0f}s (wait_timeout_s)"
+            ) from None
+
+    def _add_blocked(self, seconds: float) -> None:
+        times = self.trainer.state.times
+        times["checkpoint"] = times.get("checkpoint", 0.0) + seconds
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # Without a process group DCP warns on every save/load (also from its writer thread) that it
+    # assumes one process, which is what we mean: silence exactly that message.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(
+            "checkpoint.directory",
+            f"{directory} is not a writable directory ({e}); "
+            "pass a directory this process can create and write",
+        ) from None
+
+
+def _check_loadable(path: str, field: str) -> None:
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{field}: checkpoint {path} does not exist; pass an existing step_N directory, "
+            "'auto' to resume from the newest complete one, or None to start fresh"
+        )
+    if not io.is_complete(path):
+        raise CheckpointError(
+            f"{field}: checkpoint {path} is incomplete (no {io.MARKER} marker: it was being "
+            "written when the run stopped); pass a complete step_N directory or 'auto'"
+        )

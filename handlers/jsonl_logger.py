@@ -1,0 +1,59 @@
+"""JSONLLogger: one JSON object per logged step in a file; cheap enough to leave on always."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from handlers.loggers import MetricLogger
+
+__all__ = ["JSONLLogger"]
+
+
+class JSONLLogger(MetricLogger):
+    """Appends ``{"step": N, "time": unix_seconds, <metric>: value, ...}`` lines to ``path``.
+
+    The file is appended to, so a resumed run continues its history in the same file (a step
+    logged twice across a restart appears twice; readers keep the last). Non-finite values are
+    written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them). Rank 0 only unless
+    ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, every_steps: int | None = None, all_ranks: bool = False
+    ) -> None:
+        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        self.path = Path(path)
+        self._file: IO[str] | None = None
+
+    @classmethod
+    def from_config(cls, logging_cfg: Any, run_dir: str | os.PathLike) -> JSONLLogger:
+        return cls(Path(run_dir) / "metrics.jsonl", every_steps=logging_cfg.log_interval)
+
+    def _rank_path(self) -> Path:
+        from engine import parallel
+
+        r = parallel.rank()
+        return self.path if r == 0 else self.path.with_name(f"{self.path.stem}.rank{r}{self.path.suffix}")
+
+    def open(self) -> None:
+        path = self._rank_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # line-buffered: each record reaches the file when written, so a crash loses nothing logged
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed at TRAIN_END / EXCEPTION)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,131 @@
+"""WandBLogger: metrics to Weights & Biases, online or as an offline run to sync later."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.events import Events
+from handlers.loggers import MetricLogger, metric_tag
+
+__all__ = ["WandBLogger"]
+
+_MODES = ("online", "offline", "disabled")
+
+
+def _scheduler_attached(trainer: Any) -> bool:
+    """True when something that publishes ``state.should_log_remote`` (a StepScheduler, recognised
+    by its ``log_remote_every_steps``) is attached to the trainer."""
+    owners = list(trainer.stateful.values())
+    for handler, *_ in trainer._event_handlers.get(Events.STEP_START, ()):
+        owners.append(getattr(handler, "__self__", None))
+    return any(hasattr(o, "log_remote_every_steps") for o in owners)
+
+
+class WandBLogger(MetricLogger):
+    """Logs the run's config once and its metrics under :func:`~handlers.loggers.metric_tag` names.
+
+    When does it log? With a StepScheduler attached, on the steps it marks
+    ``state.should_log_remote`` (its ``log_remote_every_steps``), sending the latest published
+    metrics with the step's live loss, grad norm and lr; without one, on the MetricsTracker's log
+    steps, or every ``every_steps`` steps when ``every_steps`` is given. Validation results are sent
+    on the step they were computed.
+
+    ``mode`` None leaves the choice to ``WANDB_MODE``; ``"offline"`` writes a local run directory
+    under ``dir`` that ``wandb sync`` uploads later; ``"disabled"`` makes every call a no-op.
+    ``wandb`` is imported when the logger is attached; extra keyword arguments go to ``wandb.init``
+    (``settings=wandb.Settings(...)``, ``id``/``resume`` to continue a run, ``tags``, ...).
+    """
+
+    def __init__(
+        self,
+        project: str = "hookloop",
+        *,
+        name: str | None = None,
+        dir: str | os.PathLike | None = None,
+        mode: str | None = None,
+        config: Any = None,
+        every_steps: int | None = None,
+        all_ranks: bool = False,
+        **init_kwargs: Any,
+    ) -> None:
+        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        if mode is not None and mode not in _MODES:
+            from engine.errors import ConfigError
+
+            raise ConfigError(
+                "mode", f"must be one of {', '.join(_MODES)} or None (use WANDB_MODE), got {mode!r}"
+            )
+        self.project = project
+        self.name = name
+        self.dir = Path(dir) if dir is not None else None
+        self.mode = mode
+        self.config = config
+        self.init_kwargs = init_kwargs
+        self.run: Any = None
+        self._follow_remote_flag = False
+
+    @classmethod
+    def from_config(cls, logging_cfg: Any, run_dir: str | os.PathLike, *, config: Any = None) -> WandBLogger:
+        return cls(
+            logging_cfg.wandb_project,
+            dir=run_dir,
+            mode=logging_cfg.wandb_mode,
+            config=config,
+            every_steps=getattr(logging_cfg, "wandb_every_steps", None),
+        )
+
+    def open(self) -> None:
+        import wandb
+
+        config = self.config
+        if dataclasses.is_dataclass(config) and not isinstance(config, type):
+            config = dataclasses.asdict(config)
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        kwargs = dict(self.init_kwargs)
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        self.run = wandb.init(
+            project=self.project,
+            name=self.name,
+            dir=str(self.dir) if self.dir is not None else None,
+            config=config,
+            **kwargs,
+        )
+
+    def _on_train_start(self) -> None:
+        super()._on_train_start()
+        self._follow_remote_flag = self.every_steps is None and _scheduler_attached(self.trainer)
+
+    def is_log_step(self, state: Any) -> bool:
+        if self.every_steps is not None:
+            return state.step % self.every_steps == 0
+        if self._follow_remote_flag:
+            return bool(state.should_log_remote)
+        return super().is_log_step(state)
+
+    def collect(self, state: Any, *, train: bool, validation: bool) -> dict[str, float]:
+        out = super().collect(state, train=train, validation=validation)
+        if train and getattr(state, "metrics_step", None) != state.step:
+            # between tracker publications: send the live per-step figures, not the stale ones
+            for name in ("loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"):
+                out[name] = float(getattr(state, name))
+        return out
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self.run is not None:
+            self.run.log({metric_tag(k): v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    def _on_exception(self, _error: BaseException) -> None:
+        if self.run is not None and not self._closed:
+            self._closed = True
+            self.run.finish(exit_code=1)
+            self.run = None

@@ -1,0 +1,542 @@
+"""AsyncCheckpointer: exact resume (1 process, DDP, FSDP2), resharding, crash safety, rollback, errors.
+
+Every comparison is bitwise and made at one thread count with deterministic algorithms.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine import ConfigError, Events, ExitCode, Trainer
+from engine import checkpoint_io as io
+from examples.models.gpt import cross_entropy_loss
+from handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from tests.conftest import tiny_gpt, token_batches
+from tests.dist_utils import REPO, run_distributed
+from tests.scripts import ckpt_train
+
+MODES = ("sync", "async", "async_staged")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def noisy_prepare(microbatch, device):
+    """Uses python, numpy and torch RNG, so a resume that restores any of them wrongly diverges."""
+    x, y = microbatch
+    keep = torch.rand(x.shape) < 0.9
+    shift = random.randint(0, 3) + int(np.random.randint(0, 3))
+    return torch.where(keep, (x + shift) % 64, 0).to(device), y.to(device)
+
+
+def make_trainer(seed: int = 0, **kwargs) -> Trainer:
+    model = tiny_gpt(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    kwargs.setdefault("grad_accum_steps", 2)
+    return Trainer(
+        model, optimizer, cross_entropy_loss, lr_scheduler=scheduler, prepare_batch=noisy_prepare, **kwargs
+    )
+
+
+def shuffled_loader(n: int = 10) -> torch.utils.data.DataLoader:
+    pairs = [(x[0], y[0]) for x, y in token_batches(n, batch=1, seed=3)]
+    return torch.utils.data.DataLoader(
+        pairs, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(7)
+    )
+
+
+def seed_all(seed: int = 11) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out = {f"p.{n}": p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for i, s in enumerate(trainer.optimizer.state.values()):
+        out.update({f"o.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+    return out
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"not bitwise equal: {different[:5]}"
+
+
+def stop_at(trainer: Trainer, step: int) -> None:
+    """What a stop signal does through the StepScheduler: stop (resumable) after ``step``."""
+
+    def request(engine: Trainer) -> None:
+        if engine.state.step == step:
+            engine.state.should_checkpoint = True
+            engine.state.request_stop("test stop", ExitCode.STOPPED)
+
+    trainer.add_event_handler(Events.STEP_END, request, priority=1_000)
+
+
+# ------------------------------------------------------------------------------ single process
+@pytest.mark.parametrize(
+    ("mode", "stop"), [("sync", 4), ("async", 7), ("async_staged", 5), ("sync", 5), ("async_staged", 7)]
+)
+def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop):
+    """10 microbatches, 2 per step: 5 steps per epoch; stops mid-epoch (7), at an epoch end (5) and
+    in the first epoch (4). Data is a shuffled DataLoader reshuffling from its generator."""
+    seed_all()
+    ref = make_trainer()
+    ref.run(shuffled_loader(), max_steps=12)
+    expected = snapshot(ref)
+
+    seed_all()
+    first = make_trainer()
+    saved = []
+    AsyncCheckpointer(tmp_path, mode=mode, every_steps=3).attach(first)
+    first.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
+    stop_at(first, stop)
+    state = first.run(shuffled_loader(), max_steps=12)
+    assert state.step == stop and state.exit_code == ExitCode.STOPPED
+    assert saved == sorted({3, 6, stop} & set(range(1, stop + 1)))
+    assert io.read_latest(tmp_path) == io.step_dir_name(stop)
+
+    seed_all(99)  # a different process would start from other RNG states
+    second = make_trainer(seed=5)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=3).attach(second)
+    second.run(shuffled_loader(), max_steps=12)
+    assert checkpointer.resumed_from == os.path.join(tmp_path, io.step_dir_name(stop))
+    assert (second.state.step, second.state.epoch) == (ref.state.step, ref.state.epoch)
+    assert second.state.tokens_seen == ref.state.tokens_seen
+    assert second.lr_scheduler.state_dict() == ref.lr_scheduler.state_dict()
+    assert_bitwise(snapshot(second), expected)
+
+
+class CountingSource:
+    """A stateful iterable: restores its position in O(1) and counts what it fetches."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.pos, self.fetched = items, 0, 0
+
+    def __iter__(self):
+        while self.pos < len(self.items):
+            self.pos += 1
+            self.fetched += 1
+            yield self.items[self.pos - 1]
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+class Stream:
+    """A plain iterable without a length: resume replays it (O(n))."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_resume_positions_stateful_source_in_o1_and_plain_iterable_by_replay(tmp_path, kind):
+    items = token_batches(8)
+    wrap = CountingSource if kind == "stateful" else Stream
+    seed_all()
+    ref = make_trainer()
+    ref.run(wrap(items), max_steps=7)
+
+    seed_all()
+    first = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync").attach(first)
+    stop_at(first, 6)  # 4 steps per epoch: mid second epoch
+    first.run(wrap(items), max_steps=7)
+
+    second = make_trainer(seed=3)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(second)
+    source = wrap(items)
+    seen = []
+    second.add_event_handler(Events.STEP_START, lambda e: seen.append(e.state.batch))
+    second.run(source, max_steps=7)
+    assert_bitwise(snapshot(second), snapshot(ref))
+    assert (
+        len(seen) == 1
+        and [torch.equal(mb[0], item[0]) for mb, item in zip(seen[0], items[4:6])] == [True] * 2
+    )
+    if kind == "stateful":
+        assert source.fetched == 2  # only step 7's microbatches; nothing replayed
+    assert (second.state.step, second.state.epoch) == (7, 2)
+
+
+def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_path):
+    trainer = make_trainer()
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=1, keep_last=2).attach(trainer)
+    observed = []
+
+    @trainer.on(Events.STEP_END, priority=-10)
+    def _look(engine):
+        if checkpointer._inflight is not None:  # a save of this step just started
+            step = engine.state.step
+            partial = checkpointer._inflight.partial
+            observed.append((step, io.read_latest(tmp_path), io.is_complete(partial)))
+
+    trainer.run(token_batches(12), max_steps=6)
+    for step, latest, complete in observed:
+        assert latest != io.step_dir_name(step) and not complete
+    assert len(observed) == 6
+    complete, torn = io.complete_checkpoints(tmp_path)
+    assert [s for s, _ in complete] == [6, 5] and not torn
+    assert io.read_latest(tmp_path) == io.step_dir_name(6)
+    assert not [n for n in os.listdir(tmp_path) if "partial" in n]
+    # a requeued job that already reached max_steps trains nothing more
+    again = make_trainer(seed=2)
+    AsyncCheckpointer(tmp_path, mode="async").attach(again)
+    again.run(token_batches(12), max_steps=6)
+    assert again.state.step == 6
+    assert_bitwise(snapshot(again), snapshot(trainer))
+
+
+def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    trainer.run(token_batches(8), max_steps=4)
+    # A crash mid-save of step 6: files present, data truncated, no completion marker.
+    torn = tmp_path / io.step_dir_name(6)
+    shutil.copytree(tmp_path / io.step_dir_name(4), torn)
+    os.remove(torn / io.MARKER)
+    for f in torn.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])
+    resumed = make_trainer(seed=1)
+    checkpointer = AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        resumed.run(token_batches(8), max_steps=5)
+    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert any(str(torn) in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        AsyncCheckpointer(tmp_path / "other", resume=torn)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_rollback_restores_the_newest_checkpoint_bitwise_and_keeps_or_rewinds_data(tmp_path, keep):
+    """What the NaN detector does at a bad step 5: veto, choose the data position, fire ROLLBACK."""
+    items = token_batches(20)
+    trainer = make_trainer()
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=3).attach(trainer)
+    at_save, after_rollback, batches = {}, {}, []
+
+    @trainer.on(Events.STEP_END, priority=100)
+    def _remember(engine):
+        if engine.state.step == 3 and not at_save:
+            at_save.update(snapshot(engine))
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
+    def _bad_step(engine):
+        if engine.state.step == 5 and not after_rollback:
+            engine.state.skip_step = True
+            engine.state.rollback_keep_data_position = keep
+            engine.fire(Events.ROLLBACK)
+            after_rollback.update(snapshot(engine))
+            after_rollback["step"] = torch.tensor(engine.state.step)
+
+    trainer.add_event_handler(Events.STEP_START, lambda e: batches.append(e.state.batch))
+    trainer.run(items, max_steps=6)
+    assert int(after_rollback.pop("step")) == 3 and trainer.state.rollbacks == 1
+    assert_bitwise(after_rollback, at_save)
+    assert len(batches) == 8 and trainer.state.step == 6
+    after = items[10:12] if keep else items[6:8]  # past the bad window, or step 4's again
+    assert [torch.equal(mb[0], item[0]) for mb, item in zip(batches[5], after)] == [True, True]
+    assert checkpointer.restore_latest(keep_data_position=True) == 6  # the direct API
+
+
+def plain_trainer(seed: int, **model_overrides) -> Trainer:
+    model = tiny_gpt(seed, **model_overrides)
+    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cross_entropy_loss)
+
+
+def params_at_train_start(trainer: Trainer, out: dict, optimizer: bool = True) -> None:
+    @trainer.on(Events.TRAIN_START)
+    def _grab(engine):  # runs after the checkpointer's resume
+        if optimizer:  # (get_state_dict gives an optimizer without state a zero-lr step)
+            out.update(_full_snapshot(engine))
+        else:
+            out.update({f"p.{n}": p.detach().clone() for n, p in engine.model.named_parameters()})
+
+
+def test_finetune_from_loads_weights_only_and_starts_at_step_zero(tmp_path):
+    source = make_trainer()
+    AsyncCheckpointer(tmp_path / "pre", mode="sync").attach(source)
+    source.run(token_batches(4), max_steps=2)
+    weights = {f"p.{n}": p.detach().clone() for n, p in source.model.named_parameters()}
+    tuned = make_trainer(seed=4)
+    AsyncCheckpointer(
+        tmp_path / "ft", mode="sync", finetune_from=tmp_path / "pre" / io.step_dir_name(2)
+    ).attach(tuned)
+    at_start: dict = {}
+    params_at_train_start(tuned, at_start, optimizer=False)
+    tuned.run(token_batches(4), max_steps=1)
+    assert tuned.state.step == 1 and tuned.state.tokens_seen == 64
+    assert_bitwise(at_start, weights)
+
+
+# ------------------------------------------------------------------------------ errors
+def test_clear_errors_for_bad_directories_paths_and_models(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="checkpoint.directory"):
+        AsyncCheckpointer(blocker / "ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        AsyncCheckpointer(tmp_path / "c", resume=tmp_path / "nowhere" / "step_00000010")
+    with pytest.raises(ConfigError, match="checkpoint.mode"):
+        AsyncCheckpointer(tmp_path / "c", mode="fast")
+
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path / "c", mode="sync").attach(trainer)
+    trainer.run(token_batches(4), max_steps=2)
+    for overrides, pattern in (
+        ({"n_layers": 3}, r"different model: missing 12 \(blocks\.2\."),
+        ({"n_layers": 1, "d_model": 48}, r"different model: unexpected 12 \(blocks\.1\..*wrong shape"),
+    ):
+        other = plain_trainer(0, **overrides)
+        AsyncCheckpointer(tmp_path / "c", mode="sync").attach(other)
+        with pytest.raises(CheckpointError, match=pattern):
+            other.run(token_batches(4), max_steps=3)
+
+
+def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp_path):
+    trainer = make_trainer()
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+
+    @trainer.on(Events.STEP_START)
+    def _block_step_4(engine):
+        if engine.state.step == 4:  # the save of step 4 cannot create its directory
+            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session}").write_text("in the way")
+
+    with pytest.raises(CheckpointError, match="step 4"):
+        trainer.run(token_batches(12), max_steps=6)
+    assert io.read_latest(tmp_path) == io.step_dir_name(2)
+    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [2]
+
+
+def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    trainer.run(token_batches(2), max_steps=1)
+    path = tmp_path / io.step_dir_name(1)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        io.SafeReader(path).read_metadata()
+    resumed = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
+    with pytest.raises(CheckpointError, match="refusing"):
+        resumed.run(token_batches(2), max_steps=2)
+    assert not (tmp_path / "owned").exists()
+
+
+# ------------------------------------------------------------------------------ kill test
+def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """Kills alternate between a random moment (a seeded step target plus a random delay) and the
+    instant a background write has started; each relaunch resumes from the newest complete
+    checkpoint, never a torn one, and the final state equals the uninterrupted run's."""
+    steps = 30
+    reference, _ = ckpt_train.build(None)
+    reference.run(ckpt_train.loader(), max_steps=steps)
+    expected = ckpt_train.final_state(reference)
+
+    rng = random.Random(1234)
+    directory, out = tmp_path / "ckpt", tmp_path / "final.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "tests/scripts/ckpt_train.py"), str(directory), str(steps), str(out)]
+    resumed_from, torn_after_kill, progress = [], 0, 0
+    for attempt in range(5):
+        during_save = attempt % 2 == 1
+        target = min(progress + rng.randint(3, 6), steps - 3)
+        delay = 0.0 if during_save else rng.uniform(0.0, 0.03)
+        complete_before = {p for _, p in io.complete_checkpoints(directory)[0]}
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+        )
+        try:
+            for line in proc.stdout:
+                word, _, rest = line.partition(" ")
+                if word == "RESUMED":
+                    resumed_from.append(rest.strip())
+                    assert rest.strip() == max(complete_before)  # the newest complete one, never a torn one
+                elif word == "STEP":
+                    progress = int(rest)
+                if (word == "SAVING" if during_save else word == "STEP") and progress >= target:
+                    break
+            time.sleep(delay)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+        torn_after_kill += any(".partial-" in name for name in os.listdir(directory))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "RESUMED" in result.stdout and len(resumed_from) == 4
+    assert torn_after_kill >= 1  # some kill did land in the middle of a save
+    assert_bitwise(torch.load(out, weights_only=True), expected)
+
+
+# ------------------------------------------------------------------------------ distributed
+def _full_snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(
+        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    out = {f"p.{k}": v.clone() for k, v in msd.items()}
+    for fqn, s in osd["state"].items():
+        out.update({f"o.{fqn}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+    return out
+
+
+def _to_numpy(d: dict) -> dict:  # tensors would travel through shared memory the worker takes away
+    return {k: v.numpy().copy() for k, v in d.items()}
+
+
+def _from_numpy(d: dict) -> dict:
+    return {k: torch.from_numpy(v) for k, v in d.items()}
+
+
+def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, load_from: str | None) -> dict:
+    """Uninterrupted vs stopped-and-resumed (DDP or FSDP2); optionally load a 1-process checkpoint."""
+    from engine.parallel import init_distributed, wrap_data_parallel
+
+    torch.use_deterministic_algorithms(True)
+    info = init_distributed()
+    data = token_batches(8, seed=10 + rank)
+
+    def build(seed: int = 0) -> Trainer:
+        model = wrap_data_parallel(tiny_gpt(seed), dp_mode, mesh=info.mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return Trainer(model, optimizer, cross_entropy_loss, grad_accum_steps=2)
+
+    result: dict = {}
+    if load_from is not None:  # resharding 1 -> 2
+        t = build(seed=9)
+        ck = AsyncCheckpointer(os.path.join(directory, "from1"), resume=load_from, mode="sync").attach(t)
+        loaded: dict = {}
+        params_at_train_start(t, loaded)
+        t.run(data, max_steps=3)
+        ck.close()
+        result["loaded_from_1"] = _to_numpy(loaded)
+    torch.manual_seed(0)
+    ref = build()
+    ref.run(data, max_steps=6)
+    expected = _full_snapshot(ref)
+
+    torch.manual_seed(0)
+    first = build()
+    ck = AsyncCheckpointer(directory, mode="async", every_steps=2).attach(first)
+    stop_at(first, 3)
+    first.run(data, max_steps=6)
+    ck.close()
+    result["checkpoint_3"] = _to_numpy(_full_snapshot(first))
+
+    second = build(seed=4)
+    ck2 = AsyncCheckpointer(directory, mode="async_staged", every_steps=2).attach(second)
+    second.run(data, max_steps=6)
+    ck2.close()
+    got = _full_snapshot(second)
+    result["bitwise"] = got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    result["steps"] = (second.state.step, ck2.resumed_from)
+    return result
+
+
+@pytest.mark.parametrize("dp_mode", ["ddp", "fsdp"])
+def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp_mode):
+    load_from = None
+    if dp_mode == "fsdp":  # 1 -> 2: a single-process checkpoint that the FSDP2 ranks load
+        single = plain_trainer(2)
+        AsyncCheckpointer(tmp_path / "single", mode="sync").attach(single)
+        single.run(token_batches(4), max_steps=2)
+        load_from = str(tmp_path / "single" / io.step_dir_name(2))
+        single_state = _full_snapshot(single)
+    results = run_distributed(_dist_resume_worker, 2, dp_mode, str(tmp_path / "dist"), load_from, timeout=150)
+    for r in results:
+        assert r["bitwise"], f"{dp_mode}: resumed run differs from the uninterrupted one"
+        assert r["steps"] == (6, str(tmp_path / "dist" / io.step_dir_name(3)))
+    if dp_mode == "fsdp":
+        assert_bitwise(_from_numpy(results[0]["loaded_from_1"]), single_state)
+        # 2 -> 1: the FSDP2 checkpoint of step 3 loads into one plain process
+        one = plain_trainer(7)
+        ck = AsyncCheckpointer(tmp_path / "one", resume=tmp_path / "dist" / io.step_dir_name(3)).attach(one)
+        loaded: dict = {}
+        params_at_train_start(one, loaded)
+        one.run(token_batches(8), max_steps=4)
+        assert ck.resumed_from.endswith(io.step_dir_name(3)) and one.state.step == 4
+        assert_bitwise(loaded, _from_numpy(results[0]["checkpoint_3"]))
+
+
+def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_path):
+    from handlers.step_scheduler import StepScheduler
+
+    def build(seed: int, data: list, directory=None, signal_at=None):
+        trainer = make_trainer(seed)
+        scheduler = StepScheduler(
+            global_batch_size=4,
+            local_batch_size=2,
+            dp_size=1,
+            dataloader=data,
+            max_steps=9,
+            ckpt_every_steps=100,
+        )
+        scheduler.attach(trainer)
+        if directory is not None:
+            AsyncCheckpointer(directory, mode="async").attach(trainer)
+        if signal_at is not None:
+            trainer.add_event_handler(
+                Events.MICROBATCH,
+                lambda e: (
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    if e.state.step == signal_at and e.state.microbatch == 0
+                    else None
+                ),
+            )
+        return trainer, scheduler
+
+    data = token_batches(8)  # 2 microbatches per step: 4 steps per epoch
+    seed_all()
+    ref, _ = build(0, data)
+    ref.run(data)
+    seed_all()
+    first, scheduler = build(0, data, tmp_path, signal_at=6)
+    state = first.run(data)
+    scheduler.close()
+    assert (state.step, state.exit_code) == (6, ExitCode.STOPPED)
+    assert io.read_latest(tmp_path) == io.step_dir_name(6)
+    seed_all(5)
+    second, scheduler = build(3, data, tmp_path)
+    state = second.run(data)
+    scheduler.close()
+    assert (state.step, state.epoch, state.exit_code) == (9, ref.state.epoch, 0)
+    assert_bitwise(snapshot(second), snapshot(ref))

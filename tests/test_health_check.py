@@ -1,0 +1,105 @@
+"""HealthCheck: a hung peer turns into a bounded, documented exit (code 77), never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import ConfigError, ExitCode, Trainer
+from handlers.health_check import HealthCheck
+from tests.dist_utils import REPO, free_port
+
+SCRIPT = REPO / "tests" / "scripts" / "obs_health_hang.py"
+HARD_TIMEOUT_S = 60
+
+
+def _launch_ranks(args: list[str], world_size: int = 2) -> list[tuple[int, dict, str]]:
+    """Start one process per rank with torchrun's environment (so each rank's own exit code is
+    seen); kill all of them if they are not done within the hard timeout."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=HARD_TIMEOUT_S)
+            result = next(
+                (json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), {}
+            )
+            outputs.append((p.returncode, result, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return outputs
+
+
+def test_hung_peer_ends_the_run_with_exit_code_77():
+    # rank 1 stops taking part at step 3 for 5 s; the probe's timeout is 3 s
+    (code0, res0, err0), (code1, res1, err1) = _launch_ranks(["1", "3", "5", "3"])
+    assert code0 == ExitCode.HEALTH_CHECK_FAILED, err0
+    assert res0["step"] == 3 and res0["checks"] == 3, "steps 1-2 probed healthy, step 3 failed"
+    assert "did not complete within 3s" in res0["error"]
+    assert res0["state_exit_code"] == ExitCode.HEALTH_CHECK_FAILED
+    assert res0["exception_handlers"] == ["HealthCheckError"], "the exception path ran once"
+    assert "health check at step 3 failed on rank 0" in err0, "the failure is logged"
+    # the sleeper wakes up to a dead peer: its own probe fails and it exits too, without hanging
+    assert code1 == ExitCode.HEALTH_CHECK_FAILED, err1
+    assert res1["step"] == 3
+
+
+def test_single_process_probe_is_a_no_op():
+    model = torch.nn.Linear(2, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    health = HealthCheck(every_steps=2, timeout_s=1).attach(trainer)
+    state = trainer.run([(torch.randn(2, 2), torch.randn(2, 1))] * 5, max_steps=5)
+    assert health.checks == 2 and state.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"every_steps": 0}, "every_steps"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"exit_grace_s": -1}, "exit_grace_s"),
+    ],
+)
+def test_bad_arguments(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        HealthCheck(**kwargs)
+    assert info.value.field == field
+
+
+def test_from_config():
+    from engine.config import HealthConfig
+
+    health = HealthCheck.from_config(HealthConfig(enabled=True, every_steps=7, timeout_s=5))
+    assert (health.every_steps, health.timeout_s) == (7, 5.0)

@@ -1,0 +1,372 @@
+"""Loggers write real files read back here: JSONL lines, TensorBoard event files, W&B offline runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Events, Trainer
+from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from handlers.console import ConsoleLogger
+from handlers.jsonl_logger import JSONLLogger
+from handlers.loggers import metric_tag
+from handlers.metrics import MetricsTracker
+from handlers.tensorboard_logger import TensorBoardLogger
+from tests.dist_utils import REPO
+
+SEQ = 16
+
+
+def _trainer(*, validate_every: int | None = None) -> Trainer:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=SEQ, n_layers=1, d_model=32, n_heads=2))
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
+    if validate_every:
+        trainer.set_validation(_tokens(2), every_steps=validate_every)
+    return trainer
+
+
+def _tokens(n: int = 8) -> list:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (2 * n, SEQ + 1), generator=g)
+    return [(x[i : i + 2, :-1], x[i : i + 2, 1:]) for i in range(0, 2 * n, 2)]
+
+
+def _record_logged(trainer: Trainer) -> dict[int, dict]:
+    """What the loggers should have written: published metrics per step (after every logger)."""
+    expected: dict[int, dict] = {}
+    seen_validations = [0]
+
+    @trainer.on(Events.STEP_END, priority=-5000)
+    def grab() -> None:
+        state = trainer.state
+        out = {}
+        if state.metrics_step == state.step:
+            out.update({k: v for k, v in state.metrics.items() if not k.startswith("val")})
+        if state.validations != seen_validations[0]:
+            seen_validations[0] = state.validations
+            out.update({k: v for k, v in state.metrics.items() if k.startswith("val")})
+        if out:
+            expected[state.step] = out
+
+    return expected
+
+
+def _per_dataset_metric(trainer: Trainer) -> None:
+    # what a mixture handler publishes: loss per source dataset on log steps
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: trainer.state.metrics.__setitem__("loss/docs", trainer.state.loss + 1.0)
+    )
+
+
+def test_metric_tags_are_stable():
+    assert metric_tag("loss") == "train/loss"
+    assert metric_tag("lr") == "train/lr"
+    assert metric_tag("tokens_per_s") == "perf/tokens_per_s"
+    assert metric_tag("val_loss") == "val/loss"
+    assert metric_tag("loss/docs") == "loss/docs"
+    assert metric_tag("val_loss/docs") == "val_loss/docs"
+    assert metric_tag("custom") == "train/custom"
+
+
+def test_jsonl_records_match_published_metrics_and_append(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    trainer = _trainer(validate_every=3)
+    MetricsTracker(2).attach(trainer)
+    _per_dataset_metric(trainer)
+    logger = JSONLLogger(path).attach(trainer)
+    expected = _record_logged(trainer)
+    trainer.run(_tokens(), max_steps=6)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3, 4, 6]
+    assert records[1].keys() == {"step", "time", "val_loss"}, "a validation-only step logs validation only"
+    for r in records:
+        want = expected[r["step"]]
+        assert {k: r[k] for k in want} == want
+    assert "loss/docs" in records[0] and "val_loss" in records[3]
+    assert logger._file is None, "closed at TRAIN_END"
+
+    # a second run (a resumed job) appends to the same file
+    trainer2 = _trainer()
+    MetricsTracker(2).attach(trainer2)
+    JSONLLogger(path).attach(trainer2)
+    trainer2.run(_tokens(), max_steps=2)
+    assert len(path.read_text().splitlines()) == 5
+
+
+def test_a_run_stopped_between_log_steps_still_logs_its_last_interval(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    trainer = _trainer(validate_every=3)
+    MetricsTracker(10).attach(trainer)
+    JSONLLogger(path).attach(trainer)
+    trainer.add_event_handler(Events.STEP_END(once=3), lambda: trainer.state.request_stop("test"))
+    trainer.run(_tokens(), max_steps=8)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 3]
+    assert "val_loss" in records[0] and records[1]["tokens_seen"] == 3 * 2 * SEQ
+
+
+def test_jsonl_without_a_tracker_logs_the_trainer_state_every_n_steps(tmp_path):
+    path = tmp_path / "m.jsonl"
+    trainer = _trainer()
+    JSONLLogger(path, every_steps=2).attach(trainer)
+    trainer.run(_tokens(), max_steps=4)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert {"loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"} <= records[1].keys()
+    assert records[1]["loss"] == trainer.state.loss and records[1]["tokens_seen"] == 4 * 2 * SEQ
+
+
+def test_loggers_close_on_the_exception_path(tmp_path):
+    trainer = _trainer()
+    MetricsTracker(1).attach(trainer)
+    jsonl = JSONLLogger(tmp_path / "m.jsonl").attach(trainer)
+    tb = TensorBoardLogger(tmp_path / "tb").attach(trainer)
+
+    @trainer.on(Events.STEP_END(once=3))
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.run(_tokens(), max_steps=6)
+    assert jsonl._file is None and tb.writer is None
+    # records logged before the error reached the disk
+    steps = [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], "step 3 failed before its log handler ran"
+
+
+def test_tensorboard_scalars_read_back_equal_published_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = _trainer(validate_every=2)
+    MetricsTracker(2).attach(trainer)
+    _per_dataset_metric(trainer)
+    TensorBoardLogger(tmp_path).attach(trainer)
+    expected = _record_logged(trainer)
+    trainer.run(_tokens(), max_steps=6)
+
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "perf/tokens_per_s", "val/loss", "loss/docs", "train/loss_avg"} <= tags
+    for step, metrics in expected.items():
+        for name, value in metrics.items():
+            events = [e for e in acc.Scalars(metric_tag(name)) if e.step == step]
+            assert len(events) == 1, (name, step)
+            assert events[0].value == np.float32(value), (name, step)
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 4, 6]
+
+
+def test_event_file_checksums_match_tensorboards_own():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from handlers.tensorboard_logger import masked_crc32c
+
+    rng = np.random.default_rng(0)
+    for n in [*range(12), 401, 424, 4099]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert masked_crc32c(data) == reference(data), n
+
+
+def test_console_plain_lines_when_not_a_tty():
+    out = io.StringIO()
+    trainer = _trainer(validate_every=4)
+    MetricsTracker(2).attach(trainer)
+    ConsoleLogger(stream=out).attach(trainer)
+    trainer.run(_tokens(), max_steps=4)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("step 2/4 | loss ")
+    assert "tok/s" in lines[0] and "lr " in lines[0] and "s/step" in lines[0]
+    assert "val_loss" in lines[1]
+
+
+def test_console_progress_bar_when_asked():
+    out = io.StringIO()
+    trainer = _trainer()
+    MetricsTracker(2).attach(trainer)
+    logger = ConsoleLogger(stream=out, progress_bar=True, refresh_every=1).attach(trainer)
+    trainer.run(_tokens(), max_steps=4)
+    text = out.getvalue()
+    assert logger.pbar is not None and "loss=" in text and "tok/s=" in text
+    assert "step 2" not in text, "no plain lines next to the bar"
+
+
+# ---------------------------------------------------------------------------- W&B
+
+
+def _wandb_records(run_file: Path) -> list:
+    """Records of a ``.wandb`` file: a 7-byte header, then LevelDB-log blocks of 32 KiB whose
+    chunks (crc32c, u16 length, type) carry serialised ``Record`` protos."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, chunk, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:
+            pos += left - 7
+            continue
+        chunk += data[pos : pos + length]
+        pos += length
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def _finished_records(tmp_path: Path) -> list:
+    """The run's records once its exit record is on disk (wandb-core writes it asynchronously
+    after ``finish()`` returns, so allow it a few seconds)."""
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 15
+    while True:
+        records = _wandb_records(run_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def _history(records: list) -> dict[int, dict[str, float]]:
+    rows = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            rows[int(row["_step"])] = {k: v for k, v in row.items() if not k.startswith("_")}
+    return rows
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    for key, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }.items():
+        monkeypatch.setenv(key, value)
+    import wandb
+
+    return wandb.Settings(x_disable_stats=True, console="off")
+
+
+class _RemoteCadence:
+    """Publishes ``state.should_log_remote`` every N steps, as the StepScheduler does."""
+
+    def __init__(self, trainer: Trainer, every: int) -> None:
+        self.log_remote_every_steps = every
+        trainer.add_event_handler(Events.STEP_START, self.on_step_start)
+        self.trainer = trainer
+
+    def on_step_start(self) -> None:
+        state = self.trainer.state
+        state.should_log_remote = state.step % self.log_remote_every_steps == 0
+
+
+def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
+    from handlers.wandb_logger import WandBLogger
+
+    trainer = _trainer(validate_every=3)
+    MetricsTracker(2).attach(trainer)
+    logger = WandBLogger(
+        "hookloop-test", dir=tmp_path, config={"model": {"d_model": 32}}, settings=wandb_offline
+    )
+    logger.attach(trainer)
+    expected = _record_logged(trainer)
+    trainer.run(_tokens(), max_steps=4)
+    assert logger.run is None, "finished at TRAIN_END"
+
+    records = _finished_records(tmp_path)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "run" in kinds and "exit" in kinds
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["model"] == {"d_model": 32}
+    history = _history(records)
+    assert sorted(history) == [2, 3, 4]
+    for step, metrics in expected.items():
+        assert history[step] == {metric_tag(k): v for k, v in metrics.items()}, step
+
+
+def test_wandb_follows_the_remote_logging_cadence(tmp_path, wandb_offline):
+    from handlers.wandb_logger import WandBLogger
+
+    trainer = _trainer()
+    MetricsTracker(2).attach(trainer)
+    _RemoteCadence(trainer, 3)
+    WandBLogger("hookloop-test", dir=tmp_path, settings=wandb_offline).attach(trainer)
+    losses = {}
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: losses.__setitem__(trainer.state.step, trainer.state.loss)
+    )
+    trainer.run(_tokens(), max_steps=6)
+    history = _history(_finished_records(tmp_path))
+    assert sorted(history) == [3, 6], "remote steps only, not the tracker's every 2"
+    assert history[3]["train/loss"] == losses[3], "the live loss of the remote step"
+    assert history[6]["perf/tokens_per_s"] > 0
+
+
+def test_wandb_marks_the_run_failed_on_an_exception(tmp_path, wandb_offline):
+    from handlers.wandb_logger import WandBLogger
+
+    trainer = _trainer()
+    logger = WandBLogger("hookloop-test", dir=tmp_path, every_steps=1, settings=wandb_offline).attach(trainer)
+    trainer.add_event_handler(Events.STEP_END(once=2), lambda: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError):
+        trainer.run(_tokens(), max_steps=4)
+    assert logger.run is None
+    exits = [r.exit for r in _finished_records(tmp_path) if r.WhichOneof("record_type") == "exit"]
+    assert exits and exits[-1].exit_code == 1
+
+
+# ---------------------------------------------------------------------------- cheap imports
+
+
+def test_importing_engine_and_handlers_imports_no_logging_backend():
+    code = (
+        "import sys, engine, handlers, handlers.metrics, handlers.loggers, handlers.jsonl_logger, "
+        "handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
+        "handlers.health_check, handlers.straggler, handlers.plot\n"
+        "bad = [m for m in ('wandb', 'tensorboard', 'torch.utils.tensorboard', 'matplotlib') "
+        "if m in sys.modules]\n"
+        "print(','.join(bad))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"imported at import time: {out.stdout.strip()}"
+
+
+def test_build_loggers_from_the_logging_section(tmp_path):
+    from engine.config import LoggingConfig
+    from handlers.loggers import build_loggers
+
+    cfg = LoggingConfig(
+        log_interval=5, jsonl=True, tensorboard=True, wandb=False, console=True, progress_bar=False
+    )
+    loggers = build_loggers(cfg, tmp_path)
+    assert [type(x).__name__ for x in loggers] == ["JSONLLogger", "TensorBoardLogger", "ConsoleLogger"]
+    assert loggers[0].path == tmp_path / "metrics.jsonl"
+    assert loggers[1].log_dir == tmp_path / "tensorboard"
+    assert loggers[2].progress_bar is False

@@ -1,0 +1,60 @@
+"""``python -m handlers.plot RUN_DIR`` renders a run's JSONL log to a PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from handlers.plot import load_records, main
+from tests.dist_utils import run_process
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run_dir) -> None:
+    lines = []
+    for step in range(2, 21, 2):
+        lines.append(
+            {
+                "step": step,
+                "loss": 5.0 - step / 10,
+                "lr": 1e-3,
+                "tokens_per_s": 1000.0 + step,
+                "loss/docs": 5.1 - step / 10,
+            }
+        )
+        if step % 6 == 0:
+            lines.append({"step": step, "val_loss": 5.2 - step / 10})
+    # a resumed job that re-ran steps 18-20 appends them again: the later record wins
+    lines.append({"step": 20, "loss": 1.0})
+    (run_dir / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in lines) + "\n" + '{"step": 22, "lo'
+    )
+
+
+def test_load_records_merges_and_keeps_the_last(tmp_path):
+    _write_run(tmp_path)
+    records = load_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(2, 21, 2)), "the torn last line is skipped"
+    assert records[2]["val_loss"] == 5.2 - 0.6 and records[2]["loss"] == 5.0 - 0.6
+    assert records[-1]["loss"] == 1.0
+
+
+def test_plot_command_writes_a_png(tmp_path):
+    _write_run(tmp_path)
+    result = run_process([sys.executable, "-m", "handlers.plot", str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    png = tmp_path / "metrics.png"
+    assert result.stdout.strip() == str(png)
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def test_falls_back_to_the_progress_log_and_explains_a_missing_log(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl or progress.jsonl" in capsys.readouterr().err
+    (tmp_path / "progress.jsonl").write_text(
+        '{"event": "start", "step": 0}\n{"event": "progress", "step": 10, "tokens_per_s": 5.0}\n'
+    )
+    out = tmp_path / "sub" / "p.png"
+    assert main([str(tmp_path), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
