@@ -45,6 +45,7 @@ from engine.data import (  # noqa: E402
     stdlib_source_files,
 )
 from engine.parallel import destroy_distributed, exit_process  # noqa: E402
+from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 from handlers.curriculum import PhaseCurriculum  # noqa: E402
 from handlers.dataset_metrics import PerDatasetMetrics  # noqa: E402
@@ -137,15 +138,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s)
+    pp = cfg.distributed.pp_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")} if pp > 1 else {}
+    info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **mesh)
     try:
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         run_dir = Path(cfg.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        train_loader, val_loader, sampler = build_data(cfg, info.rank, info.world_size)
+        # Data is sharded over data-parallel replicas; pipeline stages of one replica share it.
+        dp, dp_rank = info.world_size // pp, info.rank // pp
+        train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp)
 
         model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(info.device)
-        model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
+        runtime = None
+        if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
+            runtime = build_pipeline(
+                model,
+                PipelineConfig.from_section(cfg.pipeline),
+                info,
+                cross_entropy_loss,
+                dp_mode=cfg.distributed.dp_mode,
+            )
+            model = runtime.module
+        else:
+            model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
         optimizer = build_optimizer(cfg, model)
         sched = cfg.step_scheduler
         lr_scheduler = build_lr_scheduler(
@@ -158,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
             wsd_decay_steps=cfg.lr.wsd_decay_steps,
             wsd_decay_style=cfg.lr.wsd_decay_style,
         )
-        dp = info.world_size // cfg.distributed.pp_size
         trainer = Trainer(
             model,
             optimizer,
@@ -166,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             lr_scheduler=lr_scheduler,
             grad_clip_norm=cfg.train.grad_clip_norm,
             device=info.device,
+            pipeline=runtime,
         )
         # The step scheduler decides when: accumulation, last step, validation/checkpoint cadence,
         # stop signals (SIGTERM -> final checkpoint request, exit code 75).

@@ -37,7 +37,7 @@ def test_train_gpt_loss_falls(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_gpt_under_torchrun_matches_single_process(tmp_path):
+def test_train_gpt_under_torchrun_ddp_and_pipeline_match_single_process(tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     args = ["step_scheduler.max_steps=10", "train.deterministic=true"]
     p1 = run_process([sys.executable, str(SCRIPT), *common(single), *args], timeout=180)
@@ -46,11 +46,17 @@ def test_train_gpt_under_torchrun_matches_single_process(tmp_path):
     assert p2.returncode == 0, p2.stderr[-3000:]
     # Global batch 16 = 2 microbatches of 8 on one process, or 1 of 8 on each of 2 ranks: the
     # mixture sampler splits one global stream between ranks, so both runs see the same data.
-    a, b = read_metrics(single), read_metrics(multi)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [5, 10]
-    for ra, rb in zip(a, b):
+    pipe = tmp_path / "pipe"
+    p3 = run_torchrun(SCRIPT, 2, [*common(pipe), *args, "distributed.pp_size=2", "pipeline.pp_schedule=1f1b"])
+    assert p3.returncode == 0, p3.stderr[-3000:]
+    # The pipeline run (two stages, its 2 microbatches through 1F1B) trains the same model on the
+    # same data: the same losses as well.
+    a, b, c = read_metrics(single), read_metrics(multi), read_metrics(pipe)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [r["step"] for r in c] == [5, 10]
+    for ra, rb, rc in zip(a, b, c):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
-        assert ra["tokens"] == rb["tokens"]
+        assert ra["loss"] == pytest.approx(rc["loss"], rel=1e-4)
+        assert ra["tokens"] == rb["tokens"] == rc["tokens"]
 
 
 def test_bad_config_fails_before_any_work(tmp_path):
