@@ -13,8 +13,11 @@ saving every ``--every`` steps, and reports
   wall-clock one is what a user sees).
 
 ``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
-Figures vary with the disk and with what else runs; the writer thread competes with training for
-the same cores, which bounds the throughput on a small machine.
+
+Training uses one intra-op thread by default (``--threads``): on this 2-core machine two OpenMP
+threads stall at every parallel region whenever any other thread (the checkpoint writer, or another
+process) takes a core, which made identical runs 3 to 15 times slower at random and swamped the
+effect being measured. With one training thread the writer has the other core.
 """
 
 from __future__ import annotations
@@ -110,14 +113,13 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=None, help="save every this many steps")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode (default 2, --quick 1)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
     args = parser.parse_args()
     width = 1024 if args.quick else 2048
     steps = args.steps or (20 if args.quick else 60)
     every = args.every or (5 if args.quick else 10)
     args.repeats = args.repeats or (1 if args.quick else 2)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     root = args.dir or tempfile.mkdtemp(prefix="hookloop-ckpt-bench-")
     print(
         f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {cpu_model()}, torch {torch.__version__}, "

@@ -64,6 +64,9 @@ _PEAK_FLOPS = (
     ("MI250X", 383e12),
 )
 
+# one encoder for every line: json.dumps with non-default separators builds a new one per call
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
 _TIMER_PRIORITY = float("inf")
 _START_PRIORITY = -100
 # the reduction is a collective: after a HealthCheck's probe (5_000_000), so a hung peer is reported
@@ -295,7 +298,7 @@ class MetricsTracker:
         state = self._trainer.state
         n = max(self._n, 1)
         local = [self._step_time / n, self._interval_data_time / n, _rss_mb()]
-        cuda = torch.cuda.is_available() and self._trainer.device.type == "cuda"
+        cuda = self._trainer.device.type == "cuda"
         if cuda:
             local.append(torch.cuda.max_memory_allocated(self._trainer.device) / 2**20)
         step_time, data_time, rss, *cuda_mem = _all_reduce_max(local)
@@ -356,7 +359,7 @@ class MetricsTracker:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # appended (history survives restarts), line-buffered (a crash loses no finished line)
             self._progress = open(self.run_dir / "progress.jsonl", "a", buffering=1)  # noqa: SIM115
-        self._progress.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._progress.write(_COMPACT_JSON.encode(record) + "\n")
 
     def close(self) -> None:
         """Close the progress log (done at TRAIN_END and on the exception path)."""
