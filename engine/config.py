@@ -510,6 +510,12 @@ def validate_config(cfg: HookloopConfig, world_size: int | None = None) -> Hookl
         raise ConfigError(
             "lr.warmup_steps", f"({cfg.lr.warmup_steps}) must be smaller than the decay steps ({decay})"
         )
+    if cfg.nan.enabled and cfg.nan.action == "rollback" and not cfg.checkpoint.enabled:
+        raise ConfigError(
+            "nan.action",
+            "'rollback' restores the last checkpoint, but checkpoint.enabled is false: enable checkpoints "
+            "or use nan.action=warn or raise",
+        )
     if cfg.lr.min_lr > cfg.optimizer.lr:
         raise ConfigError("lr.min_lr", f"({cfg.lr.min_lr}) must not exceed optimizer.lr ({cfg.optimizer.lr})")
     return cfg

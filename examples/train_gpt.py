@@ -14,7 +14,6 @@ directory gets ``metrics.jsonl`` (one line per logged step). The process exits w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import (  # noqa: E402
     ConfigError,
-    Events,
     HookloopConfig,
     Trainer,
     build_lr_scheduler,
@@ -47,8 +45,15 @@ from engine.data import (  # noqa: E402
 from engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 from handlers.curriculum import PhaseCurriculum  # noqa: E402
 from handlers.dataset_metrics import PerDatasetMetrics  # noqa: E402
+from handlers.health_check import HealthCheck  # noqa: E402
+from handlers.loggers import build_loggers  # noqa: E402
+from handlers.metrics import MetricsTracker  # noqa: E402
+from handlers.nan_detector import NaNDetector  # noqa: E402
+from handlers.profiler import ProfilerWindow  # noqa: E402
+from handlers.straggler import StragglerDetector  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp)
 
         model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(info.device)
+        flops_per_token = model.flops_per_token()  # of the whole model, before any split
         runtime = None
         if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
             runtime = build_pipeline(
@@ -190,32 +196,31 @@ def main(argv: list[str] | None = None) -> int:
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
 
-        log_every = cfg.logging.log_interval
-        validations_logged = [0]
+        # Checkpoints first: at TRAIN_START it resumes before any other handler looks at the state,
+        # and it answers the NaN detector's ROLLBACK.
+        ckpt_cfg = cfg.checkpoint
+        if ckpt_cfg.directory is None:
+            ckpt_cfg.directory = str(run_dir / "checkpoints")
+        checkpointer = AsyncCheckpointer.from_config(ckpt_cfg)
+        if checkpointer is not None:
+            checkpointer.attach(trainer)
+        if cfg.nan.enabled:
+            NaNDetector.from_config(cfg.nan).attach(trainer)
         # Phases (weights and lr_scale by step; none configured is fine) and per-dataset loss/tokens.
         PhaseCurriculum.from_config(cfg.data, sampler).attach(trainer)
-        PerDatasetMetrics(sampler, log_every).attach(trainer)
-        metrics_path = run_dir / "metrics.jsonl"
-
-        @trainer.on(Events.STEP_END(every=log_every))
-        def log(engine: Trainer) -> None:
-            s = engine.state
-            row = {
-                "step": s.step,
-                "loss": s.loss,
-                "lr": s.lr,
-                "grad_norm": s.grad_norm,
-                "tokens": s.tokens_seen,
-            }
-            if s.validations > validations_logged[0]:  # a validation ran since the last line
-                row["val_loss"] = s.metrics["val_loss"]
-                validations_logged[0] = s.validations
-            per_dataset = ("loss/", "tokens/")
-            row.update({k: v for k, v in s.metrics.items() if k.startswith(per_dataset) or k == "phase"})
-            if info.is_main:
-                print(json.dumps(row), flush=True)
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+        PerDatasetMetrics(sampler, cfg.logging.log_interval).attach(trainer)
+        tracker = MetricsTracker.from_config(cfg.metrics, cfg.logging, run_dir)
+        if tracker.flops_per_token is None:
+            tracker.flops_per_token = flops_per_token
+        tracker.attach(trainer)
+        for logger in build_loggers(cfg.logging, run_dir, config=cfg.to_dict()):
+            logger.attach(trainer)
+        if cfg.profiling.enabled:
+            ProfilerWindow.from_config(cfg.profiling, run_dir).attach(trainer)
+        if cfg.health.enabled:
+            HealthCheck.from_config(cfg.health).attach(trainer)
+        if cfg.straggler.enabled:
+            StragglerDetector.from_config(cfg.straggler).attach(trainer)
 
         state = trainer.run(train_loader)
         if info.is_main:

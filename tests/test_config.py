@@ -68,6 +68,7 @@ def test_example_config_loads():
         (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
         (["nan.action=ignore"], "nan.action"),
         (["nan.spike_factor=0.5"], "nan.spike_factor"),
+        (["checkpoint.enabled=false"], "nan.action"),
         (["data.weights.nope=1.0"], "data.weights.nope"),
         (["data.weights.docs=-1"], "data.weights.docs"),
         (["data.weights.docs=0"], "data.weights"),
