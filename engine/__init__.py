@@ -5,12 +5,13 @@ Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are importe
 """
 
 from engine.config import HookloopConfig, load_config, validate_config
-from engine.data import MixtureDataset, MixtureSampler, TokenDataset, prepare_tokens
+from engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from engine.errors import ConfigError, HookloopError, TrainingAborted
 from engine.events import Events, StepEvents
 from engine.exit_codes import ExitCode
 from engine.lr import build_lr_scheduler, lr_at
 from engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
+from engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from engine.state import TrainState
 from engine.trainer import Trainer, default_prepare_batch
 
@@ -19,8 +20,11 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "DistInfo",
+    "MixtureLoader",
     "Events",
     "MixtureDataset",
+    "PipelineConfig",
+    "PipelineRuntime",
     "MixtureSampler",
     "TokenDataset",
     "ExitCode",
@@ -31,7 +35,9 @@ __all__ = [
     "Trainer",
     "TrainingAborted",
     "agree_any",
+    "available_schedules",
     "build_lr_scheduler",
+    "build_pipeline",
     "default_prepare_batch",
     "init_distributed",
     "load_config",
