@@ -59,6 +59,7 @@ __all__ = [
     "restore_rng",
     "step_dir_name",
     "write_json_atomic",
+    "write_latest",
 ]
 
 MARKER = ".complete"

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -76,6 +77,9 @@ _STAGING_PRIORITY = -1e9
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 # Counters that count events fired (filters read them): a rollback keeps them monotonic.
 _EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks")
+# Optimizer state and hyper-parameters keyed by parameter name, so ranks that hold different
+# parameters (pipeline stages) never write the same key.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _Save:
@@ -321,7 +325,7 @@ class AsyncCheckpointer:
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
-        model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer)
+        model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
         state_dict = {"model": model_sd, "optim": optim_sd}
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,
@@ -499,8 +503,13 @@ class AsyncCheckpointer:
         stored = metadata.state_dict_metadata
         wanted = {f"model.{k}": v for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
         stored_model = {k for k in stored if k.startswith("model.")}
+        held = set(wanted)
+        if self._group is not None:  # ranks may hold different parts (pipeline stages): the union counts
+            gathered: list[Any] = [None] * _world()
+            dist.all_gather_object(gathered, sorted(held), group=self._group)
+            held = set().union(*(set(keys) for keys in gathered))
         missing = sorted(set(wanted) - stored_model)
-        unexpected = sorted(stored_model - set(wanted))
+        unexpected = sorted(stored_model - held)
         wrong = sorted(
             k
             for k in set(wanted) & stored_model
@@ -553,7 +562,7 @@ class AsyncCheckpointer:
         trainer, state = self.trainer, self.trainer.state
         extra = self._read_rank_state(path)
         if self.load_optimizer:
-            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=_OPTIONS)
             state_dict = {"model": model_sd, "optim": optim_sd}
             self._dcp_load(path, state_dict)
             set_state_dict(
@@ -561,6 +570,7 @@ class AsyncCheckpointer:
                 trainer.optimizer,
                 model_state_dict=state_dict["model"],
                 optim_state_dict=state_dict["optim"],
+                options=_OPTIONS,
             )
         else:
             state_dict = {"model": get_model_state_dict(trainer.model)}

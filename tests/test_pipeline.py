@@ -296,13 +296,6 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="handlers/checkpoint.py assumes every rank holds the whole model: its compatibility check "
-    "rejects the other stages' keys as unexpected, and without flatten_optimizer_state_dict the "
-    "optimizer's param_groups of one rank overwrite the other's; with both fixed this passes",
-)
 def test_resume_through_the_checkpointer_is_bitwise(tmp_path):
     """A pipelined run (interleaved 1F1B, two stages per rank) checkpointed at step 2 by the
     AsyncCheckpointer and resumed to step 4 ends with the same parameters, bit for bit, as a run
