@@ -1,6 +1,7 @@
 """NaNDetector on real training with injected faults: skip, raise, agree across ranks, spikes."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -140,3 +141,78 @@ def test_nan_on_one_rank_only_skips_the_step_on_both():
     assert a["skipped"] == b["skipped"] == [2]
     assert a["step"] == b["step"] == 4
     assert a["psum"] == b["psum"]
+
+
+# ---------------------------------------------------------------- rollback with a real checkpointer
+def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
+    """Microbatch i is poisoned (its loss is NaN) when i is in ``poisoned``; poison is tied to the
+    data, so a rollback that re-fed the same batches would fail again."""
+    from handlers.checkpoint import AsyncCheckpointer
+
+    data = [(x, y, i) for i, (x, y) in enumerate(token_batches(40))]
+    current: dict = {}
+
+    def prepare(mb, device):
+        current["index"] = mb[2]
+        return mb[0], mb[1]
+
+    def loss_fn(out, y):
+        loss = cross_entropy_loss(out, y)
+        return loss * float("nan") if current["index"] in poisoned else loss
+
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = Trainer(model, opt, loss_fn, prepare_batch=prepare)
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt", every_steps=4, mode="sync", resume=None)
+    ckpt.attach(trainer)
+    detector = NaNDetector(max_consecutive=2, max_rollbacks=max_rollbacks)
+    detector.attach(trainer)
+    log: dict = {"indices": [], "at_rollback": None, "saved": {}}
+    trainer.add_event_handler(
+        Events.STEP_END, lambda e: log["indices"].append((e.state.step, current["index"]))
+    )
+
+    @trainer.on(Events.STEP_END, priority=-5)  # after the checkpointer's save at priority 10
+    def remember(e):
+        log["saved"][e.state.step] = copy.deepcopy(model.state_dict())
+
+    @trainer.on(Events.ROLLBACK, priority=-1)  # after the checkpointer restored
+    def after(e):
+        log["at_rollback"] = (e.state.step, copy.deepcopy(model.state_dict()))
+
+    return trainer, detector, log, data
+
+
+def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path):
+    trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10})
+    state = trainer.run(data, max_steps=20)
+    # Steps 10 and 11 (microbatches 9, 10) are bad: rollback to the step-8 checkpoint.
+    step, params = log["at_rollback"]
+    assert step == 8
+    for k, v in log["saved"][8].items():
+        assert torch.equal(params[k], v), k
+    assert detector.rollbacks == 1 and state.rollbacks == 1
+    # After the rollback, step 9 trains on microbatch 11: past the bad window, not re-fed.
+    after = [i for s, i in log["indices"][11:]]
+    assert log["indices"][11] == (9, 11)
+    assert 9 not in after and 10 not in after
+    assert state.step == 20 and math.isfinite(state.loss)
+    assert state.exit_code == 0
+
+
+def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path):
+    from engine.checkpoint_io import read_latest
+
+    poisoned = set(range(9, 40))
+    trainer, detector, log, data = _rollback_run(tmp_path, poisoned=poisoned, max_rollbacks=1)
+    ckpt_dir = tmp_path / "ckpt" / "step_00000008"
+    with pytest.raises(TrainingAborted, match="rollbacks") as info:
+        trainer.run(data, max_steps=30)
+    assert info.value.exit_code == ExitCode.NAN_ABORT
+    assert detector.rollbacks == 1
+    assert ckpt_dir.is_dir()
+    assert read_latest(tmp_path / "ckpt") == "step_00000008"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == [
+        "step_00000004",
+        "step_00000008",
+    ]
