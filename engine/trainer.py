@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 # Internal handlers sit outside the range users are expected to pick.
+_NO_CONTEXT = contextlib.nullcontext()
 _FIRST = float("inf")
 _LAST = float("-inf")
 _VALIDATION_PRIORITY = 1_000_000
@@ -495,33 +496,30 @@ class Trainer(Engine):
         raise e
 
     # ------------------------------------------------------------------ step body
-    def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager:
-        model = self.model
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(is_last)
-            return contextlib.nullcontext()
-        if not is_last and hasattr(model, "no_sync"):  # DDP
-            return model.no_sync()
-        return contextlib.nullcontext()
-
     def _step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """Local (non-pipeline) step: forward/backward per microbatch, then one optimizer step."""
         state, model = self.state, self.model
-        model.train()
+        if not model.training:
+            model.train()
         n = len(microbatches)
         fire_microbatch = bool(self._event_handlers.get(Events.MICROBATCH))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        ddp = hasattr(model, "no_sync")
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        loss_sum: Any = 0.0
         tokens = samples = 0
         for i, microbatch in enumerate(microbatches):
             inputs, targets = self.prepare_batch(microbatch, self.device)
-            with self._sync_context(i == n - 1):
+            last = i == n - 1
+            if fsdp:  # gradients reduce-scatter only on the step's last microbatch
+                model.set_requires_gradient_sync(last)
+            with model.no_sync() if ddp and not last else _NO_CONTEXT:
                 output = model(inputs)
                 loss = self.loss_fn(output, targets)
                 if not self._loss_checked:
                     self._check_loss(loss)
                 (loss / n).backward()
             loss = loss.detach()
-            loss_sum += loss
+            loss_sum = loss_sum + loss
             if isinstance(inputs, torch.Tensor):
                 samples += inputs.shape[0] if inputs.dim() else 1
                 if not inputs.is_floating_point():
