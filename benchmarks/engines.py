@@ -18,7 +18,6 @@ loop within the same round, then the median over rounds. Threads are pinned the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,24 +28,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Events, Trainer  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-ACCUM = 2
+from engine import Events, Trainer  # noqa: E402
+from examples.models.gpt import cross_entropy_loss  # noqa: E402
+
 CLIP = 1.0
 LR = 1e-3
 
 
 def setup(seed: int = 0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=64, n_heads=4))
+    model = tiny_gpt(seed)
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
-
-
-def make_data(steps: int) -> list:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (steps * ACCUM, 8, 65), generator=g)
-    return [(b[:, :-1], b[:, 1:]) for b in x]
 
 
 def median_interval(stamps: list[float]) -> float:
@@ -187,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.repeats = 15, 2
     torch.set_num_threads(args.threads)
-    data = make_data(args.steps)
+    data = token_microbatches(args.steps)
     contenders = {
         "hand-written loop": hand_written,
         "hookloop, no handlers": hookloop_bare,
@@ -251,9 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         "figures": figures,
         "notes": "Ratios against the hand-written loop: same model, data, seed, optimizer.",
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return result
 
 

@@ -10,7 +10,6 @@ Trainer, outside any training, so the figure is the bus alone. Medians over repe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workload import write_result  # noqa: E402
 
 from engine import Events, Trainer  # noqa: E402
 
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
     result = {"benchmark": "event_bus", "rows": rows, "figures": figures}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return result
 
 

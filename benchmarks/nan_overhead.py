@@ -10,7 +10,6 @@ all-reduce is the identity: on several ranks it adds one 4-byte all-reduce per s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,16 +19,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Trainer  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
-from handlers.nan_detector import NaNDetector  # noqa: E402
+from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-ACCUM = 2
+from engine import Trainer  # noqa: E402
+from examples.models.gpt import cross_entropy_loss  # noqa: E402
+from handlers.nan_detector import NaNDetector  # noqa: E402
 
 
 def run(data: list, detector: bool) -> float:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=64, n_heads=4))
+    model = tiny_gpt()
     trainer = Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -54,9 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.repeats = 20, 3
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (args.steps * ACCUM, 8, 65), generator=g)
-    data = [(b[:, :-1], b[:, 1:]) for b in x]
+    data = token_microbatches(args.steps)
     run(data, False), run(data, True)  # warm-up
     without, with_ = [], []
     for _ in range(args.repeats):
@@ -81,8 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         ],
     }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return result
 
 

@@ -11,7 +11,6 @@ per-step time over rounds, with the ratio to the hand-written loop measured in t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,10 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Events, Trainer  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-ACCUM = 2
+from engine import Events, Trainer  # noqa: E402
+from examples.models.gpt import cross_entropy_loss  # noqa: E402
+
 CLIP = 1.0
 EVENTS = [
     Events.TRAIN_START,
@@ -39,17 +39,10 @@ EVENTS = [
 
 
 def setup(seed: int = 0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layers=2, d_model=64, n_heads=4))
+    model = tiny_gpt(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, opt, sched
-
-
-def make_data(steps: int) -> list:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (steps * ACCUM, 8, 65), generator=g)
-    return [(b[:, :-1], b[:, 1:]) for b in x]
 
 
 def hand_written(data: list) -> float:
@@ -97,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.steps, args.repeats = 20, 3
     torch.set_num_threads(args.threads)
-    data = make_data(args.steps)
+    data = token_microbatches(args.steps)
     contenders = {
         "hand-written loop": lambda: hand_written(data),
         "Trainer, no handlers": lambda: hookloop(data, 0),
@@ -155,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         "figures": figures,
         "notes": "Reference: a hand-written loop doing the same accumulation, clipping and optimizer steps.",
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     return result
 
 

@@ -1,0 +1,39 @@
+"""The workload the step-time benchmarks share: one tiny GPT, one fixed token stream, and the
+result file every benchmark writes for ``benchmarks/run.py``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.models.gpt import GPT, GPTConfig  # noqa: E402
+
+ACCUM = 2  # microbatches per optimizer step
+BATCH = 8
+SEQ_LEN = 64
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    """The same model from the same seed for every contender."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=256, seq_len=SEQ_LEN, n_layers=2, d_model=64, n_heads=4))
+
+
+def token_microbatches(steps: int, accum: int = ACCUM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps * accum`` microbatches of (inputs, next-token targets), always the same ones."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (steps * accum, BATCH, SEQ_LEN + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in x]
+
+
+def write_result(path: Path | None, result: dict[str, Any]) -> None:
+    """Write a benchmark's ``{"benchmark", "figures", ...}`` result where ``--json`` asked."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
