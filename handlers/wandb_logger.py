@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.events import Events
 from handlers.loggers import MetricLogger, metric_tag
 
 __all__ = ["WandBLogger"]
@@ -17,11 +16,8 @@ _MODES = ("online", "offline", "disabled")
 
 def _scheduler_attached(trainer: Any) -> bool:
     """True when something that publishes ``state.should_log_remote`` (a StepScheduler, recognised
-    by its ``log_remote_every_steps``) is attached to the trainer."""
-    owners = list(trainer.stateful.values())
-    for handler, *_ in trainer._event_handlers.get(Events.STEP_START, ()):
-        owners.append(getattr(handler, "__self__", None))
-    return any(hasattr(o, "log_remote_every_steps") for o in owners)
+    by its ``log_remote_every_steps``) is registered with the trainer."""
+    return any(hasattr(o, "log_remote_every_steps") for o in trainer.stateful.values())
 
 
 class WandBLogger(MetricLogger):

@@ -258,19 +258,6 @@ def wandb_offline(tmp_path, monkeypatch):
     return wandb.Settings(x_disable_stats=True, console="off")
 
 
-class _RemoteCadence:
-    """Publishes ``state.should_log_remote`` every N steps, as the StepScheduler does."""
-
-    def __init__(self, trainer: Trainer, every: int) -> None:
-        self.log_remote_every_steps = every
-        trainer.add_event_handler(Events.STEP_START, self.on_step_start)
-        self.trainer = trainer
-
-    def on_step_start(self) -> None:
-        state = self.trainer.state
-        state.should_log_remote = state.step % self.log_remote_every_steps == 0
-
-
 def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
     from handlers.wandb_logger import WandBLogger
 
@@ -297,17 +284,19 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
 
 
 def test_wandb_follows_the_remote_logging_cadence(tmp_path, wandb_offline):
+    from handlers.step_scheduler import StepScheduler
     from handlers.wandb_logger import WandBLogger
 
     trainer = _trainer()
     MetricsTracker(2).attach(trainer)
-    _RemoteCadence(trainer, 3)
+    data = _tokens()
+    StepScheduler(2, 2, 1, data, log_remote_every_steps=3, max_steps=6, ckpt_every_steps=100).attach(trainer)
     WandBLogger("hookloop-test", dir=tmp_path, settings=wandb_offline).attach(trainer)
     losses = {}
     trainer.add_event_handler(
         Events.STEP_END, lambda: losses.__setitem__(trainer.state.step, trainer.state.loss)
     )
-    trainer.run(_tokens(), max_steps=6)
+    trainer.run(data)
     history = _history(_finished_records(tmp_path))
     assert sorted(history) == [3, 6], "remote steps only, not the tracker's every 2"
     assert history[3]["train/loss"] == losses[3], "the live loss of the remote step"
