@@ -175,9 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"running {name} ...", flush=True)
         results.append(run_one(name, BENCHMARKS[name], args.quick, timeout))
-    rows = table(results)
     print()
-    print_table(rows)
+    print_table(table(results))
+    if not args.no_write and args.only and LATEST.exists():
+        # A partial run refreshes its own benchmarks and keeps the others' last figures.
+        previous = json.loads(LATEST.read_text())
+        if previous.get("quick") == args.quick:
+            fresh = {r["benchmark"]: r for r in results}
+            kept = {r["benchmark"]: r for r in previous["results"] if r["benchmark"] in BENCHMARKS}
+            kept.update(fresh)
+            results = [kept[name] for name in BENCHMARKS if name in kept]
+    rows = table(results)
     if not args.no_write:
         LATEST.parent.mkdir(parents=True, exist_ok=True)
         LATEST.write_text(json.dumps({"machine": info, "quick": args.quick, "results": results}, indent=2))

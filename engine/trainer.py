@@ -532,6 +532,9 @@ class Trainer(Engine):
                 state.microbatch_output = state.microbatch_targets = None
             else:
                 state.microbatches_seen += 1
+            # Free this microbatch's activations now, not when the next forward reassigns them:
+            # the allocator can then reuse their memory for the next forward.
+            del output, inputs, targets
         self._reduce_step_metrics(loss_sum / n, tokens, samples)
         state.grad_norm = self._clip_gradients()
         return self._optimizer_step()
