@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from engine import Trainer  # noqa: E402
 from examples.models.gpt import cross_entropy_loss  # noqa: E402
@@ -37,9 +36,7 @@ def run(data: list, detector: bool) -> float:
     )
     if detector:
         NaNDetector(action="warn", spike_factor=10.0).attach(trainer)
-    start = time.perf_counter()
-    trainer.run(data, max_epochs=1)
-    return (time.perf_counter() - start) / (len(data) // ACCUM)
+    return seconds_per_step(trainer, data)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from engine import Events, Trainer  # noqa: E402
 from examples.models.gpt import cross_entropy_loss  # noqa: E402
@@ -74,9 +74,7 @@ def hookloop(data: list, n_handlers: int = 0) -> float:
     for _ in range(n_handlers):
         for event in EVENTS:
             trainer.add_event_handler(event, lambda: None)
-    start = time.perf_counter()
-    trainer.run(data, max_epochs=1)
-    return (time.perf_counter() - start) / (len(data) // ACCUM)
+    return seconds_per_step(trainer, data)
 
 
 def main(argv: list[str] | None = None) -> dict:

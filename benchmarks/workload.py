@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,13 @@ def token_microbatches(steps: int, accum: int = ACCUM) -> list[tuple[torch.Tenso
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (steps * accum, BATCH, SEQ_LEN + 1), generator=g)
     return [(b[:, :-1], b[:, 1:]) for b in x]
+
+
+def seconds_per_step(trainer: Any, data: list, accum: int = ACCUM) -> float:
+    """Train one pass over ``data`` and return the wall time per optimizer step."""
+    start = time.perf_counter()
+    trainer.run(data, max_epochs=1)
+    return (time.perf_counter() - start) / (len(data) // accum)
 
 
 def write_result(path: Path | None, result: dict[str, Any]) -> None:
