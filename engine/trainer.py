@@ -439,13 +439,8 @@ class Trainer(Engine):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
         if data is None or not isinstance(data, Iterable):
             raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
-        if hasattr(data, "__len__"):
-            try:
-                empty = len(data) == 0  # type: ignore[arg-type]
-            except TypeError:  # an IterableDataset's loader has no length
-                empty = False
-            if empty:
-                raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
+        if _length(data) == 0:
+            raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
         self.max_steps, self.max_epochs = max_steps, max_epochs
         if self.step_data is None or self.step_data.data is not data:
             self.step_data = _StepBatches(self, data)
