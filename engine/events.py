@@ -1,4 +1,5 @@
-"""The events a :class:`~engine.Trainer` fires, in one namespace.
+"""The events a :class:`~engine.Trainer` fires, the order handlers run in, and the registry that
+holds them: one module for events, filters, priorities and dispatch.
 
 Where ignite already has the moment, the name is an alias of ignite's member, so an ignite handler
 and a hookloop handler attached to "the same" event see one firing, not two. The moments ignite
@@ -23,22 +24,79 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
             if not agreed_by_any_rank(state.skip_step):
                 optimizer.step(); lr_scheduler.step()
             optimizer.zero_grad()
-            fire(STEP_END)                     # metrics in state
-            maybe validate -> fire(VALIDATION_END)
+            fire(STEP_END)                     # metrics in state; validation -> VALIDATION_END
             if agreed_by_any_rank(state.should_stop): stop
         fire(EPOCH_END)
-    fire(TRAIN_END)                            # on error: fire(EXCEPTION), then re-raise
+    fire(TRAIN_END)
+    # on an error: fire(EXCEPTION); unless a handler handled it, fire(TRAIN_FAILED) and re-raise
 
 Every ignite filter works on every event: ``Events.STEP_END(every=10)``, ``Events.MICROBATCH(once=3)``,
 ``Events.STEP_START(event_filter=f)``.
+
+Order within one event: handlers run by :class:`Priority`, highest first; equal priorities run in
+attach order. The table below is the whole order of the shipped handlers; a user's handler runs at
+``Priority.DEFAULT`` (0) unless it asks for another, so at STEP_END it sees the step's metrics and
+validation results and runs before loggers record the step::
+
+    event                  priority (high -> low)            who
+    TRAIN_START            ENGINE_FIRST (+inf)               trainer: clear flags of the last run
+                           RESUME            1e9             AsyncCheckpointer: load the checkpoint
+                           ALIGN_PHASE       1e6             PhaseCurriculum: phase of the restored step
+                           SCHEDULE          1e3             StepScheduler: limits and cadence
+                           DEFAULT           0               user handlers
+                           TRACK             -100            MetricsTracker: start clocks
+                           LOG_JSONL .. LOG_CONSOLE -1e3..   loggers
+                           ENGINE_LAST (-inf)                trainer: agree on a stop asked for here
+    STEP_START             PROFILE           4e9             ProfilerWindow: step the profiler
+                           TIME              3e9             MetricsTracker: step clock
+                           TIME_STRAGGLER    2e9             StragglerDetector: step clock
+                           RESUME            1e9             AsyncCheckpointer: reset save timer
+                           SCHEDULE          1e3             StepScheduler: publish this step's flags
+    BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: veto a non-finite step
+                           DEFAULT           0               user handlers (may veto)
+                           STAGING_WAIT      -1e9            AsyncCheckpointer: staging done before params change
+    STEP_END               TIME .. TIME_STRAGGLER            clocks stop
+                           HEALTH            5e6             HealthCheck
+                           EXIT_CHECK        2e6             StepScheduler: time limits, signals
+                           PUBLISH           1.5e6           MetricsTracker: step metrics into state
+                           VALIDATION        1e6             trainer: validate when asked
+                           PHASE             9e5             PhaseCurriculum: next phase's weights, lr_scale
+                           DATASET_METRICS   1e5             PerDatasetMetrics
+                           STRAGGLER         500             StragglerDetector report
+                           CHECKPOINT        10              AsyncCheckpointer: save when asked
+                           DEFAULT           0               user handlers
+                           LOG_JSONL .. LOG_CONSOLE -1e3..   loggers record the step
+                           ROLLBACK_REQUEST  -2e3            NaNDetector: fire ROLLBACK after the step is logged
+                           PROFILE_END       -1e12           ProfilerWindow
+                           ENGINE_LAST (-inf)                trainer: agree on stop, end the run
+    ROLLBACK               RESUME            1e9             AsyncCheckpointer: restore
+                           ALIGN_AFTER_RESTORE -1e6          PhaseCurriculum: re-align to the restored step
+    EPOCH_START/END        SCHEDULE          1e3             StepScheduler
+    TRAIN_END              RESUME            1e9             AsyncCheckpointer: final save, drain
+                           DATASET_METRICS_END 1001          PerDatasetMetrics
+                           TRACK_END         1000            MetricsTracker
+                           LOG_JSONL .. LOG_CONSOLE          loggers flush and close
+    TRAIN_FAILED           RESUME            1e9             AsyncCheckpointer: drain local writes
+                           LOG_* ...                         loggers close
+
+No two shipped handlers share a priority on one event (a test checks it), so their order never
+depends on the order they were attached in.
 """
 
 from __future__ import annotations
 
-from ignite.engine import Events as IgniteEvents
-from ignite.engine.events import EventEnum
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["Events", "StepEvents", "STEP_EVENT_TO_ATTR"]
+from ignite.engine import Events as IgniteEvents
+from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList
+
+from engine import ignite_adapter
+
+__all__ = ["EventHandle", "EventRegistry", "Events", "Priority", "StepEvents", "STEP_EVENT_TO_ATTR"]
 
 
 class StepEvents(EventEnum):
@@ -49,6 +107,7 @@ class StepEvents(EventEnum):
     VALIDATION_END = "validation_end"
     CHECKPOINT_SAVED = "checkpoint_saved"
     ROLLBACK = "rollback"
+    TRAIN_FAILED = "train_failed"
 
 
 # The state counter each custom event's filters read (``every=``, ``once=``); the trainer
@@ -59,6 +118,7 @@ STEP_EVENT_TO_ATTR = {
     StepEvents.VALIDATION_END: "validations",
     StepEvents.CHECKPOINT_SAVED: "checkpoints_saved",
     StepEvents.ROLLBACK: "rollbacks",
+    StepEvents.TRAIN_FAILED: "epoch",
 }
 
 
@@ -77,4 +137,265 @@ class Events:
     EPOCH_END = IgniteEvents.EPOCH_COMPLETED
     TRAIN_END = IgniteEvents.COMPLETED
     EXCEPTION = IgniteEvents.EXCEPTION_RAISED
+    TRAIN_FAILED = StepEvents.TRAIN_FAILED
     TERMINATE = IgniteEvents.TERMINATE
+
+
+class Priority:
+    """Named handler priorities: higher runs earlier within one event (see the module table)."""
+
+    ENGINE_FIRST = math.inf
+    PROFILE = 4e9
+    TIME = 3e9
+    TIME_STRAGGLER = 2e9
+    RESUME = 1e9
+    HEALTH = 5e6
+    EXIT_CHECK = 2e6
+    PUBLISH = 1.5e6
+    VALIDATION = 1e6
+    ALIGN_PHASE = 1e6
+    PHASE = 9e5
+    DATASET_METRICS = 1e5
+    SCHEDULE = 1e3
+    DATASET_METRICS_END = 1001
+    TRACK_END = 1000
+    STRAGGLER = 500
+    NAN_CHECK = 100
+    CHECKPOINT = 10
+    DEFAULT = 0
+    TRACK = -100
+    LOG_JSONL = -1000
+    LOG_TENSORBOARD = -1001
+    LOG_WANDB = -1002
+    LOG_CONSOLE = -1003
+    ROLLBACK_REQUEST = -2000
+    ALIGN_AFTER_RESTORE = -1e6
+    STAGING_WAIT = -1e9
+    PROFILE_END = -1e12
+    ENGINE_LAST = -math.inf
+
+
+class _Entry:
+    """One registered handler: what to call, how, when (filter) and in which order (priority)."""
+
+    __slots__ = ("event", "func", "original", "args", "kwargs", "priority", "seq", "every", "filter",
+                 "attr", "pass_engine", "removed")
+
+    def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
+                 priority: float, seq: int, every: int | None, event_filter: Callable | None,
+                 attr: str | None, pass_engine: bool) -> None:  # fmt: skip
+        self.event, self.func, self.original = event, func, original
+        self.args, self.kwargs = args, kwargs
+        self.priority, self.seq = priority, seq
+        self.every, self.filter, self.attr = every, event_filter, attr
+        self.pass_engine = pass_engine
+        self.removed = False
+
+
+class EventHandle:
+    """What ``add_event_handler`` returns: ``remove()`` detaches exactly that registration (also as a
+    context manager, like ignite's ``RemovableEventHandle``)."""
+
+    def __init__(self, registry: EventRegistry, entries: list[_Entry]) -> None:
+        self._registry = registry
+        self._entries = entries
+
+    @property
+    def priority(self) -> float:
+        return self._entries[0].priority if self._entries else Priority.DEFAULT
+
+    def remove(self) -> None:
+        for entry in self._entries:
+            self._registry.remove_entry(entry)
+
+    def __enter__(self) -> EventHandle:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        self.remove()
+
+
+class EventRegistry:
+    """Handlers by event, kept in firing order (priority, then attach order).
+
+    Each entry carries its own priority and filter, so removing and re-adding handlers never loses
+    an order or a filter. A plain ``every=N`` filter is evaluated as one modulo for a whole run of
+    adjacent handlers that share it, instead of one call per handler.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._entries: dict[Any, list[_Entry]] = {}
+        self._plans: dict[Any, list] = {}
+        self._seq = itertools.count()
+        self._version = 0
+
+    # -------------------------------------------------------------------------------- adding
+    def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
+        if isinstance(event, EventsList):
+            return EventHandle(self, [e for ev in event for e in self.add(ev, handler, args, kwargs, priority)._entries])
+        if not callable(handler):
+            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
+            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
+        base, event_filter = _split_filter(event)
+        if not self._engine.is_registered_event(base):
+            raise ValueError(
+                f"{base!r} is not a valid event of this trainer; register custom events with trainer.register_events(...)"
+            )
+        every = ignite_adapter.every_of(event_filter) if event_filter is not None else None
+        attr = None
+        if event_filter is not None:
+            attr = self._engine.state.event_to_attr.get(base)
+            if attr is None:
+                raise ValueError(
+                    f"{base!r} has no counter for filters; register it with event_to_attr={{event: 'attr'}}"
+                )
+        pass_engine = _accepts_engine(handler, base, args, kwargs, self._engine)
+        entry = _Entry(
+            base, handler, handler, tuple(args), dict(kwargs), float(priority), next(self._seq),
+            every, None if every is not None else event_filter, attr, pass_engine,
+        )  # fmt: skip
+        entries = self._entries.setdefault(base, [])
+        entries.append(entry)
+        entries.sort(key=lambda e: (-e.priority, e.seq))
+        self._changed(base)
+        return EventHandle(self, [entry])
+
+    # -------------------------------------------------------------------------------- removing
+    def remove_entry(self, entry: _Entry) -> None:
+        entries = self._entries.get(entry.event, [])
+        if entry in entries:
+            entries.remove(entry)
+            entry.removed = True
+            self._changed(entry.event)
+
+    def remove(self, handler: Callable, event: Any) -> None:
+        base, _ = _split_filter(event)
+        matches = [e for e in self._entries.get(base, []) if _same_handler(e.original, handler)]
+        if not matches:
+            raise ValueError(f"handler {handler!r} is not attached to {base!r}")
+        for entry in matches:
+            self.remove_entry(entry)
+
+    # -------------------------------------------------------------------------------- queries
+    def has(self, handler: Callable, event: Any | None = None) -> bool:
+        if event is None:
+            events: Iterable = list(self._entries)
+        else:
+            events = [_split_filter(event)[0]]
+        return any(_same_handler(e.original, handler) for ev in events for e in self._entries.get(ev, []))
+
+    def any_for(self, event: Any) -> bool:
+        return bool(self._entries.get(event))
+
+    def entries(self, event: Any) -> list[_Entry]:
+        """The entries of ``event`` in firing order (a copy)."""
+        return list(self._entries.get(event, []))
+
+    def priorities(self, event: Any) -> list[tuple[float, Callable]]:
+        return [(e.priority, e.original) for e in self._entries.get(event, [])]
+
+    # -------------------------------------------------------------------------------- firing
+    def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
+        """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after
+        the ones already there (as in ignite); one removed during the firing no longer runs."""
+        plan = self._plans.get(event)
+        if plan is None:
+            plan = self._plan(event)
+        if not plan:
+            return
+        version = self._version
+        engine = self._engine
+        state = engine.state
+        for every, attr, entries in plan:
+            if every is not None and getattr(state, attr) % every:
+                continue
+            for entry in entries:
+                if version != self._version and entry.removed:
+                    continue
+                self._call(entry, engine, state, event_args, event_kwargs)
+        if version != self._version:
+            self._fire_added(event, plan, event_args, event_kwargs)
+
+    def _fire_added(self, event: Any, plan: list, event_args: tuple, event_kwargs: dict | None) -> None:
+        done = {id(e) for _, _, entries in plan for e in entries}
+        while True:
+            added = [e for e in self._entries.get(event, []) if id(e) not in done]
+            if not added:
+                return
+            for entry in added:
+                done.add(id(entry))
+                if entry.every is not None and getattr(self._engine.state, entry.attr) % entry.every:
+                    continue
+                self._call(entry, self._engine, self._engine.state, event_args, event_kwargs)
+
+    def fire_entry(self, entry: _Entry, event_args: tuple = ()) -> None:
+        """Call one entry as its event would (filter included)."""
+        self._call(entry, self._engine, self._engine.state, event_args, None)
+
+    @staticmethod
+    def _call(entry: _Entry, engine: Any, state: Any, event_args: tuple, event_kwargs: dict | None) -> None:
+        if entry.filter is not None and not entry.filter(engine, getattr(state, entry.attr)):
+            return
+        kwargs = {**entry.kwargs, **event_kwargs} if event_kwargs else entry.kwargs
+        if entry.pass_engine:
+            entry.func(engine, *event_args, *entry.args, **kwargs)
+        else:
+            entry.func(*event_args, *entry.args, **kwargs)
+
+    def _plan(self, event: Any) -> list:
+        plan: list = []
+        for entry in self._entries.get(event, []):
+            key = (entry.every, entry.attr) if entry.every is not None else (None, None)
+            if plan and (plan[-1][0], plan[-1][1]) == key:
+                plan[-1][2].append(entry)
+            else:
+                plan.append((key[0], key[1], [entry]))
+        self._plans[event] = plan
+        return plan
+
+    def _changed(self, event: Any) -> None:
+        self._plans.pop(event, None)
+        self._version += 1
+
+
+def _split_filter(event: Any) -> tuple[Any, Callable | None]:
+    """A filtered event (``Events.STEP_END(every=10)``) -> (``Events.STEP_END``, its filter)."""
+    if isinstance(event, CallableEventWithFilter) and not isinstance(event, EventEnum):
+        base = ignite_adapter.base_event(event)
+        return base, event.filter
+    return event, None
+
+
+def _same_handler(registered: Callable, handler: Callable) -> bool:
+    parent = getattr(registered, "_parent", None)  # an ignite-wrapped handler
+    if parent is not None and callable(parent):
+        registered = parent()
+    return registered == handler
+
+
+def _accepts_engine(handler: Callable, event: Any, args: tuple, kwargs: dict, engine: Any) -> bool:
+    """ignite's rule: the handler gets the engine first if its signature accepts it there."""
+    event_args: tuple = ()
+    if event == IgniteEvents.EXCEPTION_RAISED or event == StepEvents.TRAIN_FAILED:
+        event_args = (Exception(),)
+    elif event == IgniteEvents.TERMINATE_SINGLE_EPOCH:
+        event_args = (0,)
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):  # a builtin without a signature: call it as ignite would
+        return True
+    try:
+        signature.bind(engine, *event_args, *args, **kwargs)
+        return True
+    except TypeError:
+        pass
+    try:
+        signature.bind(*event_args, *args, **kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"handler {getattr(handler, '__qualname__', handler)!r} cannot be called for {event!r} "
+            f"with (engine, {', '.join(map(repr, event_args + tuple(args)))}) or without the engine: {e}"
+        ) from None
+    return False

@@ -22,6 +22,7 @@ __all__ = [
     "agree_any",
     "all_reduce_max",
     "all_reduce_sum",
+    "collective_device",
     "destroy_distributed",
     "exit_process",
     "init_distributed",
@@ -154,9 +155,9 @@ def wrap_data_parallel(model: torch.nn.Module, mode: str = "ddp", *, mesh: Any =
     return model
 
 
-def _collective_device() -> torch.device:
-    # nccl reduces only CUDA tensors; gloo reduces CPU ones.
-    if dist.get_backend() == "nccl":
+def collective_device(group: Any = None) -> torch.device:
+    """Where tensors for a collective must live: CUDA for nccl, CPU for gloo (and without a group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -165,7 +166,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over ranks (a copy on the input's device). One process: unchanged."""
     if world_size() == 1:
         return tensor
-    out = tensor.detach().to(_collective_device(), copy=True)
+    out = tensor.detach().to(collective_device(), copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.to(tensor.device)
 
@@ -174,7 +175,7 @@ def all_reduce_max(value: float, group: Any = None) -> float:
     """The largest ``value`` over ranks."""
     if world_size() == 1:
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t[0])
 
@@ -183,6 +184,6 @@ def agree_any(flag: bool, group: Any = None) -> bool:
     """True on every rank when ``flag`` is true on any rank: how skip/stop/save are agreed."""
     if world_size() == 1:
         return bool(flag)
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t[0])

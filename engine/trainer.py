@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import sys
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from ignite.engine import Engine
-from ignite.engine.events import CallableEventWithFilter, EventsList, RemovableEventHandle, State
 
-from engine import checkpoint_io, parallel
+from engine import parallel
 from engine.errors import ConfigError
-from engine.events import STEP_EVENT_TO_ATTR, Events, StepEvents
+from engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
+from engine.handler import handler_state_key, is_stateful
+from engine.ignite_adapter import IgniteAdapter
 from engine.state import TrainState
+from engine.step_batches import StepBatches, data_length
 
 __all__ = ["Trainer", "default_prepare_batch"]
 
@@ -31,11 +32,8 @@ logger = logging.getLogger(__name__)
 
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
-# Internal handlers sit outside the range users are expected to pick.
 _NO_CONTEXT = contextlib.nullcontext()
-_FIRST = float("inf")
-_LAST = float("-inf")
-_VALIDATION_PRIORITY = 1_000_000
+H = TypeVar("H")
 
 
 def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, Any]:
@@ -62,155 +60,7 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
-def _every_gate(event_name: Any) -> tuple[str, int] | None:
-    """``(state attribute, N)`` when ``event_name`` carries ignite's plain ``every=N`` filter."""
-    if not isinstance(event_name, CallableEventWithFilter) or event_name.filter is None:
-        return None
-    f = event_name.filter
-    if not getattr(f, "__qualname__", "").endswith("every_event_filter.<locals>.wrapper"):
-        return None
-    every = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ()))).get("every")
-    attr = State.event_to_attr.get(event_name)
-    return (attr, every) if isinstance(every, int) and attr else None
-
-
-class _StepBatches:
-    """Groups a microbatch iterable into lists of ``trainer.grad_accum_steps`` microbatches.
-
-    One pass over ``data`` is one epoch; its last group may be shorter. ``skip_next`` drops that
-    many microbatches at the start of the next pass.
-
-    It also knows the data position, for exact resume: ``consumed`` microbatches and ``steps``
-    groups taken in the current pass, the RNG states right before the pass began (python, numpy,
-    torch and the data's own generators, which decide a shuffled ``DataLoader``'s order), and the
-    state of a stateful data source. :meth:`load_state_dict` positions the next pass: a stateful
-    source (``data`` itself with ``state_dict``/``load_state_dict``, or the sampler of a
-    ``DataLoader`` without worker processes, whose sampler is never read ahead) restores its own
-    position in O(1); any other iterable is replayed from the pass's start RNG states and the
-    consumed microbatches are skipped, which costs O(consumed) fetches.
-    """
-
-    def __init__(self, trainer: Trainer, data: Iterable) -> None:
-        self.trainer = trainer
-        self.data = data
-        self.skip_next = 0
-        self.consumed = 0
-        self.steps = 0
-        self._pass_start_rng: dict | None = None
-        self._resume: dict | None = None
-
-    def __len__(self) -> int:
-        n = len(self.data)  # type: ignore[arg-type]
-        return math.ceil(n / self.trainer.grad_accum_steps)
-
-    def stateful_source(self) -> Any:
-        """The object that can save and restore the data position itself, or None."""
-        data = self.data
-        if _is_stateful(data):
-            return data
-        if getattr(data, "num_workers", None) == 0:  # a DataLoader that does not read ahead
-            batch_sampler = getattr(data, "batch_sampler", None)
-            candidates = (
-                batch_sampler,
-                getattr(batch_sampler, "sampler", None),
-                getattr(data, "sampler", None),
-            )
-            for candidate in candidates:
-                if _is_stateful(candidate):
-                    return candidate
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The data position after the microbatches handed out so far in this pass."""
-        state: dict[str, Any] = {
-            "microbatches": self.consumed,
-            "steps": self.steps,
-            "pass_start_rng": self._pass_start_rng,
-        }
-        source = self.stateful_source()
-        if source is not None:
-            state["source"] = source.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start the next pass at ``state``'s position. The RNG states current at this call are
-        reinstated once the data is positioned, so set them before calling."""
-        generators = checkpoint_io.data_generators(self.data)
-        self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
-
-    def __iter__(self) -> Iterator[list]:
-        accum = self.trainer.grad_accum_steps
-        generators = checkpoint_io.data_generators(self.data)
-        resume, self._resume = self._resume, None
-        skip, self.skip_next = self.skip_next, 0
-        self.consumed = self.steps = 0
-        replay = resume is not None and resume.get("microbatches", 0) > 0 and "source" not in resume
-        if resume is not None and "source" in resume:
-            self.stateful_source().load_state_dict(resume["source"])
-        if replay and resume.get("pass_start_rng") is not None:
-            checkpoint_io.restore_rng(resume["pass_start_rng"], generators)
-        if resume is not None and resume.get("microbatches", 0) > 0:
-            self._pass_start_rng = resume.get("pass_start_rng")
-            self.consumed, self.steps = resume["microbatches"], resume["steps"]
-        else:
-            self._pass_start_rng = checkpoint_io.capture_rng(generators)
-        it = iter(self.data)
-        if replay:
-            skip += resume["microbatches"]
-            self.consumed -= resume["microbatches"]
-        for _ in range(skip):
-            if next(it, _END) is _END:
-                break
-            self.consumed += 1
-        if resume is not None:
-            checkpoint_io.restore_rng(resume["rng_after"], generators)
-        size = _length(self.data)
-        group: list = []
-        yielded = False
-        pending: Any = _END
-        while True:
-            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
-            if microbatch is _END:
-                break
-            group.append(microbatch)
-            self.consumed += 1
-            if self.consumed == size:
-                # Run the source to its end now, before this step's checkpoint: whatever RNG it
-                # draws at its end (a sampler's next permutation) is then part of that checkpoint.
-                pending = next(it, _END)
-                ended = pending is _END
-            else:
-                ended = False
-            if len(group) == accum:
-                yielded = True
-                self.steps += 1
-                yield group
-                group = []
-            if ended:
-                break
-        if group:
-            yielded = True
-            self.steps += 1
-            yield group
-        if not yielded and not skip and resume is None:
-            raise ValueError("data yielded no microbatches in this epoch: pass a non-empty dataset or loader")
-
-
-_END = object()
-
-
-def _length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:  # no __len__, or an IterableDataset's loader
-        return None
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-class Trainer(Engine):
+class Trainer(IgniteAdapter):
     """A hook-based training loop on ignite: one ignite iteration is one optimizer step.
 
     Args:
@@ -273,13 +123,12 @@ class Trainer(Engine):
             if pipeline.loss_fn is None:
                 pipeline.loss_fn = loss_fn
         self.pipeline = pipeline
+        self.events = EventRegistry(self)
         super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
         self.logger = logger
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
-        self._priorities: dict[int, float] = {}
-        self._gates: dict[int, tuple[str, int]] = {}
-        self._plans: dict[Any, tuple[list, int, list]] = {}
+        self._handlers: list[Any] = []
         self._stateful: dict[str, Any] = {}
 
         self.model = model
@@ -292,16 +141,26 @@ class Trainer(Engine):
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        # Limits a StepScheduler (or the user) configures; run() arguments override them per run.
         self.max_steps: int | None = None
         self.max_epochs: int | None = None
-        self.step_data: _StepBatches | None = None
+        self._run_max_steps: int | None = None
+        self.step_data = StepBatches(None, lambda: self.grad_accum_steps)
         self._validation: tuple[Iterable, int | None, int | None] | None = None
+        self._evaluator: Engine | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._loss_checked = False
+        self._in_step = False
+        self._skip_completed = False
+        self._failed: set[int] = set()
 
-        self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_FIRST)
-        self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=_VALIDATION_PRIORITY)
-        self.add_event_handler(Events.STEP_END, self._end_step, priority=_LAST)
+        self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
+        self.add_event_handler(Events.TRAIN_START, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.EPOCH_START, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
+        self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
+        self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.EPOCH_END, self._agree_stop, priority=Priority.ENGINE_LAST)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -314,87 +173,67 @@ class Trainer(Engine):
             raise ConfigError("grad_accum_steps", f"must be an integer >= 1, got {value!r}")
         self._grad_accum_steps = value
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where tensors for a collective over the trainer's ranks must live (CPU for gloo)."""
+        return parallel.collective_device()
+
     def set_validation(
         self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
     ) -> None:
         """Validate on ``data`` whenever ``state.should_validate`` is set (the StepScheduler sets it)
         or every ``every_steps`` steps; at most ``eval_iters`` batches per validation."""
         for name, value in (("eval_iters", eval_iters), ("every_steps", every_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
         self._validation = (data, eval_iters, every_steps)
 
-    # ------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------ event handlers
     def add_event_handler(  # type: ignore[override]
-        self, event_name: Any, handler: Callable, *args: Any, priority: float = 0, **kwargs: Any
-    ) -> RemovableEventHandle:
-        """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier; ties run in
-        attach order."""
-        if isinstance(event_name, EventsList):
-            for event in event_name:
-                self.add_event_handler(event, handler, *args, priority=priority, **kwargs)
-            return RemovableEventHandle(event_name, handler, self)
-        handle = super().add_event_handler(event_name, handler, *args, **kwargs)
-        entries = self._event_handlers[event_name]
-        self._priorities[id(entries[-1])] = priority
-        gate = _every_gate(event_name)
-        if gate is not None:
-            self._gates[id(entries[-1])] = gate
-        if priority != 0 or any(self._priorities.get(id(e), 0) != 0 for e in entries):
-            entries.sort(key=lambda e: -self._priorities.get(id(e), 0))
-        self._plans.pop(event_name, None)
-        return handle
+        self, event_name: Any, handler: Callable, *args: Any, priority: float = Priority.DEFAULT, **kwargs: Any
+    ) -> EventHandle:
+        """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier, ties run in attach
+        order (see :class:`engine.Priority` for where the shipped handlers sit)."""
+        return self.events.add(event_name, handler, args, kwargs, priority)
+
+    def has_event_handler(self, handler: Callable, event_name: Any | None = None) -> bool:
+        return self.events.has(handler, event_name)
 
     def remove_event_handler(self, handler: Callable, event_name: Any) -> None:
-        super().remove_event_handler(handler, event_name)
-        self._plans.pop(event_name, None)
+        self.events.remove(handler, event_name)
 
-    def _plan(self, event_name: Any) -> list:
-        """Handlers of one event as runs sharing one ``every=N`` gate (or none), in firing order,
-        so a run of filtered-out handlers costs one modulo instead of a call each."""
-        entries = self._event_handlers.get(event_name, [])
-        cached = self._plans.get(event_name)
-        if cached is not None and cached[0] is entries and cached[1] == len(entries):
-            return cached[2]
-        plan: list = []
-        for entry in entries:
-            gate = self._gates.get(id(entry))
-            if plan and plan[-1][0] == gate:
-                plan[-1][1].append(entry)
-            else:
-                plan.append((gate, [entry]))
-        self._plans[event_name] = (entries, len(entries), plan)
-        return plan
-
-    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        # ignite's dispatch, minus its per-call debug formatting, plus the every=N gates.
-        self.last_event_name = event_name
-        state = self.state
-        for gate, entries in self._plan(event_name):
-            if gate is not None and getattr(state, gate[0]) % gate[1]:
-                continue
-            for func, args, kwargs in entries:
-                if event_kwargs:
-                    kwargs.update(event_kwargs)
-                if args and isinstance(args[0], weakref.ref):
-                    engine = args[0]()
-                    if engine is None:
-                        raise RuntimeError("Engine reference not resolved. Cannot execute event handler.")
-                    func(engine, *event_args, *args[1:], **kwargs)
-                else:
-                    func(*event_args, *args, **kwargs)
-
-    def on(self, event_name: Any, *args: Any, priority: float = 0, **kwargs: Any) -> Callable:  # type: ignore[override]
+    def on(self, event_name: Any, *args: Any, priority: float = Priority.DEFAULT, **kwargs: Any) -> Callable:  # type: ignore[override]
         def decorator(f: Callable) -> Callable:
             self.add_event_handler(event_name, f, *args, priority=priority, **kwargs)
             return f
 
         return decorator
 
+    def has_event_handler_for(self, event: Any) -> bool:
+        """Whether any handler is attached to ``event``."""
+        return self.events.any_for(event)
+
+    def fire(self, event: StepEvents, *args: Any, **kwargs: Any) -> None:
+        """Fire a custom event, advancing the counter its filters read."""
+        attr = STEP_EVENT_TO_ATTR.get(event) or self.state.event_to_attr.get(event)
+        if attr is not None and attr not in ("iteration", "epoch"):
+            setattr(self.state, attr, getattr(self.state, attr) + 1)
+        self._fire_event(event, *args, **kwargs)
+
+    # ------------------------------------------------------------------ handler registry
+    def register_handler(self, handler: Any, key: str | None = None) -> None:
+        """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
+        (``state_dict``/``load_state_dict``) every checkpoint holds it under ``key`` (default: its
+        ``state_key``, else its class name)."""
+        if handler not in self._handlers:
+            self._handlers.append(handler)
+        if is_stateful(handler) and getattr(handler, "checkpointed", True):
+            self.register_stateful(key or handler_state_key(handler), handler)
+
     def register_stateful(self, key: str, obj: Any) -> None:
         """Register ``obj`` (with ``state_dict``/``load_state_dict``) so checkpoints hold it under
         ``key``. Two different objects claiming one key is an error, not a silent overwrite."""
-        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+        if not is_stateful(obj):
             raise TypeError(f"{type(obj).__name__} needs state_dict() and load_state_dict() to be registered")
         held = self._stateful.get(key)
         if held is not None and held is not obj:
@@ -409,51 +248,148 @@ class Trainer(Engine):
         """Registered stateful objects by key (a copy)."""
         return dict(self._stateful)
 
-    def fire(self, event: StepEvents, *args: Any, **kwargs: Any) -> None:
-        """Fire a custom event, advancing the counter its filters read."""
-        attr = STEP_EVENT_TO_ATTR[event]
-        if attr != "iteration":
-            setattr(self.state, attr, getattr(self.state, attr) + 1)
-        if self._event_handlers.get(event):
-            self._fire_event(event, *args, **kwargs)
+    @property
+    def handlers(self) -> tuple[Any, ...]:
+        """The registered handlers, in attach order."""
+        return tuple(self._handlers)
 
-    def has_event_handler_for(self, event: Any) -> bool:
-        """Whether any handler is attached to ``event``."""
-        return bool(self._event_handlers.get(event))
+    def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
+        """The attached handler of type ``kind`` (the first one, subclasses included), or the one
+        registered under the state key ``kind``; ``default`` when there is none."""
+        if isinstance(kind, str):
+            found = self._stateful.get(kind)
+            if found is not None:
+                return found
+            return next((h for h in self._handlers if handler_state_key(h) == kind), default)
+        return next((h for h in self._handlers if isinstance(h, kind)), default)
 
+    # ------------------------------------------------------------------ agreement
     def agree_any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
         return parallel.agree_any(flag)
 
+    def terminate(self, skip_completed: bool = False) -> None:
+        """Stop the run, agreed across ranks (ignite's ``terminate`` with a reason on the state).
+
+        Called from a handler, the stop takes effect after the current step (or right after the
+        current TRAIN_START / EPOCH_START / EPOCH_END handlers), on every rank at once;
+        ``state.stop_reason`` names the caller and ``state.exit_code`` stays as set (0 unless a
+        handler asked for another)."""
+        frame = sys._getframe(1)
+        caller = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        self.state.request_stop(f"terminate() called by {caller}")
+        self._skip_completed = self._skip_completed or skip_completed
+
+    def _stop_now(self) -> None:
+        super().terminate(self._skip_completed)
+
+    def _agree_stop(self) -> None:
+        state = self.state
+        if self.agree_any(state.should_stop):
+            self._mark_stopped()
+            self._stop_now()
+
+    def _mark_stopped(self) -> None:
+        state = self.state
+        state.should_stop = True
+        if state.stop_reason is None:
+            state.stop_reason = "stop requested on another rank"
+        logger.info("stopping after step %d: %s", state.iteration, state.stop_reason)
+
     # ------------------------------------------------------------------ running
     def run(  # type: ignore[override]
-        self, data: Iterable, max_steps: int | None = None, max_epochs: int | None = None
+        self,
+        data: Iterable,
+        max_epochs: int | None = None,
+        max_iters: int | None = None,
+        epoch_length: int | None = None,
+        *,
+        max_steps: int | None = None,
     ) -> TrainState:
-        """Train on ``data`` (an iterable of microbatches) until ``max_steps`` optimizer steps or
-        ``max_epochs`` passes over the data, whichever comes first (one epoch if neither is set).
-        Returns the final state; ``state.exit_code`` tells how the run ended."""
-        max_steps = self.max_steps if max_steps is None else max_steps
-        max_epochs = self.max_epochs if max_epochs is None else max_epochs
-        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs)):
+        """Train on ``data`` (an iterable of microbatches); ignite's ``run`` with steps.
+
+        ``max_steps`` (keyword; ``max_iters`` is ignite's name for it) and ``max_epochs`` limit the
+        run, whichever comes first; unset, they default to the trainer's ``max_steps`` /
+        ``max_epochs`` (a StepScheduler sets those), else one epoch. As in ignite, a run that is
+        not finished (after ``load_state_dict``, or a larger limit than the last run's) continues;
+        a finished one starts afresh. Returns the state; ``state.exit_code`` tells how it ended.
+        """
+        if max_iters is not None:
+            if max_steps is not None and max_steps != max_iters:
+                raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
+            max_steps = max_iters
+        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("epoch_length", epoch_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
         if data is None or not isinstance(data, Iterable):
             raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
-        if _length(data) == 0:
+        if data_length(data) == 0:
             raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
-        self.max_steps, self.max_epochs = max_steps, max_epochs
-        if self.step_data is None or self.step_data.data is not data:
-            self.step_data = _StepBatches(self, data)
-        if max_epochs is None:
-            max_epochs = 1 if max_steps is None else 2**62
-        if self.state.max_epochs is not None and self._is_done(self.state):
-            self.state.max_epochs = None  # a finished run starts afresh
-        if self.state.max_epochs is None:
-            self.state.reset_counters()
-        else:
-            self.state.max_epochs = max_epochs
-        super().run(self.step_data, max_epochs=max_epochs)
-        return self.state
+        state = self.state
+        if state.max_epochs is not None:  # a run exists: new limits may extend it (ignite's rule)
+            if max_steps is not None:
+                if max_steps < state.iteration:
+                    raise ValueError(
+                        f"max_steps ({max_steps}) is below the step already reached ({state.iteration}); "
+                        "set trainer.state.max_epochs = None to start a new run"
+                    )
+                self._run_max_steps = max_steps
+            if max_epochs is not None:
+                self._check_and_set_max_epochs(max_epochs)
+        if state.max_epochs is None or self.finished:
+            self._run_max_steps = self.max_steps if max_steps is None else max_steps
+            max_epochs = self.max_epochs if max_epochs is None else max_epochs
+            if max_epochs is None:
+                max_epochs = 1 if self._run_max_steps is None else 2**62
+            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+            if epoch_length is None:
+                epoch_length = self.step_data.steps_per_pass()
+            state.max_epochs = state.max_iters = None  # ignite builds a new state
+            state.reset_counters()
+            return super().run(data, max_epochs=max_epochs, epoch_length=epoch_length)
+        if self.step_data.data is not data:
+            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+        return super().run(data)
+
+    @property
+    def limits(self) -> tuple[int | None, int | None]:
+        """``(max_steps, max_epochs)`` of the current run (None: no such limit)."""
+        return self._run_max_steps, self.state.max_epochs
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last run reached its end (its step or epoch limit)."""
+        reached = self._run_max_steps is not None and self.state.iteration >= self._run_max_steps
+        return reached or self.run_finished
+
+    def set_data(self, data: Iterable) -> None:
+        """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
+        from ``data``, grouped as before; the epoch length is unchanged."""
+        if data is None or not isinstance(data, Iterable):
+            raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
+        self.state.dataloader = data
+        self.restart_data()
+
+    def _step_iterator(self, data: Any) -> Iterator[list]:
+        if data is None:
+            raise ValueError("the trainer needs data: run(data) with an iterable of microbatches")
+        if self.step_data.data is not data:
+            self.step_data.data = data
+        return iter(self.step_data)
+
+    def resume_at(self, epoch: int, steps_in_epoch: int, data_position: dict | None = None) -> None:
+        """Put the loop back at a restored position before training starts (call at TRAIN_START):
+        ``epoch`` epochs completed, ``steps_in_epoch`` steps done in the next one, and the data at
+        ``data_position`` (a :meth:`StepBatches.state_dict`)."""
+        self.state.epoch = epoch - 1 if steps_in_epoch > 0 else epoch
+        self.position_loop(steps_in_epoch)
+        if data_position is not None:
+            self.step_data.load_state_dict(data_position)
+
+    def rewind_data(self, data_position: dict) -> None:
+        """Move the live data back to ``data_position`` now (a rollback that re-reads the data)."""
+        self.step_data.load_state_dict(data_position)
+        self.restart_data()
 
     def _on_train_start(self) -> None:
         state = self.state
@@ -461,34 +397,54 @@ class Trainer(Engine):
         state.stop_reason = None
         state.exit_code = 0
         state.clear_step_flags()
+        self._skip_completed = False
+        self._failed.clear()
+
+    def _enter_step(self) -> None:
+        self._in_step = True
 
     def _end_step(self) -> None:
         state = self.state
-        reached = self.max_steps is not None and state.iteration >= self.max_steps
+        self._in_step = False
+        reached = self._run_max_steps is not None and state.iteration >= self._run_max_steps
         stop = self.agree_any(state.should_stop)
         state.clear_step_flags()
         if stop:
-            state.should_stop = True
-            if state.stop_reason is None:
-                state.stop_reason = "stop requested on another rank"
-            logger.info("stopping after step %d: %s", state.iteration, state.stop_reason)
+            self._mark_stopped()
         if stop or reached:
-            self.terminate()
+            self._stop_now()
 
-    def _handle_exception(self, e: BaseException) -> None:
-        # ignite routes an error through here twice (inner and outer loop): notify handlers once.
-        if getattr(e, "_hookloop_notified", False):
+    def _on_error(self, e: BaseException) -> None:
+        """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
+        when at least one is attached and none raises; a handler re-raises to decline). Otherwise
+        TRAIN_FAILED handlers clean up and the error propagates; a handler that fails with another
+        error is logged, and the original error still wins."""
+        if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
-        with contextlib.suppress(AttributeError, TypeError):
-            e._hookloop_notified = True  # type: ignore[attr-defined]
-        for func, args, kwargs in list(self._event_handlers.get(Events.EXCEPTION, ())):
-            first = (self,) if args and callable(args[0]) and args[0]() is self else ()
-            rest = args[1:] if first else args
+        self._in_step = False
+        entries = self.events.entries(Events.EXCEPTION)
+        handled = bool(entries)
+        for entry in entries:
             try:
-                func(*first, e, *rest, **kwargs)
-            except BaseException as handler_error:  # keep notifying; the original error wins
-                logger.error("EXCEPTION handler %r failed: %r", func, handler_error)
+                self.events.fire_entry(entry, (e,))
+            except BaseException as raised:  # noqa: BLE001 - every handler is told, then we decide
+                handled = False
+                if raised is not e:
+                    logger.error("EXCEPTION handler %r failed: %r", entry.original, raised)
+        if handled:
+            return
+        self._fail(e)
         raise e
+
+    def _fail(self, e: BaseException) -> None:
+        if id(e) in self._failed:
+            return
+        self._failed.add(id(e))
+        for entry in self.events.entries(Events.TRAIN_FAILED):
+            try:
+                self.events.fire_entry(entry, (e,))
+            except BaseException as handler_error:  # keep cleaning up; the original error wins
+                logger.error("TRAIN_FAILED handler %r failed: %r", entry.original, handler_error)
 
     # ------------------------------------------------------------------ step body
     def _step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
@@ -497,7 +453,7 @@ class Trainer(Engine):
         if not model.training:
             model.train()
         n = len(microbatches)
-        fire_microbatch = bool(self._event_handlers.get(Events.MICROBATCH))
+        fire_microbatch = self.events.any_for(Events.MICROBATCH)
         ddp = hasattr(model, "no_sync")
         fsdp = hasattr(model, "set_requires_gradient_sync")
         loss_sum: Any = 0.0
@@ -530,9 +486,7 @@ class Trainer(Engine):
             # Free this microbatch's activations now, not when the next forward reassigns them:
             # the allocator can then reuse their memory for the next forward.
             del output, inputs, targets
-        self._reduce_step_metrics(loss_sum / n, tokens, samples)
-        state.grad_norm = self._clip_gradients()
-        return self._optimizer_step()
+        return self.finish_step(loss_sum / n, tokens, samples)
 
     def _pipeline_step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """Pipeline-parallel step (``engine/pipeline/runtime.py``): same events as the local body."""
@@ -546,6 +500,14 @@ class Trainer(Engine):
                 "or pass reduction='mean' to the loss"
             )
         self._loss_checked = True
+
+    def finish_step(self, local_loss: torch.Tensor, tokens: int, samples: int) -> float:
+        """The tail every step body shares: the step's loss and counts reduced over data-parallel
+        ranks into the state, gradients measured and clipped, BEFORE_OPTIMIZER_STEP with its agreed
+        veto, the optimizer and LR scheduler. ``local_loss`` is this rank's mean microbatch loss."""
+        self._reduce_step_metrics(local_loss, tokens, samples)
+        self.state.grad_norm = self._clip_gradients()
+        return self._optimizer_step()
 
     def _reduce_step_metrics(self, local_loss: torch.Tensor, tokens: int, samples: int) -> None:
         """Mean loss over data-parallel ranks and summed token/sample counts: one all-reduce."""
@@ -598,10 +560,27 @@ class Trainer(Engine):
         if self.state.should_validate or (every is not None and self.state.iteration % every == 0):
             self.validate()
 
+    @property
+    def evaluator(self) -> Engine:
+        """The ignite engine validation runs on: attach ignite metrics to it (its process function
+        returns ``(model_output, targets)``); their results join ``state.metrics`` before
+        VALIDATION_END. A pipeline-parallel trainer validates stage by stage without it."""
+        if self._evaluator is None:
+            self._evaluator = Engine(self._eval_step)
+            self._evaluator.logger.setLevel(logging.WARNING)
+        return self._evaluator
+
+    def _eval_step(self, engine: Engine, microbatch: Any) -> tuple[Any, Any]:
+        inputs, targets = self.prepare_batch(microbatch, self.device)
+        output = self.model(inputs)
+        engine.state.loss_total += self.loss_fn(output, targets).detach().double().cpu()
+        engine.state.loss_batches += 1
+        return output, targets
+
     @torch.no_grad()
     def validate(self) -> float:
         """Mean validation loss over batches and ranks; published as ``state.metrics["val_loss"]``
-        before VALIDATION_END fires."""
+        (with the evaluator's ignite metrics) before VALIDATION_END fires."""
         if self._validation is None:
             raise RuntimeError("no validation data: call trainer.set_validation(data) first")
         data, eval_iters, _ = self._validation
@@ -609,22 +588,30 @@ class Trainer(Engine):
         model = self.model
         was_training = model.training
         model.eval()
-        if self.pipeline is not None:  # forward through the stages, n_microbatches batches a pass
-            total = self.pipeline.validation_totals(self, data, eval_iters)
-        else:
-            total = torch.zeros(2, dtype=torch.float64)
-            for i, microbatch in enumerate(data):
-                if eval_iters is not None and i >= eval_iters:
-                    break
-                inputs, targets = self.prepare_batch(microbatch, self.device)
-                total[0] += float(self.loss_fn(model(inputs), targets))
-                total[1] += 1
+        metrics: dict[str, Any] = {}
+        try:
+            if self.pipeline is not None:  # forward through the stages, n_microbatches batches a pass
+                total = self.pipeline.validation_totals(self, data, eval_iters)
+            else:
+                evaluator = self.evaluator
+                length = data_length(data)
+                batches = eval_iters if length is None else min(length, eval_iters or length)
+                evaluator.state.loss_total = torch.zeros((), dtype=torch.float64)
+                evaluator.state.loss_batches = 0
+                if batches:
+                    evaluator.run(data, max_epochs=1, epoch_length=batches)
+                total = torch.stack(
+                    [evaluator.state.loss_total, torch.tensor(float(evaluator.state.loss_batches))]
+                )
+                metrics = dict(evaluator.state.metrics)
+        finally:
+            model.train(was_training)
         if parallel.world_size() > 1:
             total = parallel.all_reduce_sum(total)
-        model.train(was_training)
         if total[1] == 0:
             raise ValueError("validation data yielded no batches: pass non-empty data to set_validation")
         val_loss = float(total[0] / total[1])
+        self.state.metrics.update(metrics)
         self.state.metrics["val_loss"] = val_loss
         self.state.times["validation"] = time.perf_counter() - start
         self.fire(Events.VALIDATION_END)

@@ -194,7 +194,7 @@ class AsyncCheckpointer:
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=_STAGING_PRIORITY)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_SAVE_PRIORITY)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_RESUME_PRIORITY)
-        trainer.add_event_handler(Events.EXCEPTION, self._on_exception, priority=_RESUME_PRIORITY)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=_RESUME_PRIORITY)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback)
         return self
 

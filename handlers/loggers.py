@@ -130,7 +130,7 @@ class MetricLogger:
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=LOG_PRIORITY)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=LOG_PRIORITY)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=LOG_PRIORITY)
-        trainer.add_event_handler(Events.EXCEPTION, self._on_exception)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception)
         return self
 
     def _on_train_start(self) -> None:

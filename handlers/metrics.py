@@ -233,7 +233,7 @@ class MetricsTracker:
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_TIMER_PRIORITY)
         trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=_PUBLISH_PRIORITY)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_END_PRIORITY)
-        trainer.add_event_handler(Events.EXCEPTION, lambda _e: self.close())
+        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _e: self.close())
         return self
 
     # ------------------------------------------------------------------ per step

@@ -108,7 +108,7 @@ class ProfilerWindow:
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_FIRST)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_LAST)
         trainer.add_event_handler(Events.TRAIN_END, self._stop)
-        trainer.add_event_handler(Events.EXCEPTION, lambda _e: self._stop())
+        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _e: self._stop())
         return self
 
     @property

@@ -574,15 +574,16 @@ class StepScheduler:
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK_PRIORITY)
         trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=PUBLISH_PRIORITY)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end)
-        trainer.add_event_handler(Events.EXCEPTION, self._on_exception)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception)
         self._trainer = trainer
         return self
 
     def _check_trainer(self) -> None:
         trainer = self._trainer
+        run_steps, run_epochs = trainer.limits
         for name, mine, theirs in (
-            ("max_steps", self.max_steps, trainer.max_steps),
-            ("max_epochs", self.num_epochs, trainer.max_epochs),
+            ("max_steps", self.max_steps, run_steps),
+            ("max_epochs", self.num_epochs, run_epochs),
             ("grad_accum_steps", self.grad_acc_steps, trainer.grad_accum_steps),
         ):
             if mine != theirs:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine import parallel
 from engine.errors import ConfigError
 from engine.events import Events
 from engine.pipeline.config import PipelineConfig
@@ -80,7 +81,7 @@ class PipelineRuntime:
 
     @property
     def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend(self.pp_group) == "nccl" else torch.device("cpu")
+        return parallel.collective_device(self.pp_group)
 
     def __repr__(self) -> str:
         sched = type(self.schedule).__name__
@@ -177,7 +178,7 @@ class PipelineRuntime:
         n_real = len(microbatches)
         pairs = self._prepare(trainer, microbatches)
         self._set_weights(n_real)
-        fire_microbatch = bool(trainer._event_handlers.get(Events.MICROBATCH))
+        fire_microbatch = trainer.has_event_handler_for(Events.MICROBATCH)
         losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
         tokens = samples = 0
         if self.has_first:  # count each sample once per pipeline, not once per stage
@@ -198,9 +199,7 @@ class PipelineRuntime:
                 state.microbatch_output = state.microbatch_targets = None
             else:
                 state.microbatches_seen += 1
-        trainer._reduce_step_metrics(losses[:n_real].mean(), tokens, samples)
-        state.grad_norm = trainer._clip_gradients()
-        return trainer._optimizer_step()
+        return trainer.finish_step(losses[:n_real].mean(), tokens, samples)
 
     def reduce_grad_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The total gradient norm over every stage from this rank's part (one all-reduce)."""

@@ -33,7 +33,7 @@ def main() -> int:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.mse_loss)
     health = HealthCheck(every_steps=1, timeout_s=timeout_s, exit_grace_s=20).attach(trainer)
     closed = []
-    trainer.add_event_handler(Events.EXCEPTION, lambda e: closed.append(type(e).__name__))
+    trainer.add_event_handler(Events.TRAIN_FAILED, lambda e: closed.append(type(e).__name__))
 
     @trainer.on(Events.STEP_END, priority=10_000_000)
     def stall() -> None:

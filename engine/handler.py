@@ -1,0 +1,101 @@
+"""The shape every handler has: what a trainer, a run config and a checkpoint expect of it.
+
+A handler is an object that attaches callbacks to a :class:`~engine.Trainer`'s events. The shipped
+ones, and a user's own, follow one pattern::
+
+    @dataclass
+    class EveryNConfig:                      # the handler's config section, beside it
+        enabled: bool = True
+        every: int = 10
+
+        def validate(self, prefix: str = "every_n") -> None:
+            check_int(f"{prefix}.every", self.every)
+
+    class EveryN(Handler):
+        Config = EveryNConfig                # the section's schema
+        section = "every_n"                  # its name in a run config (YAML / overrides)
+
+        def __init__(self, every: int = 10) -> None:
+            EveryNConfig(every=every).validate(prefix="EveryN")   # the only copy of the rules
+            self.every = every
+
+        def attach(self, trainer):
+            trainer.add_event_handler(Events.STEP_END(every=self.every), self._report,
+                                      priority=Priority.LOG)
+            return super().attach(trainer)   # registers it: findable, checkpointed if stateful
+
+A handler is *stateful* when it has ``state_dict()`` and ``load_state_dict()``; the trainer's
+registry then puts it in every checkpoint under :attr:`Handler.state_key` (the class name unless
+the class sets another). Handlers find each other through ``trainer.get_handler(Type)``, never by
+looking for attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+__all__ = ["Handler", "HandlerLike", "handler_state_key", "is_stateful"]
+
+H = TypeVar("H", bound="Handler")
+
+
+@runtime_checkable
+class HandlerLike(Protocol):
+    """What the trainer needs of anything it registers: ``attach(trainer)`` returning the handler."""
+
+    def attach(self, trainer: Any) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` can be saved in and restored from a checkpoint."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def handler_state_key(obj: Any) -> str:
+    """The key ``obj``'s state has in a checkpoint: its ``state_key``, else its class name."""
+    key = getattr(obj, "state_key", None)
+    return key if isinstance(key, str) and key else type(obj).__name__
+
+
+class Handler:
+    """Base class of hookloop's handlers (optional for a user's: :class:`HandlerLike` is enough).
+
+    Subclasses add their callbacks in :meth:`attach` and end with ``return super().attach(trainer)``,
+    which registers them with the trainer (one handler instance per trainer).
+    """
+
+    #: The config dataclass of this handler's section (None: the handler has no section).
+    Config: ClassVar[type | None] = None
+    #: The section's name in a run config (``nan``, ``checkpoint``, ...).
+    section: ClassVar[str | None] = None
+    #: Key of this handler's state in checkpoints; None means the class name.
+    state_key: str | None = None
+    #: Whether a rollback restores this handler's state (a detector keeps its own counters).
+    restore_on_rollback: bool = True
+
+    trainer: Any = None
+
+    def attach(self: H, trainer: Any) -> H:
+        """Register with ``trainer`` (after adding the event callbacks) and return ``self``."""
+        held = getattr(self, "trainer", None)
+        if held is not None and held is not trainer:
+            raise RuntimeError(
+                f"this {type(self).__name__} is already attached to another trainer; build one per trainer"
+            )
+        self.trainer = trainer
+        trainer.register_handler(self)
+        return self
+
+    @classmethod
+    def from_config(cls: type[H], cfg: Any, **runtime: Any) -> H | None:
+        """Build from the handler's config section, or None when ``cfg.enabled`` is false.
+
+        ``runtime`` carries what a config file cannot hold (a sampler, the run directory, the
+        data loader). The default passes every field of ``cfg`` except ``enabled`` to the
+        constructor; handlers whose section and constructor differ override it.
+        """
+        if not getattr(cfg, "enabled", True):
+            return None
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
+        return cls(**fields, **runtime)

@@ -1,0 +1,112 @@
+"""Every place hookloop relies on ignite's internals, in one module.
+
+The :class:`~engine.Trainer` is an ignite ``Engine`` and keeps ignite's run loop (``run``,
+``terminate``, epochs, ``state_dict``, the timers). What it changes, it changes here, through
+these private hooks of ``ignite.engine.Engine``:
+
+- ``_fire_event``: the single dispatch hook; hookloop's own registry runs the handlers.
+- ``_setup_dataloader_iter``: ignite creates an epoch's iterator here; hookloop groups the
+  microbatches of ``state.dataloader`` into optimizer steps.
+- ``_handle_exception``: where ignite routes errors; hookloop's one error path.
+- ``_init_iter`` / ``_dataloader_iter``: the loop's position inside an epoch, set when a checkpoint
+  puts the run back at a saved step.
+- ``_allowed_events``: the events registered with ``register_events``.
+- ``every_event_filter``'s closure: a plain ``every=N`` filter is read as the number N so the
+  registry can skip whole runs of filtered-out handlers with one modulo.
+
+``tests/test_ignite_contract.py`` pins each behaviour relied on; ``setup.cfg`` bounds
+pytorch-ignite to the versions that test passes on (:data:`SUPPORTED_IGNITE`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ignite.engine import Engine
+from ignite.engine.events import CallableEventWithFilter
+
+__all__ = ["SUPPORTED_IGNITE", "IgniteAdapter", "base_event", "every_of"]
+
+SUPPORTED_IGNITE = ">=0.5.5,<0.6"
+
+
+def every_of(event_filter: Callable | None) -> int | None:
+    """N when ``event_filter`` is ignite's plain ``every=N`` filter, else None."""
+    if event_filter is None or not getattr(event_filter, "__qualname__", "").endswith(
+        "every_event_filter.<locals>.wrapper"
+    ):
+        return None
+    cells = dict(zip(event_filter.__code__.co_freevars, event_filter.__closure__ or ()))
+    every = cells["every"].cell_contents if "every" in cells else None
+    return every if isinstance(every, int) and not isinstance(every, bool) and every > 0 else None
+
+
+def base_event(event: CallableEventWithFilter) -> Any:
+    """The registered event a filtered event (``Events.STEP_END(every=10)``) stands for.
+
+    ignite compares events by name, so the filtered object finds its member in any registry."""
+    return _EVENTS_BY_NAME.get(event.name, event)
+
+
+_EVENTS_BY_NAME: dict[str, Any] = {}
+
+
+def remember_events(*events: Any) -> None:
+    """Record members so :func:`base_event` can map filtered events back to them."""
+    for event in events:
+        _EVENTS_BY_NAME.setdefault(event.name, event)
+
+
+class IgniteAdapter(Engine):
+    """ignite's ``Engine`` with hookloop's dispatch, data grouping and error path plugged in.
+
+    Subclasses provide ``events`` (an :class:`~engine.events.EventRegistry`), ``_step_iterator(data)``
+    and ``_on_error(error)``.
+    """
+
+    events: Any
+
+    def register_events(self, *event_names: Any, event_to_attr: dict | None = None) -> None:
+        super().register_events(*event_names, event_to_attr=event_to_attr)
+        remember_events(*(e for e in event_names if isinstance(e, CallableEventWithFilter)))
+
+    def is_registered_event(self, event: Any) -> bool:
+        return event in self._allowed_events
+
+    # ------------------------------------------------------------------ the overridden hooks
+    def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        self.last_event_name = event_name
+        self.events.fire(event_name, event_args, event_kwargs)
+
+    def _setup_dataloader_iter(self) -> None:
+        self._dataloader_iter = self._step_iterator(self.state.dataloader)
+
+    def _handle_exception(self, e: BaseException) -> None:
+        self._on_error(e)
+
+    def _step_iterator(self, data: Any) -> Iterator[Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _on_error(self, e: BaseException) -> None:  # pragma: no cover - abstract
+        raise e
+
+    # ------------------------------------------------------------------ loop position
+    def position_loop(self, steps_in_epoch: int | None) -> None:
+        """Re-enter the current epoch with ``steps_in_epoch`` steps already done in it (None: at the
+        next epoch's start); the data iterator is created afresh from ``state.dataloader``."""
+        self._init_iter = steps_in_epoch
+        self._dataloader_iter = None
+
+    def restart_data(self) -> None:
+        """Restart the live data iterator now (from ``state.dataloader`` and the data position)."""
+        self._setup_dataloader_iter()
+
+    @property
+    def run_finished(self) -> bool:
+        """Whether ignite regards the run as done (a later ``run()`` then starts afresh)."""
+        return self._is_done(self.state) and self._internal_run_generator is None
+
+    @property
+    def terminating(self) -> bool:
+        return bool(self.should_terminate)

@@ -1,0 +1,178 @@
+"""Microbatches grouped into optimizer steps, and the data position that makes resume exact.
+
+:class:`StepBatches` turns one pass over a microbatch iterable into lists of
+``grad_accum_steps`` microbatches (the last one may be shorter) and knows where it is:
+``consumed`` microbatches and ``steps`` groups taken in the current pass, the RNG states right
+before the pass began (python, numpy, torch and the data's own generators, which decide a shuffled
+``DataLoader``'s order), and the state of a stateful data source.
+
+:meth:`StepBatches.load_state_dict` positions the next pass: a stateful source (the data itself
+with ``state_dict``/``load_state_dict``, or the sampler of a ``DataLoader`` without worker
+processes, whose sampler is never read ahead) restores its own position in O(1); any other
+iterable is replayed from the pass's start RNG states and the consumed microbatches are skipped,
+which costs O(consumed) fetches. Either way the RNG states current at ``load_state_dict`` are
+reinstated only after the data has produced its first microbatch, because a ``DataLoader`` (and a
+generator wrapping one) draws its base seed from the global RNG at the first ``next()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from engine import checkpoint_io
+
+__all__ = ["StepBatches", "data_length", "iter_groups"]
+
+_END = object()
+
+
+def data_length(data: Any) -> int | None:
+    """``len(data)``, or None for data without a length (iterators, iterable datasets' loaders)."""
+    try:
+        return len(data)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def iter_groups(microbatches: Iterable, size: int) -> Iterator[list]:
+    """Lists of ``size`` consecutive microbatches; the last list may be shorter."""
+    group: list = []
+    for microbatch in microbatches:
+        group.append(microbatch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class StepBatches:
+    """Groups of ``grad_accum_steps`` microbatches from ``data``, with an exact data position.
+
+    ``grad_accum_steps`` is read at the start of every pass (a callable returning it, so that a
+    scheduler attached later can change it). ``skip_next`` drops that many microbatches at the
+    start of the next pass.
+    """
+
+    def __init__(self, data: Iterable | None, grad_accum_steps: Any) -> None:
+        self.data = data
+        self._accum = grad_accum_steps if callable(grad_accum_steps) else (lambda: grad_accum_steps)
+        self.skip_next = 0
+        self.consumed = 0
+        self.steps = 0
+        self.passes = 0
+        self._pass_start_rng: dict | None = None
+        self._resume: dict | None = None
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self._accum()
+
+    def __len__(self) -> int:
+        n = len(self.data)  # type: ignore[arg-type]
+        return math.ceil(n / self.grad_accum_steps)
+
+    def steps_per_pass(self) -> int | None:
+        """Optimizer steps in one pass over the data, or None when the data has no length."""
+        n = data_length(self.data)
+        return None if n is None else math.ceil(n / self.grad_accum_steps)
+
+    def stateful_source(self) -> Any:
+        """The object that can save and restore the data position itself, or None."""
+        data = self.data
+        if _is_stateful(data):
+            return data
+        if getattr(data, "num_workers", None) == 0:  # a DataLoader that does not read ahead
+            batch_sampler = getattr(data, "batch_sampler", None)
+            for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(data, "sampler", None)):
+                if _is_stateful(candidate):
+                    return candidate
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position after the microbatches handed out so far in this pass."""
+        state: dict[str, Any] = {
+            "microbatches": self.consumed,
+            "steps": self.steps,
+            "pass_start_rng": self._pass_start_rng,
+        }
+        source = self.stateful_source()
+        if source is not None:
+            state["source"] = source.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next pass at ``state``'s position. The RNG states current at this call are
+        reinstated once the data is positioned, so set them before calling."""
+        generators = checkpoint_io.data_generators(self.data)
+        self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
+
+    def __iter__(self) -> Iterator[list]:
+        accum = self.grad_accum_steps
+        generators = checkpoint_io.data_generators(self.data)
+        resume, self._resume = self._resume, None
+        skip, self.skip_next = self.skip_next, 0
+        first_pass = self.passes == 0
+        self.passes += 1
+        self.consumed = self.steps = 0
+        resumed_at = resume.get("microbatches", 0) if resume is not None else 0
+        replay = resumed_at > 0 and "source" not in resume
+        if resume is not None and "source" in resume:
+            self.stateful_source().load_state_dict(resume["source"])
+        if replay and resume.get("pass_start_rng") is not None:
+            checkpoint_io.restore_rng(resume["pass_start_rng"], generators)
+        if resumed_at > 0:
+            self._pass_start_rng = resume.get("pass_start_rng")
+            self.consumed, self.steps = resumed_at, resume["steps"]
+        else:
+            self._pass_start_rng = checkpoint_io.capture_rng(generators)
+        it = iter(self.data)
+        if replay:
+            skip += resumed_at
+            self.consumed -= resumed_at
+        for _ in range(skip):
+            if next(it, _END) is _END:
+                break
+            self.consumed += 1
+        pending: Any = _END
+        if resume is not None:
+            # Fetch the first microbatch before the RNG goes back: whatever the source draws at its
+            # first next() (a DataLoader's base seed) must not shift the restored stream.
+            pending = next(it, _END)
+            checkpoint_io.restore_rng(resume["rng_after"], generators)
+            if pending is _END:
+                return
+        size = data_length(self.data)
+        group: list = []
+        yielded = False
+        while True:
+            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
+            if microbatch is _END:
+                break
+            group.append(microbatch)
+            self.consumed += 1
+            ended = False
+            if self.consumed == size:
+                # Run the source to its end now, before this step's checkpoint: whatever RNG it
+                # draws at its end (a sampler's next permutation) is then part of that checkpoint.
+                pending = next(it, _END)
+                ended = pending is _END
+            if len(group) == accum:
+                yielded = True
+                self.steps += 1
+                yield group
+                group = []
+            if ended:
+                break
+        if group:
+            yielded = True
+            self.steps += 1
+            yield group
+        if not yielded and first_pass and not skip and resume is None:
+            raise ValueError("data yielded no microbatches: pass a non-empty dataset or loader")
