@@ -54,7 +54,7 @@ validation results and runs before loggers record the step::
                            SCHEDULE          1e3             StepScheduler: publish this step's flags
     BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: veto a non-finite step
                            DEFAULT           0               user handlers (may veto)
-                           STAGING_WAIT      -1e9            AsyncCheckpointer: staging done before params change
+                           STAGING_WAIT      -1e9            AsyncCheckpointer: staging done first
     STEP_END               TIME .. TIME_STRAGGLER            clocks stop
                            HEALTH            5e6             HealthCheck
                            EXIT_CHECK        2e6             StepScheduler: time limits, signals
@@ -66,7 +66,7 @@ validation results and runs before loggers record the step::
                            CHECKPOINT        10              AsyncCheckpointer: save when asked
                            DEFAULT           0               user handlers
                            LOG_JSONL .. LOG_CONSOLE -1e3..   loggers record the step
-                           ROLLBACK_REQUEST  -2e3            NaNDetector: fire ROLLBACK after the step is logged
+                           ROLLBACK_REQUEST  -2e3            NaNDetector: ROLLBACK once logged
                            PROFILE_END       -1e12           ProfilerWindow
                            ENGINE_LAST (-inf)                trainer: agree on stop, end the run
     ROLLBACK               RESUME            1e9             AsyncCheckpointer: restore
@@ -178,8 +178,20 @@ class Priority:
 class _Entry:
     """One registered handler: what to call, how, when (filter) and in which order (priority)."""
 
-    __slots__ = ("event", "func", "original", "args", "kwargs", "priority", "seq", "every", "filter",
-                 "attr", "pass_engine", "removed")
+    __slots__ = (
+        "event",
+        "func",
+        "original",
+        "args",
+        "kwargs",
+        "priority",
+        "seq",
+        "every",
+        "filter",
+        "attr",
+        "pass_engine",
+        "removed",
+    )
 
     def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
                  priority: float, seq: int, every: int | None, event_filter: Callable | None,
@@ -233,7 +245,9 @@ class EventRegistry:
     # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
         if isinstance(event, EventsList):
-            return EventHandle(self, [e for ev in event for e in self.add(ev, handler, args, kwargs, priority)._entries])
+            return EventHandle(
+                self, [e for ev in event for e in self.add(ev, handler, args, kwargs, priority)._entries]
+            )
         if not callable(handler):
             raise TypeError(f"handler must be callable, got {type(handler).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
@@ -241,7 +255,8 @@ class EventRegistry:
         base, event_filter = _split_filter(event)
         if not self._engine.is_registered_event(base):
             raise ValueError(
-                f"{base!r} is not a valid event of this trainer; register custom events with trainer.register_events(...)"
+                f"{base!r} is not a valid event of this trainer; register custom events with "
+                "trainer.register_events(...)"
             )
         every = ignite_adapter.every_of(event_filter) if event_filter is not None else None
         attr = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 from ignite.engine.events import CallableEventWithFilter
 
 __all__ = ["SUPPORTED_IGNITE", "IgniteAdapter", "base_event", "every_of"]
@@ -58,6 +58,9 @@ def remember_events(*events: Any) -> None:
         _EVENTS_BY_NAME.setdefault(event.name, event)
 
 
+remember_events(*Events)
+
+
 class IgniteAdapter(Engine):
     """ignite's ``Engine`` with hookloop's dispatch, data grouping and error path plugged in.
 
@@ -76,6 +79,10 @@ class IgniteAdapter(Engine):
 
     # ------------------------------------------------------------------ the overridden hooks
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        self.dispatch(event_name, *event_args, **event_kwargs)
+
+    def dispatch(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        """Run ``event_name``'s handlers (what ignite's loop does for its own events)."""
         self.last_event_name = event_name
         self.events.fire(event_name, event_args, event_kwargs)
 

@@ -90,7 +90,11 @@ class StepBatches:
             return data
         if getattr(data, "num_workers", None) == 0:  # a DataLoader that does not read ahead
             batch_sampler = getattr(data, "batch_sampler", None)
-            for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(data, "sampler", None)):
+            for candidate in (
+                batch_sampler,
+                getattr(batch_sampler, "sampler", None),
+                getattr(data, "sampler", None),
+            ):
                 if _is_stateful(candidate):
                     return candidate
         return None

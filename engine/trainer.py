@@ -190,7 +190,12 @@ class Trainer(IgniteAdapter):
 
     # ------------------------------------------------------------------ event handlers
     def add_event_handler(  # type: ignore[override]
-        self, event_name: Any, handler: Callable, *args: Any, priority: float = Priority.DEFAULT, **kwargs: Any
+        self,
+        event_name: Any,
+        handler: Callable,
+        *args: Any,
+        priority: float = Priority.DEFAULT,
+        **kwargs: Any,
     ) -> EventHandle:
         """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier, ties run in attach
         order (see :class:`engine.Priority` for where the shipped handlers sit)."""
@@ -218,7 +223,7 @@ class Trainer(IgniteAdapter):
         attr = STEP_EVENT_TO_ATTR.get(event) or self.state.event_to_attr.get(event)
         if attr is not None and attr not in ("iteration", "epoch"):
             setattr(self.state, attr, getattr(self.state, attr) + 1)
-        self._fire_event(event, *args, **kwargs)
+        self.dispatch(event, *args, **kwargs)
 
     # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
@@ -318,7 +323,11 @@ class Trainer(IgniteAdapter):
             if max_steps is not None and max_steps != max_iters:
                 raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
             max_steps = max_iters
-        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("epoch_length", epoch_length)):
+        for name, value in (
+            ("max_steps", max_steps),
+            ("max_epochs", max_epochs),
+            ("epoch_length", epoch_length),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
         if data is None or not isinstance(data, Iterable):

@@ -285,7 +285,7 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
             AsyncCheckpointer(checkpoint, every_steps=2, mode="async").attach(trainer)
         state = trainer.run(data, max_steps=max_steps)
         if checkpoint is not None:
-            trainer.checkpointer.close()
+            trainer.get_handler(AsyncCheckpointer).close()
         params = {n: p.detach().clone() for n, p in runtime.module.named_parameters()}
         return params, state.step
 

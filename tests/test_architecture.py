@@ -1,0 +1,194 @@
+"""The rules the code's shape promises, checked on the source itself.
+
+- ``engine/`` never imports ``handlers/`` (one deprecation shim aside, which resolves old names).
+- No import cycles between the project's modules.
+- Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
+  ignite's internals.
+- Handlers do not import each other (the loggers' shared base and the run composition aside).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "handlers")
+# The shim that keeps old names importable; it reaches handlers through importlib on purpose.
+ENGINE_TO_HANDLERS_SHIM = "engine._deprecated"
+IGNITE_ADAPTER = "engine.ignite_adapter"
+IGNITE_PRIVATE = {
+    "_event_handlers",
+    "_init_iter",
+    "_dataloader_iter",
+    "_is_done",
+    "_allowed_events",
+    "_internal_run_generator",
+    "_setup_dataloader_iter",
+    "_handle_exception",
+    "_fire_event",
+    "_process_function",
+    "_state_dict_user_keys",
+}
+# Handler modules other handler modules may import: a shared base and the composition of a run.
+SHARED_HANDLER_MODULES = {"handlers.metric_logger", "handlers.loggers"}
+COMPOSERS = {"handlers", "handlers.run_config", "handlers.loggers", "handlers.plot"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its source (module level or inside functions),
+    skipping ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    is_package = path.name == "__init__.py"
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            for alias in node.names:
+                out.add(f"{mod}.{alias.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def test_engine_never_imports_handlers():
+    offenders = {
+        name: sorted(d for d in deps if d.split(".")[0] == "handlers")
+        for name, deps in graph().items()
+        if name.split(".")[0] == "engine"
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert offenders == {}
+    shim = (
+        (REPO / "engine" / "_deprecated.py").read_text()
+        if (REPO / "engine" / "_deprecated.py").exists()
+        else ""
+    )
+    for name, path in modules().items():
+        if name.startswith("engine") and name != ENGINE_TO_HANDLERS_SHIM:
+            source = path.read_text()
+            assert 'import_module("handlers' not in source and "import_module('handlers" not in source, name
+    if shim:
+        assert "DeprecationWarning" in shim
+
+
+def test_no_import_cycles():
+    g = graph()
+    # a package importing its own submodules is how packages export names; not a cycle of concepts
+    edges = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in g.items()}
+    edges[ENGINE_TO_HANDLERS_SHIM] = set()
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert cycles == []
+
+
+def _private_accesses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("trainer", "engine"):
+            found.append(f"{path.name}:{node.lineno} {owner.id}.{node.attr}")
+        elif (
+            isinstance(owner, ast.Attribute)
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id == "self"
+            and owner.attr in ("trainer", "_trainer", "engine")
+        ):
+            found.append(f"{path.name}:{node.lineno} self.{owner.attr}.{node.attr}")
+    return found
+
+
+def test_handlers_never_touch_private_trainer_attributes():
+    offenders = [hit for path in sorted((REPO / "handlers").glob("*.py")) for hit in _private_accesses(path)]
+    assert offenders == []
+
+
+def test_only_the_adapter_touches_ignite_internals():
+    offenders = []
+    for name, path in modules().items():
+        if name == IGNITE_ADAPTER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in IGNITE_PRIVATE:
+                offenders.append(f"{name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.FunctionDef) and node.name in IGNITE_PRIVATE:
+                offenders.append(f"{name}:{node.lineno} def {node.name}")
+    assert offenders == []
+
+
+def test_handlers_do_not_import_each_other():
+    offenders = {}
+    for name, deps in graph().items():
+        if not name.startswith("handlers.") or name in COMPOSERS:
+            continue
+        bad = sorted(
+            d
+            for d in deps
+            if d.startswith("handlers") and d != "handlers" and d not in SHARED_HANDLER_MODULES
+        )
+        bad = [d for d in bad if not any(d.startswith(s + ".") for s in SHARED_HANDLER_MODULES)]
+        if bad:
+            offenders[name] = bad
+    assert offenders == {}
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    # The scanners must find a planted violation, or the tests above prove nothing.
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "def f(trainer, self):\n    trainer._init_iter = 1\n    return self.trainer._stateful\n"
+    )
+    assert len(_private_accesses(planted)) == 2
+    pkg = tmp_path / "engine"
+    pkg.mkdir()
+    (pkg / "x.py").write_text("def g():\n    from handlers.nan_detector import NaNDetector\n")
+    assert imports_of("engine.x", pkg / "x.py", {"handlers.nan_detector"}) == {"handlers.nan_detector"}

@@ -1,0 +1,206 @@
+"""Where ignite defines a behaviour, the Trainer keeps it: continuing runs, resuming after
+``load_state_dict``, ``set_data``, ``state.dataloader``, one-shot iterators, EXCEPTION handlers
+that handle the error, ``terminate()``, and ignite metrics and handlers on validation."""
+
+import warnings
+
+import pytest
+import torch
+from ignite.engine import Events as IgniteEvents
+from ignite.handlers import Checkpoint, DiskSaver, EarlyStopping
+from ignite.metrics import Loss
+
+from engine import Events, Trainer
+from examples.models.gpt import cross_entropy_loss
+from tests.conftest import tiny_gpt, token_batches
+
+
+def make_trainer(accum: int = 1, **kwargs) -> Trainer:
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return Trainer(model, opt, cross_entropy_loss, grad_accum_steps=accum, **kwargs)
+
+
+def test_a_finished_run_continues_when_given_more_epochs():
+    trainer = make_trainer()
+    data = token_batches(3)
+    trainer.run(data, max_epochs=2)
+    assert (trainer.state.epoch, trainer.state.step) == (2, 6)
+    trainer.run(data, max_epochs=4)
+    assert (trainer.state.epoch, trainer.state.step) == (4, 12)
+    trainer.run(data)  # finished, no new limit: a new run, one epoch (ignite's default)
+    assert (trainer.state.epoch, trainer.state.step) == (1, 3)
+
+
+def test_a_finished_run_continues_when_given_more_steps():
+    trainer = make_trainer()
+    data = token_batches(10)
+    trainer.run(data, max_steps=4)
+    assert trainer.state.step == 4
+    trainer.run(data, max_steps=7)
+    assert trainer.state.step == 7
+    with pytest.raises(ValueError, match="below the step already reached"):
+        trainer.run(data, max_steps=5)
+
+
+def test_positional_arguments_mean_what_they_mean_in_ignite():
+    trainer = make_trainer()
+    trainer.run(token_batches(2), 3)  # max_epochs, as in ignite
+    assert (trainer.state.epoch, trainer.state.step) == (3, 6)
+    trainer.state.max_epochs = None
+    trainer.run(token_batches(8), max_iters=5)  # ignite's name for max_steps
+    assert trainer.state.step == 5
+
+
+def test_run_after_load_state_dict_resumes(tmp_path):
+    data = token_batches(4)
+    first = make_trainer()
+    saver = Checkpoint({"trainer": first}, DiskSaver(str(tmp_path), require_empty=False), n_saved=None)
+    first.add_event_handler(Events.STEP_END(every=6), saver)
+    first.run(data, max_epochs=3)
+    assert first.state.step == 12
+    files = {int(p.stem.rsplit("_", 1)[1]): p for p in tmp_path.glob("*.pt")}
+    assert sorted(files) == [6, 12]
+
+    second = make_trainer()
+    Checkpoint.load_objects({"trainer": second}, torch.load(files[6], weights_only=False))
+    steps = []
+    second.add_event_handler(Events.STEP_END, lambda e: steps.append((e.state.epoch, e.state.step)))
+    second.run(data)
+    # ignite re-enters epoch 2 at its 3rd step and runs to max_epochs=3 from the checkpoint
+    assert steps[0] == (2, 7)
+    assert steps[-1] == (3, 12)
+
+
+def test_state_dataloader_is_the_users_data_and_set_data_keeps_grouping():
+    trainer = make_trainer(accum=2)
+    first, second = token_batches(8, seed=1), token_batches(8, seed=2)
+    seen = []
+
+    @trainer.on(Events.STEP_START)
+    def record(engine):
+        assert engine.state.dataloader is first or engine.state.dataloader is second
+        seen.append((engine.state.step, engine.state.dataloader is second, len(engine.state.batch)))
+
+    @trainer.on(Events.STEP_END(once=2))
+    def switch(engine):
+        engine.set_data(second)
+
+    trainer.run(first, max_epochs=1)
+    assert seen == [(1, False, 2), (2, False, 2), (3, True, 2), (4, True, 2)]
+    # the microbatches after the switch came from the second data set, grouped in pairs
+    assert torch.equal(trainer.state.batch[0][0], second[2][0])
+
+
+def test_reassigning_state_dataloader_like_ignite_users_do():
+    trainer = make_trainer()
+    first, second = token_batches(2, seed=1), token_batches(3, seed=2)
+
+    @trainer.on(Events.EPOCH_END(once=1))
+    def switch(engine):
+        engine.state.dataloader = second
+        engine.restart_data()
+
+    steps = []
+    trainer.add_event_handler(Events.STEP_START, lambda e: steps.append(len(e.state.batch)))
+    trainer.run(first, max_epochs=2)
+    assert trainer.state.step == 4  # the epoch length stays 2, as in ignite
+
+
+def test_one_shot_iterator_over_several_epochs_warns_like_ignite():
+    trainer = make_trainer()
+    data = iter(token_batches(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.run(data, max_epochs=3)
+    assert trainer.state.step == 3
+    assert trainer.state.epoch == 3
+    assert any("can not provide data anymore" in str(w.message) for w in caught)
+
+
+def test_exception_handler_may_handle_keyboard_interrupt_with_terminate():
+    trainer = make_trainer()
+    cleaned = []
+    trainer.add_event_handler(Events.TRAIN_FAILED, lambda e, err: cleaned.append(err))
+
+    @trainer.on(Events.STEP_END(once=3))
+    def interrupt():
+        raise KeyboardInterrupt
+
+    @trainer.on(Events.EXCEPTION)
+    def handle(engine, e):
+        if isinstance(e, KeyboardInterrupt):
+            engine.terminate()
+        else:
+            raise e
+
+    state = trainer.run(token_batches(10), max_epochs=1)
+    assert state.step == 3
+    assert state.should_stop and "handle" in state.stop_reason
+    assert cleaned == []  # handled: no failure cleanup
+
+
+def test_unhandled_errors_run_cleanup_once_and_propagate():
+    trainer = make_trainer()
+    cleaned = []
+    trainer.add_event_handler(Events.TRAIN_FAILED, lambda err: cleaned.append(type(err).__name__))
+    trainer.add_event_handler(Events.STEP_END(once=2), lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        trainer.run(token_batches(4))
+    assert cleaned == ["ZeroDivisionError"]
+
+
+def test_terminate_from_a_handler_stops_after_the_step_with_a_reason():
+    trainer = make_trainer()
+    after = []
+
+    @trainer.on(Events.STEP_START(once=2))
+    def stop_early(engine):
+        engine.terminate()
+
+    trainer.add_event_handler(Events.STEP_END, lambda e: after.append(e.state.step))
+    state = trainer.run(token_batches(6))
+    assert state.step == 2 and after == [1, 2]  # the step that asked still completes
+    assert (
+        state.stop_reason
+        == "terminate() called by test_terminate_from_a_handler_stops_after_the_step_with_a_reason.<locals>.stop_early"
+    )
+    assert state.exit_code == 0
+
+
+def test_ignite_metrics_attach_to_the_validation_evaluator_and_early_stopping_works():
+    trainer = make_trainer()
+    trainer.set_validation(token_batches(3, seed=7), every_steps=1)
+    Loss(lambda y_pred, y: cross_entropy_loss(y_pred, y)).attach(trainer.evaluator, "ignite_loss")
+    # score never improves: EarlyStopping(patience=2) stops after the third validation
+    stopper = EarlyStopping(patience=2, score_function=lambda _e: 0.0, trainer=trainer)
+    trainer.evaluator.add_event_handler(IgniteEvents.COMPLETED, stopper)
+    state = trainer.run(token_batches(20))
+    assert state.step == 3
+    assert state.metrics["ignite_loss"] == pytest.approx(state.metrics["val_loss"], rel=1e-6)
+    assert "EarlyStopping" in state.stop_reason
+
+
+def _terminate_on_one_rank(rank: int, world: int) -> tuple:
+    from engine import init_distributed
+
+    init_distributed("gloo", timeout_s=60)
+    trainer = make_trainer()
+
+    @trainer.on(Events.STEP_END(once=3))
+    def stop(engine):
+        if rank == 1:
+            engine.terminate()
+
+    state = trainer.run(token_batches(10))
+    return state.step, state.stop_reason
+
+
+@pytest.mark.distributed
+def test_terminate_on_one_rank_stops_every_rank_at_the_same_step():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_terminate_on_one_rank, 2, timeout=120)
+    assert [step for step, _ in results] == [3, 3]
+    assert results[0][1] == "stop requested on another rank"
+    assert results[1][1].startswith("terminate() called by")
