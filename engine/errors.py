@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "HookloopError", "TrainingAborted"]
+__all__ = ["ConfigError", "HookloopError", "PeerFailure", "TrainingAborted", "exit_code_of"]
 
 
 class HookloopError(Exception):
@@ -29,3 +29,22 @@ class TrainingAborted(HookloopError, RuntimeError):
     def __init__(self, message: str, exit_code: int) -> None:
         self.exit_code = int(exit_code)
         super().__init__(message)
+
+
+class PeerFailure(TrainingAborted):
+    """A collective failed because another rank is gone or hung; ``exit_code`` is 77."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 77)
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The process exit code an error stands for: its own ``exit_code`` (TrainingAborted),
+    130 for Ctrl-C, 2 for a configuration error, else 1."""
+    if isinstance(error, TrainingAborted):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    if isinstance(error, ConfigError):
+        return 2
+    return 1

@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "collective_device",
+    "is_peer_failure",
     "destroy_distributed",
     "exit_process",
     "init_distributed",
@@ -178,6 +179,32 @@ def all_reduce_max(value: float, group: Any = None) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t[0])
+
+
+_PEER_FAILURE_MARKS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "socket timeout",
+    "gloo/transport",
+    "nccl communicator was aborted",
+    "watchdog caught collective operation timeout",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank is gone or hung."""
+    if world_size() == 1 or not isinstance(error, RuntimeError):
+        return False
+    backend_error = getattr(dist, "DistBackendError", ())
+    network_error = getattr(dist, "DistNetworkError", ())
+    message = str(error).lower()
+    if isinstance(error, (backend_error, network_error)):
+        return True
+    return any(mark in message for mark in _PEER_FAILURE_MARKS) and (
+        "gloo" in message or "nccl" in message or "peer" in message or "timed out" in message
+    )
 
 
 def agree_any(flag: bool, group: Any = None) -> bool:

@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from ignite.engine import Engine
 
 from engine import parallel
-from engine.errors import ConfigError
+from engine.errors import ConfigError, PeerFailure, exit_code_of
 from engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
+from engine.exit_codes import ExitCode
+from engine.exit_status import write_exit_status
 from engine.handler import handler_state_key, is_stateful
 from engine.ignite_adapter import IgniteAdapter
 from engine.state import TrainState
 from engine.step_batches import StepBatches, data_length
+from engine.watchdog import ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
 
@@ -33,6 +39,8 @@ logger = logging.getLogger(__name__)
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
+#: Default bound of the progress watchdog: longer than any healthy gap between two events.
+DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
 
 
@@ -75,6 +83,11 @@ class Trainer(IgniteAdapter):
         pipeline: a :class:`engine.pipeline.PipelineRuntime` (from ``build_pipeline``): run the
             pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
             ``runtime.n_microbatches`` microbatches.
+        run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
+            watchdog fires, every thread's stack. None: neither file is written (stacks go to stderr).
+        hang_timeout_s: end the process with exit code 77 when the loop makes no progress (no event,
+            no microbatch) for this many seconds, e.g. a peer stopped mid-collective; None disables
+            the watchdog. A HealthCheck tightens the bound to its own ``timeout_s``.
     """
 
     def __init__(
@@ -89,6 +102,8 @@ class Trainer(IgniteAdapter):
         prepare_batch: PrepareBatch | None = None,
         device: torch.device | str | None = None,
         pipeline: Any | None = None,
+        run_dir: str | os.PathLike | None = None,
+        hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -153,6 +168,23 @@ class Trainer(IgniteAdapter):
         self._in_step = False
         self._skip_completed = False
         self._failed: set[int] = set()
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        if hang_timeout_s is not None and (
+            isinstance(hang_timeout_s, bool)
+            or not isinstance(hang_timeout_s, (int, float))
+            or not 0 < hang_timeout_s < math.inf
+        ):
+            raise ConfigError(
+                "hang_timeout_s",
+                f"must be a positive finite number of seconds or None, got {hang_timeout_s!r}",
+            )
+        self.watchdog: ProgressWatchdog | None = (
+            None
+            if hang_timeout_s is None
+            else ProgressWatchdog(hang_timeout_s, dump_dir=run_dir, rank=parallel.rank())
+        )
+        if self.watchdog is not None:
+            self.watchdog.on_expire.append(self._on_watchdog_expired)
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_stop, priority=Priority.ENGINE_LAST)
@@ -355,10 +387,41 @@ class Trainer(IgniteAdapter):
                 epoch_length = self.step_data.steps_per_pass()
             state.max_epochs = state.max_iters = None  # ignite builds a new state
             state.reset_counters()
-            return super().run(data, max_epochs=max_epochs, epoch_length=epoch_length)
+            return self._run_guarded(data, max_epochs=max_epochs, epoch_length=epoch_length)
         if self.step_data.data is not data:
             self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
-        return super().run(data)
+        return self._run_guarded(data)
+
+    def _run_guarded(self, data: Iterable, **limits: Any) -> TrainState:
+        """ignite's run under the watchdog; ``exit_status.json`` written however it ends."""
+        if self.watchdog is not None:
+            self.watchdog.start()
+        try:
+            state = super().run(data, **limits)
+        except BaseException as e:
+            self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+        self.write_exit_status(int(state.exit_code), state.stop_reason or "finished")
+        return state
+
+    def write_exit_status(self, code: int, reason: str) -> None:
+        """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
+        script can requeue on 75 even when the launcher reports only failure or success."""
+        if self.run_dir is None or parallel.rank() != 0:
+            return
+        write_exit_status(self.run_dir, code=code, reason=reason, step=self.state.iteration,
+                          checkpoint=getattr(self.state, "last_checkpoint", None))  # fmt: skip
+
+    def _on_watchdog_expired(self, reason: str) -> None:
+        self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
+
+    def dispatch(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.feed()
+        super().dispatch(event_name, *event_args, **event_kwargs)
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
@@ -442,6 +505,13 @@ class Trainer(IgniteAdapter):
                     logger.error("EXCEPTION handler %r failed: %r", entry.original, raised)
         if handled:
             return
+        if parallel.is_peer_failure(e):
+            lost = PeerFailure(
+                f"a collective failed because a peer is gone or hung: {str(e).splitlines()[0][:300]}"
+            )
+            self._failed.add(id(e))
+            self._fail(lost)
+            raise lost from e
         self._fail(e)
         raise e
 

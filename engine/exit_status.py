@@ -1,0 +1,68 @@
+"""``exit_status.json``: how a run ended, for the job script that starts the next one.
+
+Under torchrun the launcher exits 1 whenever a worker exits non-zero, so a resumable stop (75)
+never reaches the job script through the exit status. Rank 0 therefore writes
+``<run_dir>/exit_status.json`` atomically on every exit path::
+
+    {"code": 75, "meaning": "STOPPED", "reason": "SIGTERM received", "step": 1200,
+     "checkpoint": "runs/gpt/checkpoints/step_00001200", "time": "2026-11-23T10:01:02+00:00"}
+
+A requeue script reads ``code`` (75: requeue; 0: done; anything else: look at the logs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.exit_codes import ExitCode
+
+__all__ = ["EXIT_STATUS_FILE", "read_exit_status", "write_exit_status"]
+
+EXIT_STATUS_FILE = "exit_status.json"
+
+
+def write_exit_status(
+    run_dir: str | os.PathLike,
+    *,
+    code: int,
+    reason: str,
+    step: int | None = None,
+    checkpoint: str | None = None,
+) -> Path:
+    """Write ``run_dir/exit_status.json`` atomically (temporary file, fsync, rename)."""
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        meaning = ExitCode(code).name
+    except ValueError:
+        meaning = {2: "CONFIG_ERROR", 130: "INTERRUPTED"}.get(code, "ERROR")
+    record: dict[str, Any] = {
+        "code": int(code),
+        "meaning": meaning,
+        "reason": reason,
+        "step": step,
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    path = directory / EXIT_STATUS_FILE
+    tmp = directory / f".{EXIT_STATUS_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_exit_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The recorded exit status, or None when the run directory has none."""
+    path = Path(run_dir) / EXIT_STATUS_FILE
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
