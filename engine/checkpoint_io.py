@@ -15,9 +15,26 @@ A save writes into a ``.partial-<session>`` directory; once every rank's data is
 writes ``.complete`` into it, renames it to ``step_N`` and then moves ``latest``. A reader therefore
 only ever considers ``step_N`` directories that hold ``.complete``.
 
-Nothing here unpickles arbitrary objects: DCP's ``.metadata`` is read with an unpickler that admits
-only DCP's own metadata classes, non-tensor DCP entries are loaded with ``weights_only=True``, and
-the per-rank state is JSON (tensors and RNG states are base64 inside it).
+Integrity: ``.complete`` is JSON and carries a manifest of every file of the checkpoint, all ranks'::
+
+    {"step": 100, "world_size": 2, "mode": "async", "time": 1700000000.0,
+     "manifest": {"algorithm": "crc32",
+                  "files": {".metadata":       {"size": 121444, "checksum": "9f2c01ab", "rank": 0},
+                            "__0_0.distcp":    {"size": 802816, "checksum": "0c1d2e3f", "rank": 0},
+                            "__1_0.distcp":    {...,                                   "rank": 1},
+                            "rank_00000.json": {...}, "rank_00001.json": {...}}}}
+
+Each rank checksums the files it wrote on a background thread once its write is durable; rank 0
+collects the entries and writes the marker. A loader verifies the manifest (sizes, then CRC-32 of
+every listed file; files it does not list are ignored) before it reads anything else, and treats a
+checkpoint whose marker has no manifest (written by an earlier version) as unverified. DCP stores no
+checksum of its own: without this, flipped bytes inside a tensor load silently.
+
+Nothing here unpickles arbitrary objects: DCP's ``.metadata`` is checked against the manifest and
+then read with an unpickler that resolves only an exact list of DCP's metadata classes and a few
+torch values (no module prefixes, no attribute walks, no builtins), non-tensor DCP entries are
+loaded with ``weights_only=True``, and the per-rank state is JSON (tensors and RNG states are
+base64 inside it).
 """
 
 from __future__ import annotations
@@ -26,9 +43,12 @@ import base64
 import io
 import json
 import os
+import pathlib
 import pickle
 import random
 import re
+import stat
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,27 +57,38 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.planner import ReadItem
 
 from engine.errors import HookloopError
 
 __all__ = [
     "MARKER",
+    "CHECKSUM_ALGORITHM",
     "CheckpointError",
+    "RecordingWriter",
     "SafeLoadPlanner",
     "SafeReader",
     "capture_rng",
+    "checksum_files",
     "complete_checkpoints",
     "data_generators",
     "decode",
     "encode",
+    "file_checksum",
     "fsync_dir",
     "is_complete",
+    "load_metadata",
+    "make_manifest",
     "parse_step",
     "read_json",
     "read_latest",
+    "read_manifest",
+    "read_marker",
     "restore_rng",
     "step_dir_name",
+    "verify_checkpoint",
+    "verify_file",
     "write_json_atomic",
     "write_latest",
 ]
@@ -257,53 +288,287 @@ def data_generators(data: Any) -> list[torch.Generator]:
     return found
 
 
+# ------------------------------------------------------------------------------ integrity manifest
+CHECKSUM_ALGORITHM = "crc32"
+_READ_CHUNK = 4 << 20
+
+
+def file_checksum(path: str | os.PathLike) -> tuple[int, str]:
+    """``(size, crc32 as 8 hex digits)`` of the regular file at ``path``, read in 4 MiB chunks.
+
+    CRC-32 (``zlib.crc32``) runs at several GB/s here and releases the GIL on large buffers, so the
+    background thread that computes it barely touches training. It detects accidental damage (flipped
+    or lost bytes, truncation); it is no defence against someone who can rewrite the checkpoint (they
+    could rewrite the manifest too): that is the job of the unpickling allowlist below."""
+    crc, size = 0, 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, f"{crc:08x}"
+
+
+def checksum_files(
+    directory: str | os.PathLike, names: Iterable[str], rank: int
+) -> dict[str, dict[str, Any]]:
+    """Manifest entries ``{name: {"size", "checksum", "rank"}}`` for files ``rank`` wrote in ``directory``."""
+    entries = {}
+    for name in sorted(set(names)):
+        size, checksum = file_checksum(os.path.join(directory, name))
+        entries[name] = {"size": size, "checksum": checksum, "rank": rank}
+    return entries
+
+
+def make_manifest(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``manifest`` a completion marker carries: the checksum algorithm and every file's entry."""
+    return {"algorithm": CHECKSUM_ALGORITHM, "files": dict(sorted(entries.items()))}
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker of checkpoint directory ``path`` as a dict (CheckpointError when it is
+    missing or not a JSON object)."""
+    marker = os.path.join(path, MARKER)
+    try:
+        value = read_json(marker)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{marker} cannot be read ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{marker} is not a JSON object")
+    return value
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, dict[str, Any]] | None:
+    """The files listed in ``path``'s completion marker (``{name: entry}``), or None for a checkpoint
+    written before markers carried a manifest. CheckpointError when the marker or manifest is damaged."""
+    marker = read_marker(path)
+    if "manifest" not in marker:
+        return None
+    where = os.path.join(path, MARKER)
+    manifest = marker["manifest"]
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{where}: the manifest is not a JSON object with a 'files' object")
+    if manifest.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise CheckpointError(
+            f"{where}: checksum algorithm {manifest.get('algorithm')!r} is not {CHECKSUM_ALGORITHM!r}; "
+            "this version cannot verify it"
+        )
+    files = manifest["files"]
+    for name, entry in files.items():
+        well_formed = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("checksum"), str)
+            and isinstance(entry.get("rank", 0), int)
+        )
+        # Plain names inside the checkpoint directory only: a manifest never sends a reader elsewhere.
+        if not well_formed or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+            raise CheckpointError(f"{where}: malformed manifest entry {name[:80]!r}")
+    return files
+
+
+def verify_file(directory: str | os.PathLike, name: str, entry: dict[str, Any]) -> str | None:
+    """What is wrong with file ``name`` against its manifest ``entry`` (None: intact)."""
+    path = os.path.join(directory, name)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name} is not a regular file"
+    if st.st_size != entry["size"]:
+        return f"{name} has {st.st_size} bytes, the manifest says {entry['size']}"
+    try:
+        size, checksum = file_checksum(path)
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror})"
+    if size != entry["size"]:
+        return f"{name} changed size while it was read ({size} bytes, the manifest says {entry['size']})"
+    if checksum != entry["checksum"]:
+        return f"{name} has {CHECKSUM_ALGORITHM} {checksum}, the manifest says {entry['checksum']}"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> tuple[list[str], bool]:
+    """Check this rank's share of checkpoint ``path`` against its manifest.
+
+    Returns ``(problems, verified)``: ``problems`` lists what is damaged (empty: intact as far as this
+    rank looked), ``verified`` is False for a checkpoint without a manifest (written by an earlier
+    version: nothing to check it against). The files are shared out by the rank that wrote them
+    (``writer % world_size == rank``), so every file is read once across the ranks, and each rank
+    mostly reads what it wrote; the ranks combine their problems before choosing (see the
+    checkpointer). Files the manifest does not list are ignored; a listed file that is missing,
+    has another size or another checksum is damage, and so is an unreadable marker or manifest."""
+    try:
+        files = read_manifest(path)
+    except CheckpointError as e:
+        return [str(e)], True
+    if files is None:
+        return [], False
+    problems = []
+    for name, entry in files.items():
+        if entry.get("rank", 0) % world_size != rank:
+            continue
+        problem = verify_file(path, name, entry)
+        if problem is not None:
+            problems.append(problem)
+    return problems, True
+
+
+# ------------------------------------------------------------------------------- safe DCP writing
+class RecordingWriter(_FileSystemWriter):
+    """DCP's file writer (same defaults as ``dcp.save`` picks for a path) that remembers the files
+    this rank wrote: its data files and, on the coordinator, ``.metadata``. The checkpointer
+    checksums exactly these files once the write is durable.
+
+    It derives from DCP's plain writer, not from ``FileSystemWriter``, on purpose: that one is also an
+    ``AsyncStager``, and ``async_save`` would then stage through it instead of the stager it uses
+    for a bare path, which would change how (and how fast) async saves copy the state."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written += [result.storage_data.relative_path for result in future.wait()]
+        return future
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        rank = self.rank if (self.rank is not None and not self.use_collectives) else None
+        self.written.append(os.path.basename(self._get_metadata_path(rank)))
+
+
 # ------------------------------------------------------------------------------- safe DCP reading
-_METADATA_MODULE_PREFIX = "torch.distributed.checkpoint."
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib", "Path"),
-    ("copyreg", "_reconstructor"),
-    ("builtins", "object"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """Everything a DCP ``.metadata`` pickle of this project may name, by exact module and name.
+
+    Found by reading the globals of real checkpoints the AsyncCheckpointer wrote (one process,
+    DDP, FSDP2 with DTensor shards, pipeline stages; model plus flattened AdamW state): DCP's
+    metadata dataclasses and memory-format enum, the storage-info record of its file writer,
+    ``torch.Size``, the torch dtypes, torch's layout lookup and ``pathlib.PosixPath`` (the
+    checkpoint id). Each is a class or lookup whose construction has no side effect, so it does
+    not matter what arguments a pickle calls it with."""
+    from torch.distributed.checkpoint import filesystem as dcp_filesystem
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+    allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+    for name, value in vars(torch).items():  # torch.float32 etc.: values, not callables
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only DCP's metadata classes, torch dtypes/sizes/layouts and plain containers."""
+    """Resolves exactly the names of :func:`_allowed_globals`; any other global is refused.
+
+    Pickle can only call (REDUCE, NEWOBJ, INST, OBJ, BUILD's ``__setstate__``) what is on its stack,
+    and the only callables that can get there come from ``find_class`` (opcodes build nothing else
+    callable; persistent ids and out-of-band buffers are not enabled). Resolving by exact
+    ``(module, name)`` from a fixed table means no import, no attribute walk (``a.b.c`` names), no
+    prefix match: ``operator.attrgetter``, ``builtins.eval``/``getattr``, ``os.system`` and
+    ``torch.distributed.checkpoint.planner.operator.attrgetter`` are all refused, so refusing them
+    here is refusing REDUCE on anything outside the allowlist."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        if module.startswith(_METADATA_MODULE_PREFIX):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # classes (dataclasses, enums) only, never functions
-                return obj
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        if not _ALLOWED_GLOBALS:
+            _ALLOWED_GLOBALS.update(_allowed_globals())
+        try:
+            return _ALLOWED_GLOBALS[(module, name)]
+        except (KeyError, TypeError):
+            raise _Refused(f"{str(module)[:100]}.{str(name)[:100]}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"persistent id {str(pid)[:100]!r}")
+
+
+def load_metadata(data: bytes, where: str | os.PathLike) -> Any:
+    """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist; ``where`` names the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise CheckpointError(
+            f"{where} refers to {e}, which is not part of a DCP checkpoint index; refusing to "
+            "unpickle it (only checkpoints written by torch.distributed.checkpoint load). Delete "
+            "this checkpoint directory; resume='auto' then loads the previous one"
+        ) from None
+    except Exception as e:  # truncated or malformed pickle: the damage, not the reader, is at fault
+        raise CheckpointError(
+            f"{where} is not a readable DCP checkpoint index ({type(e).__name__}: {str(e)[:200]}); "
+            "the checkpoint is damaged: delete it or resume from an older one"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where} holds a {type(metadata).__name__}, not a DCP checkpoint index")
+    return metadata
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, but its ``.metadata`` index is unpickled with an allowlist."""
+    """DCP's file reader, but its ``.metadata`` index is checked against the checkpoint's manifest
+    (when the directory has one) before any byte of it is unpickled, and then unpickled with an
+    exact allowlist."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
+        directory = os.fspath(self.path)
+        name = os.path.basename(path)
+        entry = None
+        if os.path.exists(os.path.join(directory, MARKER)):
+            files = read_manifest(directory)
+            if files is not None:
+                entry = files.get(name)
+                if entry is None:
+                    raise CheckpointError(
+                        f"{path} is not listed in the manifest of {os.path.join(directory, MARKER)}: "
+                        "the checkpoint is damaged; resume from an older one"
+                    )
         try:
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
             raise CheckpointError(
-                f"{path} refers to {e}, which is not part of a DCP checkpoint index; refusing to "
-                "unpickle it (only checkpoints written by torch.distributed.checkpoint load)"
+                f"cannot read {path} ({e.strerror}): the checkpoint is damaged or incomplete; resume "
+                "from an older one (resume='auto' falls back by itself)"
             ) from None
+        if entry is not None:
+            checksum = f"{zlib.crc32(data):08x}"
+            if len(data) != entry["size"] or checksum != entry["checksum"]:
+                raise CheckpointError(
+                    f"{path} does not match its manifest ({len(data)} bytes, {CHECKSUM_ALGORITHM} "
+                    f"{checksum}; recorded {entry['size']} bytes, {entry['checksum']}): the checkpoint "
+                    "is damaged; resume from an older one"
+                )
+        metadata = load_metadata(data, path)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:

@@ -13,20 +13,29 @@ not saved yet; never twice for one step. The decision is agreed across ranks.
 
 Modes (``mode=``):
 
-* ``"sync"``: ``dcp.save``; training waits for the whole write.
+* ``"sync"``: ``dcp.save``; training waits for the whole write (not for its checksums: the save is
+  published at the next STEP_END, or by ``wait()``, like an async one).
 * ``"async"``: ``dcp.async_save`` on its own gloo process group; training waits while the state is
   copied to host memory, then the write runs on a background thread.
 * ``"async_staged"``: the copy to host memory (pinned with CUDA) also runs in the background;
   training waits for it only right before the next ``optimizer.step`` (parameters must not change
   mid-copy) or the next save.
 
-Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable: the
-next STEP_END polls the write, the ranks agree "all done" with one small all-reduce, then rank 0
-writes the completion marker, renames the directory to ``step_N`` and moves ``latest``; then
-``Events.CHECKPOINT_SAVED(step, path)`` fires. ``wait()`` drains the save in flight; it runs at
-TRAIN_END and on the exception path. On the exception path (and after a failure exit code) it only
-waits locally, with a timeout, and starts no collective, since a peer may be gone: with several
-ranks that save stays an incomplete ``.partial`` directory which resume ignores.
+Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable and
+checksummed: once its write is durable, each rank checksums the files it wrote on a background
+thread; the next STEP_END polls that, the ranks agree "all done" with one small all-reduce, rank 0
+gathers the ranks' checksums and writes the completion marker with the manifest of every file,
+renames the directory to ``step_N`` and moves ``latest``; then ``Events.CHECKPOINT_SAVED(step,
+path)`` fires. ``wait()`` drains the save in flight; it runs at TRAIN_END and on the exception path.
+On the exception path (and after a failure exit code) it only waits locally, with a timeout, and
+starts no collective, since a peer may be gone: with several ranks that save stays an incomplete
+``.partial`` directory which resume ignores.
+
+Loading (resume, rollback, ``finetune_from``) first verifies the chosen checkpoint against its
+manifest, every rank checking a share of the files; a damaged checkpoint is named in a warning and
+the next older complete one is loaded instead, the same one on every rank. Checkpoints without a
+manifest (written by an earlier version) load with a warning that they are unverified. Every failure
+to save or load leaves as a ``CheckpointError`` naming the path.
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -214,7 +224,9 @@ class AsyncCheckpointer:
                     self.trainer.terminate()
                 return
         if self.finetune_from is not None:
-            self._load_weights(self.finetune_from)
+            path = self._agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
+            if path is not None:
+                self._load_weights(path)
 
     def _on_step_start(self) -> None:
         self.trainer.state.times["checkpoint"] = 0.0
@@ -317,9 +329,14 @@ class AsyncCheckpointer:
     def _start_save(self, step: int) -> None:
         name = io.step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session}")
+        own_state = f"rank_{_rank():05d}.json"
+        try:
+            extra = self._rank_state(step)
+        except TypeError as e:  # a handler's state_dict() holds something JSON cannot carry
+            raise CheckpointError(f"cannot save step {step}: {e}") from e
         try:
             os.makedirs(partial, exist_ok=True)
-            io.write_json_atomic(os.path.join(partial, f"rank_{_rank():05d}.json"), self._rank_state(step))
+            io.write_json_atomic(os.path.join(partial, own_state), extra)
         except OSError as e:
             raise CheckpointError(
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
@@ -327,8 +344,10 @@ class AsyncCheckpointer:
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
         state_dict = {"model": model_sd, "optim": optim_sd}
+        writer = io.RecordingWriter(partial)
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,
+            "storage_writer": writer,
             "process_group": self._group,
             "no_dist": self._group is None,
         }
@@ -337,18 +356,42 @@ class AsyncCheckpointer:
             with _quiet_single_process():
                 if self.mode == "sync":
                     dcp.save(state_dict, **kwargs)
-                    done = _done_future()
+                    written = _done_future()
                 elif self.mode == "async":
-                    done = dcp.async_save(state_dict, **kwargs)
+                    written = dcp.async_save(state_dict, **kwargs)
                 else:
                     response = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
-                    staged, done = response.staging_completion, response.upload_completion
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"saving step {step} to {partial} failed: {e}") from e
+                    staged, written = response.staging_completion, response.upload_completion
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(
+                f"saving step {step} to {partial} failed: {_last_line(e)}; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory}); the previous complete checkpoint and `latest` "
+                "are unchanged"
+            ) from e
+        done = self._checksum_when_written(written, partial, lambda: [own_state, *writer.written])
         self._inflight = _Save(step, partial, os.path.join(self.directory, name), done, staged)
         self.last_saved_step = step
-        if self.mode == "sync":
-            self._finish(wait=False)
+
+    def _checksum_when_written(self, written: Future, partial: str, files: Callable[[], list[str]]) -> Future:
+        """A future of this rank's manifest entries. A background thread waits until this rank's
+        write is durable, then checksums the files it wrote (``files()``: its state JSON, its DCP
+        data files and, on the coordinator, ``.metadata``); the training thread never reads them.
+        In sync mode too: the write itself blocks training, its checksums do not, and the save is
+        published (marker, ``latest``) at the next step's end, like an async one."""
+        rank = _rank()
+        done: Future = Future()
+
+        def checksum() -> None:
+            try:
+                written.result()
+                entries = io.checksum_files(partial, files(), rank)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
+                done.set_exception(e)
+            else:
+                done.set_result(entries)
+
+        threading.Thread(target=checksum, name="hookloop-checkpoint-checksum", daemon=True).start()
+        return done
 
     def _rank_state(self, step: int) -> dict[str, Any]:
         trainer, state = self.trainer, self.trainer.state
@@ -385,37 +428,63 @@ class AsyncCheckpointer:
         return self._stager
 
     def _finish(self, wait: bool) -> None:
-        """Publish the save in flight once every rank's write is durable (collective)."""
+        """Publish the save in flight once every rank's write is durable and checksummed (collective)."""
         save, self._inflight = self._inflight, None
         error: BaseException | None = None
-        try:
-            if wait:
-                self._result(save.done, "write")
-            elif save.done.exception() is not None:
-                raise save.done.exception()
+        entries: dict[str, Any] = {}
+        try:  # without ``wait`` every rank reported its save done: no waiting here
+            entries = save.done.result(timeout=self.wait_timeout_s if wait else 0)
+        except FutureTimeout:
+            error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             error = e
         failed = self._agree_failed(error is not None)
         if failed:
-            where = f": {error}" if error is not None else " on another rank"
+            where = f": {_last_line(error)}" if error is not None else " on another rank"
             raise CheckpointError(
                 f"writing the checkpoint of step {save.step} to {save.partial} failed{where}; the previous "
-                "complete checkpoint and `latest` are unchanged"
-            ) from (error if isinstance(error, Exception) else None)
+                f"complete checkpoint and `latest` are unchanged; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory})"
+            ) from error
+        files = self._collect_entries(entries)
         ok = True
         if _rank() == 0:
-            ok = self._publish(save)
+            ok = self._publish(save, files)
         if _world() > 1:
             ok = not self._agree_failed(not ok)
         if not ok:
-            raise CheckpointError(f"publishing the checkpoint of step {save.step} at {save.final} failed")
+            raise CheckpointError(
+                f"publishing the checkpoint of step {save.step} at {save.final} failed (see the error "
+                f"logged by rank 0); the previous complete checkpoint and `latest` are unchanged"
+            )
         self.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
 
-    def _publish(self, save: _Save) -> bool:
-        """Rank 0: marker, rename to ``step_N``, move ``latest``, prune. Every rank's data is durable."""
+    def _collect_entries(self, entries: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0 gets every rank's manifest entries (one gather on the checkpoint group, which no
+        write uses any more: every rank's save is done); the other ranks get None."""
+        if self._group is None:
+            return dict(entries)
+        parts: list[Any] | None = [None] * _world() if _rank() == 0 else None
+        dist.gather_object(entries, parts, dst=0, group=self._group)
+        if parts is None:
+            return None
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def _publish(self, save: _Save, files: dict[str, Any]) -> bool:
+        """Rank 0: marker (with the manifest of every rank's files), rename to ``step_N``, move
+        ``latest``, prune. Every rank's data is durable and checksummed."""
         try:
-            marker = {"step": save.step, "world_size": _world(), "mode": self.mode, "time": time.time()}
+            marker = {
+                "step": save.step,
+                "world_size": _world(),
+                "mode": self.mode,
+                "time": time.time(),
+                "manifest": io.make_manifest(files),
+            }
             io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
             if os.path.exists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{save.final}.replaced-{self._session}"
@@ -478,25 +547,86 @@ class AsyncCheckpointer:
             )
 
     # ------------------------------------------------------------------------------ loading
-    def _agreed_checkpoint(self, which: str) -> str | None:
-        """Every rank gets rank 0's choice: the newest complete checkpoint for ``"auto"``."""
+    def _agreed_checkpoint(self, which: str, field: str = "checkpoint.resume") -> str | None:
+        """The checkpoint every rank loads, after verifying its manifest (collective).
+
+        ``"auto"``: the newest intact complete checkpoint in ``directory``, None when there is no
+        complete one at all. A path: that checkpoint or, when it is damaged, the next older intact
+        one beside it. A damaged checkpoint is named in a warning and the next older one is tried;
+        CheckpointError when every candidate is damaged. Rank 0 lists the candidates; each rank
+        verifies its share of a candidate's files and the ranks exchange what they found, so all of
+        them take the same decision even when only one of them saw the damage."""
         if which != "auto":
-            _check_loadable(which, "checkpoint.resume")
-            return which
-        step = -1
+            _check_loadable(which, field)
+        listing: list[Any] = [[], None]
         if _rank() == 0:
-            complete, torn = io.complete_checkpoints(self.directory)
-            newest = complete[0][0] if complete else -1
-            for path in torn:
-                step_of = io.parse_step(os.path.basename(path))
-                if step_of is not None and step_of > newest:
-                    logger.warning("skipping incomplete checkpoint %s (no %s marker)", path, io.MARKER)
-            step = newest
+            try:
+                listing[0] = self._candidates(which)
+            except OSError as e:
+                listing[1] = f"cannot list the checkpoints in {which}: {e}"
         if self._group is not None:
-            t = torch.tensor([step], dtype=torch.int64)
-            dist.broadcast(t, src=0, group=self._group)
-            step = int(t[0])
-        return None if step < 0 else os.path.join(self.directory, io.step_dir_name(step))
+            dist.broadcast_object_list(listing, src=0, group=self._group)
+        candidates, listing_error = listing
+        if listing_error is not None:
+            raise CheckpointError(f"{listing_error}; fix the permissions of checkpoint.directory")
+        damaged: list[str] = []
+        for path in candidates:
+            problems, verified = self._verify_agreed(path)
+            if problems:
+                damaged.append(path)
+                logger.warning(
+                    "checkpoint %s is damaged (%s); trying the next older complete checkpoint",
+                    path,
+                    "; ".join(problems),
+                )
+                continue
+            if damaged:
+                logger.warning("loading %s instead of the damaged %s", path, ", ".join(damaged))
+            if not verified:
+                logger.warning(
+                    "checkpoint %s has no manifest in its %s marker (written by an earlier version): "
+                    "loading it unverified",
+                    path,
+                    io.MARKER,
+                )
+            return path
+        if damaged:
+            raise CheckpointError(
+                f"every complete checkpoint to load from is damaged: {', '.join(damaged)} (the warnings "
+                "above name what is wrong with each); restore them from a copy, or move them away to "
+                "start fresh"
+            )
+        return None
+
+    def _candidates(self, which: str) -> list[str]:
+        """Rank 0: the checkpoints to try, newest first (see :meth:`_agreed_checkpoint`)."""
+        if which != "auto":
+            step = io.parse_step(os.path.basename(which))
+            parent = os.path.dirname(which)
+            older = [path for s, path in io.complete_checkpoints(parent)[0] if step is not None and s < step]
+            return [which, *older]
+        complete, torn = io.complete_checkpoints(self.directory)
+        newest = complete[0][0] if complete else -1
+        for path in torn:
+            step_of = io.parse_step(os.path.basename(path))
+            if step_of is not None and step_of > newest:
+                logger.warning("skipping incomplete checkpoint %s (no %s marker)", path, io.MARKER)
+        return [path for _, path in complete]
+
+    def _verify_agreed(self, path: str) -> tuple[list[str], bool]:
+        """Every rank's problems with ``path`` (each rank checks its share of the files) and whether
+        it has a manifest at all; identical on every rank."""
+        rank, world = (_rank(), _world()) if self._group is not None else (0, 1)
+        try:
+            problems, verified = io.verify_checkpoint(path, rank, world)
+        except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
+            problems, verified = [f"verifying it failed: {type(e).__name__}: {e}"], True
+        if self._group is None:
+            return problems, verified
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (problems, verified), group=self._group)
+        everyone = [p if world == 1 else f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
+        return everyone, all(v for _, v in gathered)
 
     def _check_compatible(self, path: str, state_dict: dict[str, Any]) -> None:
         metadata = io.SafeReader(path).read_metadata()
@@ -543,11 +673,12 @@ class AsyncCheckpointer:
                     process_group=self._group,
                     no_dist=self._group is None,
                 )
-            except CheckpointException as e:  # DCP's error derives from BaseException
-                first = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as e:  # DCP's error derives from BaseException
                 raise CheckpointError(
-                    f"loading {path} failed: {first}; if the optimizer changed since it was written, "
-                    "resume with load_optimizer=False"
+                    f"loading {path} failed: {_last_line(e)}; if the optimizer changed since it was "
+                    "written, resume with load_optimizer=False"
                 ) from None
 
     def _load_weights(self, path: str) -> None:
@@ -555,10 +686,25 @@ class AsyncCheckpointer:
         model_sd = get_model_state_dict(model)
         state_dict = {"model": model_sd}
         self._dcp_load(path, state_dict)
-        set_model_state_dict(model, state_dict["model"])
+        try:
+            set_model_state_dict(model, state_dict["model"])
+        except Exception as e:
+            raise CheckpointError(f"loading the model weights of {path} failed: {_last_line(e)}") from e
         logger.info("fine-tuning from the model weights of %s (starting at step 0)", path)
 
     def _load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> None:
+        """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it."""
+        try:
+            self._restore(path, rollback=rollback, keep_data_position=keep_data_position)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"restoring {path} failed ({type(e).__name__}: {_last_line(e)}); resume with the model, "
+                "optimizer and handlers that wrote it, or start fresh (checkpoint.resume=None)"
+            ) from e
+
+    def _restore(self, path: str, *, rollback: bool, keep_data_position: bool) -> None:
         trainer, state = self.trainer, self.trainer.state
         extra = self._read_rank_state(path)
         if self.load_optimizer:
@@ -710,6 +856,13 @@ class AsyncCheckpointer:
             raise CheckpointError(
                 f"checkpoint {what} did not finish within {self.wait_timeout_s:.0f}s (wait_timeout_s)"
             ) from None
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(
+                f"checkpoint {what} failed: {_last_line(e)}; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory})"
+            ) from e
 
     def _add_blocked(self, seconds: float) -> None:
         times = self.trainer.state.times
@@ -722,6 +875,12 @@ def _quiet_single_process() -> Iterator[None]:
     # assumes one process, which is what we mean: silence exactly that message.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     yield
+
+
+def _last_line(error: BaseException) -> str:
+    """The gist of an error: DCP's CheckpointException carries every rank's traceback, last line last."""
+    text = str(error).strip()
+    return text.splitlines()[-1] if text else repr(error)
 
 
 def _rank() -> int:

@@ -340,6 +340,11 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
 
 
 def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
+    """A planted ``.metadata`` fails the manifest check before it is unpickled; with the manifest
+    rewritten to match, the allowlist refuses it. More payloads: tests/test_checkpoint_unpickling.py."""
+    import json
+    import zlib
+
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
     trainer.run(token_batches(2), max_steps=1)
@@ -349,7 +354,17 @@ def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
         def __reduce__(self):
             return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
 
-    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    payload = pickle.dumps(Evil())
+    (path / ".metadata").write_bytes(payload)
+    with pytest.raises(CheckpointError, match="does not match its manifest"):
+        io.SafeReader(path).read_metadata()
+    resumed = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
+    with pytest.raises(CheckpointError, match="damaged"):
+        resumed.run(token_batches(2), max_steps=2)
+    marker = json.loads((path / io.MARKER).read_text())
+    marker["manifest"]["files"][".metadata"].update(size=len(payload), checksum=f"{zlib.crc32(payload):08x}")
+    (path / io.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         io.SafeReader(path).read_metadata()
     resumed = make_trainer()
