@@ -12,7 +12,9 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -88,6 +90,9 @@ class Trainer(IgniteAdapter):
         hang_timeout_s: end the process with exit code 77 when the loop makes no progress (no event,
             no microbatch) for this many seconds, e.g. a peer stopped mid-collective; None disables
             the watchdog. A HealthCheck tightens the bound to its own ``timeout_s``.
+        graceful_sigint: the first Ctrl-C (SIGINT) during ``run()`` asks for a stop after the
+            current step with a final checkpoint (exit code 75, agreed across ranks); a second one
+            interrupts at once (``KeyboardInterrupt``). False: Python's default, a traceback.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class Trainer(IgniteAdapter):
         pipeline: Any | None = None,
         run_dir: str | os.PathLike | None = None,
         hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
+        graceful_sigint: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -169,6 +175,7 @@ class Trainer(IgniteAdapter):
         self._skip_completed = False
         self._failed: set[int] = set()
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
             or not isinstance(hang_timeout_s, (int, float))
@@ -396,16 +403,40 @@ class Trainer(IgniteAdapter):
         """ignite's run under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
             self.watchdog.start()
+        previous_sigint = self._install_sigint()
         try:
             state = super().run(data, **limits)
         except BaseException as e:
             self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}")
             raise
         finally:
+            if previous_sigint is not None:
+                signal.signal(signal.SIGINT, previous_sigint)
             if self.watchdog is not None:
                 self.watchdog.stop()
         self.write_exit_status(int(state.exit_code), state.stop_reason or "finished")
         return state
+
+    def _install_sigint(self) -> Any:
+        """First Ctrl-C: an agreed stop after this step with a final checkpoint; second: interrupt."""
+        if not self.graceful_sigint or threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None  # someone else (a StepScheduler listing SIGINT, the user) handles it
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            state = self.state
+            state.should_checkpoint = True
+            state.request_stop(
+                "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again "
+                "to interrupt at once",
+                ExitCode.STOPPED,
+            )
+            if parallel.rank() == 0:
+                print(f"\n{state.stop_reason}", file=sys.stderr, flush=True)
+
+        return signal.signal(signal.SIGINT, on_sigint)
 
     def write_exit_status(self, code: int, reason: str) -> None:
         """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
