@@ -42,16 +42,21 @@ validation results and runs before loggers record the step::
     TRAIN_START            ENGINE_FIRST (+inf)               trainer: clear flags of the last run
                            RESUME            1e9             AsyncCheckpointer: load the checkpoint
                            ALIGN_PHASE       1e6             PhaseCurriculum: phase of the restored step
+                           DATASET_METRICS   1e5             PerDatasetMetrics: zero the sums
                            SCHEDULE          1e3             StepScheduler: limits and cadence
                            DEFAULT           0               user handlers
                            TRACK             -100            MetricsTracker: start clocks
                            LOG_JSONL .. LOG_CONSOLE -1e3..   loggers
+                           LOG               -1.5e3          a user's MetricLogger subclass
                            ENGINE_LAST (-inf)                trainer: agree on a stop asked for here
+    GET_BATCH_*            TIME              3e9             MetricsTracker: data clock
     STEP_START             PROFILE           4e9             ProfilerWindow: step the profiler
                            TIME              3e9             MetricsTracker: step clock
                            TIME_STRAGGLER    2e9             StragglerDetector: step clock
                            RESUME            1e9             AsyncCheckpointer: reset save timer
+                           PHASE             9e5             PhaseCurriculum: this step's lr_scale, phase
                            SCHEDULE          1e3             StepScheduler: publish this step's flags
+    MICROBATCH             DATASET_METRICS   1e5             PerDatasetMetrics: per-source loss
     BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: veto a non-finite step
                            DEFAULT           0               user handlers (may veto)
                            STAGING_WAIT      -1e9            AsyncCheckpointer: staging done first
@@ -66,6 +71,7 @@ validation results and runs before loggers record the step::
                            CHECKPOINT        10              AsyncCheckpointer: save when asked
                            DEFAULT           0               user handlers
                            LOG_JSONL .. LOG_CONSOLE -1e3..   loggers record the step
+                           LOG               -1.5e3          a user's MetricLogger subclass
                            ROLLBACK_REQUEST  -2e3            NaNDetector: ROLLBACK once logged
                            PROFILE_END       -1e12           ProfilerWindow
                            ENGINE_LAST (-inf)                trainer: agree on stop, end the run
@@ -73,11 +79,16 @@ validation results and runs before loggers record the step::
                            ALIGN_AFTER_RESTORE -1e6          PhaseCurriculum: re-align to the restored step
     EPOCH_START/END        SCHEDULE          1e3             StepScheduler
     TRAIN_END              RESUME            1e9             AsyncCheckpointer: final save, drain
+                           EXIT_CHECK        2e6             StepScheduler: restore signal handlers, GC
                            DATASET_METRICS_END 1001          PerDatasetMetrics
                            TRACK_END         1000            MetricsTracker
-                           LOG_JSONL .. LOG_CONSOLE          loggers flush and close
+                           LOG_JSONL .. LOG_CONSOLE, LOG     loggers flush and close
+                           PROFILE_END       -1e12           ProfilerWindow: export a trace still open
     TRAIN_FAILED           RESUME            1e9             AsyncCheckpointer: drain local writes
-                           LOG_* ...                         loggers close
+                           EXIT_CHECK        2e6             StepScheduler: restore signal handlers, GC
+                           TRACK_END         1000            MetricsTracker: close progress.jsonl
+                           LOG_JSONL .. LOG_CONSOLE, LOG     loggers close
+                           PROFILE_END       -1e12           ProfilerWindow: export a trace still open
 
 No two shipped handlers share a priority on one event (a test checks it), so their order never
 depends on the order they were attached in.
@@ -168,6 +179,7 @@ class Priority:
     LOG_TENSORBOARD = -1001
     LOG_WANDB = -1002
     LOG_CONSOLE = -1003
+    LOG = -1500
     ROLLBACK_REQUEST = -2000
     ALIGN_AFTER_RESTORE = -1e6
     STAGING_WAIT = -1e9

@@ -6,8 +6,8 @@ import math
 import sys
 from typing import IO, Any
 
-from engine.events import Events
-from handlers.loggers import MetricLogger
+from engine.events import Events, Priority
+from handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["ConsoleLogger"]
 
@@ -26,6 +26,8 @@ class ConsoleLogger(MetricLogger):
         step 120/1000 | loss 2.3411 (avg 2.4020) | lr 3.00e-04 | 18,204 tok/s | 0.0412 s/step
     """
 
+    priority = Priority.LOG_CONSOLE
+
     def __init__(
         self,
         *,
@@ -42,8 +44,11 @@ class ConsoleLogger(MetricLogger):
         self.pbar: Any = None
 
     @classmethod
-    def from_config(cls, logging_cfg: Any) -> ConsoleLogger:
-        return cls(progress_bar=logging_cfg.progress_bar, every_steps=logging_cfg.log_interval)
+    def from_config(cls, cfg: LoggingConfig) -> ConsoleLogger | None:
+        """From the ``logging`` section, or None when ``cfg.console`` is false."""
+        if not cfg.console:
+            return None
+        return cls(progress_bar=cfg.progress_bar, every_steps=cfg.log_interval)
 
     def _stream(self) -> IO[str]:
         return self.stream if self.stream is not None else sys.stdout
@@ -53,7 +58,6 @@ class ConsoleLogger(MetricLogger):
         if use_bar is None:
             stream = self.stream if self.stream is not None else sys.stderr
             use_bar = bool(getattr(stream, "isatty", lambda: False)())
-        super().attach(trainer)
         if use_bar and self.active:
             from ignite.handlers import ProgressBar
 
@@ -69,14 +73,14 @@ class ConsoleLogger(MetricLogger):
             self.pbar.attach(
                 trainer, output_transform=postfix, event_name=Events.STEP_END(every=self.refresh_every)
             )
-        return self
+        return super().attach(trainer)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self.pbar is not None:
             if "val_loss" in metrics:
                 self.pbar.log_message(f"step {step} | val_loss {_fmt(metrics['val_loss'], '.4f')}")
             return
-        max_steps = getattr(self.trainer, "max_steps", None)
+        max_steps = self.trainer.limits[0]
         parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
         if "loss" in metrics:
             loss = f"loss {_fmt(metrics['loss'], '.4f')}"
@@ -98,6 +102,8 @@ class ConsoleLogger(MetricLogger):
         stream.flush()
 
     def close(self) -> None:
-        if self.pbar is not None:
-            self.pbar._close(self.trainer)  # ends the bar if the run stopped mid-epoch
+        bar = self.pbar.pbar if self.pbar is not None else None  # the tqdm bar, None once closed
+        if bar is not None:  # the run stopped mid-epoch, before ignite closed the bar at EPOCH_END
+            bar.close()
+            self.pbar.pbar = None
         self._stream().flush()

@@ -39,86 +39,23 @@ Learning rate
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from engine.checks import check_int, check_number
+from engine.data.config import DataConfig, Phase, check_phases
 from engine.data.loader import MixtureLoader
 from engine.data.sampler import MixtureSampler
 from engine.errors import ConfigError
-from engine.events import Events
+from engine.events import Events, Priority
+from engine.handler import Handler
 
-__all__ = ["Phase", "PhaseCurriculum"]
+__all__ = ["Phase", "PhaseCurriculum", "check_phases"]
 
 logger = logging.getLogger(__name__)
 
 _STATE_FORMAT = "hookloop-phase-curriculum"
 _STATE_VERSION = 1
-# TRAIN_START: after resume (the checkpointer loads at 1e9), before ordinary handlers.
-_ALIGN_PRIORITY = 1e6
-# STEP_END: right after the trainer's own work, before loggers and the checkpointer (10).
-_STEP_END_PRIORITY = 1e6
-
-
-@dataclass(frozen=True)
-class Phase:
-    """From optimizer step ``start_step`` on (1-based; 0 means from the start): these dataset weights
-    (datasets not named keep their original weight) and ``lr_scale`` times the scheduler's LR."""
-
-    start_step: int
-    dataset_weights: Mapping[str, float] = field(default_factory=dict)
-    lr_scale: float = 1.0
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def check_phases(phases: Sequence[Any], names: Sequence[str], prefix: str = "phases") -> list[Phase]:
-    """Validate phases (``Phase``, a config object with the same attributes, or a mapping) against the
-    dataset ``names``; errors name the field as ``<prefix>[i].<attribute>``."""
-    if isinstance(phases, str | bytes | Mapping) or not isinstance(phases, Sequence):
-        raise ConfigError(prefix, f"must be a list of phases, got {type(phases).__name__}")
-    out: list[Phase] = []
-    last = -1
-    for i, raw in enumerate(phases):
-        q = f"{prefix}[{i}]"
-        if isinstance(raw, Mapping):
-            unknown = set(raw) - {"start_step", "dataset_weights", "lr_scale"}
-            if unknown:
-                raise ConfigError(
-                    q, f"unknown key(s) {sorted(unknown)}; a phase has start_step, dataset_weights, lr_scale"
-                )
-            get = raw.get
-        else:
-            get = lambda key, default=None, _raw=raw: getattr(_raw, key, default)  # noqa: E731
-        start = get("start_step")
-        weights = get("dataset_weights", {}) or {}
-        scale = get("lr_scale", 1.0)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ConfigError(
-                f"{q}.start_step", f"must be an integer >= 0 (an optimizer step), got {start!r}"
-            )
-        if start <= last:
-            raise ConfigError(
-                f"{q}.start_step",
-                f"must be larger than the previous phase's ({last}): phases are in step order",
-            )
-        last = start
-        if not isinstance(weights, Mapping):
-            raise ConfigError(f"{q}.dataset_weights", f"must be a mapping name -> weight, got {weights!r}")
-        for name, w in weights.items():
-            if name not in names:
-                raise ConfigError(
-                    f"{q}.dataset_weights.{name}", f"unknown dataset; known: {', '.join(names)}"
-                )
-            if not (_number(w) and math.isfinite(w) and w >= 0):
-                raise ConfigError(f"{q}.dataset_weights.{name}", f"must be a finite number >= 0, got {w!r}")
-        if not (_number(scale) and math.isfinite(scale) and scale > 0):
-            raise ConfigError(f"{q}.lr_scale", f"must be a finite number > 0, got {scale!r}")
-        out.append(Phase(start, {k: float(v) for k, v in weights.items()}, float(scale)))
-    return out
 
 
 class _PhaseScaledScheduler:
@@ -130,10 +67,10 @@ class _PhaseScaledScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         curriculum = self._curriculum
-        for group, lr in zip(curriculum._trainer.optimizer.param_groups, self.inner.get_last_lr()):
+        for group, lr in zip(curriculum.trainer.optimizer.param_groups, self.inner.get_last_lr()):
             group["lr"] = lr  # chainable schedulers compute the next rate from the current one
         self.inner.step(*args, **kwargs)
-        curriculum._apply_lr(curriculum._trainer.state.step + 1)
+        curriculum._apply_lr(curriculum.trainer.state.step + 1)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -150,7 +87,7 @@ class _PhaseScaledScheduler:
         return getattr(self.inner, name)
 
 
-class PhaseCurriculum:
+class PhaseCurriculum(Handler):
     """Phases of training: per-phase dataset weights and LR scale, exact at step boundaries.
 
     Args:
@@ -168,8 +105,12 @@ class PhaseCurriculum:
     ``state.metrics["lr_scale"]`` at every step. See the module documentation for exact semantics.
     """
 
+    state_key = "curriculum"
     # a rollback restores the counters and rewinds (or keeps) the data itself; the anchor follows
     restore_on_rollback = False
+    # configured by the engine's ``data`` section (phases and their temperature)
+    Config = DataConfig
+    section = "data"
 
     def __init__(
         self,
@@ -184,35 +125,18 @@ class PhaseCurriculum:
         if not isinstance(sampler, MixtureSampler):
             raise TypeError(f"sampler: expected a MixtureSampler, got {type(sampler).__name__}")
         temperature_field = "data.mix_temperature" if _field.startswith("data.") else "mix_temperature"
-        if not (_number(mix_temperature) and math.isfinite(mix_temperature) and mix_temperature > 0):
-            raise ConfigError(temperature_field, f"must be a finite number > 0, got {mix_temperature!r}")
-        if samples_per_step is not None and (
-            isinstance(samples_per_step, bool)
-            or not isinstance(samples_per_step, int)
-            or samples_per_step < 1
-        ):
-            raise ConfigError(
-                "samples_per_step", f"must be a positive integer or None, got {samples_per_step!r}"
-            )
+        check_number(temperature_field, mix_temperature, positive=True)
+        check_int("samples_per_step", samples_per_step, allow_none=True)
         names = list(sampler.mixture.names)
         self.sampler = sampler
-        self.phases = check_phases(phases, names, _field)
+        self.phases = check_phases(phases, names, _field, base_weights=sampler.weights)
         self.mix_temperature = float(mix_temperature)
         self.samples_per_step = samples_per_step
         self.state_key = state_key
         self.original_weights = sampler.weights
         self.original_temperature = sampler.temperature
-        self._phase_weights: list[dict[str, float]] = []
-        for i, phase in enumerate(self.phases):
-            merged = {**self.original_weights, **phase.dataset_weights}
-            if not any(w > 0 for w in merged.values()):
-                raise ConfigError(
-                    f"{_field}[{i}].dataset_weights",
-                    f"leaves every dataset at weight 0 ({merged}); give at least one a positive weight",
-                )
-            self._phase_weights.append(merged)
+        self._phase_weights = [{**self.original_weights, **phase.dataset_weights} for phase in self.phases]
         self._scales_lr = any(phase.lr_scale != 1.0 for phase in self.phases)
-        self._trainer: Any = None
         self._anchor: tuple[int, int] | None = None  # after step s0 the stream is at global draw d0
         self._completed: int | None = None  # the last step that completed (STEP_END)
         self._draws_per_step: int | None = None
@@ -220,11 +144,33 @@ class PhaseCurriculum:
         self._last_phase: int | None = None
 
     @classmethod
-    def from_config(cls, data_cfg: Any, sampler: MixtureSampler, **kwargs: Any) -> PhaseCurriculum:
-        """From the ``data`` config section (``phases``, ``mix_temperature``); errors name
-        ``data.phases[i]...``. With no phases it still keeps the data position step-exact."""
+    def from_config(
+        cls,
+        cfg: DataConfig,
+        *,
+        sampler: MixtureSampler | None = None,
+        samples_per_step: int | None = None,
+        state_key: str = "curriculum",
+    ) -> PhaseCurriculum | None:
+        """From the ``data`` section (``phases``, ``mix_temperature``); errors name
+        ``data.phases[i]...``. With no phases it still keeps the data position step-exact.
+
+        ``sampler`` is the training loader's :class:`MixtureSampler`. Without one (the data is not
+        a mixture) there is nothing to schedule and the result is None; phases then are an error."""
+        if sampler is None:
+            if cfg.phases:
+                raise ConfigError(
+                    "data.phases",
+                    "need the training loader's MixtureSampler: pass sampler=... (or remove the phases)",
+                )
+            return None
         return cls(
-            sampler, data_cfg.phases, mix_temperature=data_cfg.mix_temperature, _field="data.phases", **kwargs
+            sampler,
+            cfg.phases,
+            mix_temperature=cfg.mix_temperature,
+            samples_per_step=samples_per_step,
+            state_key=state_key,
+            _field="data.phases",
         )
 
     # ------------------------------------------------------------------ phase arithmetic
@@ -255,22 +201,24 @@ class PhaseCurriculum:
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Any) -> PhaseCurriculum:
-        if self._trainer is not None:
+        if self.trainer is not None:
             raise RuntimeError("this PhaseCurriculum is already attached to a trainer")
-        self._trainer = trainer
-        trainer.register_stateful(self.state_key, self)
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_ALIGN_PRIORITY)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_STEP_END_PRIORITY)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=-_ALIGN_PRIORITY)
-        if self._scales_lr and trainer.lr_scheduler is not None:
-            if isinstance(trainer.lr_scheduler, _PhaseScaledScheduler):
-                raise RuntimeError("trainer.lr_scheduler is already scaled by another PhaseCurriculum")
+        wrap = self._scales_lr and trainer.lr_scheduler is not None
+        if wrap and isinstance(trainer.lr_scheduler, _PhaseScaledScheduler):
+            raise RuntimeError("trainer.lr_scheduler is already scaled by another PhaseCurriculum")
+        # TRAIN_START: after the checkpointer restored the step, before the scheduler and user handlers.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ALIGN_PHASE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PHASE)
+        # STEP_END: after validation, before the checkpointer saves the position and loggers record lr.
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PHASE)
+        # ROLLBACK: after the checkpointer restored the counters (and maybe the data).
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.ALIGN_AFTER_RESTORE)
+        if wrap:
             trainer.lr_scheduler = _PhaseScaledScheduler(trainer.lr_scheduler, self)
-        return self
+        return super().attach(trainer)
 
     def _infer_samples_per_step(self) -> int:
-        trainer = self._trainer
+        trainer = self.trainer
         loader = trainer.step_data.data if trainer.step_data is not None else None
         batch_sampler = getattr(loader, "batch_sampler", None)
         sampler = getattr(batch_sampler, "sampler", None)
@@ -299,7 +247,7 @@ class PhaseCurriculum:
 
     # ------------------------------------------------------------------ events
     def _on_train_start(self) -> None:
-        trainer, state, sampler = self._trainer, self._trainer.state, self.sampler
+        trainer, state, sampler = self.trainer, self.trainer.state, self.sampler
         draws_per_step = self._infer_samples_per_step() * sampler.world_size
         if self._anchor is not None and self._completed is not None:
             consumed = self._draws_after(self._completed)  # after the last step that trained
@@ -329,7 +277,7 @@ class PhaseCurriculum:
         return changes
 
     def _on_step_start(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         index = self.phase_index(state.step)
         if index != self._last_phase:
             if self._last_phase is not None or index >= 0:
@@ -346,15 +294,15 @@ class PhaseCurriculum:
         state.metrics["lr_scale"] = self.lr_scale_at(state.step)
 
     def _on_step_end(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         self._completed = state.step
         self._apply_lr(state.step + 1)
-        state.lr = self._trainer.optimizer.param_groups[0]["lr"]
+        state.lr = self.trainer.optimizer.param_groups[0]["lr"]
 
     def _on_rollback(self) -> None:
         # The checkpointer moved the counters back to the checkpoint's step. If it also rewound the data
         # the anchor still maps steps to draws; if the data keeps going, the step the data is at moved.
-        state = self._trainer.state
+        state = self.trainer.state
         if getattr(state, "rollback_keep_data_position", False) and self._completed is not None:
             if self._anchor is not None and self._draws_per_step is not None:
                 self._anchor = (state.step, self._draws_after(self._completed))
@@ -363,7 +311,7 @@ class PhaseCurriculum:
 
     # ------------------------------------------------------------------ learning rate
     def _unscaled_lrs(self) -> list[float] | None:
-        scheduler = self._trainer.lr_scheduler if self._trainer is not None else None
+        scheduler = self.trainer.lr_scheduler if self.trainer is not None else None
         if scheduler is not None:
             return list(scheduler.get_last_lr())
         return self._fixed_lrs
@@ -375,14 +323,14 @@ class PhaseCurriculum:
         if unscaled is None:
             return
         scale = self.lr_scale_at(step)
-        for group, lr in zip(self._trainer.optimizer.param_groups, unscaled):
+        for group, lr in zip(self.trainer.optimizer.param_groups, unscaled):
             group["lr"] = lr * scale
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
         """The data position right after step ``trainer.state.step`` and that step's phase (JSON-safe).
         Taken at STEP_END (as checkpointers do) it describes the position after the step just done."""
-        step = self._trainer.state.step if self._trainer is not None else (self._completed or 0)
+        step = self.trainer.state.step if self.trainer is not None else (self._completed or 0)
         if self._anchor is not None and self._draws_per_step is not None:
             draws = self._draws_after(step)
             sampler_state = self.sampler.state_dict_at(draws)
@@ -402,17 +350,33 @@ class PhaseCurriculum:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue right after the step ``state_dict`` was taken at (load the trainer counters too)."""
+        from engine.checkpoint_io import CheckpointError  # a bad state is a checkpoint problem
+
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
-            raise ConfigError(
-                "state_dict", f"is not a {_STATE_FORMAT!r} state (got {type(state_dict).__name__})"
+            got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise CheckpointError(
+                f"PhaseCurriculum state['format'] must be {_STATE_FORMAT!r}, got {got!r}: load what "
+                "PhaseCurriculum.state_dict() returned"
             )
         if state_dict.get("version") != _STATE_VERSION:
-            raise ConfigError(
-                "state_dict", f"has version {state_dict.get('version')!r}, expected {_STATE_VERSION}"
+            raise CheckpointError(
+                f"PhaseCurriculum state['version'] is {state_dict.get('version')!r}, expected "
+                f"{_STATE_VERSION}: the state was written by another hookloop version"
             )
-        step, draws = int(state_dict["step"]), int(state_dict["draws"])
-        if int(state_dict["sampler"]["draws"]) != draws:
-            raise ConfigError("state_dict['draws']", "does not match the sampler state it holds")
+        try:
+            step, draws = int(state_dict["step"]), int(state_dict["draws"])
+            sampler_draws = int(state_dict["sampler"]["draws"])
+        except KeyError as e:
+            raise CheckpointError(f"PhaseCurriculum state is missing the key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"PhaseCurriculum state['step'], ['draws'] and ['sampler']['draws'] must be integers: {e}"
+            ) from None
+        if sampler_draws != draws:
+            raise CheckpointError(
+                f"PhaseCurriculum state['draws'] ({draws}) does not match state['sampler']['draws'] "
+                f"({sampler_draws}): the state is corrupt"
+            )
         self.sampler.load_state_dict(state_dict["sampler"])
         self._anchor = (step, draws)
         self._completed = step

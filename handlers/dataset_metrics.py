@@ -21,26 +21,41 @@ The accumulation stays on the logits' device; nothing is synchronised between lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from engine import parallel
+from engine.checks import check_bool, check_int, dotted
 from engine.data.mixture import MixtureDataset
 from engine.data.sampler import MixtureSampler
 from engine.errors import ConfigError
-from engine.events import Events
+from engine.events import Events, Priority
+from engine.handler import Handler
 
-__all__ = ["PerDatasetMetrics"]
+__all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 
-# STEP_END: after the MetricsTracker (inf), before loggers and the checkpointer.
-_PUBLISH_PRIORITY = 1e5
-# TRAIN_END: before the MetricsTracker's partial interval (1000) and the loggers closing.
-_END_PRIORITY = 1001
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
 
 
-class PerDatasetMetrics:
+@dataclass
+class DatasetMetricsConfig:
+    """The ``dataset_metrics`` section: per-dataset loss and tokens of a data mixture (see
+    :class:`PerDatasetMetrics`). ``log_interval`` null follows ``logging.log_interval``; the
+    handler is built only when the training data is a mixture (a ``MixtureSampler`` is given)."""
+
+    enabled: bool = True
+    log_interval: Optional[int] = None
+
+    def validate(self, prefix: str = "dataset_metrics") -> None:
+        check_bool(dotted(prefix, "enabled"), self.enabled)
+        check_int(dotted(prefix, "log_interval"), self.log_interval, allow_none=True)
+
+
+class PerDatasetMetrics(Handler):
     """Per-source loss and tokens, published as ``loss/<name>`` and ``tokens/<name>``.
 
     Args:
@@ -48,6 +63,9 @@ class PerDatasetMetrics:
         log_interval: publish every this many steps (use the loggers' interval).
         ignore_index: target value that is not a token (as in ``F.cross_entropy``).
     """
+
+    Config = DatasetMetricsConfig
+    section = "dataset_metrics"
 
     def __init__(
         self,
@@ -62,22 +80,36 @@ class PerDatasetMetrics:
             names = names.names
         if isinstance(names, str) or not isinstance(names, Sequence) or not names:
             raise ConfigError("names", f"must be the non-empty list of dataset names, got {names!r}")
-        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
-            raise ConfigError("log_interval", f"must be a positive integer, got {log_interval!r}")
+        check_int("log_interval", log_interval)
         self.names = tuple(str(n) for n in names)
         self.log_interval = log_interval
         self.ignore_index = ignore_index
-        self._trainer: Any = None
         self._sums: torch.Tensor | None = None  # rows: loss sum, token count; one column per source
         self._steps = 0
 
+    @classmethod
+    def from_config(
+        cls,
+        cfg: DatasetMetricsConfig,
+        *,
+        sampler: MixtureSampler | MixtureDataset | None = None,
+        log_interval: int = 10,
+    ) -> PerDatasetMetrics | None:
+        """Build from the ``dataset_metrics`` section, or None when ``cfg.enabled`` is false or
+        there is no mixture (``sampler`` None). ``log_interval`` is the logging section's, used
+        when the section leaves its own null."""
+        if not cfg.enabled or sampler is None:
+            return None
+        return cls(sampler, cfg.log_interval if cfg.log_interval is not None else log_interval)
+
     def attach(self, trainer: Any) -> PerDatasetMetrics:
-        self._trainer = trainer
-        trainer.add_event_handler(Events.TRAIN_START, self._reset)
-        trainer.add_event_handler(Events.MICROBATCH, self._on_microbatch)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_END_PRIORITY)
-        return self
+        trainer.add_event_handler(Events.TRAIN_START, self._reset, priority=Priority.DATASET_METRICS)
+        trainer.add_event_handler(Events.MICROBATCH, self._on_microbatch, priority=Priority.DATASET_METRICS)
+        # STEP_END: after the MetricsTracker published, before the checkpointer and the loggers.
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.DATASET_METRICS)
+        # TRAIN_END: a partial interval before the tracker's (TRACK_END) and the loggers closing.
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.DATASET_METRICS_END)
+        return super().attach(trainer)
 
     def _reset(self) -> None:
         if self._sums is not None:
@@ -96,7 +128,7 @@ class PerDatasetMetrics:
 
     @torch.no_grad()
     def _on_microbatch(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         logits, targets = state.microbatch_output, state.microbatch_targets
         if logits is None or targets is None:  # e.g. a pipeline stage that holds no outputs
             return
@@ -122,9 +154,9 @@ class PerDatasetMetrics:
         self._sums[1].index_add_(0, source, tokens)
 
     def _on_step_end(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         self._steps += 1
-        max_steps = self._trainer.max_steps
+        max_steps = self.trainer.limits[0]
         if state.step % self.log_interval == 0 or state.is_last_step or state.step == max_steps:
             self._publish()
 
@@ -135,7 +167,7 @@ class PerDatasetMetrics:
     def _publish(self) -> None:
         sums = self._sums if self._sums is not None else torch.zeros(2, len(self.names), dtype=torch.float64)
         totals = parallel.all_reduce_sum(sums.clone()).cpu()
-        metrics = self._trainer.state.metrics
+        metrics = self.trainer.state.metrics
         for i, name in enumerate(self.names):
             tokens = float(totals[1, i])
             metrics[f"tokens/{name}"] = int(tokens)

@@ -8,8 +8,8 @@ When the probe fails or times out, no agreement is possible (the peer that shoul
 that is gone), so this rank does not ask the trainer for an agreed stop, which would hang in its
 collective. Instead it logs which check failed, marks ``state.request_stop(...,
 ExitCode.HEALTH_CHECK_FAILED)`` and raises :class:`~engine.errors.TrainingAborted` with exit code
-77: the trainer's exception path runs (EXCEPTION handlers close loggers, drain local work) and the
-script exits with ``e.exit_code``. Contract for EXCEPTION handlers (checkpointers in particular):
+77: the trainer's error path runs (TRAIN_FAILED handlers close loggers, drain local work) and the
+script exits with ``e.exit_code``. Contract for TRAIN_FAILED handlers (checkpointers in particular):
 do not start collectives on that path, and bound every wait. As a last resort, a watchdog thread
 ends the process with code 77 if it is still alive ``exit_grace_s`` seconds after the failure.
 """
@@ -21,23 +21,37 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine import parallel
-from engine.errors import ConfigError, TrainingAborted
-from engine.events import Events
+from engine.checks import check_bool, check_int, check_number, dotted
+from engine.errors import TrainingAborted
+from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
+from engine.handler import Handler
 
-__all__ = ["HealthCheck", "HealthCheckError"]
+__all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
+
+
+@dataclass
+class HealthConfig:
+    """The ``health`` section: see :class:`HealthCheck`."""
+
+    enabled: bool = False
+    every_steps: int = 100
+    timeout_s: float = 60.0
+
+    def validate(self, prefix: str = "health") -> None:
+        """The only copy of the health check's rules (its constructor calls this too)."""
+        check_bool(dotted(prefix, "enabled"), self.enabled)
+        check_int(dotted(prefix, "every_steps"), self.every_steps)
+        check_number(dotted(prefix, "timeout_s"), self.timeout_s, positive=True, hint="seconds")
+
 
 logger = logging.getLogger(__name__)
-
-# The first collective of STEP_END: before the StepScheduler's agreed exit check (2_000_000), the
-# MetricsTracker's reduction (1_500_000), validation (1_000_000) and checkpoint handlers, whose
-# collectives would block on a dead peer.
-_PRIORITY = 5_000_000
 
 
 class HealthCheckError(TrainingAborted):
@@ -47,7 +61,7 @@ class HealthCheckError(TrainingAborted):
         super().__init__(message, ExitCode.HEALTH_CHECK_FAILED)
 
 
-class HealthCheck:
+class HealthCheck(Handler):
     """Probe the process group every ``every_steps`` steps with a ``timeout_s``-bounded all-reduce.
 
     Args:
@@ -58,6 +72,9 @@ class HealthCheck:
             many seconds later (a handler hung on the exception path); None disables the watchdog.
     """
 
+    Config = HealthConfig
+    section = "health"
+
     def __init__(
         self,
         every_steps: int = 100,
@@ -66,14 +83,8 @@ class HealthCheck:
         group: Any = None,
         exit_grace_s: float | None = 30.0,
     ) -> None:
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise ConfigError("every_steps", f"must be a positive integer, got {every_steps!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
-        if exit_grace_s is not None and not exit_grace_s > 0:
-            raise ConfigError(
-                "exit_grace_s", f"must be a positive number of seconds or None, got {exit_grace_s!r}"
-            )
+        HealthConfig(every_steps=every_steps, timeout_s=timeout_s).validate("")
+        check_number("exit_grace_s", exit_grace_s, positive=True, allow_none=True, hint="seconds")
         self.every_steps = every_steps
         self.timeout_s = float(timeout_s)
         self.group = group
@@ -83,14 +94,18 @@ class HealthCheck:
         self.last_duration_s: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any) -> HealthCheck:
-        """Build from the ``health`` config section."""
+    def from_config(cls, cfg: HealthConfig) -> HealthCheck | None:
+        """Build from the ``health`` section, or None when ``cfg.enabled`` is false."""
+        if not cfg.enabled:
+            return None
         return cls(cfg.every_steps, cfg.timeout_s)
 
     def attach(self, trainer: Any) -> HealthCheck:
-        self.trainer = trainer
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_PRIORITY)
-        return self
+        # The first collective of STEP_END: before the StepScheduler's agreed exit check, the
+        # MetricsTracker's reduction, validation and the checkpointer, whose collectives would block
+        # on a dead peer.
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.HEALTH)
+        return super().attach(trainer)
 
     def _on_step_end(self) -> None:
         step = self.trainer.state.step
@@ -104,12 +119,7 @@ class HealthCheck:
         world = parallel.world_size()
         if world == 1:
             return None
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(self.group) == "nccl"
-            else None
-        )
-        t = torch.ones(1, device=device)
+        t = torch.ones(1, device=parallel.collective_device(self.group))
         start = time.perf_counter()
         try:
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

@@ -6,9 +6,10 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from handlers.loggers import MetricLogger
+from engine.events import Priority
+from handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["JSONLLogger"]
 
@@ -22,6 +23,8 @@ class JSONLLogger(MetricLogger):
     ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
     """
 
+    priority = Priority.LOG_JSONL
+
     def __init__(
         self, path: str | os.PathLike, *, every_steps: int | None = None, all_ranks: bool = False
     ) -> None:
@@ -30,8 +33,11 @@ class JSONLLogger(MetricLogger):
         self._file: IO[str] | None = None
 
     @classmethod
-    def from_config(cls, logging_cfg: Any, run_dir: str | os.PathLike) -> JSONLLogger:
-        return cls(Path(run_dir) / "metrics.jsonl", every_steps=logging_cfg.log_interval)
+    def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> JSONLLogger | None:
+        """``<run_dir>/metrics.jsonl`` from the ``logging`` section, or None when ``cfg.jsonl`` is false."""
+        if not cfg.jsonl:
+            return None
+        return cls(Path(run_dir) / "metrics.jsonl", every_steps=cfg.log_interval)
 
     def _rank_path(self) -> Path:
         from engine import parallel
@@ -43,7 +49,7 @@ class JSONLLogger(MetricLogger):
         path = self._rank_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         # line-buffered: each record reaches the file when written, so a crash loses nothing logged
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed at TRAIN_END / EXCEPTION)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed at TRAIN_END / TRAIN_FAILED)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is not None:

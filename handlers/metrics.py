@@ -3,8 +3,9 @@
 Timing contract (what ``step_time_s`` means):
 
 * The clock starts at STEP_START and stops when the step body has finished, at STEP_END before any
-  other handler (both with the highest priority). Validation (the trainer runs it at STEP_END after
-  that point) and anything other handlers do at STEP_END are therefore outside the step time.
+  other handler (both at ``Priority.TIME``; only the profiler steps earlier). Validation (the
+  trainer runs it at STEP_END after that point) and anything other handlers do at STEP_END are
+  therefore outside the step time.
 * Checkpoint handlers that block training *inside* the step (e.g. waiting for staging before the
   optimizer step) add the seconds they block to ``state.times["checkpoint"]``
   (``state.times["checkpoint"] = state.times.get("checkpoint", 0.0) + seconds``). The tracker zeroes
@@ -26,22 +27,46 @@ import json
 import logging
 import math
 import os
-import statistics
 import time
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 import torch
 from ignite.engine import Events as IgniteEvents
 
 from engine import parallel
-from engine.errors import ConfigError
-from engine.events import Events
+from engine.checks import check_bool, check_int, check_number, dotted
+from engine.events import Events, Priority
+from engine.handler import Handler
+from engine.running_mean import RunningMean
 
-__all__ = ["MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
+__all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
 
 logger = logging.getLogger(__name__)
+
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
+
+
+@dataclass
+class MetricsConfig:
+    """The ``metrics`` section: see :class:`MetricsTracker` (which publishes every
+    ``logging.log_interval`` steps). ``flops_per_token`` null asks the model, 0 turns FLOP figures
+    off; ``peak_flops_per_device`` null looks the accelerator up."""
+
+    flops_per_token: Optional[float] = None
+    peak_flops_per_device: Optional[float] = None
+    enabled: bool = True
+
+    def validate(self, prefix: str = "metrics") -> None:
+        """The only copy of the tracker's rules for these settings (its constructor calls this)."""
+        check_number(dotted(prefix, "flops_per_token"), self.flops_per_token, low=0, allow_none=True)
+        check_number(
+            dotted(prefix, "peak_flops_per_device"), self.peak_flops_per_device, low=0, allow_none=True
+        )
+        check_bool(dotted(prefix, "enabled"), self.enabled)
+
 
 # Dense bf16/fp16 tensor-core peak FLOP/s per device, by a substring of the CUDA device name.
 # Checked in order, so more specific names come first.
@@ -66,14 +91,6 @@ _PEAK_FLOPS = (
 
 # one encoder for every line: json.dumps with non-default separators builds a new one per call
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
-
-_TIMER_PRIORITY = float("inf")
-_START_PRIORITY = -100
-# the reduction is a collective: after a HealthCheck's probe (5_000_000), so a hung peer is reported
-# by the probe rather than blocking here; before validation (1_000_000)
-_PUBLISH_PRIORITY = 1_500_000
-# publish a partial interval at TRAIN_END before loggers write and close
-_END_PRIORITY = 1000
 
 
 def peak_flops_for_device(device: torch.device | str | None = None) -> float | None:
@@ -147,7 +164,7 @@ def _rss_mb() -> float:
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-class MetricsTracker:
+class MetricsTracker(Handler):
     """Measures each step and publishes interval metrics into ``state.metrics``.
 
     Keys: ``loss``, ``loss_avg``, ``grad_norm``, ``lr``, ``step_time_s``, ``data_time_s``,
@@ -164,6 +181,10 @@ class MetricsTracker:
         state_key: key for the checkpointed cumulative train time (None: not checkpointed).
     """
 
+    Config = MetricsConfig
+    section = "metrics"
+    state_key = "metrics_tracker"
+
     def __init__(
         self,
         log_interval: int = 10,
@@ -173,25 +194,21 @@ class MetricsTracker:
         peak_flops_per_device: float | None = None,
         state_key: str | None = "metrics_tracker",
     ) -> None:
-        if isinstance(log_interval, bool) or not isinstance(log_interval, int) or log_interval < 1:
-            raise ConfigError("log_interval", f"must be a positive integer, got {log_interval!r}")
-        for name, value in (
-            ("flops_per_token", flops_per_token),
-            ("peak_flops_per_device", peak_flops_per_device),
-        ):
-            if value is not None and not (
-                isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)
-            ):
-                raise ConfigError(name, f"must be a finite number >= 0 or None, got {value!r}")
+        check_int("log_interval", log_interval)
+        MetricsConfig(flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device).validate(
+            ""
+        )
         self.log_interval = log_interval
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.flops_per_token = flops_per_token
         self.peak_flops_per_device = peak_flops_per_device
-        self.state_key = state_key
+        # state_key None: not in checkpoints; the tracker is still registered as "metrics_tracker"
+        self.checkpointed = state_key is not None
+        self.state_key = state_key if state_key is not None else type(self).state_key
         self.train_time_s = 0.0  # cumulative over restarts (checkpointed)
-        self._trainer: Any = None
-        self._loss_window: deque[float] = deque(maxlen=log_interval)
+        self._loss_window = RunningMean(log_interval)
         self._written_loss_avg: Any = None
+        self._owns_loss_avg = True
         self._reset_interval()
         self._t_start = self._t_data = 0.0
         self._data_time = 0.0
@@ -200,14 +217,25 @@ class MetricsTracker:
 
     @classmethod
     def from_config(
-        cls, metrics_cfg: Any, logging_cfg: Any, run_dir: str | os.PathLike | None
-    ) -> MetricsTracker:
-        """Build from the ``metrics`` and ``logging`` config sections."""
+        cls,
+        cfg: MetricsConfig,
+        *,
+        run_dir: str | os.PathLike | None = None,
+        log_interval: int = 10,
+        flops_per_token: float | None = None,
+    ) -> MetricsTracker | None:
+        """Build from the ``metrics`` section, or None when ``cfg.enabled`` is false.
+
+        ``log_interval`` is the logging section's (``logging.log_interval``); ``flops_per_token``
+        (e.g. the model's own count, before any pipeline split) is used when the section leaves it
+        null; ``run_dir`` gets ``progress.jsonl``."""
+        if not cfg.enabled:
+            return None
         return cls(
-            logging_cfg.log_interval,
+            log_interval,
             run_dir=run_dir,
-            flops_per_token=metrics_cfg.flops_per_token,
-            peak_flops_per_device=metrics_cfg.peak_flops_per_device,
+            flops_per_token=cfg.flops_per_token if cfg.flops_per_token is not None else flops_per_token,
+            peak_flops_per_device=cfg.peak_flops_per_device,
         )
 
     # ------------------------------------------------------------------ checkpoint state
@@ -219,22 +247,26 @@ class MetricsTracker:
 
     # ------------------------------------------------------------------ attaching
     def attach(self, trainer: Any) -> MetricsTracker:
-        self._trainer = trainer
         if self.flops_per_token is None:
             self.flops_per_token = estimate_flops_per_token(trainer.model)
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = peak_flops_for_device(trainer.device)
-        if self.state_key is not None:
-            trainer.register_stateful(self.state_key, self)
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_START_PRIORITY)
-        trainer.add_event_handler(IgniteEvents.GET_BATCH_STARTED, self._on_batch_started)
-        trainer.add_event_handler(IgniteEvents.GET_BATCH_COMPLETED, self._on_batch_completed)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_TIMER_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_TIMER_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=_PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_END_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _e: self.close())
-        return self
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.TRACK)
+        # the data clock: the wait for the step's microbatches, before STEP_START
+        started, completed = IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED
+        trainer.add_event_handler(started, self._on_batch_started, priority=Priority.TIME)
+        trainer.add_event_handler(completed, self._on_batch_completed, priority=Priority.TIME)
+        # The step clock starts and stops ahead of every handler but the profiler, so step_time_s is
+        # the step body alone.
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.TIME)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.TIME)
+        # The reduction is a collective: after the HealthCheck's probe (a hung peer is reported by the
+        # probe rather than blocking here), before validation.
+        trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=Priority.PUBLISH)
+        # A partial interval is published at TRAIN_END before the loggers write and close.
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.TRACK_END)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=Priority.TRACK_END)
+        return super().attach(trainer)
 
     # ------------------------------------------------------------------ per step
     def _reset_interval(self) -> None:
@@ -245,11 +277,13 @@ class MetricsTracker:
         self._samples = 0
 
     def _on_train_start(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         self._reset_interval()
         self._samples_mark = state.samples_seen
         self._job_start = time.time()
         state.metrics_step = None
+        # A StepScheduler publishes loss_avg every step over its own window: the tracker leaves it be.
+        self._owns_loss_avg = self.trainer.get_handler("step_scheduler") is None
         self._write_progress(
             {
                 "event": "start",
@@ -265,6 +299,9 @@ class MetricsTracker:
             self._publish()
         self.close()
 
+    def _on_failed(self, _error: BaseException) -> None:
+        self.close()
+
     def _on_batch_started(self) -> None:
         self._t_data = time.perf_counter()
 
@@ -272,12 +309,12 @@ class MetricsTracker:
         self._data_time = time.perf_counter() - self._t_data
 
     def _on_step_start(self) -> None:
-        self._trainer.state.times["checkpoint"] = 0.0
+        self.trainer.state.times["checkpoint"] = 0.0
         self._t_start = time.perf_counter()
 
     def _on_step_end(self) -> None:
         elapsed = time.perf_counter() - self._t_start
-        state = self._trainer.state
+        state = self.trainer.state
         blocked = state.times.get("checkpoint") or 0.0
         self._step_time += max(elapsed - blocked, 0.0)
         self._interval_data_time += self._data_time
@@ -286,32 +323,30 @@ class MetricsTracker:
         self._tokens += state.step_tokens
         self._samples += state.samples_seen - self._samples_mark
         self._samples_mark = state.samples_seen
-        if math.isfinite(state.loss):
-            self._loss_window.append(state.loss)
+        if self._owns_loss_avg:
+            self._loss_window.add(state.loss)
 
     def _maybe_publish(self) -> None:
-        state = self._trainer.state
-        if state.step % self.log_interval == 0 or state.is_last_step or state.step == self._trainer.max_steps:
+        state = self.trainer.state
+        if state.step % self.log_interval == 0 or state.is_last_step or state.step == self.trainer.limits[0]:
             self._publish()
 
     def _publish(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         n = max(self._n, 1)
         local = [self._step_time / n, self._interval_data_time / n, _rss_mb()]
-        cuda = self._trainer.device.type == "cuda"
+        cuda = self.trainer.device.type == "cuda"
         if cuda:
-            local.append(torch.cuda.max_memory_allocated(self._trainer.device) / 2**20)
-        step_time, data_time, rss, *cuda_mem = _all_reduce_max(local)
+            local.append(torch.cuda.max_memory_allocated(self.trainer.device) / 2**20)
+        step_time, data_time, rss, *cuda_mem = _all_reduce_max(local, self.trainer.collective_device)
         # the interval as seen by the slowest rank
         interval_s = (step_time + data_time) * n
         self.train_time_s += interval_s
         m = state.metrics
         m["loss"] = state.loss
-        if "loss_avg" not in m or m["loss_avg"] is self._written_loss_avg:
-            # nobody else (a StepScheduler) keeps a windowed average: keep our own
-            self._written_loss_avg = (
-                statistics.fmean(self._loss_window) if self._loss_window else float("nan")
-            )
+        if self._owns_loss_avg and ("loss_avg" not in m or m["loss_avg"] is self._written_loss_avg):
+            # no StepScheduler, and no other handler writes the average: publish our own
+            self._written_loss_avg = self._loss_window.mean
             m["loss_avg"] = self._written_loss_avg
         m["grad_norm"] = state.grad_norm
         m["lr"] = state.lr
@@ -368,13 +403,12 @@ class MetricsTracker:
             self._progress = None
 
 
-def _all_reduce_max(values: list[float]) -> list[float]:
-    """Elementwise MAX over ranks with one collective (identity in one process)."""
+def _all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise MAX over ranks with one collective on ``device`` (identity in one process)."""
     if parallel.world_size() == 1:
         return values
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()

@@ -26,24 +26,65 @@ import collections
 import logging
 import math
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from engine.events import Priority
+from engine.handler import Handler
 from engine.parallel import rank
 
-__all__ = ["NaNDetector"]
+__all__ = ["NaNConfig", "NaNDetector"]
 
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("warn", "raise", "rollback")
 _MIN_SPIKE_HISTORY = 10
 
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
 
-class NaNDetector:
+
+@dataclass
+class NaNConfig:
+    """The ``nan`` section: see :class:`NaNDetector` (``action: rollback`` needs checkpoints)."""
+
+    enabled: bool = True
+    max_consecutive: int = 5
+    check_grad_norm: bool = True
+    action: str = "rollback"
+    max_rollbacks: int = 3
+    skip_data_on_rollback: bool = True
+    spike_factor: Optional[float] = None
+    spike_window: int = 100
+
+    def validate(self, prefix: str = "nan") -> None:
+        """The only copy of the detector's rules (its constructor calls this too)."""
+        p = prefix
+        check_bool(dotted(p, "enabled"), self.enabled)
+        check_int(dotted(p, "max_consecutive"), self.max_consecutive)
+        check_bool(dotted(p, "check_grad_norm"), self.check_grad_norm)
+        check_choice(dotted(p, "action"), self.action, ACTIONS)
+        check_int(dotted(p, "max_rollbacks"), self.max_rollbacks, low=0)
+        check_bool(dotted(p, "skip_data_on_rollback"), self.skip_data_on_rollback)
+        check_number(
+            dotted(p, "spike_factor"),
+            self.spike_factor,
+            above=1,
+            allow_none=True,
+            hint="a multiple of the median loss",
+        )
+        check_int(dotted(p, "spike_window"), self.spike_window)
+
+
+class NaNDetector(Handler):
     """Skip non-finite (or spiking) steps across ranks; roll back when they persist."""
 
     state_key = "nan_detector"
     restore_on_rollback = False
+    Config = NaNConfig
+    section = "nan"
 
     def __init__(
         self,
@@ -57,21 +98,16 @@ class NaNDetector:
         spike_window: int = 100,
         bad_steps_kept: int = 1000,
     ) -> None:
-        if action not in ACTIONS:
-            raise ConfigError("nan.action", f"must be one of {', '.join(ACTIONS)}, got {action!r}")
-        for name, value, low in (
-            ("nan.max_consecutive", max_consecutive, 1),
-            ("nan.max_rollbacks", max_rollbacks, 0),
-            ("nan.spike_window", spike_window, 1),
-            ("bad_steps_kept", bad_steps_kept, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
-        if spike_factor is not None and not (isinstance(spike_factor, (int, float)) and spike_factor > 1):
-            raise ConfigError(
-                "nan.spike_factor",
-                f"must be > 1 (a multiple of the median loss) or None, got {spike_factor!r}",
-            )
+        NaNConfig(
+            max_consecutive=max_consecutive,
+            check_grad_norm=check_grad_norm,
+            action=action,
+            max_rollbacks=max_rollbacks,
+            skip_data_on_rollback=skip_data_on_rollback,
+            spike_factor=spike_factor,
+            spike_window=spike_window,
+        ).validate("nan")
+        check_int("bad_steps_kept", bad_steps_kept)
         self.max_consecutive = max_consecutive
         self.check_grad_norm = check_grad_norm
         self.action = action
@@ -88,8 +124,10 @@ class NaNDetector:
         self._rollback_pending = False
 
     @classmethod
-    def from_config(cls, cfg: Any) -> NaNDetector:
-        """Build from the ``nan:`` config section."""
+    def from_config(cls, cfg: NaNConfig) -> NaNDetector | None:
+        """Build from the ``nan`` section, or None when ``cfg.enabled`` is false."""
+        if not cfg.enabled:
+            return None
         return cls(
             max_consecutive=cfg.max_consecutive,
             check_grad_norm=cfg.check_grad_norm,
@@ -100,7 +138,7 @@ class NaNDetector:
             spike_window=cfg.spike_window,
         )
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer) -> NaNDetector:
         if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):
             raise ConfigError(
                 "nan.action",
@@ -108,10 +146,10 @@ class NaNDetector:
                 "before the NaNDetector, or use action='warn' or 'raise'",
             )
         # Early among BEFORE_OPTIMIZER_STEP handlers, so later ones see the verdict.
-        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=100)
-        # Late at STEP_END: loggers and checkpoints see the bad step first, then the rollback.
-        trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=-1000)
-        trainer.register_stateful(self.state_key, self)
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=Priority.NAN_CHECK)
+        # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
+        trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=Priority.ROLLBACK_REQUEST)
+        return super().attach(trainer)
 
     # ---------------------------------------------------------------- checks
     def _is_bad(self, loss: float, grad_norm: float) -> str | None:

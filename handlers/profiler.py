@@ -17,29 +17,71 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 
 from engine import parallel
+from engine.checks import check_bool, check_int, check_str, dotted
 from engine.errors import ConfigError
-from engine.events import Events
+from engine.events import Events, Priority
+from engine.handler import Handler
 
-__all__ = ["ProfilerWindow"]
+__all__ = ["ProfilerWindow", "ProfilingConfig"]
+
+# OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
+# ruff: noqa: UP006, UP007, UP035, UP045
+
+
+@dataclass
+class ProfilingConfig:
+    """The ``profiling`` section: see :class:`ProfilerWindow`. ``ranks`` null traces every rank;
+    ``output_dir`` null means ``<run_dir>/profile``."""
+
+    enabled: bool = False
+    start_step: int = 5
+    end_step: int = 8
+    ranks: Optional[List[int]] = field(default_factory=lambda: [0])
+    output_dir: Optional[str] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+    def validate(self, prefix: str = "profiling") -> None:
+        """The only copy of the profiler window's rules (its constructor calls this too)."""
+        p = prefix
+        check_bool(dotted(p, "enabled"), self.enabled)
+        check_int(dotted(p, "start_step"), self.start_step, hint="steps are 1-based")
+        check_int(dotted(p, "end_step"), self.end_step, hint="steps are 1-based")
+        if self.end_step <= self.start_step:
+            raise ConfigError(
+                dotted(p, "end_step"),
+                f"must be larger than start_step ({self.start_step}), got {self.end_step}: the window is "
+                "[start, end)",
+            )
+        ranks = self.ranks
+        if ranks is not None:
+            if isinstance(ranks, str) or not isinstance(ranks, Sequence):
+                raise ConfigError(
+                    dotted(p, "ranks"), f"must be a list of ranks or null (every rank), got {ranks!r}"
+                )
+            for r in ranks:
+                check_int(dotted(p, "ranks"), r, low=0, hint="a list of ranks; null for every rank")
+        check_str(dotted(p, "output_dir"), self.output_dir, allow_none=True, what="a directory path")
+        for name in ("record_shapes", "profile_memory", "with_stack"):
+            check_bool(dotted(p, name), getattr(self, name))
+
 
 logger = logging.getLogger(__name__)
-
-# Open the step region before anything else runs in the step, close it after everything.
-_FIRST = float("inf")
-_LAST = -1e12
 
 
 def _record_every_step(_step: int) -> torch.profiler.ProfilerAction:
     return torch.profiler.ProfilerAction.RECORD
 
 
-class ProfilerWindow:
+class ProfilerWindow(Handler):
     """Profile steps ``start_step <= step < end_step`` on ``ranks``.
 
     Args:
@@ -50,6 +92,9 @@ class ProfilerWindow:
         record_shapes, profile_memory, with_stack: passed to ``torch.profiler.profile``.
         use_gzip: compress the exported trace.
     """
+
+    Config = ProfilingConfig
+    section = "profiling"
 
     def __init__(
         self,
@@ -63,16 +108,14 @@ class ProfilerWindow:
         with_stack: bool = False,
         use_gzip: bool = False,
     ) -> None:
-        for name, value in (("start_step", start_step), ("end_step", end_step)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"must be a positive integer (steps are 1-based), got {value!r}")
-        if end_step <= start_step:
-            raise ConfigError(
-                "end_step",
-                f"must be larger than start_step ({start_step}), got {end_step}: the window is [start, end)",
-            )
-        if ranks is not None and any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
-            raise ConfigError("ranks", f"must be non-negative integers or None (every rank), got {ranks!r}")
+        ProfilingConfig(
+            start_step=start_step,
+            end_step=end_step,
+            ranks=ranks,  # type: ignore[arg-type]
+            record_shapes=record_shapes,
+            profile_memory=profile_memory,
+            with_stack=with_stack,
+        ).validate("")
         if output_dir is None or str(output_dir) == "":
             raise ConfigError("output_dir", "must be a directory path for the traces")
         self.start_step = start_step
@@ -89,27 +132,36 @@ class ProfilerWindow:
         self._cuda_memory = False
 
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str | os.PathLike) -> ProfilerWindow:
-        """Build from the ``profiling`` config section (traces under ``<run_dir>/profile`` by default)."""
+    def from_config(
+        cls, cfg: ProfilingConfig, *, run_dir: str | os.PathLike | None = None
+    ) -> ProfilerWindow | None:
+        """Build from the ``profiling`` section, or None when ``cfg.enabled`` is false; traces go
+        to ``cfg.output_dir``, else ``<run_dir>/profile``."""
+        if not cfg.enabled:
+            return None
+        if cfg.output_dir is None and run_dir is None:
+            raise ConfigError("profiling.output_dir", "is null and no run_dir was given: set one of them")
         return cls(
             cfg.start_step,
             cfg.end_step,
             ranks=cfg.ranks,
-            output_dir=cfg.output_dir or Path(run_dir) / "profile",
+            output_dir=cfg.output_dir or Path(run_dir) / "profile",  # type: ignore[arg-type]
             record_shapes=cfg.record_shapes,
             profile_memory=cfg.profile_memory,
             with_stack=cfg.with_stack,
         )
 
     def attach(self, trainer: Any) -> ProfilerWindow:
-        self.trainer = trainer
-        if self.ranks is not None and parallel.rank() not in self.ranks:
-            return self
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_FIRST)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_LAST)
-        trainer.add_event_handler(Events.TRAIN_END, self._stop)
-        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _e: self._stop())
-        return self
+        if self.ranks is None or parallel.rank() in self.ranks:
+            # Open the step region before anything else runs in the step, close it after everything.
+            trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PROFILE)
+            trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PROFILE_END)
+            trainer.add_event_handler(Events.TRAIN_END, self._stop, priority=Priority.PROFILE_END)
+            trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=Priority.PROFILE_END)
+        return super().attach(trainer)
+
+    def _on_failed(self, _error: BaseException) -> None:
+        self._stop()
 
     @property
     def active(self) -> bool:

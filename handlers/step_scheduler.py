@@ -21,31 +21,33 @@ Two ways to use it:
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import gc
 import logging
 import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from engine import parallel
-from engine.config import StepSchedulerConfig
+from engine.checks import check_bool, check_int, check_number, dotted
 from engine.errors import ConfigError
-from engine.events import Events
+from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
+from engine.handler import Handler
+from engine.running_mean import RunningMean
+from engine.step_batches import iter_groups
 
-__all__ = ["StepScheduler", "StepSchedulerConfig"]
+__all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
+
+# OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
+# ruff: noqa: UP006, UP007, UP035, UP045
 
 logger = logging.getLogger(__name__)
-
-# Decisions are published before any normal-priority STEP_START handler runs; the exit check at
-# STEP_END runs before the trainer's validation (1_000_000), so a stop can cancel that validation.
-PUBLISH_PRIORITY = 1_000
-EXIT_CHECK_PRIORITY = 2_000_000
-STATE_KEY = "step_scheduler"
 
 _SignalLike = str | int | signal.Signals
 
@@ -64,16 +66,11 @@ def _calculate_num_epochs(max_steps: int | None, epoch_len: int | None, default_
     return math.ceil(max_steps / epoch_len)
 
 
-def _check_int(name: str, value: Any, low: int, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        extra = " or None" if allow_none else ""
-        raise ConfigError(name, f"must be an integer >= {low}{extra}, got {value!r}")
-
-
-def _resolve_signals(value: _SignalLike | Sequence[_SignalLike] | None) -> tuple[signal.Signals, ...]:
-    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none."""
+def _resolve_signals(
+    value: _SignalLike | Sequence[_SignalLike] | None, field: str = "stop_signals"
+) -> tuple[signal.Signals, ...]:
+    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none. The one
+    rule for ``stop_signals``: catchable signals only; errors name ``field``."""
     if value is None:
         return ()
     items = [value] if isinstance(value, (str, int, signal.Signals)) else list(value)
@@ -88,13 +85,88 @@ def _resolve_signals(value: _SignalLike | Sequence[_SignalLike] | None) -> tuple
                 raise TypeError
         except (KeyError, ValueError, TypeError):
             raise ConfigError(
-                "stop_signals", f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
+                field, f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
             ) from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError("stop_signals", f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
+            raise ConfigError(field, f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
         if sig not in out:
             out.append(sig)
     return tuple(out)
+
+
+def grad_acc_steps_for(
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_size: int,
+    *,
+    field: str = "global_batch_size",
+    local_field: str = "local_batch_size",
+) -> int:
+    """Microbatches per optimizer step, ``global_batch_size // (local_batch_size * dp_size)``; the
+    one rule that it must divide exactly (the run config checks it with the world size too)."""
+    per_microbatch = local_batch_size * dp_size
+    if global_batch_size % per_microbatch:
+        lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
+        raise ConfigError(
+            field,
+            f"({global_batch_size}) must be a multiple of {local_field} x data-parallel size "
+            f"({local_batch_size} x {dp_size} = {per_microbatch}); use a multiple such as {lower} or "
+            f"change {local_field}",
+        )
+    return global_batch_size // per_microbatch
+
+
+@dataclass
+class StepSchedulerConfig:
+    """The ``step_scheduler`` section: when things happen; see :class:`StepScheduler` for the
+    semantics. ``enabled: false`` leaves the trainer without a scheduler."""
+
+    global_batch_size: int = 32
+    num_epochs: Optional[int] = 10
+    max_steps: Optional[int] = None
+    ckpt_every_steps: Optional[int] = 100
+    save_checkpoint_every_epoch: bool = True
+    val_every_steps: Optional[int] = None
+    log_remote_every_steps: int = 1
+    loss_average_window_steps: int = 50
+    gc_every_steps: Optional[int] = None
+    start_step: int = 0
+    start_epoch: int = 0
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
+    stop_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
+    enabled: bool = True
+
+    def validate(self, prefix: str = "step_scheduler") -> None:
+        """The only copy of the scheduler's rules (its constructor calls this with ``prefix=""``)."""
+        p = prefix
+        check_bool(dotted(p, "enabled"), self.enabled)
+        check_int(dotted(p, "global_batch_size"), self.global_batch_size)
+        for name in ("num_epochs", "max_steps", "ckpt_every_steps", "val_every_steps", "gc_every_steps"):
+            check_int(dotted(p, name), getattr(self, name), allow_none=True)
+        check_bool(dotted(p, "save_checkpoint_every_epoch"), self.save_checkpoint_every_epoch)
+        check_int(dotted(p, "log_remote_every_steps"), self.log_remote_every_steps)
+        check_int(dotted(p, "loss_average_window_steps"), self.loss_average_window_steps)
+        check_int(dotted(p, "start_step"), self.start_step, low=0, hint="steps already done")
+        check_int(dotted(p, "start_epoch"), self.start_epoch, low=0, hint="epochs already done")
+        check_number(
+            dotted(p, "exit_duration_in_mins"), self.exit_duration_in_mins, positive=True, allow_none=True
+        )
+        check_int(dotted(p, "exit_interval"), self.exit_interval, allow_none=True)
+        _resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
+
+    def build(self, dataloader: Any, dp_group_size: int, local_batch_size: int) -> StepScheduler:
+        """Deprecated: use ``StepScheduler.from_config(cfg, dataloader=..., dp_size=...,
+        local_batch_size=...)``. Builds the scheduler even when ``enabled`` is false, as before."""
+        warnings.warn(
+            "StepSchedulerConfig.build() is deprecated: use StepScheduler.from_config(cfg, dataloader=..., "
+            "dp_size=..., local_batch_size=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StepScheduler._from_section(
+            self, dataloader=dataloader, dp_size=dp_group_size, local_batch_size=local_batch_size
+        )
 
 
 def _data_length(data: Any) -> int | None:
@@ -113,7 +185,7 @@ def _restores_own_position(data: Any) -> bool:
     )
 
 
-class StepScheduler:
+class StepScheduler(Handler):
     """When to step, checkpoint, validate, log remotely, collect garbage and stop.
 
     Args:
@@ -141,6 +213,10 @@ class StepScheduler:
             stateful loader restores its own position).
     """
 
+    Config = StepSchedulerConfig
+    section = "step_scheduler"
+    state_key = "step_scheduler"
+
     def __init__(
         self,
         global_batch_size: int,
@@ -163,51 +239,32 @@ class StepScheduler:
         stop_signals: _SignalLike | Sequence[_SignalLike] | None = ("SIGTERM",),
         resume_skip: bool | None = None,
     ) -> None:
-        _check_int("global_batch_size", global_batch_size, 1)
-        _check_int("local_batch_size", local_batch_size, 1)
-        _check_int("dp_size", dp_size, 1)
-        per_microbatch = local_batch_size * dp_size
-        if global_batch_size % per_microbatch:
-            lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
-            raise ConfigError(
-                "global_batch_size",
-                f"{global_batch_size} is not a multiple of local_batch_size * dp_size = {local_batch_size} * "
-                f"{dp_size} = {per_microbatch}; use a multiple such as {lower} or change local_batch_size",
-            )
-        for name, value in (
-            ("ckpt_every_steps", ckpt_every_steps),
-            ("val_every_steps", val_every_steps),
-            ("gc_every_steps", gc_every_steps),
-            ("num_epochs", num_epochs),
-            ("max_steps", max_steps),
-            ("exit_interval", exit_interval),
-        ):
-            _check_int(name, value, 1, allow_none=True)
-        _check_int("log_remote_every_steps", log_remote_every_steps, 1)
-        _check_int("loss_average_window_steps", loss_average_window_steps, 1)
-        _check_int("start_step", start_step, 0)
-        _check_int("start_epoch", start_epoch, 0)
-        if not isinstance(save_checkpoint_every_epoch, bool):
-            raise ConfigError(
-                "save_checkpoint_every_epoch", f"must be True or False, got {save_checkpoint_every_epoch!r}"
-            )
-        if exit_duration_in_mins is not None and (
-            isinstance(exit_duration_in_mins, bool)
-            or not isinstance(exit_duration_in_mins, (int, float))
-            or not 0 < exit_duration_in_mins < math.inf
-        ):
-            raise ConfigError(
-                "exit_duration_in_mins",
-                f"must be a positive number of minutes or None, got {exit_duration_in_mins!r}",
-            )
-        if resume_skip is not None and not isinstance(resume_skip, bool):
-            raise ConfigError("resume_skip", f"must be True, False or None (auto), got {resume_skip!r}")
+        StepSchedulerConfig(
+            global_batch_size=global_batch_size,
+            num_epochs=num_epochs,
+            max_steps=max_steps,
+            ckpt_every_steps=ckpt_every_steps,
+            save_checkpoint_every_epoch=save_checkpoint_every_epoch,
+            val_every_steps=val_every_steps,
+            log_remote_every_steps=log_remote_every_steps,
+            loss_average_window_steps=loss_average_window_steps,
+            gc_every_steps=gc_every_steps,
+            start_step=start_step,
+            start_epoch=start_epoch,
+            exit_duration_in_mins=exit_duration_in_mins,
+            exit_interval=exit_interval,
+            stop_signals=stop_signals,  # type: ignore[arg-type]
+        ).validate(prefix="")
+        check_int("local_batch_size", local_batch_size)
+        check_int("dp_size", dp_size)
+        grad_acc_steps = grad_acc_steps_for(global_batch_size, local_batch_size, dp_size)
+        check_bool("resume_skip", resume_skip, allow_none=True)
         if dataloader is not None and not isinstance(dataloader, Iterable):
             raise ConfigError(
                 "dataloader", f"must be an iterable of microbatches, got {type(dataloader).__name__}"
             )
 
-        self.grad_acc_steps = global_batch_size // per_microbatch
+        self.grad_acc_steps = grad_acc_steps
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.dp_size = dp_size
@@ -246,9 +303,8 @@ class StepScheduler:
         self._epoch = start_epoch
         self._pending_start = start_step > 0 or start_epoch > 0
 
-        self._trainer: Any = None
         self._in_epoch = False
-        self._loss_window: collections.deque[float] = collections.deque(maxlen=loss_average_window_steps)
+        self._loss_window = RunningMean(loss_average_window_steps)
         self._exit_kind: str | None = None  # "signal", "duration" or "interval" once agreed
         self._exit_reason: str | None = None
         self._polled_step: int | None = None
@@ -257,19 +313,48 @@ class StepScheduler:
         self._start_time: float | None = None
         self._gc_was_enabled: bool | None = None
 
+    @classmethod
+    def from_config(
+        cls,
+        cfg: StepSchedulerConfig,
+        *,
+        dataloader: Iterable | None,
+        local_batch_size: int,
+        dp_size: int = 1,
+        resume_skip: bool | None = None,
+    ) -> StepScheduler | None:
+        """Build from the ``step_scheduler`` section, or None when ``cfg.enabled`` is false.
+
+        ``dataloader``, ``local_batch_size`` (``train.local_batch_size``) and ``dp_size`` (the
+        data-parallel world size) are known only at run time."""
+        if not cfg.enabled:
+            return None
+        return cls._from_section(
+            cfg,
+            dataloader=dataloader,
+            local_batch_size=local_batch_size,
+            dp_size=dp_size,
+            resume_skip=resume_skip,
+        )
+
+    @classmethod
+    def _from_section(cls, cfg: StepSchedulerConfig, **runtime: Any) -> StepScheduler:
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
+        return cls(**fields, **runtime)
+
     # ------------------------------------------------------------------ counters
     @property
     def step(self) -> int:
         """The current step (1-based while it runs), i.e. the number of steps started so far."""
-        if self._trainer is not None and not self._pending_start:
-            return self._trainer.state.iteration
+        if self.trainer is not None and not self._pending_start:
+            return self.trainer.state.iteration
         return self._step
 
     @property
     def epoch(self) -> int:
         """0-based index of the current epoch = epochs completed before it."""
-        if self._trainer is not None and not self._pending_start:
-            epoch = self._trainer.state.epoch
+        if self.trainer is not None and not self._pending_start:
+            epoch = self.trainer.state.epoch
             return epoch - 1 if self._in_epoch else epoch
         return self._epoch
 
@@ -353,7 +438,7 @@ class StepScheduler:
     def _stopping(self) -> bool:
         # Standalone, the agreement is polled here (every rank runs the same loop, so every rank
         # polls once per step); attached, only the STEP_END handler polls and this reads the latch.
-        if self._trainer is None:
+        if self.trainer is None:
             self._poll_exit(parallel.agree_any)
         return self._exit_kind in ("signal", "duration")
 
@@ -428,18 +513,15 @@ class StepScheduler:
     def record_loss(self, loss: float) -> float:
         """Add one step's loss to the moving window; returns the window mean. Non-finite losses are
         left out so one bad step does not blank the curve for a whole window."""
-        if math.isfinite(loss):
-            self._loss_window.append(float(loss))
-        return self.loss_avg
+        return self._loss_window.add(loss)
 
     @property
     def loss_avg(self) -> float:
-        window = self._loss_window
-        return sum(window) / len(window) if window else float("nan")
+        return self._loss_window.mean
 
     # ------------------------------------------------------------------ standalone iteration
     def _standalone(self, what: str) -> None:
-        if self._trainer is not None:
+        if self.trainer is not None:
             raise RuntimeError(
                 f"this StepScheduler is attached to a trainer: {what} is for standalone use; "
                 "call trainer.run(dataloader) instead"
@@ -493,24 +575,16 @@ class StepScheduler:
         it = iter(self.dataloader)  # type: ignore[arg-type]
         for _ in range(skip):
             next(it, None)
-        group: list = []
         yielded = False
-        for microbatch in it:
-            group.append(microbatch)
-            if len(group) < self.grad_acc_steps:
-                continue
+        for group in iter_groups(it, self.grad_acc_steps):
             self._step += 1
             yielded = True
             yield group
-            group = []
-            if self._done():
+            # a shorter group ends the pass: the stop check happens before the next epoch's first step
+            if len(group) == self.grad_acc_steps and self._done():
                 if self.is_last_batch:  # the pass ended exactly here
                     self._epoch += 1
                 return
-        if group:
-            self._step += 1
-            yielded = True
-            yield group
         if not yielded and not skip:
             raise ValueError("the dataloader yielded no microbatches in this epoch: pass non-empty data")
         self._epoch += 1
@@ -545,13 +619,23 @@ class StepScheduler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (``step`` and ``epoch``). Attached to a trainer whose state is
         fresh, the position moves into the trainer when training starts."""
-        if not isinstance(state, Mapping) or "step" not in state or "epoch" not in state:
-            raise KeyError(f"a StepScheduler state needs 'step' and 'epoch', got {state!r}")
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                "a StepScheduler state must be a mapping with 'step' and 'epoch', got "
+                f"{type(state).__name__}: pass what StepScheduler.state_dict() returned"
+            )
+        missing = [key for key in ("step", "epoch") if key not in state]
+        if missing:
+            raise ValueError(
+                f"the StepScheduler state has no {' or '.join(map(repr, missing))} "
+                f"(it has {sorted(map(str, state))}); a state needs 'step' and 'epoch': pass what "
+                "StepScheduler.state_dict() returned"
+            )
         step, epoch = state["step"], state["epoch"]
         step = int(step.item() if hasattr(step, "item") else step)
         epoch = int(epoch.item() if hasattr(epoch, "item") else epoch)
-        _check_int("state_dict['step']", step, 0)
-        _check_int("state_dict['epoch']", epoch, 0)
+        check_int("state_dict['step']", step, low=0)
+        check_int("state_dict['epoch']", epoch, low=0)
         self._epoch = self._check_position(step, epoch, "state_dict['step']", "state_dict['epoch']")
         self._step = step
         self._pending_start = True
@@ -562,24 +646,24 @@ class StepScheduler:
     def attach(self, trainer: Any) -> StepScheduler:
         """Drive ``trainer``: its accumulation, length and stops come from this scheduler, and the
         decisions for step k are on ``trainer.state`` from STEP_START of step k on."""
-        if self._trainer is not None:
+        if self.trainer is not None:
             raise RuntimeError("this StepScheduler is already attached to a trainer")
-        trainer.register_stateful(STATE_KEY, self)
         trainer.grad_accum_steps = self.grad_acc_steps
         trainer.max_steps = self.max_steps
         trainer.max_epochs = self.num_epochs
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK_PRIORITY)
-        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=PUBLISH_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception)
-        self._trainer = trainer
-        return self
+        # Decisions are published before user STEP_START handlers run; the exit check at STEP_END
+        # runs before the trainer's validation, so a stop can cancel that validation.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.SCHEDULE)
+        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=Priority.SCHEDULE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.SCHEDULE)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.EXIT_CHECK)
+        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=Priority.SCHEDULE)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.EXIT_CHECK)
+        return super().attach(trainer)
 
     def _check_trainer(self) -> None:
-        trainer = self._trainer
+        trainer = self.trainer
         run_steps, run_epochs = trainer.limits
         for name, mine, theirs in (
             ("max_steps", self.max_steps, run_steps),
@@ -610,7 +694,7 @@ class StepScheduler:
         its data position; only its epoch is set to the epochs *completed*, since the loop adds one
         when the next epoch starts.
         """
-        trainer, state = self._trainer, self._trainer.state
+        trainer, state = self.trainer, self.trainer.state
         pending, self._pending_start = self._pending_start, False
         if not pending:
             return
@@ -649,7 +733,7 @@ class StepScheduler:
         self._in_epoch = False
 
     def _on_step_start(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         if self.is_gc_step:
             gc.collect()
         state.should_checkpoint = state.should_checkpoint or self.is_ckpt_step
@@ -662,9 +746,9 @@ class StepScheduler:
             state.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
-        state = self._trainer.state
+        state = self.trainer.state
         was = self._exit_kind
-        self._poll_exit(self._trainer.agree_any)
+        self._poll_exit(self.trainer.agree_any)
         if self._exit_kind in ("signal", "duration") and was != self._exit_kind:
             state.should_checkpoint = True
             state.should_validate = False

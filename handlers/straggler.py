@@ -19,25 +19,48 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from engine import parallel
-from engine.errors import ConfigError
-from engine.events import Events
+from engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
+from engine.handler import Handler
 
-__all__ = ["StragglerDetector"]
+__all__ = ["StragglerConfig", "StragglerDetector"]
+
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
+
+
+@dataclass
+class StragglerConfig:
+    """The ``straggler`` section: see :class:`StragglerDetector`."""
+
+    enabled: bool = False
+    every_steps: int = 100
+    stop_threshold: Optional[float] = None
+
+    def validate(self, prefix: str = "straggler") -> None:
+        """The only copy of the detector's rules for these settings (its constructor calls this)."""
+        check_bool(dotted(prefix, "enabled"), self.enabled)
+        check_int(dotted(prefix, "every_steps"), self.every_steps)
+        check_number(
+            dotted(prefix, "stop_threshold"),
+            self.stop_threshold,
+            above=1,
+            allow_none=True,
+            hint="slowest / median step time",
+        )
+
 
 logger = logging.getLogger(__name__)
 
-_TIMER_PRIORITY = float("inf")
-# after validation, before the loggers (which run at -1000)
-_REPORT_PRIORITY = 500
 
-
-class StragglerDetector:
+class StragglerDetector(Handler):
     """Report per-rank relative speed every ``every_steps`` steps; optionally stop on a straggler.
 
     Args:
@@ -46,6 +69,9 @@ class StragglerDetector:
         window: steps in each rank's median (default ``every_steps``).
         clock: ``"cpu"`` (training thread CPU time, default) or ``"wall"``.
     """
+
+    Config = StragglerConfig
+    section = "straggler"
 
     def __init__(
         self,
@@ -56,18 +82,9 @@ class StragglerDetector:
         clock: str = "cpu",
         group: Any = None,
     ) -> None:
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise ConfigError("every_steps", f"must be a positive integer, got {every_steps!r}")
-        if stop_threshold is not None and not (
-            isinstance(stop_threshold, (int, float)) and stop_threshold > 1
-        ):
-            raise ConfigError(
-                "stop_threshold", f"must be > 1 (slowest / median step time) or None, got {stop_threshold!r}"
-            )
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ConfigError("window", f"must be a positive integer or None, got {window!r}")
-        if clock not in ("cpu", "wall"):
-            raise ConfigError("clock", f"must be 'cpu' or 'wall', got {clock!r}")
+        StragglerConfig(every_steps=every_steps, stop_threshold=stop_threshold).validate("")
+        check_int("window", window, allow_none=True)
+        check_choice("clock", clock, ("cpu", "wall"))
         self.every_steps = every_steps
         self.stop_threshold = stop_threshold
         self.window = window or every_steps
@@ -80,16 +97,19 @@ class StragglerDetector:
         self.last_report: dict[str, Any] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any) -> StragglerDetector:
-        """Build from the ``straggler`` config section."""
+    def from_config(cls, cfg: StragglerConfig) -> StragglerDetector | None:
+        """Build from the ``straggler`` section, or None when ``cfg.enabled`` is false."""
+        if not cfg.enabled:
+            return None
         return cls(cfg.every_steps, stop_threshold=cfg.stop_threshold)
 
     def attach(self, trainer: Any) -> StragglerDetector:
-        self.trainer = trainer
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_TIMER_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_TIMER_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=_REPORT_PRIORITY)
-        return self
+        # The step clock: started and stopped ahead of every handler but the profiler and the other clock.
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.TIME_STRAGGLER)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.TIME_STRAGGLER)
+        # The report (a collective, maybe a stop request): after validation, before the loggers.
+        trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=Priority.STRAGGLER)
+        return super().attach(trainer)
 
     def _on_step_start(self) -> None:
         self._t0 = self._now()
@@ -109,12 +129,7 @@ class StragglerDetector:
             return [local]
         import torch.distributed as dist
 
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(self.group) == "nccl"
-            else None
-        )
-        t = torch.tensor([local], dtype=torch.float64, device=device)
+        t = torch.tensor([local], dtype=torch.float64, device=parallel.collective_device(self.group))
         out = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(out, t, group=self.group)
         return [float(x[0]) for x in out]

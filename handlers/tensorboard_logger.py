@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from handlers.loggers import MetricLogger, metric_tag
+from engine.events import Priority
+from handlers.metric_logger import LoggingConfig, MetricLogger, metric_tag
 
 __all__ = ["TensorBoardLogger"]
 
@@ -24,6 +25,8 @@ class TensorBoardLogger(MetricLogger):
         flush_secs: flush the event file at least this often (and at TRAIN_END / on errors).
     """
 
+    priority = Priority.LOG_TENSORBOARD
+
     def __init__(
         self,
         log_dir: str | os.PathLike,
@@ -38,8 +41,12 @@ class TensorBoardLogger(MetricLogger):
         self.writer: Any = None
 
     @classmethod
-    def from_config(cls, logging_cfg: Any, run_dir: str | os.PathLike) -> TensorBoardLogger:
-        return cls(Path(run_dir) / "tensorboard", every_steps=logging_cfg.log_interval)
+    def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> TensorBoardLogger | None:
+        """``<run_dir>/tensorboard`` from the ``logging`` section, or None when ``cfg.tensorboard``
+        is false."""
+        if not cfg.tensorboard:
+            return None
+        return cls(Path(run_dir) / "tensorboard", every_steps=cfg.log_interval)
 
     def open(self) -> None:
         log_dir = self.log_dir

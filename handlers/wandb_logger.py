@@ -7,21 +7,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from handlers.loggers import MetricLogger, metric_tag
+from engine.checks import check_choice
+from engine.events import Priority
+from handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, metric_tag
 
 __all__ = ["WandBLogger"]
 
-_MODES = ("online", "offline", "disabled")
-
-
-def _scheduler_attached(trainer: Any) -> bool:
-    """True when something that publishes ``state.should_log_remote`` (a StepScheduler, recognised
-    by its ``log_remote_every_steps``) is registered with the trainer."""
-    return any(hasattr(o, "log_remote_every_steps") for o in trainer.stateful.values())
-
 
 class WandBLogger(MetricLogger):
-    """Logs the run's config once and its metrics under :func:`~handlers.loggers.metric_tag` names.
+    """Logs the run's config once and its metrics under :func:`~handlers.metric_logger.metric_tag` names.
 
     When does it log? With a StepScheduler attached, on the steps it marks
     ``state.should_log_remote`` (its ``log_remote_every_steps``), sending the latest published
@@ -34,6 +28,8 @@ class WandBLogger(MetricLogger):
     ``wandb`` is imported when the logger is attached; extra keyword arguments go to ``wandb.init``
     (``settings=wandb.Settings(...)``, ``id``/``resume`` to continue a run, ``tags``, ...).
     """
+
+    priority = Priority.LOG_WANDB
 
     def __init__(
         self,
@@ -48,12 +44,7 @@ class WandBLogger(MetricLogger):
         **init_kwargs: Any,
     ) -> None:
         super().__init__(every_steps=every_steps, all_ranks=all_ranks)
-        if mode is not None and mode not in _MODES:
-            from engine.errors import ConfigError
-
-            raise ConfigError(
-                "mode", f"must be one of {', '.join(_MODES)} or None (use WANDB_MODE), got {mode!r}"
-            )
+        check_choice("mode", mode, WANDB_MODES, allow_none=True)
         self.project = project
         self.name = name
         self.dir = Path(dir) if dir is not None else None
@@ -64,13 +55,19 @@ class WandBLogger(MetricLogger):
         self._follow_remote_flag = False
 
     @classmethod
-    def from_config(cls, logging_cfg: Any, run_dir: str | os.PathLike, *, config: Any = None) -> WandBLogger:
+    def from_config(
+        cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike, config: Any = None
+    ) -> WandBLogger | None:
+        """From the ``logging`` section (``wandb_project``, ``wandb_mode``, ``wandb_every_steps``),
+        or None when ``cfg.wandb`` is false; ``config`` (the whole run config) is recorded once."""
+        if not cfg.wandb:
+            return None
         return cls(
-            logging_cfg.wandb_project,
+            cfg.wandb_project,
             dir=run_dir,
-            mode=logging_cfg.wandb_mode,
+            mode=cfg.wandb_mode,
             config=config,
-            every_steps=getattr(logging_cfg, "wandb_every_steps", None),
+            every_steps=cfg.wandb_every_steps,
         )
 
     def open(self) -> None:
@@ -94,7 +91,9 @@ class WandBLogger(MetricLogger):
 
     def _on_train_start(self) -> None:
         super()._on_train_start()
-        self._follow_remote_flag = self.every_steps is None and _scheduler_attached(self.trainer)
+        # a StepScheduler (registered under its state key) publishes state.should_log_remote
+        scheduler = self.trainer.get_handler("step_scheduler")
+        self._follow_remote_flag = self.every_steps is None and scheduler is not None
 
     def is_log_step(self, state: Any) -> bool:
         if self.every_steps is not None:

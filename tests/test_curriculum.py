@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from engine.config import DataConfig, PhaseConfig
 from engine.data import MixtureDataset, MixtureSampler, TokenDataset
+from engine.data.config import DataConfig, PhaseConfig
 from engine.data.loader import MixtureLoader
 from engine.errors import ConfigError
 from engine.events import Events
 from engine.lr import build_lr_scheduler, lr_at
 from engine.trainer import Trainer
 from examples.models.gpt import cross_entropy_loss
+from handlers.checkpoint import AsyncCheckpointer
 from handlers.curriculum import Phase, PhaseCurriculum
 from handlers.dataset_metrics import PerDatasetMetrics
 from tests.conftest import tiny_gpt
@@ -363,11 +364,11 @@ def test_config_section_builds_the_curriculum_and_names_config_fields(mixture):
         mix_temperature=2.0,
         phases=[PhaseConfig(0, {"code": 3.0}), PhaseConfig(10, {"docs": 3.0}, lr_scale=0.5)],
     )
-    curriculum = PhaseCurriculum.from_config(cfg, sampler)
+    curriculum = PhaseCurriculum.from_config(cfg, sampler=sampler)
     assert curriculum.phases[1] == Phase(10, {"docs": 3.0}, 0.5) and curriculum.mix_temperature == 2.0
     cfg.phases[1].lr_scale = 0.0
     with pytest.raises(ConfigError) as info:
-        PhaseCurriculum.from_config(cfg, sampler)
+        PhaseCurriculum.from_config(cfg, sampler=sampler)
     assert info.value.field == "data.phases[1].lr_scale"
     with pytest.raises(ConfigError) as info:
         PhaseCurriculum(sampler, [], mix_temperature=0)
@@ -414,13 +415,12 @@ def test_sampler_schedule_and_state_at_any_nearby_draw(mixture):
 
 
 def test_resume_through_the_checkpointer_with_workers(mixture, tmp_path):
-    checkpoint = pytest.importorskip("handlers.checkpoint")
     full = Run(mixture, workers=2).run(9)
     first = Run(mixture, workers=2)
-    checkpoint.AsyncCheckpointer(tmp_path, every_steps=5, mode="sync").attach(first.trainer)
+    AsyncCheckpointer(tmp_path, every_steps=5, mode="sync").attach(first.trainer)
     first.run(5)
     second = Run(mixture, workers=2)
-    checkpoint.AsyncCheckpointer(tmp_path, mode="sync").attach(second.trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(second.trainer)
     second.run(9)
     assert sorted(second.steps) == [6, 7, 8, 9]
     for step in range(6, 10):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine import ConfigError, Events, ExitCode, Trainer
-from engine.config import StepSchedulerConfig as ConfigSection
 from examples.models.gpt import cross_entropy_loss
 from handlers.step_scheduler import StepScheduler, StepSchedulerConfig
 from tests.conftest import tiny_gpt, token_batches
@@ -278,8 +277,10 @@ def test_start_position_must_lie_in_its_epoch():
     assert (s.step, s.epoch) == (8, 2)
     with pytest.raises(ConfigError, match="state_dict\\['step'\\]"):
         s.load_state_dict({"step": 3, "epoch": 2})
-    with pytest.raises(KeyError, match="'step' and 'epoch'"):
+    with pytest.raises(ValueError, match="no 'epoch'.*needs 'step' and 'epoch'"):
         s.load_state_dict({"step": 3})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        s.load_state_dict([3, 0])
 
 
 def test_standalone_stop_signal_ends_iteration_with_a_checkpoint_step():
@@ -564,9 +565,8 @@ def test_no_length_and_no_max_steps_is_an_error():
 
 
 def test_config_section_builds_the_scheduler():
-    assert StepSchedulerConfig is ConfigSection
     cfg = StepSchedulerConfig(global_batch_size=8, num_epochs=2, ckpt_every_steps=3, exit_interval=5)
-    s = cfg.build(list(range(12)), dp_group_size=2, local_batch_size=2)
+    s = StepScheduler.from_config(cfg, dataloader=list(range(12)), dp_size=2, local_batch_size=2)
     assert (s.grad_acc_steps, s.epoch_len, s.max_steps, s.exit_interval) == (2, 6, 12, 5)
     assert s.stop_signals == (signal.SIGTERM,)
 

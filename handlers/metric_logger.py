@@ -1,0 +1,233 @@
+"""What every metric logger shares: when to log, what, under which tag, on which rank, and closing.
+
+A logger writes on *log steps*: the steps where a :class:`~handlers.metrics.MetricsTracker` published
+fresh metrics (``state.metrics_step == state.step``), or, with no tracker attached, every
+``every_steps`` steps from the trainer's state (loss, grad norm, lr, tokens). Validation results are
+written on the step a validation ran. Everything in ``state.metrics`` that is a number is written;
+names map to stable tags with :func:`metric_tag` (``loss`` -> ``train/loss``,
+``tokens_per_s`` -> ``perf/tokens_per_s``, ``val_loss`` -> ``val/loss``; names with a ``/`` such as
+``loss/<dataset>`` are kept as they are).
+
+Loggers are active on rank 0 only unless ``all_ranks=True``; they flush and close at TRAIN_END and,
+when the run fails, at TRAIN_FAILED. Backends (tensorboard, wandb) are imported only when a logger is
+attached. The concrete loggers import this module; :mod:`handlers.loggers` builds them from the
+``logging`` section.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from engine import parallel
+from engine.checks import check_bool, check_choice, check_int, check_str, dotted
+from engine.events import Events, Priority
+from engine.handler import Handler
+
+__all__ = ["WANDB_MODES", "LoggingConfig", "MetricLogger", "is_validation_metric", "metric_tag"]
+
+#: W&B run modes (``None`` leaves the choice to the ``WANDB_MODE`` environment variable).
+WANDB_MODES = ("online", "offline", "disabled")
+
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
+
+
+@dataclass
+class LoggingConfig:
+    """The ``logging`` section: the publication cadence and which loggers to build (one boolean
+    per logger; see ``docs/observability.md``).
+
+    ``wandb_every_steps`` None: W&B follows ``step_scheduler.log_remote_every_steps``.
+    ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
+    """
+
+    log_interval: int = 10
+    jsonl: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "hookloop"
+    wandb_mode: Optional[str] = None
+    wandb_every_steps: Optional[int] = None
+    console: bool = True
+    progress_bar: Optional[bool] = None
+
+    def validate(self, prefix: str = "logging") -> None:
+        """The only copy of the loggers' rules for these settings."""
+        p = prefix
+        check_int(dotted(p, "log_interval"), self.log_interval)
+        for name in ("jsonl", "tensorboard", "wandb", "console"):
+            check_bool(dotted(p, name), getattr(self, name))
+        check_str(dotted(p, "wandb_project"), self.wandb_project, what="a W&B project name")
+        check_choice(dotted(p, "wandb_mode"), self.wandb_mode, WANDB_MODES, allow_none=True)
+        check_int(dotted(p, "wandb_every_steps"), self.wandb_every_steps, allow_none=True)
+        check_bool(dotted(p, "progress_bar"), self.progress_bar, allow_none=True)
+
+
+_TAGS = {
+    "loss": "train/loss",
+    "loss_avg": "train/loss_avg",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr",
+    "skipped_steps": "train/skipped_steps",
+    "tokens_seen": "train/tokens_seen",
+    "step_time_s": "perf/step_time_s",
+    "data_time_s": "perf/data_time_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "samples_per_s": "perf/samples_per_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "rss_mb": "system/rss_mb",
+    "cuda_max_allocated_mb": "system/cuda_max_allocated_mb",
+    "val_loss": "val/loss",
+}
+
+
+def metric_tag(name: str) -> str:
+    """The stable tag a metric is logged under."""
+    if name in _TAGS:
+        return _TAGS[name]
+    if "/" in name:
+        return name
+    if name.startswith("val_"):
+        return f"val/{name[4:]}"
+    return f"train/{name}"
+
+
+def is_validation_metric(name: str) -> bool:
+    return name == "val_loss" or name.startswith(("val_", "val/"))
+
+
+def _number(value: Any) -> float | int | None:
+    """``value`` as a plain number (ints stay ints), or None when it is not a scalar number."""
+    kind = type(value)
+    if kind is float or kind is int:
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item") and hasattr(value, "numel") and value.numel() == 1:
+        return value.item()
+    return None
+
+
+class MetricLogger(Handler):
+    """Base class: decides the log steps and collects the metrics; subclasses write them.
+
+    Subclasses implement :meth:`open` (called once, at attach, on active ranks), :meth:`write`
+    (``step`` and a ``{name: float}`` dict) and :meth:`close`, and may set :attr:`priority`.
+
+    Args:
+        every_steps: with no MetricsTracker attached, log every this many steps (default 1).
+        all_ranks: log on every rank instead of rank 0 only.
+    """
+
+    # Every shipped logger is configured by the ``logging`` section (its own boolean turns it on).
+    Config = LoggingConfig
+    section = "logging"
+    #: Where the logger runs at TRAIN_START, STEP_END, TRAIN_END and TRAIN_FAILED: after every other
+    #: STEP_END handler (which may add metrics), before the NaNDetector's rollback request and the
+    #: trainer's own last handler. Each shipped logger has its own; a user's subclass runs after them.
+    priority: float = Priority.LOG
+
+    def __init__(self, *, every_steps: int | None = None, all_ranks: bool = False) -> None:
+        check_int("every_steps", every_steps, allow_none=True)
+        self.every_steps = every_steps
+        self.all_ranks = all_ranks
+        self.trainer: Any = None
+        self._closed = True
+        self._seen_validations = 0
+        self._train_logged = -1
+        self._follow_tracker = False
+
+    @property
+    def active(self) -> bool:
+        return self.all_ranks or parallel.rank() == 0
+
+    # ------------------------------------------------------------------ backend interface
+    def open(self) -> None:
+        """Create files / runs. Called at attach on active ranks."""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Push buffered records out."""
+
+    def close(self) -> None:
+        """Flush and release the backend; further writes are ignored."""
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, trainer: Any) -> MetricLogger:
+        if self.active:
+            self.open()
+            self._closed = False
+            trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=self.priority)
+            trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=self.priority)
+            trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=self.priority)
+            trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=self.priority)
+        return super().attach(trainer)
+
+    def _on_train_start(self) -> None:
+        state = self.trainer.state
+        self._seen_validations = state.validations
+        self._train_logged = -1
+        # a MetricsTracker (attached in any order) publishes state.metrics_step on its log steps
+        self._follow_tracker = self.trainer.get_handler("metrics_tracker") is not None
+        if self._closed:
+            self.open()
+            self._closed = False
+
+    def is_log_step(self, state: Any) -> bool:
+        """Fresh tracker metrics this step, or (no tracker) every ``every_steps`` steps."""
+        if self._follow_tracker:
+            return getattr(state, "metrics_step", None) == state.step
+        return state.step % (self.every_steps or 1) == 0
+
+    def collect(self, state: Any, *, train: bool, validation: bool) -> dict[str, float]:
+        """The numbers to write this step: training metrics, validation metrics, or both."""
+        out: dict[str, float] = {}
+        if train and not self._follow_tracker:
+            for name in ("loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"):
+                out[name] = getattr(state, name)
+        for name, value in state.metrics.items():
+            is_val = is_validation_metric(name)
+            if (is_val and validation) or (not is_val and train):
+                number = _number(value)
+                if number is not None:
+                    out[name] = number
+        return out
+
+    def _on_step_end(self) -> None:
+        self._log_current(self.trainer.state)
+
+    def _log_current(self, state: Any) -> None:
+        if self._closed:
+            return
+        validated = state.validations != self._seen_validations
+        self._seen_validations = state.validations
+        train = self._train_logged != state.step and self.is_log_step(state)
+        if not (train or validated):
+            return
+        metrics = self.collect(state, train=train, validation=validated)
+        if train:
+            self._train_logged = state.step
+        if metrics:
+            self.write(state.step, metrics)
+
+    def _on_train_end(self) -> None:
+        # a final partial interval the tracker published at TRAIN_END has not been written yet
+        self._log_current(self.trainer.state)
+        self._close()
+
+    def _on_exception(self, _error: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.close()

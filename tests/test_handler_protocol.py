@@ -1,0 +1,353 @@
+"""Every shipped handler has one shape: a ``Handler`` whose ``attach`` returns it and registers it.
+
+Registered handlers are found by type or state key (``trainer.get_handler``), stateful ones are
+checkpointed under their historical keys, each runs at its named ``Priority`` (never two shipped
+handlers at one priority on one event), and they find each other through the registry only.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import Events, Trainer
+from engine.data import MixtureDataset, MixtureSampler, TokenDataset
+from engine.data.loader import MixtureLoader
+from engine.events import Priority
+from engine.handler import Handler
+from engine.running_mean import RunningMean
+from examples.models.gpt import cross_entropy_loss
+from handlers import (
+    AsyncCheckpointer,
+    ConsoleLogger,
+    HealthCheck,
+    JSONLLogger,
+    MetricLogger,
+    MetricsTracker,
+    NaNDetector,
+    PerDatasetMetrics,
+    PhaseCurriculum,
+    ProfilerWindow,
+    StepScheduler,
+    StragglerDetector,
+    TensorBoardLogger,
+    WandBLogger,
+)
+from tests.conftest import tiny_gpt, token_batches
+
+SEQ = 16
+
+# The keys existing checkpoints hold these handlers' state under.
+HISTORICAL_KEYS = {
+    StepScheduler: "step_scheduler",
+    NaNDetector: "nan_detector",
+    PhaseCurriculum: "curriculum",
+    MetricsTracker: "metrics_tracker",
+}
+
+
+class RecordingWandB(WandBLogger):
+    """A WandBLogger that records what it would send instead of importing wandb."""
+
+    def open(self) -> None:
+        self.sent: list[tuple[int, dict]] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.sent.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        pass
+
+
+def _mixture(root: Path) -> MixtureDataset:
+    sources = {}
+    for i, name in enumerate(("docs", "code")):
+        path = root / f"{name}.u8"
+        np.random.default_rng(i).integers(32 * i, 32 * i + 32, 50 * SEQ + 1, dtype=np.uint8).tofile(path)
+        path.with_name(path.name + ".json").write_text(json.dumps({"dtype": "uint8"}))
+        sources[name] = TokenDataset(path, SEQ)
+    return MixtureDataset(sources)
+
+
+def _trainer(loss_fn=cross_entropy_loss, grad_accum_steps: int = 2) -> Trainer:
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return Trainer(model, opt, loss_fn, grad_accum_steps=grad_accum_steps)
+
+
+def _factories(tmp_path: Path, data, sampler: MixtureSampler) -> dict[str, callable]:
+    """One builder per shipped handler (the checkpointer aside: it has its own tests)."""
+    return {
+        "StepScheduler": lambda: StepScheduler(4, 2, 1, data, max_steps=4, stop_signals=None),
+        "NaNDetector": lambda: NaNDetector(action="warn"),
+        "PhaseCurriculum": lambda: PhaseCurriculum(sampler, []),
+        "PerDatasetMetrics": lambda: PerDatasetMetrics(sampler, log_interval=2),
+        "ProfilerWindow": lambda: ProfilerWindow(2, 3, output_dir=tmp_path / "profile"),
+        "HealthCheck": lambda: HealthCheck(every_steps=2),
+        "StragglerDetector": lambda: StragglerDetector(every_steps=2),
+        "MetricsTracker": lambda: MetricsTracker(2, run_dir=tmp_path),
+        "JSONLLogger": lambda: JSONLLogger(tmp_path / "metrics.jsonl"),
+        "TensorBoardLogger": lambda: TensorBoardLogger(tmp_path / "tb"),
+        "WandBLogger": lambda: RecordingWandB(mode="disabled"),
+        "ConsoleLogger": lambda: ConsoleLogger(stream=io.StringIO(), progress_bar=False),
+    }
+
+
+@pytest.fixture
+def mixture_sampler(tmp_path) -> MixtureSampler:
+    return MixtureSampler(_mixture(tmp_path), {"docs": 1.0, "code": 1.0}, seed=0)
+
+
+HANDLER_NAMES = list(_factories(Path("."), [], None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", HANDLER_NAMES)
+def test_attach_returns_the_handler_and_registers_it(name, tmp_path, mixture_sampler):
+    trainer = _trainer()
+    handler = _factories(tmp_path, token_batches(8), mixture_sampler)[name]()
+    assert isinstance(handler, Handler)
+    assert handler.attach(trainer) is handler
+    assert trainer.get_handler(type(handler)) is handler
+    assert handler in trainer.handlers and handler.trainer is trainer
+    key = HISTORICAL_KEYS.get(next((t for t in HISTORICAL_KEYS if isinstance(handler, t)), None))
+    if key is not None:
+        assert trainer.stateful[key] is handler
+        assert trainer.get_handler(key) is handler
+    else:
+        assert handler not in trainer.stateful.values()
+
+
+@pytest.mark.parametrize("name", HANDLER_NAMES)
+def test_one_instance_cannot_serve_two_trainers(name, tmp_path, mixture_sampler):
+    handler = _factories(tmp_path, token_batches(8), mixture_sampler)[name]()
+    handler.attach(_trainer())
+    with pytest.raises(RuntimeError, match="already attached"):
+        handler.attach(_trainer())
+
+
+def test_scheduler_and_curriculum_refuse_a_second_attach_to_the_same_trainer(tmp_path, mixture_sampler):
+    for build in (
+        lambda: StepScheduler(4, 2, 1, token_batches(8), stop_signals=None),
+        lambda: PhaseCurriculum(mixture_sampler, []),
+    ):
+        trainer = _trainer()
+        handler = build().attach(trainer)
+        with pytest.raises(RuntimeError, match="already attached to a trainer"):
+            handler.attach(trainer)
+
+
+def test_keys_given_to_the_constructor_still_name_the_checkpoint_state(mixture_sampler):
+    trainer = _trainer()
+    curriculum = PhaseCurriculum(mixture_sampler, [], state_key="curriculum_b").attach(trainer)
+    tracker = MetricsTracker(2, state_key="tracker_b").attach(trainer)
+    assert trainer.stateful["curriculum_b"] is curriculum and trainer.stateful["tracker_b"] is tracker
+    assert "curriculum" not in trainer.stateful and "metrics_tracker" not in trainer.stateful
+
+
+def test_a_tracker_without_state_key_is_registered_but_not_checkpointed():
+    trainer = _trainer()
+    tracker = MetricsTracker(2, state_key=None).attach(trainer)
+    assert trainer.get_handler(MetricsTracker) is tracker
+    assert trainer.get_handler("metrics_tracker") is tracker  # the loggers still find it
+    assert tracker not in trainer.stateful.values()
+
+
+# ---------------------------------------------------------------------------------- priorities
+
+
+def _owner(entry) -> object:
+    return getattr(entry.original, "__self__", entry.original)
+
+
+def _priority_values() -> set[float]:
+    return {v for k, v in vars(Priority).items() if not k.startswith("_") and isinstance(v, (int, float))}
+
+
+def _attach_everything(tmp_path: Path, sampler: MixtureSampler) -> tuple[Trainer, list, MixtureLoader]:
+    trainer = _trainer()
+    loader = MixtureLoader(sampler, 2)
+    handlers = [AsyncCheckpointer(tmp_path / "ckpt", mode="sync", resume=None)]
+    factories = _factories(tmp_path, loader, sampler)
+    factories["NaNDetector"] = lambda: NaNDetector(action="rollback")  # the checkpointer answers ROLLBACK
+    handlers += [build() for build in factories.values()]
+    for handler in handlers:
+        assert handler.attach(trainer) is handler
+    return trainer, handlers, loader
+
+
+EVENTS = [
+    Events.TRAIN_START,
+    Events.EPOCH_START,
+    Events.STEP_START,
+    Events.MICROBATCH,
+    Events.BEFORE_OPTIMIZER_STEP,
+    Events.STEP_END,
+    Events.VALIDATION_END,
+    Events.CHECKPOINT_SAVED,
+    Events.ROLLBACK,
+    Events.EPOCH_END,
+    Events.TRAIN_END,
+    Events.TRAIN_FAILED,
+    Events.EXCEPTION,
+    Events.TERMINATE,
+]
+
+
+def test_no_two_shipped_handlers_share_a_priority_on_one_event(tmp_path, mixture_sampler):
+    trainer, handlers, _ = _attach_everything(tmp_path, mixture_sampler)
+    from ignite.engine import Events as IgniteEvents
+
+    events = EVENTS + [IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED]
+    shipped = set(map(id, handlers)) | {id(trainer)}
+    names = _priority_values()
+    for event in events:
+        owners: dict[float, set[int]] = {}
+        for entry in trainer.events.entries(event):
+            owner = _owner(entry)
+            assert id(owner) in shipped, f"{event}: {entry.original!r} belongs to no shipped handler"
+            assert entry.priority in names, f"{event}: {entry.original!r} runs at an unnamed priority"
+            owners.setdefault(entry.priority, set()).add(id(owner))
+        shared = {p: len(o) for p, o in owners.items() if len(o) > 1}
+        assert shared == {}, f"{event}: shipped handlers share priorities {shared}"
+    # EXCEPTION handlers handle the error (ignite's rule): cleanup belongs to TRAIN_FAILED
+    assert trainer.events.entries(Events.EXCEPTION) == []
+
+
+def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
+    trainer, handlers, loader = _attach_everything(tmp_path, mixture_sampler)
+    state = trainer.run(loader)
+    assert state.step == 4 and state.exit_code == 0
+    wandb = trainer.get_handler(WandBLogger)
+    assert [step for step, _ in wandb.sent] == [1, 2, 3, 4]  # the scheduler's remote-logging cadence
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]  # the tracker's log steps
+    assert {"loss/docs", "tokens/code", "phase", "step_time_s", "loss_avg"} <= set(records[-1])
+
+
+# ---------------------------------------------------------------------------------- the registry
+
+
+def test_wandb_finds_the_scheduler_cadence_through_the_registry():
+    trainer = _trainer()
+    wandb = RecordingWandB().attach(trainer)  # attached before the scheduler: found at TRAIN_START
+    data = token_batches(24)
+    StepScheduler(4, 2, 1, data, num_epochs=1, log_remote_every_steps=3, stop_signals=None).attach(trainer)
+    trainer.run(data)
+    assert [step for step, _ in wandb.sent] == [3, 6, 9, 12]
+
+
+def test_wandb_does_not_take_a_lookalike_for_the_scheduler():
+    class Lookalike:  # has the scheduler's cadence attribute, but is not the registered scheduler
+        log_remote_every_steps = 3
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    trainer = _trainer()
+    trainer.register_stateful("lookalike", Lookalike())
+    wandb = RecordingWandB().attach(trainer)
+    trainer.run(token_batches(8), max_steps=4)
+    assert [step for step, _ in wandb.sent] == [1, 2, 3, 4]  # no tracker, no scheduler: every step
+
+
+def test_loggers_follow_a_tracker_attached_after_them(tmp_path):
+    trainer = _trainer()
+    logger = JSONLLogger(tmp_path / "m.jsonl").attach(trainer)
+    MetricsTracker(3).attach(trainer)
+    trainer.run(token_batches(16), max_steps=7)
+    steps = [json.loads(line)["step"] for line in logger.path.read_text().splitlines()]
+    assert steps == [3, 6, 7]
+
+
+class _UserLogger(MetricLogger):
+    def open(self) -> None:
+        self.steps: list[int] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+
+
+def test_a_user_logger_runs_after_the_shipped_ones(tmp_path):
+    trainer = _trainer()
+    user = _UserLogger().attach(trainer)  # attached first, still runs last among loggers
+    JSONLLogger(tmp_path / "m.jsonl").attach(trainer)
+    order = [_owner(e) for e in trainer.events.entries(Events.STEP_END)]
+    assert order.index(user) > order.index(trainer.get_handler(JSONLLogger))
+    assert user.priority == Priority.LOG
+
+
+# ---------------------------------------------------------------------------------- one loss average
+
+
+def test_the_scheduler_owns_loss_avg_when_attached_else_the_tracker():
+    def run(with_scheduler: bool) -> tuple[list[float], dict[int, float]]:
+        trainer = _trainer()
+        data = token_batches(12)
+        MetricsTracker(2).attach(trainer)
+        if with_scheduler:
+            StepScheduler(4, 2, 1, data, num_epochs=1, loss_average_window_steps=3, stop_signals=None).attach(
+                trainer
+            )
+        losses: list[float] = []
+        published: dict[int, float] = {}
+
+        @trainer.on(Events.STEP_END, priority=Priority.LOG - 1)
+        def grab() -> None:
+            losses.append(trainer.state.loss)
+            if trainer.state.metrics_step == trainer.state.step:
+                published[trainer.state.step] = trainer.state.metrics["loss_avg"]
+
+        trainer.run(data) if with_scheduler else trainer.run(data, max_steps=6)
+        return losses, published
+
+    losses, published = run(with_scheduler=True)
+    assert published[4] == pytest.approx(sum(losses[1:4]) / 3)  # the scheduler's window of 3
+    assert published[6] == pytest.approx(sum(losses[3:6]) / 3)
+    losses, published = run(with_scheduler=False)
+    assert published[4] == pytest.approx(sum(losses[2:4]) / 2)  # the tracker's window: log_interval
+
+
+def test_running_mean_skips_non_finite_values_and_keeps_its_window():
+    mean = RunningMean(3)
+    assert math.isnan(mean.mean) and len(mean) == 0
+    for value in (1.0, float("nan"), 2.0, float("inf"), 3.0, 4.0):
+        mean.add(value)
+    assert mean.mean == pytest.approx(3.0) and len(mean) == 3 and mean.window == 3
+    mean.clear()
+    assert math.isnan(mean.mean)
+
+
+# ---------------------------------------------------------------------------------- NaN rollback
+
+
+def test_loggers_record_the_step_that_triggers_a_rollback(tmp_path):
+    trainer_ref: dict = {}
+
+    def loss_fn(out, y):
+        loss = cross_entropy_loss(out, y)
+        state = trainer_ref["t"].state
+        return loss * float("nan") if state.step == 6 and state.rollbacks == 0 else loss
+
+    trainer = _trainer(loss_fn, grad_accum_steps=1)
+    trainer_ref["t"] = trainer
+    AsyncCheckpointer(tmp_path / "ckpt", every_steps=4, mode="sync", resume=None).attach(trainer)
+    NaNDetector(action="rollback", max_consecutive=1, max_rollbacks=1).attach(trainer)
+    logger = JSONLLogger(tmp_path / "metrics.jsonl").attach(trainer)
+    state = trainer.run(token_batches(16), max_steps=8)
+    assert state.rollbacks == 1 and state.step == 8
+    records = [json.loads(line) for line in logger.path.read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    # step 6 went bad and rolled back to the step-4 checkpoint; its record is there, then 5.. again
+    assert steps == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    bad = records[5]
+    assert bad["step"] == 6 and math.isnan(bad["loss"]) and bad["nan/bad_steps"] == 1
+    assert all(math.isfinite(r["loss"]) for r in records[6:])
