@@ -7,10 +7,17 @@ saving every ``--every`` steps, and reports
 * blocked: the time training waited for each save (median; from ``state.times["checkpoint"]``,
   which includes a staged save's wait before the next optimizer step and publishing the previous
   save),
-* durable: from the start of a save until its write finished on disk (median),
+* durable: from the start of a save until its write finished on disk, checksummed for the
+  manifest (median),
+* checksums: the CRC-32s of the manifest, computed by a helper thread while the writer fsyncs the
+  same files (median per save), and "exposed": how long the write waited for them after its own
+  fsyncs were done. ``durable`` minus the exposed part is what the save cost without a manifest,
 * throughput: steps/s of the run relative to the same run without checkpoints, and the CPU time
   per step relative to it (the CPU figure is robust to other processes on a shared machine; the
   wall-clock one is what a user sees).
+
+Also timed once per mode: verifying the newest checkpoint against its manifest, the work a resume or
+rollback adds before loading.
 
 ``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
 
@@ -34,8 +41,21 @@ from pathlib import Path
 
 import torch
 
-from engine import Events, Trainer
+from engine import Events, Trainer, checkpoint_io
 from handlers.checkpoint import AsyncCheckpointer
+
+WRITERS: list[checkpoint_io.RecordingWriter] = []
+
+
+def _keep_writers() -> None:
+    """Keep every DCP writer the checkpointer makes, to read its checksum timings after the run."""
+    init = checkpoint_io.RecordingWriter.__init__
+
+    def keeping(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        WRITERS.append(self)
+
+    checkpoint_io.RecordingWriter.__init__ = keeping
 
 
 def build(width: int) -> Trainer:
@@ -76,12 +96,21 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
             save.done.add_done_callback(lambda _f, s=started: durable.append(time.perf_counter() - s))
 
     warmup = 2
+    writers_before = len(WRITERS)
     trainer.run(data, max_steps=warmup)  # first-call costs (allocations, thread pools) out of the timing
     start, cpu_start = time.perf_counter(), time.process_time()
     trainer.run(data, max_steps=warmup + steps)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    verify = float("nan")
     if checkpointer is not None:
         checkpointer.close()
+        start = time.perf_counter()
+        problems, verified = checkpoint_io.verify_checkpoint(checkpointer.last_checkpoint)
+        verify = time.perf_counter() - start
+        assert verified and not problems, problems
+    writers = WRITERS[writers_before:]
+    checksums = [w.timings["checksum"] for w in writers]
+    exposed = [w.timings["exposed"] for w in writers]
     # A save blocks at its own step, and (staged) before the next optimizer step or save.
     timed = [s for s in save_steps if s > warmup]
     blocked = [
@@ -92,6 +121,9 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
         "cpu_per_step": cpu / steps,
         "blocked": statistics.median(blocked) if blocked else float("nan"),
         "durable": statistics.median(durable) if durable else float("nan"),
+        "checksums": statistics.median(checksums) if checksums else float("nan"),
+        "exposed": statistics.median(exposed) if exposed else float("nan"),
+        "verify": verify,
         "saves": len(durable),
         "mb": state_megabytes(trainer),
     }
@@ -123,6 +155,7 @@ def main() -> None:
     every = args.every or (5 if args.quick else 10)
     args.repeats = args.repeats or (1 if args.quick else 2)
     torch.set_num_threads(args.threads)
+    _keep_writers()
     root = args.dir or tempfile.mkdtemp(prefix="hookloop-ckpt-bench-")
     print(
         f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {cpu_model()}, torch {torch.__version__}, "
@@ -143,20 +176,35 @@ def main() -> None:
     def med(mode: str | None, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
 
+    def durable_ratio(mode: str) -> float:
+        return med(mode, "durable") / (med(mode, "durable") - med(mode, "exposed"))
+
     base_rate, base_cpu = med(None, "steps_per_s"), med(None, "cpu_per_step")
     mb = runs[None][0]["mb"]
     print(
         f"state {mb:.0f} MB, {steps} steps per run, a save every {every} steps, {args.repeats} run(s) per "
         f"mode (medians); no checkpoints: {base_rate:.2f} steps/s, {base_cpu:.2f} CPU s/step"
     )
-    print(f"{'mode':<14}{'blocked/save':>14}{'vs sync':>9}{'durable':>10}{'throughput':>12}{'CPU/step':>10}")
+    print(
+        f"{'mode':<14}{'blocked/save':>14}{'vs sync':>9}{'durable':>10}{'checksums':>11}{'exposed':>9}"
+        f"{'throughput':>12}{'CPU/step':>10}"
+    )
     sync_blocked = med("sync", "blocked")
     for mode in modes[1:]:
         blocked = med(mode, "blocked")
         print(
             f"{mode:<14}{blocked * 1e3:>11.1f} ms{blocked / sync_blocked:>9.0%}{med(mode, 'durable'):>9.2f}s"
-            f"{med(mode, 'steps_per_s') / base_rate:>12.1%}{med(mode, 'cpu_per_step') / base_cpu:>10.1%}"
+            f"{med(mode, 'checksums') * 1e3:>8.0f} ms{med(mode, 'exposed') * 1e3:>6.0f} ms"
+            f"{med(mode, 'steps_per_s') / base_rate:>12.1%}"
+            f"{med(mode, 'cpu_per_step') / base_cpu:>10.1%}"
         )
+    verify = statistics.median(r["verify"] for mode in modes[1:] for r in runs[mode])
+    print(
+        f"manifest ({checkpoint_io.CHECKSUM_ALGORITHM}): durable with checksums / without (durable minus "
+        "exposed): "
+        + ", ".join(f"{mode} {durable_ratio(mode):.3f}" for mode in modes[1:])
+        + f"; verifying the newest checkpoint on load: {verify * 1e3:.0f} ms"
+    )
     if args.json:
         figures = [
             {
@@ -182,6 +230,29 @@ def main() -> None:
             }
             for mode in modes[1:]
         ]
+        figures += [
+            {
+                "figure": f"durable per save with manifest checksums vs without, {mode}",
+                "hookloop": med(mode, "durable") * 1e3,
+                "reference": (med(mode, "durable") - med(mode, "exposed")) * 1e3,
+                "ratio": durable_ratio(mode),
+                "target": "<= 1.1",
+                "met": durable_ratio(mode) <= 1.1,
+                "unit": "ms",
+            }
+            for mode in modes[1:]
+        ]
+        figures.append(
+            {
+                "figure": f"verify the newest checkpoint against its manifest on load ({mb:.0f} MB)",
+                "hookloop": verify * 1e3,
+                "reference": None,
+                "ratio": None,
+                "target": None,
+                "met": None,
+                "unit": "ms",
+            }
+        )
         notes = (
             "On 2 cores the background writer competes with training for the same cores and memory "
             "bandwidth: that, not the engine, bounds the throughput with saves."

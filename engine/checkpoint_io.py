@@ -24,11 +24,12 @@ Integrity: ``.complete`` is JSON and carries a manifest of every file of the che
                             "__1_0.distcp":    {...,                                   "rank": 1},
                             "rank_00000.json": {...}, "rank_00001.json": {...}}}}
 
-Each rank checksums the files it wrote on a background thread once its write is durable; rank 0
-collects the entries and writes the marker. A loader verifies the manifest (sizes, then CRC-32 of
-every listed file; files it does not list are ignored) before it reads anything else, and treats a
-checkpoint whose marker has no manifest (written by an earlier version) as unverified. DCP stores no
-checksum of its own: without this, flipped bytes inside a tensor load silently.
+Each rank checksums the files it wrote while it makes them durable (:class:`RecordingWriter`, on
+DCP's writer thread for an async save); rank 0 collects the entries and writes the marker. A loader
+verifies the manifest (sizes, then CRC-32 of every listed file; files it does not list are ignored)
+before it reads anything else, and treats a checkpoint whose marker has no manifest (written by an
+earlier version) as unverified. DCP stores no checksum of its own: without this, flipped bytes
+inside a tensor load silently.
 
 Nothing here unpickles arbitrary objects: DCP's ``.metadata`` is checked against the manifest and
 then read with an unpickler that resolves only an exact list of DCP's metadata classes and a few
@@ -42,12 +43,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import mmap
 import os
 import pathlib
 import pickle
 import random
 import re
 import stat
+import threading
+import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -77,6 +81,7 @@ __all__ = [
     "encode",
     "file_checksum",
     "fsync_dir",
+    "fsync_file",
     "is_complete",
     "load_metadata",
     "make_manifest",
@@ -134,6 +139,15 @@ def complete_checkpoints(directory: str | os.PathLike) -> tuple[list[tuple[int, 
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Make the contents of the (closed) file at ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -293,21 +307,37 @@ CHECKSUM_ALGORITHM = "crc32"
 _READ_CHUNK = 4 << 20
 
 
-def file_checksum(path: str | os.PathLike) -> tuple[int, str]:
-    """``(size, crc32 as 8 hex digits)`` of the regular file at ``path``, read in 4 MiB chunks.
+def file_checksum(path: str | os.PathLike, mapped: bool = False) -> tuple[int, str]:
+    """``(size, crc32 as 8 hex digits)`` of the regular file at ``path``.
 
     CRC-32 (``zlib.crc32``) runs at several GB/s here and releases the GIL on large buffers, so the
-    background thread that computes it barely touches training. It detects accidental damage (flipped
-    or lost bytes, truncation); it is no defence against someone who can rewrite the checkpoint (they
-    could rewrite the manifest too): that is the job of the unpickling allowlist below."""
-    crc, size = 0, 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
+    background thread that computes it barely touches training. It detects accidental damage
+    (flipped or lost bytes, truncation); it is no defence against someone who can rewrite the
+    checkpoint (they could rewrite the manifest too): that is the job of the unpickling allowlist.
+
+    ``mapped``: read through ``mmap`` (no copy out of the page cache: 6 GB/s against 4.7 GB/s with
+    ``readinto`` for 200 MB on this machine). Only for files this process just wrote and nobody
+    truncates: a file truncated under a mapping kills the reader with SIGBUS, so verifying a
+    checkpoint on load reads in chunks."""
     with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if mapped and size:
+            try:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    view = memoryview(mapped)
+                    try:
+                        return len(view), f"{zlib.crc32(view):08x}"
+                    finally:
+                        view.release()
+            except (OSError, ValueError):  # a file system without mmap: read it in chunks
+                pass
+        crc, size = 0, 0
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
             size += n
-    return size, f"{crc:08x}"
+        return size, f"{crc:08x}"
 
 
 def checksum_files(
@@ -316,7 +346,7 @@ def checksum_files(
     """Manifest entries ``{name: {"size", "checksum", "rank"}}`` for files ``rank`` wrote in ``directory``."""
     entries = {}
     for name in sorted(set(names)):
-        size, checksum = file_checksum(os.path.join(directory, name))
+        size, checksum = file_checksum(os.path.join(directory, name), mapped=True)
         entries[name] = {"size": size, "checksum": checksum, "rank": rank}
     return entries
 
@@ -420,27 +450,63 @@ def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 
 
 # ------------------------------------------------------------------------------- safe DCP writing
 class RecordingWriter(_FileSystemWriter):
-    """DCP's file writer (same defaults as ``dcp.save`` picks for a path) that remembers the files
-    this rank wrote: its data files and, on the coordinator, ``.metadata``. The checkpointer
-    checksums exactly these files once the write is durable.
+    """DCP's file writer that also produces this rank's manifest entries.
+
+    Once DCP has written and closed this rank's data files (and, on the coordinator, ``.metadata``),
+    the writer makes them durable itself: it fsyncs each file and the directory while a helper
+    thread checksums the same files, so the checksum costs the write only what it takes beyond the
+    fsync (at ~6 GB/s it usually takes less). DCP's own fsync is off (``sync_files=False``): it
+    syncs before the last buffered bytes are flushed, this one after the file is closed. All of it
+    runs where DCP writes: on its background thread for an async save. ``entries`` then holds
+    ``{name: {"size", "checksum", "rank"}}``; ``timings`` how long the checksums took and how much
+    of that the write waited for beyond its fsyncs.
 
     It derives from DCP's plain writer, not from ``FileSystemWriter``, on purpose: that one is also an
     ``AsyncStager``, and ``async_save`` would then stage through it instead of the stager it uses
     for a bare path, which would change how (and how fast) async saves copy the state."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self.written: list[str] = []
+    def __init__(self, path: str | os.PathLike, rank: int = 0) -> None:
+        super().__init__(path, sync_files=False)
+        self.writer_rank = rank
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.timings = {"checksum": 0.0, "exposed": 0.0}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        self.written += [result.storage_data.relative_path for result in future.wait()]
+        self._make_durable(sorted({result.storage_data.relative_path for result in future.wait()}))
         return future
 
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
         rank = self.rank if (self.rank is not None and not self.use_collectives) else None
-        self.written.append(os.path.basename(self._get_metadata_path(rank)))
+        self._make_durable([os.path.basename(self._get_metadata_path(rank))])
+
+    def _make_durable(self, names: list[str]) -> None:
+        directory = os.fspath(self.path)
+        outcome: dict[str, Any] = {}
+
+        def checksum() -> None:
+            start = time.perf_counter()
+            try:
+                outcome["entries"] = checksum_files(directory, names, self.writer_rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the writing thread below
+                outcome["error"] = e
+            outcome["seconds"] = time.perf_counter() - start
+
+        helper = threading.Thread(target=checksum, name="hookloop-checkpoint-checksum", daemon=True)
+        helper.start()
+        try:
+            for name in names:
+                fsync_file(os.path.join(directory, name))
+            fsync_dir(directory)
+        finally:
+            synced = time.perf_counter()
+            helper.join()
+            self.timings["exposed"] += time.perf_counter() - synced
+        if "error" in outcome:
+            raise outcome["error"]
+        self.entries.update(outcome["entries"])
+        self.timings["checksum"] += outcome["seconds"]
 
 
 # ------------------------------------------------------------------------------- safe DCP reading

@@ -13,23 +13,22 @@ not saved yet; never twice for one step. The decision is agreed across ranks.
 
 Modes (``mode=``):
 
-* ``"sync"``: ``dcp.save``; training waits for the whole write (not for its checksums: the save is
-  published at the next STEP_END, or by ``wait()``, like an async one).
+* ``"sync"``: ``dcp.save``; training waits for the whole write.
 * ``"async"``: ``dcp.async_save`` on its own gloo process group; training waits while the state is
   copied to host memory, then the write runs on a background thread.
 * ``"async_staged"``: the copy to host memory (pinned with CUDA) also runs in the background;
   training waits for it only right before the next ``optimizer.step`` (parameters must not change
   mid-copy) or the next save.
 
-Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable and
-checksummed: once its write is durable, each rank checksums the files it wrote on a background
-thread; the next STEP_END polls that, the ranks agree "all done" with one small all-reduce, rank 0
-gathers the ranks' checksums and writes the completion marker with the manifest of every file,
-renames the directory to ``step_N`` and moves ``latest``; then ``Events.CHECKPOINT_SAVED(step,
-path)`` fires. ``wait()`` drains the save in flight; it runs at TRAIN_END and on the exception path.
-On the exception path (and after a failure exit code) it only waits locally, with a timeout, and
-starts no collective, since a peer may be gone: with several ranks that save stays an incomplete
-``.partial`` directory which resume ignores.
+Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable: each
+rank's DCP writer checksums the files it wrote while it fsyncs them (on DCP's background thread for
+an async save), the next STEP_END polls the write, the ranks agree "all done" with one small
+all-reduce, rank 0 gathers the ranks' checksums and writes the completion marker with the manifest
+of every file, renames the directory to ``step_N`` and moves ``latest``; then
+``Events.CHECKPOINT_SAVED(step, path)`` fires. ``wait()`` drains the save in flight; it runs at
+TRAIN_END and on the exception path. On the exception path (and after a failure exit code) it only
+waits locally, with a timeout, and starts no collective, since a peer may be gone: with several
+ranks that save stays an incomplete ``.partial`` directory which resume ignores.
 
 Loading (resume, rollback, ``finetune_from``) first verifies the chosen checkpoint against its
 manifest, every rank checking a share of the files; a damaged checkpoint is named in a warning and
@@ -43,11 +42,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -93,11 +91,22 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _Save:
-    """One save in flight: where it goes and the futures that tell when it is staged/durable."""
+    """One save in flight: where it goes, the futures that tell when it is staged/durable, and this
+    rank's manifest entries (its state JSON's here, its DCP files' in ``writer.entries`` once done)."""
 
-    def __init__(self, step: int, partial: str, final: str, done: Future, staged: Future | None) -> None:
+    def __init__(
+        self,
+        step: int,
+        partial: str,
+        final: str,
+        done: Future,
+        staged: Future | None,
+        writer: io.RecordingWriter | None = None,
+        entries: dict[str, Any] | None = None,
+    ) -> None:
         self.step, self.partial, self.final = step, partial, final
         self.done, self.staged = done, staged
+        self.writer, self.entries = writer, dict(entries or {})
 
 
 def _done_future() -> Future:
@@ -337,6 +346,7 @@ class AsyncCheckpointer:
         try:
             os.makedirs(partial, exist_ok=True)
             io.write_json_atomic(os.path.join(partial, own_state), extra)
+            entries = io.checksum_files(partial, [own_state], _rank())  # tens of kB
         except OSError as e:
             raise CheckpointError(
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
@@ -344,7 +354,7 @@ class AsyncCheckpointer:
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
         state_dict = {"model": model_sd, "optim": optim_sd}
-        writer = io.RecordingWriter(partial)
+        writer = io.RecordingWriter(partial, _rank())  # checksums the DCP files as it makes them durable
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,
             "storage_writer": writer,
@@ -356,42 +366,23 @@ class AsyncCheckpointer:
             with _quiet_single_process():
                 if self.mode == "sync":
                     dcp.save(state_dict, **kwargs)
-                    written = _done_future()
+                    done = _done_future()
                 elif self.mode == "async":
-                    written = dcp.async_save(state_dict, **kwargs)
+                    done = dcp.async_save(state_dict, **kwargs)
                 else:
                     response = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
-                    staged, written = response.staging_completion, response.upload_completion
+                    staged, done = response.staging_completion, response.upload_completion
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {_last_line(e)}; free space or fix permissions of "
                 f"checkpoint.directory ({self.directory}); the previous complete checkpoint and `latest` "
                 "are unchanged"
             ) from e
-        done = self._checksum_when_written(written, partial, lambda: [own_state, *writer.written])
-        self._inflight = _Save(step, partial, os.path.join(self.directory, name), done, staged)
+        final = os.path.join(self.directory, name)
+        self._inflight = _Save(step, partial, final, done, staged, writer=writer, entries=entries)
         self.last_saved_step = step
-
-    def _checksum_when_written(self, written: Future, partial: str, files: Callable[[], list[str]]) -> Future:
-        """A future of this rank's manifest entries. A background thread waits until this rank's
-        write is durable, then checksums the files it wrote (``files()``: its state JSON, its DCP
-        data files and, on the coordinator, ``.metadata``); the training thread never reads them.
-        In sync mode too: the write itself blocks training, its checksums do not, and the save is
-        published (marker, ``latest``) at the next step's end, like an async one."""
-        rank = _rank()
-        done: Future = Future()
-
-        def checksum() -> None:
-            try:
-                written.result()
-                entries = io.checksum_files(partial, files(), rank)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
-                done.set_exception(e)
-            else:
-                done.set_result(entries)
-
-        threading.Thread(target=checksum, name="hookloop-checkpoint-checksum", daemon=True).start()
-        return done
+        if self.mode == "sync":
+            self._finish(wait=False)
 
     def _rank_state(self, step: int) -> dict[str, Any]:
         trainer, state = self.trainer, self.trainer.state
@@ -428,12 +419,13 @@ class AsyncCheckpointer:
         return self._stager
 
     def _finish(self, wait: bool) -> None:
-        """Publish the save in flight once every rank's write is durable and checksummed (collective)."""
+        """Publish the save in flight once every rank's write is durable (collective)."""
         save, self._inflight = self._inflight, None
         error: BaseException | None = None
         entries: dict[str, Any] = {}
         try:  # without ``wait`` every rank reported its save done: no waiting here
-            entries = save.done.result(timeout=self.wait_timeout_s if wait else 0)
+            save.done.result(timeout=self.wait_timeout_s if wait else 0)
+            entries = {**save.entries, **(save.writer.entries if save.writer is not None else {})}
         except FutureTimeout:
             error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
