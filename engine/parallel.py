@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, HookloopError
 
 __all__ = [
     "DistInfo",
@@ -195,7 +195,7 @@ _PEER_FAILURE_MARKS = (
 
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` is a collective failing because another rank is gone or hung."""
-    if world_size() == 1 or not isinstance(error, RuntimeError):
+    if world_size() == 1 or not isinstance(error, RuntimeError) or isinstance(error, HookloopError):
         return False
     backend_error = getattr(dist, "DistBackendError", ())
     network_error = getattr(dist, "DistNetworkError", ())

@@ -564,6 +564,7 @@ class Trainer(IgniteAdapter):
             model.train()
         n = len(microbatches)
         fire_microbatch = self.events.any_for(Events.MICROBATCH)
+        watchdog = self.watchdog
         ddp = hasattr(model, "no_sync")
         fsdp = hasattr(model, "set_requires_gradient_sync")
         loss_sum: Any = 0.0
@@ -586,6 +587,8 @@ class Trainer(IgniteAdapter):
                 if not inputs.is_floating_point():
                     tokens += inputs.numel()
             state.microbatch = i
+            if watchdog is not None:
+                watchdog.feed()
             if fire_microbatch:
                 state.microbatch_loss = float(loss)
                 state.microbatch_output, state.microbatch_targets = output, targets
@@ -681,6 +684,8 @@ class Trainer(IgniteAdapter):
         return self._evaluator
 
     def _eval_step(self, engine: Engine, microbatch: Any) -> tuple[Any, Any]:
+        if self.watchdog is not None:
+            self.watchdog.feed()
         inputs, targets = self.prepare_batch(microbatch, self.device)
         output = self.model(inputs)
         engine.state.loss_total += self.loss_fn(output, targets).detach().double().cpu()

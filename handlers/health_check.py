@@ -105,6 +105,10 @@ class HealthCheck(Handler):
         # MetricsTracker's reduction, validation and the checkpointer, whose collectives would block
         # on a dead peer.
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.HEALTH)
+        # A hang inside a step (a peer stopped mid-collective) is bounded by the same timeout: the
+        # trainer's watchdog exits 77 when the loop makes no progress for that long.
+        if getattr(trainer, "watchdog", None) is not None:
+            trainer.watchdog.set_bound("health_check", self.timeout_s)
         return super().attach(trainer)
 
     def _on_step_end(self) -> None:

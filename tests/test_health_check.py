@@ -71,9 +71,11 @@ def test_hung_peer_ends_the_run_with_exit_code_77():
     assert res0["state_exit_code"] == ExitCode.HEALTH_CHECK_FAILED
     assert res0["exception_handlers"] == ["HealthCheckError"], "the exception path ran once"
     assert "health check at step 3 failed on rank 0" in err0, "the failure is logged"
-    # the sleeper wakes up to a dead peer: its own probe fails and it exits too, without hanging
+    # the sleeper makes no progress for longer than the health timeout: its own watchdog ends it
+    # with 77 (or, waking first, its probe fails against the dead peer); it never hangs
     assert code1 == ExitCode.HEALTH_CHECK_FAILED, err1
-    assert res1["step"] == 3
+    assert res1.get("step", 3) == 3
+    assert res1 or "no progress" in err1
 
 
 def test_single_process_probe_is_a_no_op():
@@ -99,7 +101,7 @@ def test_bad_arguments(kwargs, field):
 
 
 def test_from_config():
-    from engine.config import HealthConfig
+    from handlers.health_check import HealthConfig
 
     health = HealthCheck.from_config(HealthConfig(enabled=True, every_steps=7, timeout_s=5))
     assert (health.every_steps, health.timeout_s) == (7, 5.0)
