@@ -4,7 +4,8 @@ bodies, parallelism set-up, learning-rate schedules and configuration.
 Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
 """
 
-from engine.config import HookloopConfig, load_config, validate_config
+from engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from engine.config import load_config, validate_sections
 from engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from engine.errors import ConfigError, HookloopError, TrainingAborted
 from engine.events import Events, StepEvents
@@ -28,7 +29,6 @@ __all__ = [
     "MixtureSampler",
     "TokenDataset",
     "ExitCode",
-    "HookloopConfig",
     "HookloopError",
     "StepEvents",
     "TrainState",
@@ -38,11 +38,24 @@ __all__ = [
     "available_schedules",
     "build_lr_scheduler",
     "build_pipeline",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_str",
     "default_prepare_batch",
     "init_distributed",
     "load_config",
     "prepare_tokens",
     "lr_at",
-    "validate_config",
+    "validate_sections",
     "wrap_data_parallel",
 ]
+
+
+def __getattr__(name: str):
+    # HookloopConfig and validate_config moved to handlers (RunConfig, validate_run_config): the
+    # shim resolves them lazily with a DeprecationWarning, so importing engine never imports handlers.
+    import importlib
+
+    return importlib.import_module("engine._deprecated").resolve(__name__, name)

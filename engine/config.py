@@ -1,75 +1,51 @@
-"""Run configuration: plain dataclasses, one section per concern.
+"""Run configuration: the loader, and the engine's own sections.
 
-Loaded from YAML or TOML, with dotted command-line overrides (``step_scheduler.max_steps=100``),
-merged onto the dataclass defaults with OmegaConf, then validated as a whole by
-:func:`validate_config` before any process group or model is built. Every error is a
-:class:`~engine.errors.ConfigError` whose ``field`` is the dotted key at fault.
+A run config is a dataclass whose fields are *sections*, each a dataclass with a
+``validate(prefix)`` method holding the only copy of its rules. The engine's sections live here
+(``train``, ``optimizer``, ``lr``, ``distributed``, ``pipeline``) and in :mod:`engine.data.config`
+(``data``); each handler's section lives beside the handler, and :class:`handlers.RunConfig`
+composes them all (a user's handler adds its own section with :func:`handlers.compose_config`).
 
-Sections: ``model`` (free-form, for the model builder), ``train``, ``optimizer``, ``lr``,
-``distributed``, ``pipeline``, ``step_scheduler``, ``checkpoint``, ``nan``, ``data``,
-``logging``, ``metrics``, ``profiling``, ``health``, ``straggler``.
+:func:`load_config` reads YAML or TOML, applies dotted command-line overrides
+(``step_scheduler.max_steps=100``), merges them onto the schema's defaults with OmegaConf, then
+validates the whole config (:func:`validate_sections`) before any process group or model is built.
+Every error is a :class:`~engine.errors.ConfigError` whose ``field`` is the dotted key at fault.
+
+This module never imports ``handlers``: the old names that moved there (``HookloopConfig``,
+``StepSchedulerConfig``, ...) still resolve, with a ``DeprecationWarning``, through
+:mod:`engine._deprecated`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
+from engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from engine.data.config import DataConfig, PhaseConfig
 from engine.errors import ConfigError
 from engine.lr import DECAY_STYLES, WSD_DECAY_STYLES
 
 __all__ = [
-    "CheckpointConfig",
     "DataConfig",
     "DistributedConfig",
-    "HealthConfig",
-    "HookloopConfig",
-    "LoggingConfig",
     "LRConfig",
-    "MetricsConfig",
-    "NaNConfig",
     "OptimizerConfig",
     "PhaseConfig",
     "PipelineSection",
-    "ProfilingConfig",
-    "StepSchedulerConfig",
-    "StragglerConfig",
     "TrainConfig",
     "load_config",
-    "validate_config",
+    "validate_sections",
 ]
 
-# OmegaConf resolves annotations at run time, so sections spell Optional/Dict/List the old way.
+# OmegaConf resolves annotations at run time, so sections spell Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        what = "a non-negative" if allow_zero else "a positive"
-        extra = " or null" if allow_none else ""
-        raise ConfigError(name, f"must be {what} integer{extra}, got {value!r}")
-
-
-def _positive_float(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ConfigError(
-            name, f"must be a positive finite number{' or null' if allow_none else ''}, got {value!r}"
-        )
-
-
-def _one_of(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
-        raise ConfigError(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 @dataclass
@@ -85,13 +61,16 @@ class TrainConfig:
     run_dir: str = "runs/default"
     device: Optional[str] = None
 
-    def validate(self, p: str = "train") -> None:
-        _positive_int(f"{p}.local_batch_size", self.local_batch_size)
-        _positive_int(f"{p}.seq_len", self.seq_len)
-        _positive_float(f"{p}.grad_clip_norm", self.grad_clip_norm, allow_none=True)
-        _positive_int(f"{p}.num_threads", self.num_threads, allow_none=True)
-        if not self.run_dir:
-            raise ConfigError(f"{p}.run_dir", "must be a directory path, got an empty string")
+    def validate(self, prefix: str = "train") -> None:
+        p = prefix
+        check_int(f"{p}.seed", self.seed, low=0)
+        check_int(f"{p}.local_batch_size", self.local_batch_size, hint="samples per microbatch on one rank")
+        check_int(f"{p}.seq_len", self.seq_len)
+        check_number(f"{p}.grad_clip_norm", self.grad_clip_norm, positive=True, allow_none=True)
+        check_bool(f"{p}.deterministic", self.deterministic)
+        check_int(f"{p}.num_threads", self.num_threads, allow_none=True)
+        check_str(f"{p}.run_dir", self.run_dir, what="a directory path")
+        check_str(f"{p}.device", self.device, allow_none=True, what="a device name such as 'cpu' or 'cuda'")
 
 
 @dataclass
@@ -103,14 +82,17 @@ class OptimizerConfig:
     eps: float = 1e-8
     momentum: float = 0.9
 
-    def validate(self, p: str = "optimizer") -> None:
-        _one_of(f"{p}.name", self.name, ("adamw", "adam", "sgd"))
-        _positive_float(f"{p}.lr", self.lr)
-        if self.weight_decay < 0:
-            raise ConfigError(f"{p}.weight_decay", f"must be >= 0, got {self.weight_decay!r}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"{p}.betas", f"must be two numbers in [0, 1), got {list(self.betas)!r}")
-        _positive_float(f"{p}.eps", self.eps)
+    def validate(self, prefix: str = "optimizer") -> None:
+        p = prefix
+        check_choice(f"{p}.name", self.name, ("adamw", "adam", "sgd"))
+        check_number(f"{p}.lr", self.lr, positive=True)
+        check_number(f"{p}.weight_decay", self.weight_decay, low=0)
+        if not isinstance(self.betas, Sequence) or isinstance(self.betas, str) or len(self.betas) != 2:
+            raise ConfigError(f"{p}.betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        for b in self.betas:
+            check_number(f"{p}.betas", b, low=0, below=1, hint="two numbers, e.g. [0.9, 0.95]")
+        check_number(f"{p}.eps", self.eps, positive=True)
+        check_number(f"{p}.momentum", self.momentum, low=0)
 
 
 @dataclass
@@ -125,17 +107,20 @@ class LRConfig:
     wsd_decay_steps: Optional[int] = None
     wsd_decay_style: str = "exponential"
 
-    def validate(self, p: str = "lr") -> None:
-        _positive_int(f"{p}.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive_int(f"{p}.decay_steps", self.decay_steps, allow_none=True)
-        _one_of(f"{p}.decay_style", self.decay_style, DECAY_STYLES)
-        _one_of(f"{p}.wsd_decay_style", self.wsd_decay_style, WSD_DECAY_STYLES)
-        if self.min_lr < 0:
-            raise ConfigError(f"{p}.min_lr", f"must be >= 0, got {self.min_lr!r}")
-        if self.warmup_init < 0:
-            raise ConfigError(f"{p}.warmup_init", f"must be >= 0, got {self.warmup_init!r}")
-        if self.decay_style == "WSD":
-            _positive_int(f"{p}.wsd_decay_steps", self.wsd_decay_steps)
+    def validate(self, prefix: str = "lr") -> None:
+        p = prefix
+        check_int(f"{p}.warmup_steps", self.warmup_steps, low=0)
+        check_int(f"{p}.decay_steps", self.decay_steps, allow_none=True)
+        check_choice(f"{p}.decay_style", self.decay_style, DECAY_STYLES)
+        check_choice(f"{p}.wsd_decay_style", self.wsd_decay_style, WSD_DECAY_STYLES)
+        check_number(f"{p}.min_lr", self.min_lr, low=0)
+        check_number(f"{p}.warmup_init", self.warmup_init, low=0)
+        check_int(
+            f"{p}.wsd_decay_steps",
+            self.wsd_decay_steps,
+            allow_none=self.decay_style != "WSD",
+            hint="needed for decay_style=WSD",
+        )
 
 
 @dataclass
@@ -145,12 +130,12 @@ class DistributedConfig:
     pp_size: int = 1
     timeout_s: float = 600.0
 
-    def validate(self, p: str = "distributed") -> None:
-        if self.backend is not None:
-            _one_of(f"{p}.backend", self.backend, ("gloo", "nccl"))
-        _one_of(f"{p}.dp_mode", self.dp_mode, ("ddp", "fsdp", "none"))
-        _positive_int(f"{p}.pp_size", self.pp_size)
-        _positive_float(f"{p}.timeout_s", self.timeout_s)
+    def validate(self, prefix: str = "distributed") -> None:
+        p = prefix
+        check_choice(f"{p}.backend", self.backend, ("gloo", "nccl"), allow_none=True)
+        check_choice(f"{p}.dp_mode", self.dp_mode, ("ddp", "fsdp", "none"))
+        check_int(f"{p}.pp_size", self.pp_size)
+        check_number(f"{p}.timeout_s", self.timeout_s, positive=True)
 
 
 @dataclass
@@ -171,272 +156,23 @@ class PipelineSection:
     scale_grads_in_schedule: bool = False
     pp_seq_len: Optional[int] = None
 
-    def validate(self, p: str = "pipeline", pp_size: Optional[int] = None) -> None:
-        """Checked by :class:`engine.pipeline.PipelineConfig`; the schedule name or CSV file only
-        when ``pp_size > 1`` (looking it up imports torch's pipelining, about two seconds)."""
+    def validate(self, prefix: str = "pipeline", pp_size: Optional[int] = None) -> None:
+        """The rules are :meth:`engine.pipeline.PipelineConfig.validate`'s (the one copy). The
+        schedule name or CSV file is checked only with ``pp_size > 1`` and both batch sizes known
+        (looking a schedule up imports torch's pipelining, about two seconds)."""
         from engine.pipeline.config import PipelineConfig
 
-        unset: dict = {}  # null batch sizes are filled in by validate_config; stand-ins that divide
+        # Null batch sizes are filled in by the run config's cross-section check; until then they
+        # are stand-ins that pass (the other rules do not depend on them).
+        for name in ("pp_microbatch_size", "pp_batch_size"):
+            check_int(f"{prefix}.{name}", getattr(self, name), allow_none=True)
+        unset: dict[str, int] = {}
         if self.pp_microbatch_size is None:
             unset["pp_microbatch_size"] = 1
         if self.pp_batch_size is None:
             unset["pp_batch_size"] = self.pp_microbatch_size or 1
         pipe = PipelineConfig.from_section(self, **unset)
-        pipe.validate(p, pp_size=pp_size if pp_size and pp_size > 1 and not unset else None)
-
-
-@dataclass
-class StepSchedulerConfig:
-    """When things happen; see :class:`handlers.StepScheduler` for the semantics."""
-
-    global_batch_size: int = 32
-    num_epochs: Optional[int] = 10
-    max_steps: Optional[int] = None
-    ckpt_every_steps: Optional[int] = 100
-    save_checkpoint_every_epoch: bool = True
-    val_every_steps: Optional[int] = None
-    log_remote_every_steps: int = 1
-    loss_average_window_steps: int = 50
-    gc_every_steps: Optional[int] = None
-    start_step: int = 0
-    start_epoch: int = 0
-    exit_duration_in_mins: Optional[float] = None
-    exit_interval: Optional[int] = None
-    stop_signals: List[str] = field(default_factory=lambda: ["SIGTERM"])
-
-    def validate(self, p: str = "step_scheduler") -> None:
-        _positive_int(f"{p}.global_batch_size", self.global_batch_size)
-        _positive_int(f"{p}.num_epochs", self.num_epochs, allow_none=True)
-        _positive_int(f"{p}.max_steps", self.max_steps, allow_none=True)
-        _positive_int(f"{p}.ckpt_every_steps", self.ckpt_every_steps, allow_none=True)
-        _positive_int(f"{p}.val_every_steps", self.val_every_steps, allow_none=True)
-        _positive_int(f"{p}.log_remote_every_steps", self.log_remote_every_steps)
-        _positive_int(f"{p}.loss_average_window_steps", self.loss_average_window_steps)
-        _positive_int(f"{p}.gc_every_steps", self.gc_every_steps, allow_none=True)
-        _positive_int(f"{p}.start_step", self.start_step, allow_zero=True)
-        _positive_int(f"{p}.start_epoch", self.start_epoch, allow_zero=True)
-        _positive_float(f"{p}.exit_duration_in_mins", self.exit_duration_in_mins, allow_none=True)
-        _positive_int(f"{p}.exit_interval", self.exit_interval, allow_none=True)
-        for sig in self.stop_signals:
-            _one_of(f"{p}.stop_signals", sig, ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"))
-
-    def build(self, dataloader: Any, dp_group_size: int, local_batch_size: int) -> Any:
-        """The :class:`handlers.StepScheduler` these settings describe."""
-        from handlers.step_scheduler import StepScheduler
-
-        kwargs = dataclasses.asdict(self)
-        return StepScheduler(
-            local_batch_size=local_batch_size, dp_size=dp_group_size, dataloader=dataloader, **kwargs
-        )
-
-
-@dataclass
-class CheckpointConfig:
-    enabled: bool = True
-    directory: Optional[str] = None
-    every_steps: Optional[int] = None
-    keep_last: int = 3
-    mode: str = "async"
-    resume: Optional[str] = "auto"
-    load_optimizer: bool = True
-    finetune_from: Optional[str] = None
-
-    def validate(self, p: str = "checkpoint") -> None:
-        _positive_int(f"{p}.every_steps", self.every_steps, allow_none=True)
-        _positive_int(f"{p}.keep_last", self.keep_last)
-        _one_of(f"{p}.mode", self.mode, ("sync", "async", "async_staged"))
-        if self.finetune_from is not None and self.resume not in (None, "auto"):
-            raise ConfigError(
-                f"{p}.finetune_from", "cannot be combined with an explicit checkpoint.resume path"
-            )
-
-
-@dataclass
-class NaNConfig:
-    enabled: bool = True
-    max_consecutive: int = 5
-    check_grad_norm: bool = True
-    action: str = "rollback"
-    max_rollbacks: int = 3
-    skip_data_on_rollback: bool = True
-    spike_factor: Optional[float] = None
-    spike_window: int = 100
-
-    def validate(self, p: str = "nan") -> None:
-        _positive_int(f"{p}.max_consecutive", self.max_consecutive)
-        _one_of(f"{p}.action", self.action, ("warn", "raise", "rollback"))
-        _positive_int(f"{p}.max_rollbacks", self.max_rollbacks, allow_zero=True)
-        if self.spike_factor is not None and not self.spike_factor > 1:
-            raise ConfigError(
-                f"{p}.spike_factor", f"must be > 1 (a multiple of the median loss), got {self.spike_factor!r}"
-            )
-        _positive_int(f"{p}.spike_window", self.spike_window)
-
-
-@dataclass
-class PhaseConfig:
-    start_step: int = 0
-    dataset_weights: Dict[str, float] = field(default_factory=dict)
-    lr_scale: float = 1.0
-
-
-@dataclass
-class DataConfig:
-    """Named datasets (a token file path, or ``stdlib_docs`` / ``stdlib_source``), their mixture
-    weights, and an optional phase curriculum."""
-
-    datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
-    weights: Dict[str, float] = field(default_factory=dict)
-    mix_temperature: float = 1.0
-    phases: List[PhaseConfig] = field(default_factory=list)
-    cache_dir: str = "data"
-    val_fraction: float = 0.02
-    num_workers: int = 0
-
-    def validate(self, p: str = "data") -> None:
-        if not self.datasets:
-            raise ConfigError(f"{p}.datasets", "must name at least one dataset")
-        names = set(self.datasets)
-        for name in self.weights:
-            if name not in names:
-                raise ConfigError(
-                    f"{p}.weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}"
-                )
-        for name, w in self.weights.items():
-            if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                raise ConfigError(f"{p}.weights.{name}", f"must be a finite number >= 0, got {w!r}")
-        if self.weights and sum(self.weights.get(n, 1.0) for n in names) <= 0:
-            raise ConfigError(
-                f"{p}.weights", "all weights are zero: give at least one dataset a positive weight"
-            )
-        _positive_float(f"{p}.mix_temperature", self.mix_temperature)
-        last = -1
-        for i, phase in enumerate(self.phases):
-            q = f"{p}.phases[{i}]"
-            _positive_int(f"{q}.start_step", phase.start_step, allow_zero=True)
-            if phase.start_step <= last:
-                raise ConfigError(
-                    f"{q}.start_step",
-                    f"must be larger than the previous phase's ({last}): phases are ordered",
-                )
-            last = phase.start_step
-            for name, w in phase.dataset_weights.items():
-                if name not in names:
-                    raise ConfigError(
-                        f"{q}.dataset_weights.{name}", f"unknown dataset; known: {', '.join(sorted(names))}"
-                    )
-                if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                    raise ConfigError(
-                        f"{q}.dataset_weights.{name}", f"must be a finite number >= 0, got {w!r}"
-                    )
-            _positive_float(f"{q}.lr_scale", phase.lr_scale)
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"{p}.val_fraction", f"must be in [0, 1), got {self.val_fraction!r}")
-        _positive_int(f"{p}.num_workers", self.num_workers, allow_zero=True)
-
-
-@dataclass
-class LoggingConfig:
-    """Metric publication cadence and the loggers to attach (see ``docs/observability.md``).
-
-    ``wandb_every_steps`` None: W&B follows ``step_scheduler.log_remote_every_steps``.
-    ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
-    """
-
-    log_interval: int = 10
-    jsonl: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "hookloop"
-    wandb_mode: Optional[str] = None
-    wandb_every_steps: Optional[int] = None
-    console: bool = True
-    progress_bar: Optional[bool] = None
-
-    def validate(self, p: str = "logging") -> None:
-        _positive_int(f"{p}.log_interval", self.log_interval)
-        if self.wandb_mode is not None:
-            _one_of(f"{p}.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
-        _positive_int(f"{p}.wandb_every_steps", self.wandb_every_steps, allow_none=True)
-
-
-@dataclass
-class MetricsConfig:
-    flops_per_token: Optional[float] = None
-    peak_flops_per_device: Optional[float] = None
-
-    def validate(self, p: str = "metrics") -> None:
-        _positive_float(f"{p}.flops_per_token", self.flops_per_token, allow_none=True)
-        _positive_float(f"{p}.peak_flops_per_device", self.peak_flops_per_device, allow_none=True)
-
-
-@dataclass
-class ProfilingConfig:
-    enabled: bool = False
-    start_step: int = 5
-    end_step: int = 8
-    ranks: List[int] = field(default_factory=lambda: [0])
-    output_dir: Optional[str] = None
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-
-    def validate(self, p: str = "profiling") -> None:
-        _positive_int(f"{p}.start_step", self.start_step)
-        for r in self.ranks:
-            _positive_int(f"{p}.ranks", r, allow_zero=True)
-        if self.end_step <= self.start_step:
-            raise ConfigError(
-                f"{p}.end_step", f"must be larger than start_step ({self.start_step}), got {self.end_step}"
-            )
-
-
-@dataclass
-class HealthConfig:
-    enabled: bool = False
-    every_steps: int = 100
-    timeout_s: float = 60.0
-
-    def validate(self, p: str = "health") -> None:
-        _positive_int(f"{p}.every_steps", self.every_steps)
-        _positive_float(f"{p}.timeout_s", self.timeout_s)
-
-
-@dataclass
-class StragglerConfig:
-    enabled: bool = False
-    every_steps: int = 100
-    stop_threshold: Optional[float] = None
-
-    def validate(self, p: str = "straggler") -> None:
-        _positive_int(f"{p}.every_steps", self.every_steps)
-        if self.stop_threshold is not None and not self.stop_threshold > 1:
-            raise ConfigError(
-                f"{p}.stop_threshold",
-                f"must be > 1 (slowest / median step time), got {self.stop_threshold!r}",
-            )
-
-
-@dataclass
-class HookloopConfig:
-    model: Dict[str, Any] = field(default_factory=dict)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr: LRConfig = field(default_factory=LRConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    pipeline: PipelineSection = field(default_factory=PipelineSection)
-    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    nan: NaNConfig = field(default_factory=NaNConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        pipe.validate(prefix, pp_size=pp_size if pp_size and pp_size > 1 and not unset else None)
 
 
 # Keys users reach for that live in another section.
@@ -450,74 +186,27 @@ _MOVED = {
 }
 
 
-def validate_config(cfg: HookloopConfig, world_size: int | None = None) -> HookloopConfig:
-    """Check every section and the relations between them; raise :class:`ConfigError`.
+def validate_sections(cfg: Any, world_size: int | None = None) -> Any:
+    """Validate a loaded config dataclass as a whole and return it; raise :class:`ConfigError`.
 
-    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun), so batch
-    divisibility is checked before any process group exists.
+    1. every section's ``validate(name)`` (``name`` is the section's field name, so errors read
+       ``section.field``);
+    2. the config's own cross-section ``validate(world_size)``, if its class defines one;
+    3. every section's optional ``cross_check(cfg, name)`` hook, for rules that relate a section
+       to others (it sees the whole, already validated config).
     """
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        if hasattr(section, "validate"):
-            section.validate(f.name)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    pp = cfg.distributed.pp_size
-    if world % pp:
-        raise ConfigError("distributed.pp_size", f"({pp}) must divide the world size ({world})")
-    dp = world // pp
-    if pp > 1:
-        pipe = cfg.pipeline
-        if pipe.pp_microbatch_size is None:
-            pipe.pp_microbatch_size = cfg.train.local_batch_size
-        if pipe.pp_batch_size is None:
-            pipe.pp_batch_size = cfg.step_scheduler.global_batch_size // dp
-        pipe.validate("pipeline", pp_size=pp)
-        if cfg.train.local_batch_size != pipe.pp_microbatch_size:
-            raise ConfigError(
-                "train.local_batch_size",
-                f"({cfg.train.local_batch_size}) must equal pipeline.pp_microbatch_size "
-                f"({pipe.pp_microbatch_size}): each loader batch is one pipeline microbatch",
-            )
-        if cfg.step_scheduler.global_batch_size != pipe.pp_batch_size * dp:
-            raise ConfigError(
-                "step_scheduler.global_batch_size",
-                f"({cfg.step_scheduler.global_batch_size}) must equal pipeline.pp_batch_size x "
-                f"data-parallel size ({pipe.pp_batch_size} x {dp} = {pipe.pp_batch_size * dp})",
-            )
-    gbs, lbs = cfg.step_scheduler.global_batch_size, cfg.train.local_batch_size
-    if pp == 1 and gbs % (lbs * dp):
-        raise ConfigError(
-            "step_scheduler.global_batch_size",
-            f"({gbs}) must be a multiple of train.local_batch_size x data-parallel size "
-            f"({lbs} x {dp} = {lbs * dp})",
-        )
-    sched = cfg.step_scheduler
-    if (
-        cfg.lr.decay_style in ("linear", "cosine", "WSD")
-        and cfg.lr.decay_steps is None
-        and sched.max_steps is None
-    ):
-        raise ConfigError(
-            "lr.decay_steps",
-            f"is needed for decay_style={cfg.lr.decay_style!r} unless step_scheduler.max_steps is set",
-        )
-    decay = cfg.lr.decay_steps or sched.max_steps
-    if (
-        decay is not None
-        and cfg.lr.decay_style in ("linear", "cosine", "WSD")
-        and decay <= cfg.lr.warmup_steps
-    ):
-        raise ConfigError(
-            "lr.warmup_steps", f"({cfg.lr.warmup_steps}) must be smaller than the decay steps ({decay})"
-        )
-    if cfg.nan.enabled and cfg.nan.action == "rollback" and not cfg.checkpoint.enabled:
-        raise ConfigError(
-            "nan.action",
-            "'rollback' restores the last checkpoint, but checkpoint.enabled is false: enable checkpoints "
-            "or use nan.action=warn or raise",
-        )
-    if cfg.lr.min_lr > cfg.optimizer.lr:
-        raise ConfigError("lr.min_lr", f"({cfg.lr.min_lr}) must not exceed optimizer.lr ({cfg.optimizer.lr})")
+    sections = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)]
+    for name, section in sections:
+        validate = getattr(section, "validate", None)
+        if callable(validate) and not isinstance(section, type):
+            validate(name)
+    own = getattr(type(cfg), "validate", None)
+    if callable(own):
+        own(cfg, world_size)
+    for name, section in sections:
+        hook = getattr(section, "cross_check", None)
+        if callable(hook) and not isinstance(section, type):
+            hook(cfg, name)
     return cfg
 
 
@@ -525,14 +214,31 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     *,
+    schema: type | None = None,
     world_size: int | None = None,
-    schema: type = HookloopConfig,
 ) -> Any:
-    """Load a YAML or TOML file onto the defaults, apply ``key=value`` overrides, validate.
+    """Load a YAML or TOML file onto ``schema``'s defaults, apply ``key=value`` overrides, and
+    validate every section (:func:`validate_sections`); return a ``schema`` instance.
+
+    ``schema`` is a dataclass of sections (e.g. :class:`handlers.RunConfig`, or one made with
+    :func:`handlers.compose_config`). Calling without it is deprecated and loads a
+    ``handlers.RunConfig`` (use :func:`handlers.load_run_config`).
 
     Raises :class:`ConfigError` naming the field for unknown keys, wrong types, missing files and
     inconsistent values.
     """
+    if schema is None:
+        warnings.warn(
+            "load_config() without schema= is deprecated: use handlers.load_run_config(path, overrides) "
+            "or load_config(path, overrides, schema=handlers.RunConfig)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        import importlib
+
+        schema = importlib.import_module("engine._deprecated").run_config_schema()
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        raise TypeError(f"schema must be a dataclass type whose fields are sections, got {schema!r}")
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -554,12 +260,26 @@ def load_config(
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
+        key = str(getattr(e, "full_key", None) or "config")
         if key in _MOVED:
             raise ConfigError(key, f"is not a setting here; use {_MOVED[key]}") from None
         msg = str(e).splitlines()[0]
-        raise ConfigError(str(key), f"{msg} (see the section's dataclass in engine/config.py)") from None
-    return validate_config(cfg, world_size) if isinstance(cfg, HookloopConfig) else cfg
+        raise ConfigError(key, f"{msg} ({_where(schema, key)})") from None
+    return validate_sections(cfg, world_size)
+
+
+def _where(schema: type, key: str) -> str:
+    """Where to look up the settings ``key`` may name: its section's dataclass, or the sections."""
+    top = key.split(".", 1)[0].split("[", 1)[0]
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # an annotation that does not resolve: fall back to the raw ones
+        hints = {f.name: f.type for f in dataclasses.fields(schema)}
+    section = hints.get(top)
+    if isinstance(section, type) and dataclasses.is_dataclass(section):
+        return f"see {section.__module__}.{section.__qualname__} for the section's settings"
+    names = ", ".join(f.name for f in dataclasses.fields(schema))
+    return f"the sections of {schema.__qualname__} are: {names}"
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -587,3 +307,10 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def __getattr__(name: str) -> Any:
+    # Names that moved to handlers (HookloopConfig, StepSchedulerConfig, ...): see engine._deprecated.
+    import importlib
+
+    return importlib.import_module("engine._deprecated").resolve(__name__, name)

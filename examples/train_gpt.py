@@ -26,11 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import (  # noqa: E402
     ConfigError,
-    HookloopConfig,
     Trainer,
     build_lr_scheduler,
     init_distributed,
-    load_config,
     wrap_data_parallel,
 )
 from engine.data import (  # noqa: E402
@@ -45,26 +43,18 @@ from engine.data import (  # noqa: E402
 from engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
-from handlers.checkpoint import AsyncCheckpointer  # noqa: E402
-from handlers.curriculum import PhaseCurriculum  # noqa: E402
-from handlers.dataset_metrics import PerDatasetMetrics  # noqa: E402
-from handlers.health_check import HealthCheck  # noqa: E402
-from handlers.loggers import build_loggers  # noqa: E402
-from handlers.metrics import MetricsTracker  # noqa: E402
-from handlers.nan_detector import NaNDetector  # noqa: E402
-from handlers.profiler import ProfilerWindow  # noqa: E402
-from handlers.straggler import StragglerDetector  # noqa: E402
+from handlers import RunConfig, attach_handlers, load_run_config  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[HookloopConfig, argparse.Namespace]:
+def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(description="Train a small GPT with hookloop.")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML or TOML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides), args
+    return load_run_config(args.config, args.overrides), args
 
 
 def token_file(source: str, cache_dir: Path) -> Path:
@@ -79,7 +69,7 @@ def token_file(source: str, cache_dir: Path) -> Path:
     return path
 
 
-def build_data(cfg: HookloopConfig, rank: int, world: int):
+def build_data(cfg: RunConfig, rank: int, world: int):
     """Train loader over the weighted mixture (endless, resumable sampler) and a validation loader."""
     from torch.utils.data import DataLoader, Subset
     from torch.utils.data.distributed import DistributedSampler
@@ -114,7 +104,7 @@ def build_data(cfg: HookloopConfig, rank: int, world: int):
     return train, val, sampler
 
 
-def build_optimizer(cfg: HookloopConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
@@ -170,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
         optimizer = build_optimizer(cfg, model)
-        sched = cfg.step_scheduler
         lr_scheduler = build_lr_scheduler(
             optimizer,
             warmup_steps=cfg.lr.warmup_steps,
-            decay_steps=cfg.lr.decay_steps or sched.max_steps,
+            decay_steps=cfg.lr.decay_steps or cfg.step_scheduler.max_steps,
             decay_style=cfg.lr.decay_style,
             min_lr=cfg.lr.min_lr,
             warmup_init=cfg.lr.warmup_init,
@@ -190,37 +179,24 @@ def main(argv: list[str] | None = None) -> int:
             device=info.device,
             pipeline=runtime,
         )
-        # The step scheduler decides when: accumulation, last step, validation/checkpoint cadence,
-        # stop signals (SIGTERM -> final checkpoint request, exit code 75).
-        sched.build(train_loader, dp, cfg.train.local_batch_size).attach(trainer)
+        # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the
+        # step scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then
+        # checkpoints (they resume at TRAIN_START before any other handler reads the state, and
+        # answer the NaN detector's ROLLBACK; directory <run_dir>/checkpoints unless set), the NaN
+        # detector, the phase curriculum and per-dataset loss/tokens (over the mixture sampler),
+        # metrics (FLOPs per token of the whole model unless configured), loggers, profiler, health
+        # and straggler checks.
+        attach_handlers(
+            trainer,
+            cfg,
+            dataloader=train_loader,
+            dp_size=dp,
+            sampler=sampler,
+            run_dir=run_dir,
+            flops_per_token=flops_per_token,
+        )
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
-
-        # Checkpoints first: at TRAIN_START it resumes before any other handler looks at the state,
-        # and it answers the NaN detector's ROLLBACK.
-        ckpt_cfg = cfg.checkpoint
-        if ckpt_cfg.directory is None:
-            ckpt_cfg.directory = str(run_dir / "checkpoints")
-        checkpointer = AsyncCheckpointer.from_config(ckpt_cfg)
-        if checkpointer is not None:
-            checkpointer.attach(trainer)
-        if cfg.nan.enabled:
-            NaNDetector.from_config(cfg.nan).attach(trainer)
-        # Phases (weights and lr_scale by step; none configured is fine) and per-dataset loss/tokens.
-        PhaseCurriculum.from_config(cfg.data, sampler).attach(trainer)
-        PerDatasetMetrics(sampler, cfg.logging.log_interval).attach(trainer)
-        tracker = MetricsTracker.from_config(cfg.metrics, cfg.logging, run_dir)
-        if tracker.flops_per_token is None:
-            tracker.flops_per_token = flops_per_token
-        tracker.attach(trainer)
-        for logger in build_loggers(cfg.logging, run_dir, config=cfg.to_dict()):
-            logger.attach(trainer)
-        if cfg.profiling.enabled:
-            ProfilerWindow.from_config(cfg.profiling, run_dir).attach(trainer)
-        if cfg.health.enabled:
-            HealthCheck.from_config(cfg.health).attach(trainer)
-        if cfg.straggler.enabled:
-            StragglerDetector.from_config(cfg.straggler).attach(trainer)
 
         state = trainer.run(train_loader)
         if info.is_main:

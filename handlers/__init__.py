@@ -1,44 +1,71 @@
 """Handlers: everything a run needs beyond the step itself, each attached to a Trainer.
 
+Each handler's config section (``NaNConfig``, ``CheckpointConfig``, ...) lives beside it;
+:class:`RunConfig` composes them with the engine's sections, :func:`load_run_config` loads and
+validates one, :func:`compose_config` adds a user's sections, and :func:`attach_handlers` builds and
+attaches every enabled handler in :data:`HANDLER_ORDER`.
+
 Importing ``handlers`` stays cheap: optional backends (tensorboard, wandb, matplotlib) are imported
 only when the handler that needs them is built.
 """
 
-from handlers.checkpoint import AsyncCheckpointer
+from handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from handlers.console import ConsoleLogger
 from handlers.curriculum import Phase, PhaseCurriculum
-from handlers.dataset_metrics import PerDatasetMetrics
-from handlers.health_check import HealthCheck, HealthCheckError
+from handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
+from handlers.health_check import HealthCheck, HealthCheckError, HealthConfig
 from handlers.jsonl_logger import JSONLLogger
-from handlers.loggers import MetricLogger, build_loggers, metric_tag
-from handlers.metrics import MetricsTracker, estimate_flops_per_token, peak_flops_for_device
-from handlers.nan_detector import NaNDetector
-from handlers.profiler import ProfilerWindow
+from handlers.loggers import LoggingConfig, MetricLogger, build_loggers, metric_tag
+from handlers.metrics import MetricsConfig, MetricsTracker, estimate_flops_per_token, peak_flops_for_device
+from handlers.nan_detector import NaNConfig, NaNDetector
+from handlers.profiler import ProfilerWindow, ProfilingConfig
+from handlers.run_config import (
+    HANDLER_ORDER,
+    RunConfig,
+    attach_handlers,
+    compose_config,
+    load_run_config,
+    validate_run_config,
+)
 from handlers.step_scheduler import StepScheduler, StepSchedulerConfig
-from handlers.straggler import StragglerDetector
+from handlers.straggler import StragglerConfig, StragglerDetector
 from handlers.tensorboard_logger import TensorBoardLogger
 from handlers.wandb_logger import WandBLogger
 
 __all__ = [
+    "HANDLER_ORDER",
     "AsyncCheckpointer",
+    "CheckpointConfig",
     "ConsoleLogger",
+    "DatasetMetricsConfig",
     "HealthCheck",
     "HealthCheckError",
+    "HealthConfig",
     "JSONLLogger",
+    "LoggingConfig",
     "MetricLogger",
+    "MetricsConfig",
     "MetricsTracker",
+    "NaNConfig",
     "NaNDetector",
     "PerDatasetMetrics",
     "Phase",
     "PhaseCurriculum",
     "ProfilerWindow",
+    "ProfilingConfig",
+    "RunConfig",
     "StepScheduler",
     "StepSchedulerConfig",
+    "StragglerConfig",
     "StragglerDetector",
     "TensorBoardLogger",
     "WandBLogger",
+    "attach_handlers",
     "build_loggers",
+    "compose_config",
     "estimate_flops_per_token",
+    "load_run_config",
     "metric_tag",
     "peak_flops_for_device",
+    "validate_run_config",
 ]

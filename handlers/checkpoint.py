@@ -49,7 +49,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,11 +66,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine import checkpoint_io as io
 from engine.checkpoint_io import CheckpointError
+from engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
 from engine.errors import ConfigError
 from engine.events import Events
 from engine.exit_codes import ExitCode
 
-__all__ = ["AsyncCheckpointer", "CheckpointError"]
+__all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,47 @@ _EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rol
 # Optimizer state and hyper-parameters keyed by parameter name, so ranks that hold different
 # parameters (pipeline stages) never write the same key.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# OmegaConf resolves the config section's annotations at run time: Optional the old way.
+# ruff: noqa: UP007, UP045
+
+
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint`` section: see :class:`AsyncCheckpointer`. ``directory`` null means
+    ``<run_dir>/checkpoints`` (the run directory is given to ``from_config``)."""
+
+    enabled: bool = True
+    directory: Optional[str] = None
+    every_steps: Optional[int] = None
+    keep_last: int = 3
+    mode: str = "async"
+    resume: Optional[str] = "auto"
+    load_optimizer: bool = True
+    finetune_from: Optional[str] = None
+    wait_timeout_s: float = 600.0
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        """The only copy of the checkpointer's rules (its constructor calls this too)."""
+        p = prefix
+        check_bool(dotted(p, "enabled"), self.enabled)
+        check_str(dotted(p, "directory"), self.directory, allow_none=True, what="a directory path")
+        check_int(dotted(p, "every_steps"), self.every_steps, allow_none=True)
+        check_int(dotted(p, "keep_last"), self.keep_last, hint="complete checkpoints to keep")
+        check_choice(dotted(p, "mode"), self.mode, MODES)
+        for name in ("resume", "finetune_from"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str | os.PathLike) or not os.fspath(value)):
+                raise ConfigError(
+                    dotted(p, name), f"must be a checkpoint directory path or null, got {value!r}"
+                )
+        check_bool(dotted(p, "load_optimizer"), self.load_optimizer)
+        if self.finetune_from is not None and self.resume not in (None, "auto"):
+            raise ConfigError(
+                dotted(p, "finetune_from"),
+                f"cannot be combined with an explicit {dotted(p, 'resume')} path; set resume to auto or null",
+            )
+        check_number(dotted(p, "wait_timeout_s"), self.wait_timeout_s, positive=True, hint="seconds")
 
 
 class _Save:
@@ -131,6 +174,9 @@ class AsyncCheckpointer:
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
     """
 
+    Config = CheckpointConfig
+    section = "checkpoint"
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -145,18 +191,16 @@ class AsyncCheckpointer:
     ) -> None:
         if directory is None or str(directory) == "":
             raise ConfigError("checkpoint.directory", "is required: the directory checkpoints are written to")
-        if every_steps is not None and (
-            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
-        ):
-            raise ConfigError(
-                "checkpoint.every_steps", f"must be a positive integer or None, got {every_steps!r}"
-            )
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ConfigError("checkpoint.keep_last", f"must be an integer >= 1, got {keep_last!r}")
-        if mode not in MODES:
-            raise ConfigError("checkpoint.mode", f"must be one of {', '.join(MODES)}; got {mode!r}")
-        if not wait_timeout_s > 0:
-            raise ConfigError("checkpoint.wait_timeout_s", f"must be > 0 seconds, got {wait_timeout_s!r}")
+        CheckpointConfig(
+            directory=os.fspath(directory),
+            every_steps=every_steps,
+            keep_last=keep_last,
+            mode=mode,
+            resume=resume,  # type: ignore[arg-type]
+            load_optimizer=load_optimizer,
+            finetune_from=finetune_from,  # type: ignore[arg-type]
+            wait_timeout_s=wait_timeout_s,
+        ).validate("checkpoint")
         self.directory = os.path.abspath(directory)
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -165,8 +209,6 @@ class AsyncCheckpointer:
         self.wait_timeout_s = wait_timeout_s
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
         self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
-        if finetune_from is not None and resume not in (None, "auto"):
-            raise ConfigError("checkpoint.finetune_from", "cannot be combined with an explicit resume path")
         _check_writable(self.directory)
         if self.resume not in (None, "auto"):
             _check_loadable(self.resume, "checkpoint.resume")
@@ -184,18 +226,27 @@ class AsyncCheckpointer:
         self._started = False
 
     @classmethod
-    def from_config(cls, cfg: Any) -> AsyncCheckpointer | None:
-        """Build from an ``engine.config.CheckpointConfig`` (None when ``enabled`` is false)."""
+    def from_config(
+        cls, cfg: CheckpointConfig, *, run_dir: str | os.PathLike | None = None
+    ) -> AsyncCheckpointer | None:
+        """Build from the ``checkpoint`` section, or None when ``cfg.enabled`` is false. A null
+        ``directory`` means ``<run_dir>/checkpoints``."""
         if not cfg.enabled:
             return None
+        directory = cfg.directory
+        if directory is None:
+            if run_dir is None:
+                raise ConfigError("checkpoint.directory", "is null and no run_dir was given: set one of them")
+            directory = os.path.join(run_dir, "checkpoints")
         return cls(
-            cfg.directory,
+            directory,
             every_steps=cfg.every_steps,
             keep_last=cfg.keep_last,
             mode=cfg.mode,
             resume=cfg.resume,
             load_optimizer=cfg.load_optimizer,
             finetune_from=cfg.finetune_from,
+            wait_timeout_s=cfg.wait_timeout_s,
         )
 
     # ------------------------------------------------------------------------------ attaching

@@ -337,8 +337,7 @@ def test_importing_engine_and_handlers_imports_no_logging_backend():
 
 
 def test_build_loggers_from_the_logging_section(tmp_path):
-    from engine.config import LoggingConfig
-    from handlers.loggers import build_loggers
+    from handlers.loggers import LoggingConfig, build_loggers
 
     cfg = LoggingConfig(
         log_interval=5, jsonl=True, tensorboard=True, wandb=False, console=True, progress_bar=False

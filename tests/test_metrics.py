@@ -254,9 +254,9 @@ def test_two_ranks_agree_on_reduced_metrics_and_only_rank0_logs(tmp_path):
 
 
 def test_from_config(tmp_path):
-    from engine.config import LoggingConfig, MetricsConfig
+    from handlers.metrics import MetricsConfig
 
     tracker = MetricsTracker.from_config(
-        MetricsConfig(peak_flops_per_device=2e12), LoggingConfig(log_interval=7), tmp_path
+        MetricsConfig(peak_flops_per_device=2e12), log_interval=7, run_dir=tmp_path
     )
     assert (tracker.log_interval, tracker.peak_flops_per_device, tracker.run_dir) == (7, 2e12, tmp_path)

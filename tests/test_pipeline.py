@@ -411,7 +411,7 @@ def test_other_field_errors():
 
 @pytest.mark.filterwarnings("ignore:pipeline. 1 microbatches:UserWarning")
 def test_config_file_section_is_checked_with_the_degree():
-    from engine.config import load_config
+    from handlers import load_run_config as load_config
 
     pp = ["distributed.pp_size=2", "step_scheduler.max_steps=10"]
     with pytest.raises(ConfigError) as err:

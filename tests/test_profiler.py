@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from engine import ConfigError, Events, Trainer
-from engine.config import ProfilingConfig
-from handlers.profiler import ProfilerWindow
+from handlers.profiler import ProfilerWindow, ProfilingConfig
 
 
 def _trainer(resume_at: int | None = None) -> Trainer:
@@ -91,7 +90,7 @@ def test_other_ranks_do_not_trace(tmp_path):
 
 def test_from_config(tmp_path):
     cfg = ProfilingConfig(enabled=True, start_step=2, end_step=4)
-    window = ProfilerWindow.from_config(cfg, tmp_path)
+    window = ProfilerWindow.from_config(cfg, run_dir=tmp_path)
     assert (window.start_step, window.end_step, window.ranks) == (2, 4, (0,))
     assert window.output_dir == Path(tmp_path) / "profile"
 

@@ -101,7 +101,7 @@ def test_bad_arguments(kwargs, field):
 
 
 def test_from_config():
-    from engine.config import StragglerConfig
+    from handlers.straggler import StragglerConfig
 
     detector = StragglerDetector.from_config(StragglerConfig(enabled=True, every_steps=9, stop_threshold=1.5))
     assert (detector.every_steps, detector.stop_threshold, detector.window) == (9, 1.5, 9)

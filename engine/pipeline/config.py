@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.checks import check_bool, check_int
 from engine.errors import ConfigError
 
 __all__ = ["PipelineConfig", "bubble_fraction"]
@@ -116,10 +117,9 @@ class PipelineConfig:
         degree) also check the schedule against the installed torch and warn about the bubble."""
         p = prefix
         for name in ("pp_microbatch_size", "pp_batch_size"):
-            _positive_int(f"{p}.{name}", getattr(self, name))
+            check_int(f"{p}.{name}", getattr(self, name))
         for name in ("layers_per_stage", "pp_seq_len"):
-            if getattr(self, name) is not None:
-                _positive_int(f"{p}.{name}", getattr(self, name))
+            check_int(f"{p}.{name}", getattr(self, name), allow_none=True)
         if self.pp_batch_size % self.pp_microbatch_size:
             raise ConfigError(
                 f"{p}.pp_batch_size",
@@ -153,10 +153,7 @@ class PipelineConfig:
                 )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ConfigError(f"{p}.loss_fn", "must be callable: loss_fn(output, target) -> scalar tensor")
-        if not isinstance(self.scale_grads_in_schedule, bool):
-            raise ConfigError(
-                f"{p}.scale_grads_in_schedule", f"must be true or false, got {self.scale_grads_in_schedule!r}"
-            )
+        check_bool(f"{p}.scale_grads_in_schedule", self.scale_grads_in_schedule)
         if self.pp_schedule_csv is None and self.pp_schedule is None:
             raise ConfigError(
                 f"{p}.pp_schedule", f"is needed (a schedule name) unless {p}.pp_schedule_csv is set"
@@ -177,7 +174,7 @@ class PipelineConfig:
         from engine.pipeline import schedules
 
         p = prefix
-        _positive_int("distributed.pp_size", pp_size)
+        check_int("distributed.pp_size", pp_size)
         m = self.n_microbatches
         csv_schedule = None
         if self.pp_schedule_csv is not None:
@@ -253,11 +250,6 @@ class PipelineConfig:
         if csv_schedule is not None:
             return csv_schedule.num_stages
         return pp if style == "single" else 2 * pp
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
 def _check_fqns(field: str, fqns: Any) -> None:

@@ -17,10 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine import Events, Trainer, init_distributed, load_config  # noqa: E402
+from engine import Events, Trainer, init_distributed  # noqa: E402
 from engine.parallel import destroy_distributed  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from handlers import load_run_config  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
         "step_scheduler.global_batch_size=8",
         "step_scheduler.max_steps=6",
     ]
-    cfg = load_config(None, defaults + sys.argv[1:])
+    cfg = load_run_config(None, defaults + sys.argv[1:])
     pp = cfg.distributed.pp_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     info = init_distributed(

@@ -1,0 +1,135 @@
+"""The ``data`` config section: named datasets, their mixture weights, and the phase curriculum.
+
+Phases are a data-mixture concept, so their one validation function, :func:`check_phases`, lives
+here: :meth:`DataConfig.validate` and :class:`handlers.PhaseCurriculum`'s constructor both call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from engine.checks import check_int, check_number, check_str
+from engine.errors import ConfigError
+
+__all__ = ["DataConfig", "Phase", "PhaseConfig", "check_phases"]
+
+# OmegaConf resolves annotations at run time, so sections spell Dict/List the old way.
+# ruff: noqa: UP006, UP035
+
+_PHASE_KEYS = ("start_step", "dataset_weights", "lr_scale")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From optimizer step ``start_step`` on (1-based; 0 means from the start): these dataset weights
+    (datasets not named keep their original weight) and ``lr_scale`` times the scheduler's LR."""
+
+    start_step: int
+    dataset_weights: Mapping[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+
+
+def check_phases(
+    phases: Sequence[Any],
+    names: Sequence[str],
+    prefix: str = "phases",
+    *,
+    base_weights: Mapping[str, float] | None = None,
+) -> list[Phase]:
+    """Validate phases (:class:`Phase`, :class:`PhaseConfig`, any object with those attributes, or a
+    mapping) against the dataset ``names`` and return them as :class:`Phase` objects.
+
+    Rules: ``start_step`` an integer >= 0, strictly increasing; ``dataset_weights`` names known
+    datasets with finite weights >= 0; ``lr_scale`` a finite number > 0. With ``base_weights`` (the
+    weights a phase starts from) a phase must also leave some dataset a positive weight. Errors name
+    the field as ``<prefix>[i].<attribute>``.
+    """
+    if isinstance(phases, str | bytes | Mapping) or not isinstance(phases, Sequence):
+        raise ConfigError(prefix, f"must be a list of phases, got {type(phases).__name__}")
+    known = ", ".join(names)
+    out: list[Phase] = []
+    last = -1
+    for i, raw in enumerate(phases):
+        q = f"{prefix}[{i}]"
+        if isinstance(raw, Mapping):
+            unknown = set(raw) - set(_PHASE_KEYS)
+            if unknown:
+                raise ConfigError(
+                    q, f"unknown key(s) {sorted(unknown)}; a phase has {', '.join(_PHASE_KEYS)}"
+                )
+            get = raw.get
+        else:
+            get = lambda key, default=None, _raw=raw: getattr(_raw, key, default)  # noqa: E731
+        start = get("start_step")
+        weights = get("dataset_weights", {}) or {}
+        scale = get("lr_scale", 1.0)
+        check_int(f"{q}.start_step", start, low=0, hint="an optimizer step")
+        if start <= last:
+            raise ConfigError(
+                f"{q}.start_step",
+                f"must be larger than the previous phase's ({last}): phases are in step order",
+            )
+        last = start
+        if not isinstance(weights, Mapping):
+            raise ConfigError(f"{q}.dataset_weights", f"must be a mapping name -> weight, got {weights!r}")
+        for name, w in weights.items():
+            if name not in names:
+                raise ConfigError(f"{q}.dataset_weights.{name}", f"unknown dataset; known: {known}")
+            check_number(f"{q}.dataset_weights.{name}", w, low=0)
+        check_number(f"{q}.lr_scale", scale, positive=True, hint="a factor on the scheduler's learning rate")
+        if base_weights is not None:
+            merged = {**base_weights, **weights}
+            if not any(w > 0 for w in merged.values()):
+                raise ConfigError(
+                    f"{q}.dataset_weights",
+                    f"leaves every dataset at weight 0 ({merged}); give at least one a positive weight",
+                )
+        out.append(Phase(start, {k: float(v) for k, v in weights.items()}, float(scale)))
+    return out
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of the ``data.phases`` list (see :class:`Phase`)."""
+
+    start_step: int = 0
+    dataset_weights: Dict[str, float] = field(default_factory=dict)
+    lr_scale: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Named datasets (a token file path, or ``stdlib_docs`` / ``stdlib_source``), their mixture
+    weights (a dataset not named weighs 1.0), and an optional phase curriculum."""
+
+    datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
+    weights: Dict[str, float] = field(default_factory=dict)
+    mix_temperature: float = 1.0
+    phases: List[PhaseConfig] = field(default_factory=list)
+    cache_dir: str = "data"
+    val_fraction: float = 0.02
+    num_workers: int = 0
+
+    def validate(self, prefix: str = "data") -> None:
+        p = prefix
+        if not self.datasets:
+            raise ConfigError(f"{p}.datasets", "must name at least one dataset")
+        names = list(self.datasets)
+        for name, source in self.datasets.items():
+            check_str(f"{p}.datasets.{name}", source, what="a token file path, stdlib_docs or stdlib_source")
+        for name, w in self.weights.items():
+            if name not in self.datasets:
+                raise ConfigError(f"{p}.weights.{name}", f"unknown dataset; known: {', '.join(names)}")
+            check_number(f"{p}.weights.{name}", w, low=0)
+        base = {name: self.weights.get(name, 1.0) for name in names}
+        if not any(w > 0 for w in base.values()):
+            raise ConfigError(
+                f"{p}.weights", "all weights are zero: give at least one dataset a positive weight"
+            )
+        check_number(f"{p}.mix_temperature", self.mix_temperature, positive=True)
+        check_phases(self.phases, names, f"{p}.phases", base_weights=base)
+        check_str(f"{p}.cache_dir", self.cache_dir, what="a directory path")
+        check_number(f"{p}.val_fraction", self.val_fraction, low=0, below=1)
+        check_int(f"{p}.num_workers", self.num_workers, low=0)

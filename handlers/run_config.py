@@ -1,0 +1,308 @@
+"""The run config: the engine's sections and every shipped handler's, composed into one dataclass.
+
+    cfg = load_run_config("examples/configs/gpt_tiny.yaml", ["step_scheduler.max_steps=100"])
+    handlers = attach_handlers(trainer, cfg, dataloader=loader, dp_size=dp, sampler=sampler)
+
+* :class:`RunConfig` has one field per section (``train``, ``optimizer``, ..., ``nan``, ``health``);
+  each section is a dataclass with ``validate(prefix)``, defined beside the code it configures.
+* :func:`load_run_config` reads YAML/TOML plus dotted overrides with the engine's loader and
+  validates every section, then the relations between sections (:meth:`RunConfig.validate`).
+* :func:`compose_config` adds a user's own sections, so a user's handler is configured, overridden
+  and validated exactly like a shipped one.
+* :data:`HANDLER_ORDER` is the canonical attach order and :func:`attach_handlers` builds every
+  enabled handler from its section (``cls.from_config(section, **runtime)``) and attaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import keyword
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+from engine.config import (
+    DataConfig,
+    DistributedConfig,
+    LRConfig,
+    OptimizerConfig,
+    PipelineSection,
+    TrainConfig,
+    load_config,
+    validate_sections,
+)
+from engine.errors import ConfigError
+from handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
+from handlers.console import ConsoleLogger
+from handlers.curriculum import PhaseCurriculum
+from handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
+from handlers.health_check import HealthCheck, HealthConfig
+from handlers.jsonl_logger import JSONLLogger
+from handlers.loggers import LoggingConfig
+from handlers.metrics import MetricsConfig, MetricsTracker
+from handlers.nan_detector import NaNConfig, NaNDetector
+from handlers.profiler import ProfilerWindow, ProfilingConfig
+from handlers.step_scheduler import StepScheduler, StepSchedulerConfig, grad_acc_steps_for
+from handlers.straggler import StragglerConfig, StragglerDetector
+from handlers.tensorboard_logger import TensorBoardLogger
+from handlers.wandb_logger import WandBLogger
+
+__all__ = [
+    "HANDLER_ORDER",
+    "RunConfig",
+    "attach_handlers",
+    "compose_config",
+    "load_run_config",
+    "validate_run_config",
+]
+
+# OmegaConf resolves annotations at run time, so sections spell Dict the old way.
+# ruff: noqa: UP006, UP035
+
+_DECAYING = ("linear", "cosine", "WSD")
+
+
+@dataclass
+class RunConfig:
+    """A training run's whole configuration: ``model`` (free-form, for the model builder), the
+    engine's sections and every shipped handler's section. YAML keys and dotted overrides are
+    ``<section>.<field>``."""
+
+    model: Dict[str, Any] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr: LRConfig = field(default_factory=LRConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    nan: NaNConfig = field(default_factory=NaNConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dataset_metrics: DatasetMetricsConfig = field(default_factory=DatasetMetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """The rules that relate sections (each section's own rules ran before). Fills in the
+        pipeline batch sizes left null. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1
+        without torchrun), so batch divisibility is checked before any process group exists."""
+        world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        pp = self.distributed.pp_size
+        if world % pp:
+            raise ConfigError("distributed.pp_size", f"({pp}) must divide the world size ({world})")
+        dp = world // pp
+        sched, lbs = self.step_scheduler, self.train.local_batch_size
+        if pp > 1:
+            pipe = self.pipeline
+            if pipe.pp_microbatch_size is None:
+                pipe.pp_microbatch_size = lbs
+            if pipe.pp_batch_size is None:
+                pipe.pp_batch_size = sched.global_batch_size // dp
+            pipe.validate("pipeline", pp_size=pp)
+            if lbs != pipe.pp_microbatch_size:
+                raise ConfigError(
+                    "train.local_batch_size",
+                    f"({lbs}) must equal pipeline.pp_microbatch_size ({pipe.pp_microbatch_size}): each "
+                    "loader batch is one pipeline microbatch",
+                )
+            if sched.enabled and sched.global_batch_size != pipe.pp_batch_size * dp:
+                raise ConfigError(
+                    "step_scheduler.global_batch_size",
+                    f"({sched.global_batch_size}) must equal pipeline.pp_batch_size x data-parallel size "
+                    f"({pipe.pp_batch_size} x {dp} = {pipe.pp_batch_size * dp})",
+                )
+        elif sched.enabled:
+            grad_acc_steps_for(
+                sched.global_batch_size,
+                lbs,
+                dp,
+                field="step_scheduler.global_batch_size",
+                local_field="train.local_batch_size",
+            )
+        lr = self.lr
+        max_steps = sched.max_steps if sched.enabled else None
+        if lr.decay_style in _DECAYING and lr.decay_steps is None and max_steps is None:
+            raise ConfigError(
+                "lr.decay_steps",
+                f"is needed for decay_style={lr.decay_style!r} unless step_scheduler.max_steps is set",
+            )
+        decay = lr.decay_steps or max_steps
+        if decay is not None and lr.decay_style in _DECAYING and decay <= lr.warmup_steps:
+            raise ConfigError(
+                "lr.warmup_steps", f"({lr.warmup_steps}) must be smaller than the decay steps ({decay})"
+            )
+        if self.nan.enabled and self.nan.action == "rollback" and not self.checkpoint.enabled:
+            raise ConfigError(
+                "nan.action",
+                "'rollback' restores the last checkpoint, but checkpoint.enabled is false: enable "
+                "checkpoints or use nan.action=warn or raise",
+            )
+        if lr.min_lr > self.optimizer.lr:
+            raise ConfigError(
+                "lr.min_lr", f"({lr.min_lr}) must not exceed optimizer.lr ({self.optimizer.lr})"
+            )
+
+
+def validate_run_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Check every section of ``cfg`` and the relations between them; return ``cfg`` or raise
+    :class:`ConfigError` naming the field. (``load_run_config`` already does this.)"""
+    return validate_sections(cfg, world_size)
+
+
+def load_run_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+    schema: type = RunConfig,
+) -> Any:
+    """Load a YAML or TOML file plus ``section.key=value`` overrides onto :class:`RunConfig` (or
+    ``schema``, e.g. a :func:`compose_config` result) and validate it as a whole."""
+    return load_config(path, overrides, schema=schema, world_size=world_size)
+
+
+def compose_config(base: type = RunConfig, name: str | None = None, **sections: type) -> type:
+    """A new run config dataclass: ``base``'s sections plus ``sections`` (``section name -> config
+    dataclass``), e.g. ``compose_config(my_hook=MyHookConfig)``.
+
+    A composed section loads from YAML and dotted overrides (``my_hook.every=5``) like a shipped
+    one, and is validated with the whole config: its ``validate(prefix)`` (required) with the
+    section name as prefix, then, if it defines one, its ``cross_check(cfg, prefix)`` hook, which
+    sees the whole validated config for rules that relate it to other sections.
+    """
+    if not (isinstance(base, type) and dataclasses.is_dataclass(base)):
+        raise TypeError(f"base must be a run config dataclass such as RunConfig, got {base!r}")
+    if not sections:
+        raise TypeError(
+            "compose_config needs at least one section, e.g. compose_config(my_hook=MyHookConfig)"
+        )
+    taken = {f.name for f in dataclasses.fields(base)}
+    new_fields = []
+    for section, schema in sections.items():
+        if not section.isidentifier() or keyword.iskeyword(section):
+            raise ValueError(f"section name {section!r} must be a Python identifier (it is a YAML key)")
+        if section in taken:
+            raise ValueError(f"section {section!r} is already in {base.__name__}; give yours another name")
+        if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+            raise TypeError(
+                f"section {section!r} must be a dataclass type (its fields are the settings), got {schema!r}"
+            )
+        if not callable(getattr(schema, "validate", None)):
+            raise TypeError(
+                f"section {section!r}: {schema.__name__} needs a validate(self, prefix) method holding "
+                "its rules"
+            )
+        new_fields.append((section, schema, field(default_factory=schema)))
+    cls_name = name or base.__name__ + "".join(s.title().replace("_", "") for s in sections)
+    composed = dataclasses.make_dataclass(cls_name, new_fields, bases=(base,))
+    composed.__doc__ = f"{base.__name__} plus the sections {', '.join(sections)}."
+    return composed
+
+
+#: The order :func:`attach_handlers` attaches handlers in. The step scheduler first (it sets the
+#: trainer's length and accumulation); the checkpointer next (it resumes at TRAIN_START before any
+#: other handler reads the state, and answers the NaN detector's ROLLBACK); then the NaN detector,
+#: the curriculum, metrics, loggers, profiler, health check and straggler detector.
+HANDLER_ORDER: list[type] = [
+    StepScheduler,
+    AsyncCheckpointer,
+    NaNDetector,
+    PhaseCurriculum,
+    PerDatasetMetrics,
+    MetricsTracker,
+    JSONLLogger,
+    TensorBoardLogger,
+    WandBLogger,
+    ConsoleLogger,
+    ProfilerWindow,
+    HealthCheck,
+    StragglerDetector,
+]
+
+
+def attach_handlers(trainer: Any, cfg: Any, *, order: Sequence[type] | None = None, **runtime: Any) -> list:
+    """Build every enabled handler of ``order`` (default :data:`HANDLER_ORDER`) from its section of
+    ``cfg`` with ``cls.from_config(getattr(cfg, cls.section), **runtime)``, then attach them in that
+    order; return the attached handlers. Everything is built before anything is attached, so a bad
+    setting fails before the trainer is touched.
+
+    ``runtime`` holds what a config file cannot (``dataloader``, ``dp_size``, ``sampler``,
+    ``flops_per_token``, ...); ``run_dir``, ``local_batch_size``, ``log_interval`` and ``config``
+    default to the run config's. Each handler gets the runtime values its ``from_config`` names
+    (or, when it takes ``**runtime``, those its constructor names). A user's handler joins with
+    ``order=[*HANDLER_ORDER, MyHook]`` once its section is composed in (:func:`compose_config`).
+    """
+    runtime = {**_from_run_config(cfg), **runtime}
+    built = []
+    for cls in HANDLER_ORDER if order is None else order:
+        section = getattr(cls, "section", None)
+        if not isinstance(section, str) or not hasattr(cfg, section):
+            raise ConfigError(
+                section or cls.__name__,
+                f"{cls.__name__}'s config section is not in {type(cfg).__name__}: add it with "
+                f"compose_config({section or '<name>'}={cls.__name__}.Config) and set {cls.__name__}.section",
+            )
+        section_cfg = getattr(cfg, section)
+        if getattr(section_cfg, "enabled", True) is False:
+            continue
+        if not callable(getattr(cls, "from_config", None)):
+            raise TypeError(
+                f"{cls.__name__} has no from_config(cfg, **runtime): subclass engine.handler.Handler "
+                "or define it"
+            )
+        handler = cls.from_config(section_cfg, **_wanted(cls, section_cfg, runtime))
+        if handler is not None:
+            built.append(handler)
+    for handler in built:
+        handler.attach(trainer)
+    return built
+
+
+def _from_run_config(cfg: Any) -> dict[str, Any]:
+    """Runtime values a run config already knows."""
+    out: dict[str, Any] = {}
+    train = getattr(cfg, "train", None)
+    if train is not None:
+        out["run_dir"] = train.run_dir
+        out["local_batch_size"] = train.local_batch_size
+    if getattr(cfg, "logging", None) is not None:
+        out["log_interval"] = cfg.logging.log_interval
+    if dataclasses.is_dataclass(cfg):
+        out["config"] = dataclasses.asdict(cfg)
+    return out
+
+
+def _wanted(cls: type, section_cfg: Any, runtime: dict[str, Any]) -> dict[str, Any]:
+    """The runtime values ``cls.from_config`` asks for by name; a missing required one is an error."""
+    params = list(inspect.signature(cls.from_config).parameters.values())[1:]  # after cfg
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        # The default from_config passes the section's fields to the constructor: offer the
+        # constructor's other arguments, as optional ones.
+        fields = (
+            {f.name for f in dataclasses.fields(section_cfg)}
+            if dataclasses.is_dataclass(section_cfg)
+            else set()
+        )
+        for p in inspect.signature(cls).parameters.values():
+            if (
+                p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name not in named
+                and p.name not in fields
+            ):
+                named[p.name] = p.replace(default=None)
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in runtime]
+    if missing:
+        raise TypeError(
+            f"{cls.__name__}.from_config needs {', '.join(f'{n}=...' for n in missing)}: "
+            "pass it to attach_handlers"
+        )
+    return {n: runtime[n] for n in named if n in runtime}
