@@ -1,8 +1,21 @@
 """Configuration: files, overrides, and one clear ConfigError per bad value, naming the field."""
 
+import ast
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
 import pytest
 
-from engine import ConfigError, HookloopConfig, load_config
+from engine import ConfigError
+from engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from engine.config import DistributedConfig, LRConfig, OptimizerConfig, TrainConfig, load_config
+from engine.data.config import DataConfig, PhaseConfig
+from handlers import RunConfig, load_run_config
+from handlers.health_check import HealthConfig
+from tests.dist_utils import REPO
 
 YAML = """
 model: {n_layers: 2, d_model: 64}
@@ -25,20 +38,22 @@ docs = 2.0
 def test_yaml_toml_and_overrides(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text(YAML)
-    cfg = load_config(y, ["step_scheduler.max_steps=50", "lr.warmup_steps=5"], world_size=1)
-    assert isinstance(cfg, HookloopConfig)
+    cfg = load_run_config(y, ["step_scheduler.max_steps=50", "lr.warmup_steps=5"], world_size=1)
+    assert isinstance(cfg, RunConfig)
     assert cfg.model == {"n_layers": 2, "d_model": 64}
     assert cfg.step_scheduler.max_steps == 50 and cfg.lr.warmup_steps == 5
     assert cfg.train.local_batch_size == 4 and cfg.optimizer.lr == 0.001
     t = tmp_path / "c.toml"
     t.write_text(TOML)
-    cfg = load_config(t, world_size=2)
+    cfg = load_run_config(t, world_size=2)
     assert cfg.step_scheduler.max_steps == 7 and cfg.data.weights == {"docs": 2.0}
 
 
-def test_example_config_loads():
-    cfg = load_config("examples/configs/gpt_tiny.yaml", world_size=1)
+def test_example_configs_load():
+    cfg = load_run_config("examples/configs/gpt_tiny.yaml", world_size=1)
     assert cfg.model["n_layers"] >= 1
+    cfg = load_run_config("examples/configs/gpt_mixture.yaml", world_size=1)
+    assert [p.start_step for p in cfg.data.phases] == [0, 100]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +71,10 @@ def test_example_config_loads():
             "step_scheduler.global_batch_size",
         ),
         (["step_scheduler.ckpt_every_steps=0"], "step_scheduler.ckpt_every_steps"),
+        (["step_scheduler.stop_signals=[SIGKILL]"], "step_scheduler.stop_signals"),
         (["optimizer.name=lamb"], "optimizer.name"),
         (["optimizer.lr=0"], "optimizer.lr"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas"),
         (["lr.decay_style=cosine", "step_scheduler.max_steps=null"], "lr.decay_steps"),
         (["lr.decay_style=WSD", "step_scheduler.max_steps=10"], "lr.wsd_decay_steps"),
         (["lr.warmup_steps=30", "step_scheduler.max_steps=10"], "lr.warmup_steps"),
@@ -66,6 +83,7 @@ def test_example_config_loads():
         (["distributed.pp_size=3"], "distributed.pp_size"),
         (["checkpoint.mode=fast"], "checkpoint.mode"),
         (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
+        (["checkpoint.wait_timeout_s=0"], "checkpoint.wait_timeout_s"),
         (["nan.action=ignore"], "nan.action"),
         (["nan.spike_factor=0.5"], "nan.spike_factor"),
         (["checkpoint.enabled=false"], "nan.action"),
@@ -74,15 +92,56 @@ def test_example_config_loads():
         (["data.weights.docs=0"], "data.weights"),
         (["data.mix_temperature=0"], "data.mix_temperature"),
         (["logging.log_interval=0"], "logging.log_interval"),
+        (["logging.wandb_mode=sometimes"], "logging.wandb_mode"),
+        (["metrics.flops_per_token=-1"], "metrics.flops_per_token"),
+        (["dataset_metrics.log_interval=0"], "dataset_metrics.log_interval"),
         (["profiling.start_step=5", "profiling.end_step=5"], "profiling.end_step"),
+        (["profiling.ranks=[-1]"], "profiling.ranks"),
         (["health.timeout_s=-1"], "health.timeout_s"),
+        (["straggler.stop_threshold=1.0"], "straggler.stop_threshold"),
     ],
 )
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["step_scheduler.max_steps=100", *overrides], world_size=2)
+        load_run_config(None, ["step_scheduler.max_steps=100", *overrides], world_size=2)
     assert info.value.field == field, str(info.value)
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", ".inf"])
+@pytest.mark.parametrize(
+    "key", ["optimizer.weight_decay", "lr.min_lr", "lr.warmup_init", "health.timeout_s", "data.val_fraction"]
+)
+def test_nan_and_infinity_are_rejected(key, value):
+    with pytest.raises(ConfigError, match="finite") as info:
+        load_run_config(None, ["step_scheduler.max_steps=100", f"{key}={value}"], world_size=1)
+    assert info.value.field == key
+
+
+@pytest.mark.parametrize(
+    "section,name,bad",
+    [
+        (OptimizerConfig, "weight_decay", "0.1"),
+        (OptimizerConfig, "lr", "1e-3"),
+        (LRConfig, "min_lr", "0"),
+        (LRConfig, "warmup_steps", "10"),
+        (TrainConfig, "local_batch_size", "10"),
+        (TrainConfig, "grad_clip_norm", [1.0]),
+        (DistributedConfig, "timeout_s", "600"),
+        (HealthConfig, "timeout_s", "10"),
+        (HealthConfig, "every_steps", 2.5),
+        (DataConfig, "mix_temperature", None),
+    ],
+)
+def test_wrong_types_are_config_errors_not_type_errors(section, name, bad):
+    cfg = section(**{name: bad})
+    prefix = {OptimizerConfig: "optimizer", LRConfig: "lr", TrainConfig: "train"}.get(section)
+    prefix = prefix or {DistributedConfig: "distributed", HealthConfig: "health", DataConfig: "data"}[section]
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(prefix)
+    assert info.value.field == f"{prefix}.{name}"
+    if isinstance(bad, str):
+        assert "without quotes" in str(info.value)
 
 
 def test_bad_phases_name_the_field():
@@ -94,22 +153,165 @@ def test_bad_phases_name_the_field():
             "data.phases=[{start_step: 0, dataset_weights: {docs: -2.0}}]",
             "data.phases[0].dataset_weights.docs",
         ),
+        ("data.phases=[{start_step: 0, dataset_weights: {docs: 0.0}}]", "data.phases[0].dataset_weights"),
         ("data.phases=[{start_step: 0, lr_scale: 0}]", "data.phases[0].lr_scale"),
+        ("data.phases=[{start_step: 0, lr_scale: .inf}]", "data.phases[0].lr_scale"),
     ]
     for override, field in cases:
         with pytest.raises(ConfigError) as info:
-            load_config(None, [*base, override], world_size=1)
+            load_run_config(None, [*base, override], world_size=1)
         assert info.value.field == field, str(info.value)
 
 
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(tmp_path / "missing.yaml")
+        load_run_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        load_config(bad)
+        load_run_config(bad)
     txt = tmp_path / "c.txt"
     txt.write_text("x")
     with pytest.raises(ConfigError, match=r"\.yaml"):
-        load_config(txt)
+        load_run_config(txt)
+
+
+def test_type_errors_point_at_the_section_dataclass():
+    with pytest.raises(ConfigError, match=r"handlers\.nan_detector\.NaNConfig"):
+        load_run_config(None, ["nan.max_consecutive=lots"])
+    with pytest.raises(ConfigError, match="sections of RunConfig are: model, train"):
+        load_run_config(None, ["nosection.x=1"])
+
+
+# ------------------------------------------------------------------------------ the generic loader
+
+
+@dataclasses.dataclass
+class _Tiny:
+    every: int = 3
+
+    def validate(self, prefix: str) -> None:
+        check_int(f"{prefix}.every", self.every)
+
+
+@dataclasses.dataclass
+class _Schema:
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    tiny: _Tiny = dataclasses.field(default_factory=_Tiny)
+    checked_with: list = dataclasses.field(default_factory=list)
+
+    def validate(self, world_size):
+        self.checked_with.append(world_size)
+
+
+def test_load_config_validates_any_schema_section_by_section():
+    cfg = load_config(None, ["tiny.every=5"], schema=_Schema, world_size=3)
+    assert cfg.tiny.every == 5 and cfg.checked_with == [3]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["tiny.every=0"], schema=_Schema)
+    assert info.value.field == "tiny.every"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.seq_len=0"], schema=_Schema)
+    assert info.value.field == "train.seq_len"
+    with pytest.raises(TypeError, match="dataclass"):
+        load_config(None, schema=dict)
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def test_checks_name_the_field_and_reject_what_they_should():
+    assert dotted("nan", "action") == "nan.action" and dotted("", "action") == "action"
+    check_int("a", 0, low=0)
+    check_int("a", None, allow_none=True)
+    check_number("b", 0.5, low=0, below=1)
+    check_number("b", 2, above=1)
+    check_choice("c", "x", ("x", "y"))
+    check_bool("d", None, allow_none=True)
+    for call, field in [
+        (lambda: check_int("a", True), "a"),
+        (lambda: check_int("a", 1.0), "a"),
+        (lambda: check_int("a", "1"), "a"),
+        (lambda: check_int("a", 5, high=4), "a"),
+        (lambda: check_number("b", math.nan), "b"),
+        (lambda: check_number("b", -math.inf), "b"),
+        (lambda: check_number("b", False), "b"),
+        (lambda: check_number("b", 0, positive=True), "b"),
+        (lambda: check_number("b", 1, above=1), "b"),
+        (lambda: check_number("b", 1, below=1), "b"),
+        (lambda: check_choice("c", ["x"], ("x",)), "c"),  # unhashable: not a choice, no TypeError
+        (lambda: check_bool("d", 1), "d"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert info.value.field == field
+
+
+def test_data_section_shares_the_phase_rules():
+    cfg = DataConfig(datasets={"docs": "stdlib_docs"}, phases=[PhaseConfig(3, {"docs": 1.0}), PhaseConfig(3)])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert info.value.field == "data.phases[1].start_step"
+
+
+# ------------------------------------------------------------------------------ deprecated names
+
+
+def test_deprecated_names_still_work_and_warn():
+    import engine
+    import engine.config
+    import handlers
+
+    with pytest.warns(DeprecationWarning, match="RunConfig"):
+        from engine import HookloopConfig
+    assert HookloopConfig is RunConfig
+    with pytest.warns(DeprecationWarning, match="validate_run_config"):
+        validate_config = engine.validate_config
+    cfg = RunConfig()
+    cfg.step_scheduler.max_steps = 10
+    assert validate_config(cfg, world_size=1) is cfg
+    cfg.lr.min_lr = math.nan
+    with pytest.raises(ConfigError, match="lr.min_lr"):
+        validate_config(cfg, world_size=1)
+    for name in (
+        "StepSchedulerConfig",
+        "CheckpointConfig",
+        "NaNConfig",
+        "LoggingConfig",
+        "MetricsConfig",
+        "ProfilingConfig",
+        "HealthConfig",
+        "StragglerConfig",
+        "HookloopConfig",
+    ):
+        with pytest.warns(DeprecationWarning, match=name if name != "HookloopConfig" else "RunConfig"):
+            old = getattr(engine.config, name)
+        assert old is getattr(handlers, name if name != "HookloopConfig" else "RunConfig")
+    with pytest.warns(DeprecationWarning, match="schema="):
+        cfg = engine.load_config(None, ["step_scheduler.max_steps=10"], world_size=1)
+    assert isinstance(cfg, RunConfig) and cfg.step_scheduler.max_steps == 10
+    with pytest.raises(AttributeError):
+        engine.config.NoSuchConfig  # noqa: B018
+    with pytest.raises(AttributeError):
+        engine.StepSchedulerConfig  # noqa: B018  (never was an engine name)
+
+
+def test_engine_config_does_not_import_handlers():
+    for module in ("engine/config.py", "engine/__init__.py", "engine/checks.py", "engine/data/config.py"):
+        tree = ast.parse((REPO / module).read_text())
+        imported = [
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        ] + [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert not [m for m in imported if m.split(".")[0] == "handlers"], module
+    code = (
+        "import dataclasses, sys, engine\n"
+        "from engine.config import TrainConfig, load_config\n"
+        "train = ('train', TrainConfig, dataclasses.field(default_factory=TrainConfig))\n"
+        "S = dataclasses.make_dataclass('S', [train])\n"
+        "assert load_config(None, ['train.seq_len=8'], schema=S).train.seq_len == 8\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'handlers'))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
