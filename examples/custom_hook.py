@@ -1,17 +1,24 @@
-"""Writing your own hooks: a function on an event, a filtered event, and a stateful handler class.
+"""Writing your own hooks: a function on an event, a filtered event, and a stateful handler class
+with its own config section.
 
     python examples/custom_hook.py
+    python examples/custom_hook.py loss_spike_guard.factor=2.5 step_scheduler.max_steps=40
 
 A handler is any callable attached to an event; a reusable one is a class with ``attach(trainer)``
 (and ``state_dict``/``load_state_dict`` when it keeps state, registered with the trainer so
 checkpoints hold it). Handlers *ask* through state flags (``skip_step``, ``should_stop``); the
 trainer decides, agreeing with every data-parallel rank first.
+
+The handler's settings are a config section declared beside it (a dataclass whose ``validate``
+holds the only copy of its rules); ``compose_config`` adds it to the run config, so it loads from
+YAML and dotted overrides and is validated like the shipped sections (see docs/handlers.md).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +26,41 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Events, Trainer  # noqa: E402
+from engine import ConfigError, Events, Handler, Trainer, check_number  # noqa: E402
 from engine.data import TokenDataset, prepare_tokens, stdlib_docs_text  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from handlers import compose_config, load_run_config  # noqa: E402
 
 
-class LossSpikeGuard:
+@dataclass
+class LossSpikeGuardConfig:
+    """The ``loss_spike_guard`` section of the run config."""
+
+    enabled: bool = True
+    factor: float = 3.0
+    momentum: float = 0.9
+
+    def validate(self, prefix: str = "loss_spike_guard") -> None:
+        check_number(f"{prefix}.factor", self.factor, above=1, hint="a multiple of the running mean loss")
+        check_number(f"{prefix}.momentum", self.momentum, low=0, below=1)
+
+
+class LossSpikeGuard(Handler):
     """Veto the optimizer step when the loss jumps above ``factor`` x its running mean."""
 
+    Config = LossSpikeGuardConfig
+    section = "loss_spike_guard"
+    state_key = "loss_spike_guard"  # its state's key in checkpoints
+
     def __init__(self, factor: float = 3.0, momentum: float = 0.9) -> None:
+        LossSpikeGuardConfig(factor=factor, momentum=momentum).validate(prefix="LossSpikeGuard")
         self.factor, self.momentum = factor, momentum
         self.mean: float | None = None
         self.vetoed: list[int] = []
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: Trainer) -> LossSpikeGuard:
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self.check)
-        trainer.register_stateful("loss_spike_guard", self)  # saved and restored with checkpoints
+        return super().attach(trainer)  # registers it: stateful, so checkpoints hold it
 
     def check(self, trainer: Trainer) -> None:
         loss = trainer.state.loss
@@ -51,7 +77,16 @@ class LossSpikeGuard:
         self.mean, self.vetoed = state["mean"], list(state["vetoed"])
 
 
-def main() -> None:
+# The run config with the guard's section: ``loss_spike_guard.factor=2.5`` works on the command line.
+ExampleConfig = compose_config(loss_spike_guard=LossSpikeGuardConfig)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_run_config(None, ["step_scheduler.max_steps=60", *argv], schema=ExampleConfig)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     path = Path("data/stdlib_docs.u8")
     if not path.exists():
@@ -75,13 +110,16 @@ def main() -> None:
         if engine.state.loss < 2.0:
             engine.state.request_stop("loss below 2.0")
 
-    # 3. A stateful handler class.
-    guard = LossSpikeGuard()
-    guard.attach(trainer)
+    # 3. A stateful handler class, built from its config section (None if loss_spike_guard.enabled=false).
+    guard = LossSpikeGuard.from_config(cfg.loss_spike_guard)
+    if guard is not None:
+        guard.attach(trainer)
 
-    state = trainer.run(data, max_steps=60)
-    print(f"finished at step {state.step}; vetoed steps: {guard.vetoed}; stop reason: {state.stop_reason}")
+    state = trainer.run(data, max_steps=cfg.step_scheduler.max_steps)
+    vetoed = guard.vetoed if guard is not None else []
+    print(f"finished at step {state.step}; vetoed steps: {vetoed}; stop reason: {state.stop_reason}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

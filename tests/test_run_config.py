@@ -406,3 +406,21 @@ def test_a_corrupt_curriculum_state_is_a_checkpoint_error_naming_the_key():
             curriculum.load_state_dict(state)
         assert not isinstance(info.value, ConfigError)
     curriculum.load_state_dict(good)
+
+
+def test_the_docs_example_runs():
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO
+
+    block = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "handlers.md").read_text(), re.S)[0]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "EveryNConfig(enabled=True, every=25)",
+        "25",
+        "every_n.every: must be an integer >= 1, got 0",
+    ]
