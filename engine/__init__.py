@@ -8,17 +8,24 @@ from engine.checks import check_bool, check_choice, check_int, check_number, che
 from engine.config import load_config, validate_sections
 from engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from engine.errors import ConfigError, HookloopError, TrainingAborted
-from engine.events import Events, StepEvents
+from engine.events import EventHandle, Events, Priority, StepEvents
 from engine.exit_codes import ExitCode
+from engine.handler import Handler, HandlerLike
 from engine.lr import build_lr_scheduler, lr_at
 from engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
 from engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from engine.state import TrainState
+from engine.step_batches import StepBatches
 from engine.trainer import Trainer, default_prepare_batch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EventHandle",
+    "Handler",
+    "HandlerLike",
+    "Priority",
+    "StepBatches",
     "ConfigError",
     "DistInfo",
     "MixtureLoader",

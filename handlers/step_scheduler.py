@@ -216,6 +216,10 @@ class StepScheduler(Handler):
     Config = StepSchedulerConfig
     section = "step_scheduler"
     state_key = "step_scheduler"
+    # Its position is the trainer's (step and epoch): a rollback moves the trainer back, and the
+    # scheduler follows without reloading, so the cadence after a rollback is the same as without,
+    # and a stop signal received before the rollback still stands.
+    restore_on_rollback = False
 
     def __init__(
         self,
