@@ -161,10 +161,8 @@ def test_terminate_from_a_handler_stops_after_the_step_with_a_reason():
     trainer.add_event_handler(Events.STEP_END, lambda e: after.append(e.state.step))
     state = trainer.run(token_batches(6))
     assert state.step == 2 and after == [1, 2]  # the step that asked still completes
-    assert (
-        state.stop_reason
-        == "terminate() called by test_terminate_from_a_handler_stops_after_the_step_with_a_reason.<locals>.stop_early"
-    )
+    assert state.stop_reason.startswith("terminate() called by ")
+    assert state.stop_reason.endswith("<locals>.stop_early")
     assert state.exit_code == 0
 
 
