@@ -349,10 +349,11 @@ class AsyncCheckpointer:
             self._finish(wait=True)
 
     def restore_latest(self, keep_data_position: bool = False) -> int:
-        """Restore the newest complete checkpoint into the running trainer (model, optimizer, LR
-        scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is False, RNG)
-        and return its step. ``keep_data_position``: the data continues from where it is now
-        instead of going back. Collective: every rank calls it (ROLLBACK is agreed)."""
+        """Restore the newest intact complete checkpoint into the running trainer (model, optimizer,
+        LR scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is False, RNG)
+        and return its step; damaged newer ones are skipped with a warning. ``keep_data_position``:
+        the data continues from where it is now instead of going back. Collective: every rank calls
+        it (ROLLBACK is agreed)."""
         self.wait()
         path = self._agreed_checkpoint("auto")
         if path is None:
@@ -392,8 +393,8 @@ class AsyncCheckpointer:
         own_state = f"rank_{_rank():05d}.json"
         try:
             extra = self._rank_state(step)
-        except TypeError as e:  # a handler's state_dict() holds something JSON cannot carry
-            raise CheckpointError(f"cannot save step {step}: {e}") from e
+        except Exception as e:  # e.g. a handler's state_dict() holds something JSON cannot carry
+            raise CheckpointError(f"cannot save step {step}: {type(e).__name__}: {e}") from e
         try:
             os.makedirs(partial, exist_ok=True)
             io.write_json_atomic(os.path.join(partial, own_state), extra)
@@ -540,7 +541,10 @@ class AsyncCheckpointer:
             logger.error("could not publish checkpoint %s: %s", save.final, e)
             return False
         logger.info("checkpoint of step %d is complete: %s", save.step, save.final)
-        self._prune()
+        try:
+            self._prune()
+        except OSError as e:  # the new checkpoint is complete; old ones stay until the next save
+            logger.warning("could not prune old checkpoints in %s (training goes on): %s", self.directory, e)
         return True
 
     def _prune(self) -> None:
