@@ -115,6 +115,26 @@ def payload_inst(marker) -> bytes:
     return f"(V{_shell(marker)}\nios\nsystem\n.".encode()
 
 
+def payload_build_on_class(marker) -> bytes:
+    """BUILD with slot state on an allowed *class*: ``setattr(Metadata, "__eq__", ...)`` would
+    rewrite DCP's class for the whole process."""
+    metadata = "torch.distributed.checkpoint.metadata"
+    slots = pickle.EMPTY_DICT + _text("__eq__") + _global(metadata, "StorageMeta") + pickle.SETITEM
+    return _program(_global(metadata, "Metadata") + pickle.NONE + slots + pickle.TUPLE2 + pickle.BUILD)
+
+
+def payload_build_class_swap(marker) -> bytes:
+    """BUILD with slot state on a real instance: ``__class__`` would turn it into another class."""
+    metadata = "torch.distributed.checkpoint.metadata"
+    instance = _global(metadata, "StorageMeta") + pickle.EMPTY_TUPLE + pickle.NEWOBJ
+    slots = pickle.EMPTY_DICT + _text("__class__") + _global(metadata, "Metadata") + pickle.SETITEM
+    return _program(instance + pickle.NONE + slots + pickle.TUPLE2 + pickle.BUILD)
+
+
+def payload_extension_code(marker) -> bytes:
+    return pickle.PROTO + bytes([4]) + pickle.EXT1 + bytes([7]) + pickle.STOP
+
+
 def payload_persistent_id(marker) -> bytes:
     return pickle.PROTO + bytes([4]) + _text(_shell(marker)) + pickle.BINPERSID + pickle.STOP
 
@@ -129,6 +149,9 @@ PAYLOADS = {
     "protocol_0": payload_protocol_0,
     "inst": payload_inst,
     "persistent_id": payload_persistent_id,
+    "build_on_class": payload_build_on_class,
+    "build_class_swap": payload_build_class_swap,
+    "extension_code": payload_extension_code,
 }
 
 
@@ -199,6 +222,15 @@ def test_crafted_metadata_without_a_matching_manifest_is_never_unpickled(tmp_pat
     assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
     assert any(str(newest) in r.getMessage() and ".metadata" in r.getMessage() for r in caplog.records)
     assert not marker.exists()
+
+
+def test_build_cannot_rewrite_an_allowed_class():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    before = dict(vars(Metadata))
+    with pytest.raises(CheckpointError, match="BUILD"):
+        io.load_metadata(payload_build_on_class(None), "x/.metadata")
+    assert dict(vars(Metadata)) == before
 
 
 def test_real_metadata_of_every_kind_uses_only_allowlisted_globals(tmp_path):
