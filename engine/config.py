@@ -125,10 +125,16 @@ class LRConfig:
 
 @dataclass
 class DistributedConfig:
+    """Process group and parallel layout. ``timeout_s``: the process group's own timeout for a
+    collective. ``hang_timeout_s``: the trainer's progress watchdog ends the process with exit code
+    77 (and a stack dump in the run directory) when the loop makes no progress this long; a health
+    check with a smaller ``health.timeout_s`` tightens it; null disables the watchdog."""
+
     backend: Optional[str] = None
     dp_mode: str = "ddp"
     pp_size: int = 1
     timeout_s: float = 600.0
+    hang_timeout_s: Optional[float] = 1800.0
 
     def validate(self, prefix: str = "distributed") -> None:
         p = prefix
@@ -136,6 +142,7 @@ class DistributedConfig:
         check_choice(f"{p}.dp_mode", self.dp_mode, ("ddp", "fsdp", "none"))
         check_int(f"{p}.pp_size", self.pp_size)
         check_number(f"{p}.timeout_s", self.timeout_s, positive=True)
+        check_number(f"{p}.hang_timeout_s", self.hang_timeout_s, positive=True, allow_none=True)
 
 
 @dataclass

@@ -12,7 +12,20 @@ should_log_remote  scheduler at STEP_START                False before every STE
 is_last_step       scheduler at STEP_START                False before every STEP_START
 should_stop        any handler, any time                  latches; cleared when a run starts
 exit_code          whoever stops the run                  0 when a run starts
+hold_checkpoints   a detector while steps are bad         set/cleared by its owner every step
 =================  =====================================  ==========================================
+
+What handlers tell each other about checkpoints (none imports another):
+
+- ``known_good_step``: the newest step a detector judged good (None: none yet). A checkpointer
+  never prunes the newest checkpoint at or before it.
+- ``hold_checkpoints``: while true, a checkpointer starts and publishes no save (the state may be
+  poisoned).
+- ``rollback_target_step``: set by whoever fires ROLLBACK: restore the newest intact checkpoint
+  at or before this step (None: the newest).
+- ``initial_checkpoint_requested``: a handler that may roll back asks for a step-0 checkpoint
+  when a run starts fresh, so there is always something to roll back to.
+- ``last_checkpoint``: the newest published checkpoint (a path), for ``exit_status.json``.
 
 ``skip_step`` and ``should_stop`` are agreed across data-parallel ranks by the trainer (if any
 rank asks, every rank does it), so no rank steps or stops alone.
@@ -44,6 +57,11 @@ class TrainState(State):
         # Set by a rollback requester while ROLLBACK fires: keep the data position (move past the
         # bad window) instead of restoring the checkpoint's.
         self.rollback_keep_data_position = False
+        self.rollback_target_step: int | None = None
+        self.known_good_step: int | None = None
+        self.hold_checkpoints = False
+        self.initial_checkpoint_requested = False
+        self.last_checkpoint: str | None = None
         self.clear_step_flags()
         super().__init__(**kwargs)
 

@@ -146,7 +146,12 @@ class Trainer(IgniteAdapter):
         self.pipeline = pipeline
         self.events = EventRegistry(self)
         super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
-        self.logger = logger
+        # ignite logs every error it routes to the error path (twice, for the inner and outer loop);
+        # the trainer reports and re-raises errors itself, so ignite's own lines stay quiet unless
+        # a user lowers this logger's level.
+        self.logger = logging.getLogger(f"{__name__}.ignite")
+        if self.logger.level == logging.NOTSET:
+            self.logger.setLevel(logging.CRITICAL)
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
         self._handlers: list[Any] = []

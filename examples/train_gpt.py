@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import (  # noqa: E402
     ConfigError,
+    ExitCode,
     Trainer,
+    TrainingAborted,
     build_lr_scheduler,
     init_distributed,
     wrap_data_parallel,
@@ -43,7 +45,7 @@ from engine.data import (  # noqa: E402
 from engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
-from handlers import RunConfig, attach_handlers, load_run_config  # noqa: E402
+from handlers import RunConfig, attach_handlers, check_run_paths, load_run_config  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
@@ -55,6 +57,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Names
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
     args = parser.parse_args(argv)
     return load_run_config(args.config, args.overrides), args
+
+
+def check_data_files(cfg: RunConfig) -> None:
+    """Every dataset that names a file must exist (the built-in corpora are made on first use)."""
+    for name, source in cfg.data.datasets.items():
+        if source not in BUILTIN_SOURCES and not Path(source).is_file():
+            raise ConfigError(
+                f"data.datasets.{name}",
+                f"{source} is not a file; give a token file (python -m engine.data prepare ...) or one of "
+                f"{', '.join(sorted(BUILTIN_SOURCES))}",
+            )
+
+
+def check_device(cfg: RunConfig) -> None:
+    """``train.device`` (null: the launcher's choice, CPU or this rank's GPU) must exist here."""
+    device = cfg.train.device
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ConfigError(
+            "train.device", f"{device!r} is not a device ({e}); use 'cpu', 'cuda' or null"
+        ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", f"{device!r} but no CUDA device is available; use 'cpu' or null")
 
 
 def token_file(source: str, cache_dir: Path) -> Path:
@@ -123,8 +151,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = parse_args(argv)
-        # Model settings are checked before any process group exists.
+        # Everything that can be checked is checked before any process group or model exists:
+        # model settings, directories, checkpoint paths, data files, the device.
         GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})
+        check_run_paths(cfg)
+        check_data_files(cfg)
+        check_device(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -145,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         dp, dp_rank = info.world_size // pp, info.rank // pp
         train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp)
 
-        model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(info.device)
+        device = torch.device(cfg.train.device) if cfg.train.device else info.device
+        model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(device)
         flops_per_token = model.flops_per_token()  # of the whole model, before any split
         runtime = None
         if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
@@ -176,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             cross_entropy_loss,
             lr_scheduler=lr_scheduler,
             grad_clip_norm=cfg.train.grad_clip_norm,
-            device=info.device,
+            device=device,
             pipeline=runtime,
+            run_dir=run_dir,
+            hang_timeout_s=cfg.distributed.hang_timeout_s,
         )
         # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the
         # step scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then
@@ -198,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
 
-        state = trainer.run(train_loader)
+        try:
+            state = trainer.run(train_loader)
+        except TrainingAborted as e:  # NaN give-up (76), failed health check or lost peer (77), ...
+            print(f"stopped: {e} (exit code {e.exit_code}: {ExitCode(e.exit_code).name})", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
+            return 130
         if info.is_main:
             print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {state.exit_code}", flush=True)
         return int(state.exit_code)

@@ -68,8 +68,9 @@ from engine import checkpoint_io as io
 from engine.checkpoint_io import CheckpointError
 from engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
 from engine.errors import ConfigError
-from engine.events import Events
+from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
+from engine.handler import Handler
 
 __all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError"]
 
@@ -78,12 +79,6 @@ logger = logging.getLogger(__name__)
 MODES = ("sync", "async", "async_staged")
 _FORMAT = "hookloop-checkpoint"
 _VERSION = 1
-# TRAIN_START: right after the trainer's own first handler (priority inf), before everyone else.
-_RESUME_PRIORITY = 1e9
-# STEP_END: after the StepScheduler's flags and validation, before loggers (priority 0).
-_SAVE_PRIORITY = 10
-# BEFORE_OPTIMIZER_STEP: last, right before optimizer.step.
-_STAGING_PRIORITY = -1e9
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 # Counters that count events fired (filters read them): a rollback keeps them monotonic.
 _EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks")
@@ -158,7 +153,7 @@ def _done_future() -> Future:
     return f
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (sync, async or staged-async), resume exactly, answer ROLLBACK.
 
     Args:
@@ -255,18 +250,21 @@ class AsyncCheckpointer:
             raise RuntimeError(
                 "this AsyncCheckpointer is already attached to a trainer; build one per trainer"
             )
-        if getattr(trainer, "checkpointer", None) is not None:
+        if trainer.get_handler(AsyncCheckpointer) is not None:
             raise RuntimeError("the trainer already has a checkpointer attached; attach only one")
-        self.trainer = trainer
-        trainer.checkpointer = self
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=_RESUME_PRIORITY)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=_RESUME_PRIORITY)
-        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=_STAGING_PRIORITY)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=_SAVE_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=_RESUME_PRIORITY)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=_RESUME_PRIORITY)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback)
-        return self
+        # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
+        # the step's flags, metrics and validation are in; wait for staging last before the
+        # optimizer changes the parameters.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.RESUME)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.RESUME)
+        trainer.add_event_handler(
+            Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=Priority.STAGING_WAIT
+        )
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.CHECKPOINT)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.RESUME)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.RESUME)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.RESUME)
+        return super().attach(trainer)
 
     # ------------------------------------------------------------------------------ events
     def _on_train_start(self) -> None:
@@ -274,19 +272,28 @@ class AsyncCheckpointer:
         if self._started:  # a later run() in this process continues; it does not reload
             return
         self._started = True
+        state = self.trainer.state
         if self.resume is not None:
             path = self._agreed_checkpoint(self.resume)
             if path is not None:
                 self._load(path, rollback=False)
-                max_steps = self.trainer.max_steps
-                if max_steps is not None and self.trainer.state.iteration >= max_steps:
-                    logger.info("the checkpoint is at step %d >= max_steps: nothing left to train", max_steps)
+                max_steps = self.trainer.limits[0]
+                if max_steps is not None and state.iteration >= max_steps:
+                    state.request_stop(
+                        f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
+                        "nothing left to train"
+                    )
+                    logger.info("%s", state.stop_reason)
                     self.trainer.terminate()
                 return
         if self.finetune_from is not None:
             path = self._agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
             if path is not None:
                 self._load_weights(path)
+        if state.initial_checkpoint_requested and state.iteration == 0:
+            # Something may roll back before the first regular save: keep the initial state (written
+            # in the background like any save, published at the next step's end).
+            self._start_save(0)
 
     def _on_step_start(self) -> None:
         self.trainer.state.times["checkpoint"] = 0.0
@@ -303,17 +310,22 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         state = self.trainer.state
         step = state.iteration
-        want = step != self.last_saved_step and (
-            state.should_checkpoint
-            or (self.every_steps is not None and step % self.every_steps == 0)
-            or state.is_last_step
-            or self._at_last_step()
-            or (state.should_stop and state.exit_code in _RESUMABLE_EXIT_CODES)
+        hold = state.hold_checkpoints  # a detector distrusts this state: neither save nor publish
+        want = (
+            not hold
+            and step != self.last_saved_step
+            and (
+                state.should_checkpoint
+                or (self.every_steps is not None and step % self.every_steps == 0)
+                or state.is_last_step
+                or self._at_last_step()
+                or (state.should_stop and state.exit_code in _RESUMABLE_EXIT_CODES)
+            )
         )
         inflight = self._inflight
         local_done = inflight is None or inflight.done.done()
         want, all_done = self._agree(want, local_done)
-        if inflight is not None and (all_done or want):
+        if inflight is not None and (all_done or want) and not hold:
             self._finish(wait=not all_done)
         if want:
             self._start_save(step)
@@ -333,8 +345,10 @@ class AsyncCheckpointer:
         self._wait_local()
 
     def _on_rollback(self) -> None:
-        keep = bool(getattr(self.trainer.state, "rollback_keep_data_position", False))
-        self.restore_latest(keep_data_position=keep)
+        state = self.trainer.state
+        self.restore_latest(
+            keep_data_position=state.rollback_keep_data_position, at_or_before=state.rollback_target_step
+        )
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -348,16 +362,17 @@ class AsyncCheckpointer:
         if self._inflight is not None:
             self._finish(wait=True)
 
-    def restore_latest(self, keep_data_position: bool = False) -> int:
-        """Restore the newest intact complete checkpoint into the running trainer (model, optimizer,
-        LR scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is False, RNG)
-        and return its step; damaged newer ones are skipped with a warning. ``keep_data_position``:
-        the data continues from where it is now instead of going back. Collective: every rank calls
-        it (ROLLBACK is agreed)."""
+    def restore_latest(self, keep_data_position: bool = False, at_or_before: int | None = None) -> int:
+        """Restore the newest intact complete checkpoint (at or before step ``at_or_before``, when
+        given) into the running trainer (model, optimizer, LR scheduler, counters, stateful handlers
+        unless their ``restore_on_rollback`` is False, RNG) and return its step; damaged newer ones
+        are skipped with a warning. ``keep_data_position``: the data continues from where it is now
+        instead of going back. Collective: every rank calls it (ROLLBACK is agreed)."""
         self.wait()
-        path = self._agreed_checkpoint("auto")
+        path = self._agreed_checkpoint("auto", at_or_before=at_or_before)
         if path is None:
-            raise CheckpointError(f"no complete checkpoint in {self.directory} to roll back to")
+            limit = "" if at_or_before is None else f" at or before step {at_or_before}"
+            raise CheckpointError(f"no complete checkpoint{limit} in {self.directory} to roll back to")
         self._load(path, rollback=True, keep_data_position=keep_data_position)
         return self.trainer.state.iteration
 
@@ -449,7 +464,9 @@ class AsyncCheckpointer:
             "step": step,
             "rank": _rank(),
             "world_size": _world(),
-            "counters": state.counters(),
+            # This save counts itself: a run resumed from it has saved it (CHECKPOINT_SAVED fires
+            # only once the save is published, after these counters were taken).
+            "counters": {**state.counters(), "checkpoints_saved": state.checkpoints_saved + 1},
             "epoch_length": state.epoch_length,
             "lr_scheduler": None if scheduler is None else io.encode(scheduler.state_dict(), "lr_scheduler"),
             "handlers": handlers,
@@ -502,6 +519,7 @@ class AsyncCheckpointer:
                 f"logged by rank 0); the previous complete checkpoint and `latest` are unchanged"
             )
         self.last_checkpoint = save.final
+        self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
 
     def _collect_entries(self, entries: dict[str, Any]) -> dict[str, Any] | None:
@@ -558,6 +576,11 @@ class AsyncCheckpointer:
         latest = io.read_latest(self.directory)
         if latest:
             keep.add(os.path.join(self.directory, latest))
+        good = self.trainer.state.known_good_step if self.trainer is not None else None
+        if good is not None:  # a rollback may need it: never prune the newest known-good checkpoint
+            known_good = next((path for step, path in complete if step <= good), None)
+            if known_good is not None:
+                keep.add(known_good)
         for _, path in complete[self.keep_last :]:
             if path in keep:
                 continue
@@ -594,7 +617,9 @@ class AsyncCheckpointer:
             )
 
     # ------------------------------------------------------------------------------ loading
-    def _agreed_checkpoint(self, which: str, field: str = "checkpoint.resume") -> str | None:
+    def _agreed_checkpoint(
+        self, which: str, field: str = "checkpoint.resume", at_or_before: int | None = None
+    ) -> str | None:
         """The checkpoint every rank loads, after verifying its manifest (collective).
 
         ``"auto"``: the newest intact complete checkpoint in ``directory``, None when there is no
@@ -608,7 +633,11 @@ class AsyncCheckpointer:
         listing: list[Any] = [[], None]
         if _rank() == 0:
             try:
-                listing[0] = self._candidates(which)
+                listing[0] = [
+                    path
+                    for path in self._candidates(which)
+                    if at_or_before is None or (io.parse_step(os.path.basename(path)) or 0) <= at_or_before
+                ]
             except OSError as e:
                 listing[1] = f"cannot list the checkpoints in {which}: {e}"
         if self._group is not None:
@@ -806,27 +835,19 @@ class AsyncCheckpointer:
         mid_epoch = (
             position is not None and steps > 0 and not (epoch_length is not None and steps >= epoch_length)
         )
-        # ignite adds 1 to ``epoch`` before each epoch and counts the steps already done in it
-        state.epoch = epoch - 1 if mid_epoch else epoch
-        trainer._init_iter = steps if mid_epoch else 0
-        if trainer.step_data is None or position is None:
-            return
-        if mid_epoch:
-            trainer.step_data.load_state_dict(position)
-        elif "source" in position:
-            trainer.step_data.load_state_dict(
-                {"microbatches": 0, "steps": 0, "pass_start_rng": None, "source": position["source"]}
-            )
+        if position is not None and not mid_epoch:
+            # The saved epoch was complete: only a stateful source's own position carries over.
+            source = position.get("source")
+            position = None if source is None else {"microbatches": 0, "steps": 0, "source": source}
+        trainer.resume_at(epoch, steps if mid_epoch else 0, position)
 
     def _rewind_data(self, position: dict | None, epoch_length: int | None, counters: dict) -> None:
         """Rollback without keeping the data position: the live data iterator restarts at the
         checkpoint's position. ignite's own count of steps in this epoch is not reset, so after such
         a rollback EPOCH_END may fire early by the rewound steps; the data order is exact."""
-        trainer = self.trainer
-        if trainer.step_data is None or position is None:
+        if position is None:
             return
-        trainer.step_data.load_state_dict(position)
-        trainer._dataloader_iter = iter(trainer.step_data)
+        self.trainer.rewind_data(position)
 
     def _load_handlers(self, states: dict[str, Any], rollback: bool) -> None:
         registered = self.trainer.stateful

@@ -10,11 +10,19 @@ one small all-reduce: if any rank is bad, every rank vetoes the step, so no rank
 - ``"raise"``: stop at the first bad step with :class:`~engine.TrainingAborted` (exit code
   ``ExitCode.NAN_ABORT``), naming the step.
 - ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, fire ``Events.ROLLBACK`` at
-  the end of that step. A checkpointer answers it by restoring the newest complete checkpoint
-  (model, optimizer, LR scheduler, handlers, RNG, trainer counters); with
-  ``skip_data_on_rollback`` the data position is *not* restored, so training continues past the
-  window that went bad instead of re-feeding it. After ``max_rollbacks`` rollbacks the next one
-  raises ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
+  the end of that step. A checkpointer answers it by restoring the newest intact checkpoint at or
+  before the last step known good (model, optimizer, LR scheduler, handlers, RNG, trainer
+  counters); with ``skip_data_on_rollback`` the data position is *not* restored, so training
+  continues past the window that went bad instead of re-feeding it. If the restored state goes
+  bad again before any good step, the next rollback goes to an older checkpoint: a bad update can
+  leave finite losses for a step or two, so the newest "good" checkpoint may hold poisoned weights.
+  After ``max_rollbacks`` rollbacks, or with no checkpoint old enough, the run stops with
+  ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
+
+  While steps are bad the detector holds checkpoints (``state.hold_checkpoints``): nothing is
+  saved or published during a bad streak, and the checkpointer never prunes the newest checkpoint
+  at or before ``state.known_good_step``. It also asks for a step-0 checkpoint when a run starts
+  fresh (``state.initial_checkpoint_requested``), so a NaN before the first save can roll back.
 
 The detector's own counters survive a rollback (``restore_on_rollback = False``) and are saved in
 checkpoints, so a resumed run keeps its rollback budget.
@@ -30,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from engine.checkpoint_io import CheckpointError
 from engine.checks import check_bool, check_choice, check_int, check_number, dotted
 from engine.events import Priority
 from engine.handler import Handler
@@ -122,6 +131,7 @@ class NaNDetector(Handler):
         self.last_good_loss: float | None = None
         self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
         self._rollback_pending = False
+        self.restored_step: int | None = None
 
     @classmethod
     def from_config(cls, cfg: NaNConfig) -> NaNDetector | None:
@@ -145,6 +155,8 @@ class NaNDetector(Handler):
                 "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an AsyncCheckpointer "
                 "before the NaNDetector, or use action='warn' or 'raise'",
             )
+        if self.action == "rollback":
+            trainer.state.initial_checkpoint_requested = True
         # Early among BEFORE_OPTIMIZER_STEP handlers, so later ones see the verdict.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=Priority.NAN_CHECK)
         # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
@@ -173,9 +185,12 @@ class NaNDetector(Handler):
             self.consecutive = 0
             self.last_good_step, self.last_good_loss = state.step, state.loss
             self._window.append(state.loss)
+            state.known_good_step = state.step
+            state.hold_checkpoints = False
             self._publish(state)
             return
         state.skip_step = True
+        state.hold_checkpoints = self.action == "rollback"
         self.consecutive += 1
         self.total += 1
         self.bad_steps.append(state.step)
@@ -210,20 +225,41 @@ class NaNDetector(Handler):
             )
         self.rollbacks += 1
         self.consecutive = 0
+        target = self._rollback_target()
         logger.warning(
-            "step %d: %d bad steps in a row; rolling back to the last complete checkpoint "
+            "step %d: %d bad steps in a row; rolling back to the newest checkpoint at or before step %d "
             "(rollback %d of %d)",
             state.step,
             self.max_consecutive,
+            target,
             self.rollbacks,
             self.max_rollbacks,
         )
         state.rollback_keep_data_position = self.skip_data_on_rollback
+        state.rollback_target_step = target
+        bad_step = state.step
         try:
             trainer.fire(Events.ROLLBACK)
+        except CheckpointError as e:
+            raise TrainingAborted(
+                f"step {bad_step}: cannot roll back to a checkpoint at or before step {target}: {e}",
+                ExitCode.NAN_ABORT,
+            ) from e
         finally:
             state.rollback_keep_data_position = False
+            state.rollback_target_step = None
+        self.restored_step = state.step
+        state.hold_checkpoints = False
+        logger.warning("rolled back from step %d to step %d", bad_step, state.step)
         self._publish(state)
+
+    def _rollback_target(self) -> int:
+        """The newest step a restore may go to: the last good step, or, when the last restore went
+        bad again before any good step, a step older than that restore."""
+        good = self.last_good_step if self.last_good_step is not None else 0
+        if self.restored_step is not None and good <= self.restored_step:
+            return max(0, self.restored_step - 1)
+        return good
 
     def _publish(self, state: Any) -> None:
         state.metrics["nan/bad_steps"] = self.total
@@ -240,6 +276,7 @@ class NaNDetector(Handler):
             "last_good_step": self.last_good_step,
             "last_good_loss": self.last_good_loss,
             "window": list(self._window),
+            "restored_step": self.restored_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -252,3 +289,4 @@ class NaNDetector(Handler):
         self.last_good_loss = state["last_good_loss"]
         self._window.clear()
         self._window.extend(state["window"])
+        self.restored_step = state.get("restored_step")

@@ -53,6 +53,7 @@ __all__ = [
     "HANDLER_ORDER",
     "RunConfig",
     "attach_handlers",
+    "check_run_paths",
     "compose_config",
     "load_run_config",
     "validate_run_config",
@@ -149,6 +150,48 @@ class RunConfig:
             raise ConfigError(
                 "lr.min_lr", f"({lr.min_lr}) must not exceed optimizer.lr ({self.optimizer.lr})"
             )
+
+
+def check_run_paths(cfg: Any) -> None:
+    """What the file system must offer before a run starts (call it before building a process
+    group or a model): writable ``train.run_dir``, ``checkpoint.directory`` and ``data.cache_dir``;
+    an existing ``checkpoint.resume`` path (unless ``auto`` or null) and ``checkpoint.finetune_from``.
+    Raises :class:`ConfigError` naming the field; nothing already saved is touched."""
+    run_dir = cfg.train.run_dir
+    _check_writable_dir("train.run_dir", run_dir)
+    ckpt = getattr(cfg, "checkpoint", None)
+    if ckpt is not None and ckpt.enabled:
+        _check_writable_dir("checkpoint.directory", ckpt.directory or os.path.join(run_dir, "checkpoints"))
+        for name in ("resume", "finetune_from"):
+            path = getattr(ckpt, name)
+            if path not in (None, "auto") and not os.path.isdir(path):
+                raise ConfigError(
+                    f"checkpoint.{name}",
+                    f"{path} does not exist; pass an existing step_N directory"
+                    + (
+                        ", 'auto' (the newest complete one) or null to start fresh"
+                        if name == "resume"
+                        else ""
+                    ),
+                )
+    data = getattr(cfg, "data", None)
+    if data is not None:
+        _check_writable_dir("data.cache_dir", data.cache_dir)
+
+
+def _check_writable_dir(field_name: str, directory: str) -> None:
+    """``directory`` exists or can be created, and a file can be written in it."""
+    probe = os.path.join(directory, f".hookloop-write-test-{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(
+            field_name,
+            f"{directory} is not a writable directory ({e.strerror or e}); pick one this user can write",
+        ) from None
 
 
 def validate_run_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
