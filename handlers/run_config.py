@@ -180,18 +180,35 @@ def check_run_paths(cfg: Any) -> None:
 
 
 def _check_writable_dir(field_name: str, directory: str) -> None:
-    """``directory`` exists or can be created, and a file can be written in it."""
-    probe = os.path.join(directory, f".hookloop-write-test-{os.getpid()}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(
-            field_name,
-            f"{directory} is not a writable directory ({e.strerror or e}); pick one this user can write",
-        ) from None
+    """``directory`` is a directory a file can be written in, or can be created as one (checked on
+    its nearest existing parent, so nothing is created here)."""
+    path = os.path.abspath(directory)
+    missing = []
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    problem = None
+    if not os.path.isdir(path):
+        problem = f"{path} is not a directory"
+    elif not os.access(path, os.W_OK | os.X_OK):
+        problem = f"{path} is not writable by this user"
+    if problem is None:  # access() says yes to root and on read-only file systems: try it
+        try:
+            if missing:
+                os.mkdir(missing[-1])
+                os.rmdir(missing[-1])
+            else:
+                probe = os.path.join(path, f".hookloop-write-test-{os.getpid()}")
+                with open(probe, "w") as f:
+                    f.write("ok")
+                os.remove(probe)
+        except OSError as e:
+            problem = f"cannot {'create a directory' if missing else 'write'} in {path} ({e.strerror or e})"
+    if problem is not None:
+        raise ConfigError(field_name, f"{directory}: {problem}; pick a directory this user can write")
 
 
 def validate_run_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

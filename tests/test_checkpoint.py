@@ -380,8 +380,9 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
     instant a background write has started; each relaunch resumes from the newest complete
     checkpoint, never a torn one, and the final state equals the uninterrupted run's."""
     steps = 30
-    reference, _ = ckpt_train.build(None)
+    reference, ref_checkpointer = ckpt_train.build(str(tmp_path / "reference"))
     reference.run(ckpt_train.loader(), max_steps=steps)
+    ref_checkpointer.close()
     expected = ckpt_train.final_state(reference)
 
     rng = random.Random(1234)
@@ -419,6 +420,13 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
     assert "RESUMED" in result.stdout and len(resumed_from) == 4
     assert torn_after_kill >= 1  # some kill did land in the middle of a save
     assert_bitwise(torch.load(out, weights_only=True), expected)
+    # The last checkpoint's per-rank state (counters, data position, RNG, LR scheduler, handlers)
+    # equals the uninterrupted run's, field by field.
+    final = io.step_dir_name(steps)
+    ours = io.read_json(directory / final / "rank_00000.json")
+    theirs = io.read_json(tmp_path / "reference" / final / "rank_00000.json")
+    assert ours.keys() == theirs.keys()
+    assert [k for k in ours if ours[k] != theirs[k]] == []
 
 
 # ------------------------------------------------------------------------------ distributed

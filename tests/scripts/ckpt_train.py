@@ -9,8 +9,10 @@ optimizer state to OUT (``torch.save``; read back with ``weights_only=True``).
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
+import numpy as np
 import torch
 
 from engine import Events, Trainer
@@ -24,6 +26,8 @@ def build(
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(0)
+    random.seed(0)  # every RNG the checkpoint holds starts the same in every process
+    np.random.seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)

@@ -1,0 +1,58 @@
+"""The example's exits a job script relies on: 2 and one line for every bad setting (found before
+any process group or model exists), 76 when the NaN detector gives up, and ``exit_status.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.dist_utils import REPO, run_process
+
+SCRIPT = REPO / "examples" / "train_gpt.py"
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("checkpoint.resume=/no/such/step_00000010", "checkpoint.resume"),
+        ("checkpoint.finetune_from=/no/such/step_00000010", "checkpoint.finetune_from"),
+        ("train.run_dir=/proc/no-such-dir", "train.run_dir"),
+        ("data.cache_dir=/proc/no-such-dir", "data.cache_dir"),
+        ("data.datasets.docs=/no/such/tokens.u8", "data.datasets.docs"),
+        ("train.device=cuda", "train.device"),
+        ("optimizer.weight_decay=nan", "optimizer.weight_decay"),
+        ("lr.min_lr=nan", "lr.min_lr"),
+        ("lr.warmup_init=inf", "lr.warmup_init"),
+        ("health.timeout_s=inf", "health.timeout_s"),
+        ("checkpoint.wait_timeout_s=soon", "checkpoint.wait_timeout_s"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line_naming_the_field(tmp_path, override, field):
+    run_dir = tmp_path / "run"
+    args = [f"train.run_dir={run_dir}", "step_scheduler.max_steps=50", override]
+    if override.startswith("train.run_dir"):
+        args = args[1:]
+    result = run_process([sys.executable, str(SCRIPT), *args], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"config error: {field}"), lines[0]
+    assert not (run_dir / "checkpoints").exists()  # nothing was built
+
+
+def test_nan_give_up_exits_76_with_one_line_and_records_it(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_process(
+        [
+            sys.executable, str(SCRIPT), f"train.run_dir={run_dir}", "step_scheduler.max_steps=30",
+            "checkpoint.enabled=false", "nan.action=raise", "optimizer.lr=1e6", "train.grad_clip_norm=null",
+        ],
+        timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 76, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "exit code 76: NAN_ABORT" in result.stderr
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["code"] == 76 and status["meaning"] == "NAN_ABORT"
