@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Trainer  # noqa: E402
+from engine import Events, Trainer  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
 
@@ -49,10 +49,11 @@ def _time_handlers(trainer: Trainer, owners: tuple, spent: list[float]) -> None:
 
         return wrapper
 
-    for entries in trainer._event_handlers.values():
-        for i, (fn, args, kwargs) in enumerate(entries):
-            if getattr(fn, "__self__", None) in owners:
-                entries[i] = (timed(fn), args, kwargs)
+    events = {getattr(Events, name) for name in dir(Events) if name.isupper()}
+    for event in events:
+        for entry in trainer.events.entries(event):  # the registry's own entries: wrap in place
+            if getattr(entry.original, "__self__", None) in owners:
+                entry.func = timed(entry.original)
 
 
 def run(config: str, data: list, steps: int, log_dir: Path, spent: list | None = None) -> tuple[float, float]:

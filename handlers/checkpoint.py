@@ -440,6 +440,7 @@ class AsyncCheckpointer(Handler):
                     response = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
                     staged, done = response.staging_completion, response.upload_completion
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            _reraise_interrupt(e)
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {_last_line(e)}; free space or fix permissions of "
                 f"checkpoint.directory ({self.directory}); the previous complete checkpoint and `latest` "
@@ -498,6 +499,7 @@ class AsyncCheckpointer(Handler):
         except FutureTimeout:
             error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            _reraise_interrupt(e)
             error = e
         failed = self._agree_failed(error is not None)
         if failed:
@@ -927,6 +929,7 @@ class AsyncCheckpointer(Handler):
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            _reraise_interrupt(e)
             raise CheckpointError(
                 f"checkpoint {what} failed: {_last_line(e)}; free space or fix permissions of "
                 f"checkpoint.directory ({self.directory})"
@@ -949,6 +952,17 @@ def _last_line(error: BaseException) -> str:
     """The gist of an error: DCP's CheckpointException carries every rank's traceback, last line last."""
     text = str(error).strip()
     return text.splitlines()[-1] if text else repr(error)
+
+
+def _reraise_interrupt(error: BaseException) -> None:
+    """A Ctrl-C or exit that reached DCP stays what it is: never a CheckpointError."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        raise error
+    failures = getattr(error, "failures", None) if isinstance(error, CheckpointException) else None
+    for failure in (failures or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+            raise type(inner)() from error
 
 
 def _rank() -> int:

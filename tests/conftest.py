@@ -13,6 +13,15 @@ def _one_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def deterministic():
+    """torch's deterministic algorithms for one test (bitwise resume comparisons need them)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
 def tiny_gpt(seed: int = 0, **overrides) -> GPT:
     torch.manual_seed(seed)
     cfg = dict(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2)

@@ -140,3 +140,30 @@ def run_process(
             f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def full_snapshot(trainer: Any) -> dict:
+    """Every parameter and optimizer-state tensor of ``trainer``, gathered to full tensors (also
+    under FSDP2), keyed ``p.<name>`` and ``o.<param>.<state>``: what bitwise comparisons use."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(
+        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    out = {f"p.{k}": v.clone() for k, v in msd.items()}
+    for fqn, s in osd["state"].items():
+        out.update({f"o.{fqn}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
+    return out
+
+
+def to_numpy(d: dict) -> dict:
+    """Tensors as numpy arrays, to return from a spawned rank (tensors would travel through shared
+    memory the finished worker takes away)."""
+    return {k: v.numpy().copy() for k, v in d.items()}
+
+
+def from_numpy(d: dict) -> dict:
+    import torch
+
+    return {k: torch.from_numpy(v) for k, v in d.items()}

@@ -24,18 +24,13 @@ from engine import checkpoint_io as io
 from examples.models.gpt import cross_entropy_loss
 from handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from tests.conftest import tiny_gpt, token_batches
-from tests.dist_utils import REPO, run_distributed
+from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
 from tests.scripts import ckpt_train
 
 MODES = ("sync", "async", "async_staged")
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def noisy_prepare(microbatch, device):
@@ -279,7 +274,7 @@ def params_at_train_start(trainer: Trainer, out: dict, optimizer: bool = True) -
     @trainer.on(Events.TRAIN_START)
     def _grab(engine):  # runs after the checkpointer's resume
         if optimizer:  # (get_state_dict gives an optimizer without state a zero-lr step)
-            out.update(_full_snapshot(engine))
+            out.update(full_snapshot(engine))
         else:
             out.update({f"p.{n}": p.detach().clone() for n, p in engine.model.named_parameters()})
 
@@ -430,24 +425,6 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
 
 
 # ------------------------------------------------------------------------------ distributed
-def _full_snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(
-        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True)
-    )
-    out = {f"p.{k}": v.clone() for k, v in msd.items()}
-    for fqn, s in osd["state"].items():
-        out.update({f"o.{fqn}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
-    return out
-
-
-def _to_numpy(d: dict) -> dict:  # tensors would travel through shared memory the worker takes away
-    return {k: v.numpy().copy() for k, v in d.items()}
-
-
-def _from_numpy(d: dict) -> dict:
-    return {k: torch.from_numpy(v) for k, v in d.items()}
 
 
 def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, load_from: str | None) -> dict:
@@ -471,11 +448,11 @@ def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, loa
         params_at_train_start(t, loaded)
         t.run(data, max_steps=3)
         ck.close()
-        result["loaded_from_1"] = _to_numpy(loaded)
+        result["loaded_from_1"] = to_numpy(loaded)
     torch.manual_seed(0)
     ref = build()
     ref.run(data, max_steps=6)
-    expected = _full_snapshot(ref)
+    expected = full_snapshot(ref)
 
     torch.manual_seed(0)
     first = build()
@@ -483,13 +460,13 @@ def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, loa
     stop_at(first, 3)
     first.run(data, max_steps=6)
     ck.close()
-    result["checkpoint_3"] = _to_numpy(_full_snapshot(first))
+    result["checkpoint_3"] = to_numpy(full_snapshot(first))
 
     second = build(seed=4)
     ck2 = AsyncCheckpointer(directory, mode="async_staged", every_steps=2).attach(second)
     second.run(data, max_steps=6)
     ck2.close()
-    got = _full_snapshot(second)
+    got = full_snapshot(second)
     result["bitwise"] = got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     result["steps"] = (second.state.step, ck2.resumed_from)
     return result
@@ -503,13 +480,13 @@ def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp
         AsyncCheckpointer(tmp_path / "single", mode="sync").attach(single)
         single.run(token_batches(4), max_steps=2)
         load_from = str(tmp_path / "single" / io.step_dir_name(2))
-        single_state = _full_snapshot(single)
+        single_state = full_snapshot(single)
     results = run_distributed(_dist_resume_worker, 2, dp_mode, str(tmp_path / "dist"), load_from, timeout=150)
     for r in results:
         assert r["bitwise"], f"{dp_mode}: resumed run differs from the uninterrupted one"
         assert r["steps"] == (6, str(tmp_path / "dist" / io.step_dir_name(3)))
     if dp_mode == "fsdp":
-        assert_bitwise(_from_numpy(results[0]["loaded_from_1"]), single_state)
+        assert_bitwise(from_numpy(results[0]["loaded_from_1"]), single_state)
         # 2 -> 1: the FSDP2 checkpoint of step 3 loads into one plain process
         one = plain_trainer(7)
         ck = AsyncCheckpointer(tmp_path / "one", resume=tmp_path / "dist" / io.step_dir_name(3)).attach(one)
@@ -517,7 +494,7 @@ def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp
         params_at_train_start(one, loaded)
         one.run(token_batches(8), max_steps=4)
         assert ck.resumed_from.endswith(io.step_dir_name(3)) and one.state.step == 4
-        assert_bitwise(loaded, _from_numpy(results[0]["checkpoint_3"]))
+        assert_bitwise(loaded, from_numpy(results[0]["checkpoint_3"]))
 
 
 def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_path):

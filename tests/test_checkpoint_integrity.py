@@ -22,15 +22,9 @@ from engine import checkpoint_io as io
 from examples.models.gpt import cross_entropy_loss
 from handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from tests.conftest import tiny_gpt, token_batches
-from tests.dist_utils import run_distributed, run_process
+from tests.dist_utils import full_snapshot, run_distributed, run_process
 
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _trainer(seed: int = 0) -> Trainer:
@@ -358,16 +352,6 @@ def test_a_failing_background_write_is_a_checkpoint_error(tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------ two ranks
-def _full_snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(
-        trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True)
-    )
-    out = {f"p.{k}": v.clone() for k, v in msd.items()}
-    for fqn, s in osd["state"].items():
-        out.update({f"o.{fqn}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
-    return out
 
 
 def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
@@ -389,7 +373,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
     ck = AsyncCheckpointer(directory, mode="async", every_steps=2).attach(first)
     states: dict = {}
     first.add_event_handler(
-        Events.STEP_END, lambda e: states.update({e.state.step: _full_snapshot(e)}), priority=-100
+        Events.STEP_END, lambda e: states.update({e.state.step: full_snapshot(e)}), priority=-100
     )
     first.run(data, max_steps=4)
     ck.close()
@@ -413,7 +397,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
     second = build(7)
     ck2 = AsyncCheckpointer(directory, mode="async").attach(second)
     loaded: dict = {}
-    second.add_event_handler(Events.TRAIN_START, lambda e: loaded.update(_full_snapshot(e)))
+    second.add_event_handler(Events.TRAIN_START, lambda e: loaded.update(full_snapshot(e)))
     second.run(data, max_steps=5)
     ck2.close()
     return {

@@ -18,12 +18,7 @@ from tests.conftest import tiny_gpt, token_batches
 TOTAL, STOP = 16, 10
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _pairs(n: int, seed: int) -> list:
