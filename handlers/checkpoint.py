@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine import checkpoint_io as io
+from engine import parallel
 from engine.checkpoint_io import CheckpointError
 from engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
 from engine.errors import ConfigError
@@ -405,7 +406,7 @@ class AsyncCheckpointer(Handler):
     def _start_save(self, step: int) -> None:
         name = io.step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session}")
-        own_state = f"rank_{_rank():05d}.json"
+        own_state = f"rank_{parallel.rank():05d}.json"
         try:
             extra = self._rank_state(step)
         except Exception as e:  # e.g. a handler's state_dict() holds something JSON cannot carry
@@ -413,7 +414,7 @@ class AsyncCheckpointer(Handler):
         try:
             os.makedirs(partial, exist_ok=True)
             io.write_json_atomic(os.path.join(partial, own_state), extra)
-            entries = io.checksum_files(partial, [own_state], _rank())  # tens of kB
+            entries = io.checksum_files(partial, [own_state], parallel.rank())  # tens of kB
         except OSError as e:
             raise CheckpointError(
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
@@ -421,7 +422,9 @@ class AsyncCheckpointer(Handler):
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
         state_dict = {"model": model_sd, "optim": optim_sd}
-        writer = io.RecordingWriter(partial, _rank())  # checksums the DCP files as it makes them durable
+        writer = io.RecordingWriter(
+            partial, parallel.rank()
+        )  # checksums the DCP files as it makes them durable
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,
             "storage_writer": writer,
@@ -463,8 +466,8 @@ class AsyncCheckpointer(Handler):
             "format": _FORMAT,
             "version": _VERSION,
             "step": step,
-            "rank": _rank(),
-            "world_size": _world(),
+            "rank": parallel.rank(),
+            "world_size": parallel.world_size(),
             # This save counts itself: a run resumed from it has saved it (CHECKPOINT_SAVED fires
             # only once the save is published, after these counters were taken).
             "counters": {**state.counters(), "checkpoints_saved": state.checkpoints_saved + 1},
@@ -511,9 +514,9 @@ class AsyncCheckpointer(Handler):
             ) from error
         files = self._collect_entries(entries)
         ok = True
-        if _rank() == 0:
+        if parallel.rank() == 0:
             ok = self._publish(save, files)
-        if _world() > 1:
+        if parallel.world_size() > 1:
             ok = not self._agree_failed(not ok)
         if not ok:
             raise CheckpointError(
@@ -529,7 +532,7 @@ class AsyncCheckpointer(Handler):
         write uses any more: every rank's save is done); the other ranks get None."""
         if self._group is None:
             return dict(entries)
-        parts: list[Any] | None = [None] * _world() if _rank() == 0 else None
+        parts: list[Any] | None = [None] * parallel.world_size() if parallel.rank() == 0 else None
         dist.gather_object(entries, parts, dst=0, group=self._group)
         if parts is None:
             return None
@@ -544,7 +547,7 @@ class AsyncCheckpointer(Handler):
         try:
             marker = {
                 "step": save.step,
-                "world_size": _world(),
+                "world_size": parallel.world_size(),
                 "mode": self.mode,
                 "time": time.time(),
                 "manifest": io.make_manifest(files),
@@ -608,7 +611,7 @@ class AsyncCheckpointer(Handler):
             logger.error("checkpoint of step %d failed: %r", save.step, e)
             self._inflight = None
             return
-        if _world() == 1:  # no peer to agree with: this save is complete
+        if parallel.world_size() == 1:  # no peer to agree with: this save is complete
             self._finish(wait=False)
         else:
             self._inflight = None
@@ -633,7 +636,7 @@ class AsyncCheckpointer(Handler):
         if which != "auto":
             _check_loadable(which, field)
         listing: list[Any] = [[], None]
-        if _rank() == 0:
+        if parallel.rank() == 0:
             try:
                 listing[0] = [
                     path
@@ -694,7 +697,7 @@ class AsyncCheckpointer(Handler):
     def _verify_agreed(self, path: str) -> tuple[list[str], bool]:
         """Every rank's problems with ``path`` (each rank checks its share of the files) and whether
         it has a manifest at all; identical on every rank."""
-        rank, world = (_rank(), _world()) if self._group is not None else (0, 1)
+        rank, world = (parallel.rank(), parallel.world_size()) if self._group is not None else (0, 1)
         try:
             problems, verified = io.verify_checkpoint(path, rank, world)
         except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
@@ -713,7 +716,7 @@ class AsyncCheckpointer(Handler):
         stored_model = {k for k in stored if k.startswith("model.")}
         held = set(wanted)
         if self._group is not None:  # ranks may hold different parts (pipeline stages): the union counts
-            gathered: list[Any] = [None] * _world()
+            gathered: list[Any] = [None] * parallel.world_size()
             dist.all_gather_object(gathered, sorted(held), group=self._group)
             held = set().union(*(set(keys) for keys in gathered))
         missing = sorted(set(wanted) - stored_model)
@@ -864,14 +867,14 @@ class AsyncCheckpointer(Handler):
             logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
 
     def _read_rank_state(self, path: str) -> dict[str, Any]:
-        own = os.path.join(path, f"rank_{_rank():05d}.json")
+        own = os.path.join(path, f"rank_{parallel.rank():05d}.json")
         if not os.path.exists(own):
             own = os.path.join(path, "rank_00000.json")
             logger.warning(
                 "%s was written by a different number of ranks: rank %d takes rank 0's data position "
                 "and RNG states",
                 path,
-                _rank(),
+                parallel.rank(),
             )
         try:
             extra = io.read_json(own)
@@ -894,7 +897,7 @@ class AsyncCheckpointer(Handler):
             dist.broadcast(t, src=0, group=self._group)
             session = int(t[0])
         self._session = f"{session:08x}"
-        if _rank() == 0:
+        if parallel.rank() == 0:
             self._remove_stale_partials()
 
     def _remove_stale_partials(self) -> None:
@@ -906,16 +909,16 @@ class AsyncCheckpointer(Handler):
 
     def _agree(self, want: bool, done: bool) -> tuple[bool, bool]:
         """One all-reduce (MAX) on the training group: any rank wants a save / any rank not done."""
-        if _world() == 1:
+        if parallel.world_size() == 1:
             return want, done
-        t = torch.tensor([int(want), int(not done)], dtype=torch.int32, device=_collective_device())
+        t = torch.tensor([int(want), int(not done)], dtype=torch.int32, device=parallel.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0]), not bool(t[1])
 
     def _agree_failed(self, failed: bool) -> bool:
-        if _world() == 1:
+        if parallel.world_size() == 1:
             return failed
-        t = torch.tensor([int(failed)], dtype=torch.int32, device=_collective_device())
+        t = torch.tensor([int(failed)], dtype=torch.int32, device=parallel.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0])
 
@@ -963,20 +966,6 @@ def _reraise_interrupt(error: BaseException) -> None:
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, (KeyboardInterrupt, SystemExit)):
             raise type(inner)() from error
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_writable(directory: str) -> None:
