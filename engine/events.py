@@ -250,7 +250,7 @@ class EventRegistry:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._entries: dict[Any, list[_Entry]] = {}
-        self._plans: dict[Any, list] = {}
+        self._plans: dict[int, list] = {}
         self._seq = itertools.count()
         self._version = 0
 
@@ -327,7 +327,7 @@ class EventRegistry:
     def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
         """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after
         the ones already there (as in ignite); one removed during the firing no longer runs."""
-        plan = self._plans.get(event)
+        plan = self._plans.get(id(event))  # by identity: event members hash slowly (by name)
         if plan is None:
             plan = self._plan(event)
         if not plan:
@@ -338,10 +338,16 @@ class EventRegistry:
         for every, attr, entries in plan:
             if every is not None and getattr(state, attr) % every:
                 continue
-            for entry in entries:
+            for entry in entries:  # _call, inlined: this loop is the engine's hot path
                 if version != self._version and entry.removed:
                     continue
-                self._call(entry, engine, state, event_args, event_kwargs)
+                if entry.filter is not None and not entry.filter(engine, getattr(state, entry.attr)):
+                    continue
+                kwargs = {**entry.kwargs, **event_kwargs} if event_kwargs else entry.kwargs
+                if entry.pass_engine:
+                    entry.func(engine, *event_args, *entry.args, **kwargs)
+                else:
+                    entry.func(*event_args, *entry.args, **kwargs)
         if version != self._version:
             self._fire_added(event, plan, event_args, event_kwargs)
 
@@ -379,11 +385,12 @@ class EventRegistry:
                 plan[-1][2].append(entry)
             else:
                 plan.append((key[0], key[1], [entry]))
-        self._plans[event] = plan
+        if isinstance(event, EventEnum):  # members live as long as their enum: stable ids
+            self._plans[id(event)] = plan
         return plan
 
     def _changed(self, event: Any) -> None:
-        self._plans.pop(event, None)
+        self._plans.clear()  # attaching is rare; an equal event object must not keep a stale plan
         self._version += 1
 
 

@@ -69,6 +69,7 @@ class IgniteAdapter(Engine):
     """
 
     events: Any
+    watchdog: Any = None
 
     def register_events(self, *event_names: Any, event_to_attr: dict | None = None) -> None:
         super().register_events(*event_names, event_to_attr=event_to_attr)
@@ -79,12 +80,16 @@ class IgniteAdapter(Engine):
 
     # ------------------------------------------------------------------ the overridden hooks
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        self.dispatch(event_name, *event_args, **event_kwargs)
-
-    def dispatch(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        """Run ``event_name``'s handlers (what ignite's loop does for its own events)."""
+        # The hot path of every event: kept to one call into the registry.
         self.last_event_name = event_name
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.feed()
         self.events.fire(event_name, event_args, event_kwargs)
+
+    #: Run an event's handlers (what ignite's loop does for its own events) and feed the progress
+    #: watchdog: the public name of the dispatch hook.
+    dispatch = _fire_event
 
     def _setup_dataloader_iter(self) -> None:
         self._dataloader_iter = self._step_iterator(self.state.dataloader)

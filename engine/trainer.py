@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
+_UNSET = object()
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
@@ -155,6 +156,7 @@ class Trainer(IgniteAdapter):
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
         self._handlers: list[Any] = []
+        self._fire_counters: dict[int, str | None] = {}
         self._stateful: dict[str, Any] = {}
 
         self.model = model
@@ -264,8 +266,13 @@ class Trainer(IgniteAdapter):
 
     def fire(self, event: StepEvents, *args: Any, **kwargs: Any) -> None:
         """Fire a custom event, advancing the counter its filters read."""
-        attr = STEP_EVENT_TO_ATTR.get(event) or self.state.event_to_attr.get(event)
-        if attr is not None and attr not in ("iteration", "epoch"):
+        attr = self._fire_counters.get(id(event), _UNSET)
+        if attr is _UNSET:  # once per event: members hash slowly, so look up by identity after
+            attr = STEP_EVENT_TO_ATTR.get(event) or self.state.event_to_attr.get(event)
+            attr = None if attr in ("iteration", "epoch") else attr
+            if isinstance(event, StepEvents):
+                self._fire_counters[id(event)] = attr
+        if attr is not None:
             setattr(self.state, attr, getattr(self.state, attr) + 1)
         self.dispatch(event, *args, **kwargs)
 
@@ -453,11 +460,6 @@ class Trainer(IgniteAdapter):
 
     def _on_watchdog_expired(self, reason: str) -> None:
         self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
-
-    def dispatch(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
-        if self.watchdog is not None:
-            self.watchdog.feed()
-        super().dispatch(event_name, *event_args, **event_kwargs)
 
     @property
     def limits(self) -> tuple[int | None, int | None]:

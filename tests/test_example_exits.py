@@ -56,3 +56,61 @@ def test_nan_give_up_exits_76_with_one_line_and_records_it(tmp_path):
     assert "exit code 76: NAN_ABORT" in result.stderr
     status = json.loads((run_dir / "exit_status.json").read_text())
     assert status["code"] == 76 and status["meaning"] == "NAN_ABORT"
+
+
+def test_a_killed_peer_ends_the_example_with_77_and_one_line(tmp_path):
+    """Two ranks of the example with a health check; rank 1 is SIGKILLed mid-run: rank 0 exits 77
+    within seconds, says why in one line, and records it in exit_status.json."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.dist_utils import free_port
+
+    run_dir = tmp_path / "run"
+    port = free_port()
+    args = [
+        f"train.run_dir={run_dir}", "step_scheduler.max_steps=100000", "lr.decay_steps=100000",
+        "logging.log_interval=1", "logging.console=false", "health.enabled=true", "health.every_steps=1",
+        "health.timeout_s=5", "checkpoint.enabled=false", "nan.action=warn",
+    ]  # fmt: skip
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no training"
+            time.sleep(0.2)
+        killed = time.monotonic()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=60)
+        seconds = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert procs[0].returncode == 77, err[-3000:]
+    assert seconds < 30, seconds
+    assert "Traceback" not in err
+    assert "exit code 77" in err or "no progress" in err
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["code"] == 77
