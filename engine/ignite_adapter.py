@@ -11,6 +11,8 @@ these private hooks of ``ignite.engine.Engine``:
 - ``_init_iter`` / ``_dataloader_iter``: the loop's position inside an epoch, set when a checkpoint
   puts the run back at a saved step.
 - ``_allowed_events``: the events registered with ``register_events``.
+- ``_is_done``, ``_internal_run_generator``, ``_check_and_set_max_epochs``: whether a run is
+  finished, and extending one (``run()`` continues an unfinished run, as ignite does).
 - ``every_event_filter``'s closure: a plain ``every=N`` filter is read as the number N so the
   registry can skip whole runs of filtered-out handlers with one modulo.
 
@@ -113,6 +115,10 @@ class IgniteAdapter(Engine):
     def restart_data(self) -> None:
         """Restart the live data iterator now (from ``state.dataloader`` and the data position)."""
         self._setup_dataloader_iter()
+
+    def extend_max_epochs(self, max_epochs: int) -> None:
+        """Raise the epoch limit of the current run (ignite's check: not below the epoch reached)."""
+        self._check_and_set_max_epochs(max_epochs)
 
     @property
     def run_finished(self) -> bool:

@@ -395,7 +395,7 @@ class Trainer(IgniteAdapter):
                     )
                 self._run_max_steps = max_steps
             if max_epochs is not None:
-                self._check_and_set_max_epochs(max_epochs)
+                self.extend_max_epochs(max_epochs)
         if state.max_epochs is None or self.finished:
             self._run_max_steps = self.max_steps if max_steps is None else max_steps
             max_epochs = self.max_epochs if max_epochs is None else max_epochs

@@ -29,6 +29,8 @@ IGNITE_PRIVATE = {
     "_fire_event",
     "_process_function",
     "_state_dict_user_keys",
+    "_check_and_set_max_epochs",
+    "_check_and_set_max_iters",
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"handlers.metric_logger", "handlers.loggers"}

@@ -107,3 +107,14 @@ def test_is_done_and_the_run_generator_decide_whether_run_continues():
     assert Engine._is_done(engine.state) and engine._internal_run_generator is None
     engine.run([1, 2], max_epochs=2)  # a larger limit continues the run
     assert engine.state.iteration == 4
+
+
+def test_check_and_set_max_epochs_extends_a_run_and_refuses_to_go_below_it():
+    import pytest
+
+    engine = Engine(lambda e, b: None)
+    engine.run([1, 2], max_epochs=2)
+    engine._check_and_set_max_epochs(3)
+    assert engine.state.max_epochs == 3
+    with pytest.raises(ValueError):
+        engine._check_and_set_max_epochs(1)
