@@ -262,7 +262,7 @@ def load_config(
         if key in _MOVED:
             raise ConfigError(key, f"is not a setting here; use {_MOVED[key]}")
     if overrides:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        layers.append(OmegaConf.from_dotlist([_null_words(schema, item) for item in overrides]))
     try:
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
@@ -273,6 +273,35 @@ def load_config(
         msg = str(e).splitlines()[0]
         raise ConfigError(key, f"{msg} ({_where(schema, key)})") from None
     return validate_sections(cfg, world_size)
+
+
+_NULL_WORDS = ("None", "none")
+
+
+def _null_words(schema: type, item: str) -> str:
+    """``key=None`` / ``key=none`` as ``key=null`` when ``key`` names an Optional field, so every
+    spelling of null works on the command line (YAML reads ``null`` and ``~`` already); elsewhere
+    the word stays a string."""
+    key, value = item.split("=", 1)
+    if value.strip() in _NULL_WORDS and _is_optional(schema, key.strip()):
+        return f"{key}=null"
+    return item
+
+
+def _is_optional(schema: type, key: str) -> bool:
+    """The field ``key`` (dotted, through nested dataclasses) is annotated ``Optional[...]``."""
+    hint: Any = schema
+    for name in key.split("."):
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            return False
+        try:
+            hints = typing.get_type_hints(hint)
+        except Exception:  # an annotation that does not resolve: leave the value alone
+            return False
+        if name not in hints:
+            return False
+        hint = hints[name]
+    return type(None) in typing.get_args(hint)
 
 
 def _where(schema: type, key: str) -> str:
