@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             state = trainer.run(train_loader)
+        except ConfigError as e:  # a setting only the running trainer can check (e.g. the data)
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         except TrainingAborted as e:  # NaN give-up (76), failed health check or lost peer (77), ...
             print(f"stopped: {e} (exit code {e.exit_code}: {ExitCode(e.exit_code).name})", file=sys.stderr)
             return e.exit_code

@@ -39,6 +39,7 @@ to save or load leaves as a ``CheckpointError`` naming the path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -82,7 +83,7 @@ _FORMAT = "hookloop-checkpoint"
 _VERSION = 1
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 # Counters that count events fired (filters read them): a rollback keeps them monotonic.
-_EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks")
+_EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks", "skipped_steps")
 # Optimizer state and hyper-parameters keyed by parameter name, so ranks that hold different
 # parameters (pipeline stages) never write the same key.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -278,6 +279,7 @@ class AsyncCheckpointer(Handler):
             path = self._agreed_checkpoint(self.resume)
             if path is not None:
                 self._load(path, rollback=False)
+                state.last_checkpoint = path
                 max_steps = self.trainer.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
                     state.request_stop(
@@ -361,7 +363,14 @@ class AsyncCheckpointer(Handler):
         """Drain the save in flight: wait until it is durable on every rank, then publish it
         (marker, ``latest``, pruning, CHECKPOINT_SAVED). Collective: call it on every rank."""
         if self._inflight is not None:
-            self._finish(wait=True)
+            with self._long_wait():
+                self._finish(wait=True)
+
+    def _long_wait(self) -> Any:
+        """Lift the trainer's progress watchdog around a wait that is long by nature and bounded
+        by its own timeout (``wait_timeout_s``, the process group's timeout)."""
+        watchdog = getattr(self.trainer, "watchdog", None) if self.trainer is not None else None
+        return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
 
     def restore_latest(self, keep_data_position: bool = False, at_or_before: int | None = None) -> int:
         """Restore the newest intact complete checkpoint (at or before step ``at_or_before``, when
@@ -435,7 +444,8 @@ class AsyncCheckpointer(Handler):
         try:
             with _quiet_single_process():
                 if self.mode == "sync":
-                    dcp.save(state_dict, **kwargs)
+                    with self._long_wait():
+                        dcp.save(state_dict, **kwargs)
                     done = _done_future()
                 elif self.mode == "async":
                     done = dcp.async_save(state_dict, **kwargs)
@@ -776,7 +786,8 @@ class AsyncCheckpointer(Handler):
     def _load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> None:
         """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it."""
         try:
-            self._restore(path, rollback=rollback, keep_data_position=keep_data_position)
+            with self._long_wait():
+                self._restore(path, rollback=rollback, keep_data_position=keep_data_position)
         except CheckpointError:
             raise
         except Exception as e:

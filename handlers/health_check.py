@@ -151,6 +151,9 @@ class HealthCheck(Handler):
         logger.error(message)
         if self.trainer is not None:
             self.trainer.state.request_stop(message, ExitCode.HEALTH_CHECK_FAILED)
+            # Recorded now: the grace timer below may end the process before the run's own exit
+            # path gets to write it.
+            self.trainer.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), message)
         self._arm_watchdog()
         raise HealthCheckError(message)
 
