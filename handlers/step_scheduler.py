@@ -652,6 +652,15 @@ class StepScheduler(Handler):
         decisions for step k are on ``trainer.state`` from STEP_START of step k on."""
         if self.trainer is not None:
             raise RuntimeError("this StepScheduler is already attached to a trainer")
+        # 1 is the trainer's default: anything else was asked for and must not be silently replaced
+        if trainer.grad_accum_steps not in (1, self.grad_acc_steps):
+            raise ConfigError(
+                "grad_accum_steps",
+                f"the trainer was built with grad_accum_steps={trainer.grad_accum_steps} but its "
+                f"StepScheduler computes {self.grad_acc_steps} (global_batch_size {self.global_batch_size} "
+                f"/ (local_batch_size {self.local_batch_size} x dp_size {self.dp_size})); drop "
+                "grad_accum_steps from Trainer(...) and set global_batch_size on the StepScheduler",
+            )
         trainer.grad_accum_steps = self.grad_acc_steps
         trainer.max_steps = self.max_steps
         trainer.max_epochs = self.num_epochs

@@ -670,3 +670,28 @@ def test_two_processes_signal_from_outside_stops_both_after_the_same_step(tmp_pa
     stop_step = results[1][1][-1]["step"]
     assert 3 <= stop_step < 40
     check_agreed_stop(results, stop_step)
+
+
+def test_attach_refuses_an_explicit_trainer_grad_accum_steps_that_disagrees():
+    data = token_batches(8)
+    model = tiny_gpt(0, n_layers=1)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), cross_entropy_loss, grad_accum_steps=2
+    )
+    s = StepScheduler(8, 2, 1, data, num_epochs=1, stop_signals=None)  # 4 microbatches per step
+    with pytest.raises(ConfigError, match="grad_accum_steps") as info:
+        s.attach(trainer)
+    message = str(info.value)
+    assert "grad_accum_steps=2" in message and "computes 4" in message and "global_batch_size" in message
+    assert trainer.grad_accum_steps == 2  # left as the user built it
+
+
+def test_attach_accepts_an_explicit_trainer_grad_accum_steps_that_agrees():
+    data = token_batches(8)
+    model = tiny_gpt(0, n_layers=1)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), cross_entropy_loss, grad_accum_steps=4
+    )
+    StepScheduler(8, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
+    assert trainer.grad_accum_steps == 4
+    assert trainer.run(data).step == 2
