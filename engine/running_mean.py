@@ -50,6 +50,16 @@ class RunningMean:
     def clear(self) -> None:
         self._values.clear()
 
+    @property
+    def values(self) -> list[float]:
+        """The values in the window, oldest first (what a checkpoint keeps to resume the mean)."""
+        return list(self._values)
+
+    def restore(self, values: Iterable[float]) -> None:
+        """Replace the window's contents with ``values`` (the last ``window`` finite ones count)."""
+        self.clear()
+        self.extend(values)
+
     def __len__(self) -> int:
         return len(self._values)
 

@@ -309,6 +309,7 @@ class StepScheduler(Handler):
 
         self._in_epoch = False
         self._loss_window = RunningMean(loss_average_window_steps)
+        self._loss_window_loaded = False  # a checkpoint's window survives the next start
         self._exit_kind: str | None = None  # "signal", "duration" or "interval" once agreed
         self._exit_reason: str | None = None
         self._polled_step: int | None = None
@@ -496,7 +497,9 @@ class StepScheduler(Handler):
         self._exit_kind = self._exit_reason = None
         self._polled_step = None
         self._signal_seen = None
-        self._loss_window.clear()
+        if not self._loss_window_loaded:
+            self._loss_window.clear()
+        self._loss_window_loaded = False
         self._start_time = time.monotonic()
 
     def close(self) -> None:
@@ -611,18 +614,20 @@ class StepScheduler(Handler):
             self._restore_signals()
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, int]:
-        """``{"step": steps done, "epoch": epochs done}``; a checkpoint taken at the end of step k
-        resumes at step k + 1 with the same cadence."""
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step": steps done, "epoch": epochs done, "loss_window": the losses behind loss_avg}``;
+        a checkpoint taken at the end of step k resumes at step k + 1 with the same cadence and the
+        same running average."""
         step = self.step
         epoch = self.epoch
         if self.epoch_len is not None and step == (epoch + 1) * self.epoch_len:
             epoch += 1
-        return {"step": int(step), "epoch": int(epoch)}
+        return {"step": int(step), "epoch": int(epoch), "loss_window": self._loss_window.values}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (``step`` and ``epoch``). Attached to a trainer whose state is
-        fresh, the position moves into the trainer when training starts."""
+        """Continue from ``state`` (``step``, ``epoch`` and, from newer checkpoints, ``loss_window``).
+        Attached to a trainer whose state is fresh, the position moves into the trainer when
+        training starts."""
         if not isinstance(state, Mapping):
             raise ValueError(
                 "a StepScheduler state must be a mapping with 'step' and 'epoch', got "
@@ -645,6 +650,10 @@ class StepScheduler(Handler):
         self._pending_start = True
         self._polled_step = None
         self._exit_kind = self._exit_reason = None
+        window = state.get("loss_window")
+        if window is not None:  # older checkpoints have none: the average restarts, as before
+            self._loss_window.restore(float(v.item() if hasattr(v, "item") else v) for v in window)
+        self._loss_window_loaded = window is not None
 
     # ------------------------------------------------------------------ as a handler
     def attach(self, trainer: Any) -> StepScheduler:

@@ -163,7 +163,7 @@ def test_one_step_convention_by_hand():
         (7, 1, [4, 5], False, False, False),
         (8, 1, [6], True, True, True),  # last step
     ]
-    assert s.state_dict() == {"step": 8, "epoch": 2}
+    assert s.state_dict() == {"step": 8, "epoch": 2, "loss_window": []}
 
 
 def test_data_running_out_before_max_steps_makes_the_last_batch_the_last_step():
@@ -196,7 +196,7 @@ def test_iterable_without_length_runs_across_epochs_until_max_steps():
     assert [f[0] for f in flags if f[2]] == [3, 6, 7]  # every 3 steps and the last step
     assert not any(f[3] for f in flags)  # no length: epoch ends are unknown ahead of time
     assert [f[1] for f in flags] == [0, 0, 0, 1, 1, 1, 2]
-    assert s.state_dict() == {"step": 7, "epoch": 2}
+    assert s.state_dict() == {"step": 7, "epoch": 2, "loss_window": []}
 
 
 def test_remote_logging_and_gc_steps_are_multiples():
@@ -225,7 +225,7 @@ def test_resume_mid_epoch_continues_the_same_cadence_and_data(stateful_loader):
         for _group in first:
             pass
     saved = first.state_dict()
-    assert saved == {"step": 8, "epoch": 1}
+    assert saved == {"step": 8, "epoch": 1, "loss_window": []}
 
     if stateful_loader:  # a loader that restores its own position: nothing is skipped by us
 
@@ -358,7 +358,7 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
     for i, (_loss_k, avg) in enumerate(losses):
         window = [x for x, _ in losses[max(0, i - 2) : i + 1]]
         assert avg == pytest.approx(sum(window) / len(window))
-    assert s.state_dict() == {"step": 8, "epoch": 2}
+    assert s.state_dict() == {"step": 8, "epoch": 2, "loss_window": [x for x, _ in losses[-3:]]}
     assert not state.should_checkpoint  # the trainer cleared the per-step flags
 
 
@@ -398,7 +398,7 @@ def test_attached_resume_mid_epoch_continues_flags_and_data(restored_by):
     _, _, full_rows = run()
     stopped, saved, _ = run(exit_interval=6)  # stops after step 6, in the middle of epoch 1
     assert (stopped.step, stopped.exit_code) == (6, ExitCode.STOPPED)
-    assert saved["scheduler"] == {"step": 6, "epoch": 1}
+    assert {k: saved["scheduler"][k] for k in ("step", "epoch")} == {"step": 6, "epoch": 1}
     state, _, rows = run(saved)
     assert (state.step, state.epoch, state.exit_code) == (12, 3, ExitCode.SUCCESS)
     # the same decisions, epochs and microbatches as the uninterrupted run: nothing replayed
@@ -695,3 +695,47 @@ def test_attach_accepts_an_explicit_trainer_grad_accum_steps_that_agrees():
     StepScheduler(8, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
     assert trainer.grad_accum_steps == 4
     assert trainer.run(data).step == 2
+
+
+def _loss_avg_run(directory, stop_at=None):
+    """Train 10 steps with a StepScheduler (window 4) and an AsyncCheckpointer in ``directory``;
+    returns the final state and the loss_avg of every step."""
+    from handlers.checkpoint import AsyncCheckpointer
+
+    torch.manual_seed(0)
+    data = token_batches(12)  # 2 per step: 6 steps per epoch
+    trainer = make_trainer()
+    s = StepScheduler(
+        4, 2, 1, data, ckpt_every_steps=3, max_steps=10, loss_average_window_steps=4, stop_signals=None
+    )
+    s.attach(trainer)
+    AsyncCheckpointer(directory, mode="sync").attach(trainer)
+    averages = {}
+
+    @trainer.on(Events.STEP_END, priority=1_000)
+    def _record():
+        averages[trainer.state.step] = trainer.state.metrics["loss_avg"]
+        if trainer.state.step == stop_at:
+            trainer.state.request_stop("test stop", ExitCode.STOPPED)
+
+    return trainer.run(data), averages
+
+
+def test_resumed_run_continues_the_loss_average(tmp_path, deterministic):
+    full, expected = _loss_avg_run(tmp_path / "full")
+    stopped, _ = _loss_avg_run(tmp_path / "run", stop_at=6)
+    assert (stopped.step, stopped.exit_code) == (6, ExitCode.STOPPED)
+    resumed, averages = _loss_avg_run(tmp_path / "run")
+    assert (full.step, resumed.step) == (10, 10)
+    assert min(averages) == 7  # it resumed after step 6
+    assert averages[7] == pytest.approx(expected[7], abs=1e-12, rel=0)
+    assert averages[10] == pytest.approx(expected[10], abs=1e-12, rel=0)
+
+
+def test_a_state_without_a_loss_window_still_loads():
+    s = StepScheduler(2, 1, 1, list(range(6)), max_steps=6, stop_signals=None)
+    s.record_loss(1.0)
+    s.load_state_dict({"step": 2, "epoch": 0})  # a checkpoint from before the window was saved
+    assert s.step == 2
+    s.load_state_dict({"step": 2, "epoch": 0, "loss_window": [1.0, 3.0]})
+    assert s.loss_avg == 2.0
