@@ -11,6 +11,9 @@ from handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["ConsoleLogger"]
 
+# ignite's max_epochs when only max_steps limits a run (2**62): not a real epoch count
+_NO_EPOCH_LIMIT = 2**61
+
 
 def _fmt(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else str(value)
@@ -19,9 +22,12 @@ def _fmt(value: float, spec: str) -> str:
 class ConsoleLogger(MetricLogger):
     """Shows loss, lr and tokens/s as training runs.
 
-    On a TTY (or ``progress_bar=True``) it attaches ignite's ``ProgressBar`` (tqdm), refreshed every
-    ``refresh_every`` steps (tqdm redraws cost more than a tiny step). Otherwise it prints one plain
-    line per log step to ``stream``::
+    On a TTY (or ``progress_bar=True``) it shows one tqdm bar for the whole run: one tick per
+    optimizer step across epochs, out of the run's steps (``max_steps``, or epochs x steps per epoch
+    when only epochs limit the run; no total when neither is known), refreshed every
+    ``refresh_every`` steps (tqdm redraws cost more than a tiny step). The rate and time left leave
+    out the first step (warm-up, compilation). Otherwise it prints one plain line per log step to
+    ``stream``::
 
         step 120/1000 | loss 2.3411 (avg 2.4020) | lr 3.00e-04 | 18,204 tok/s | 0.0412 s/step
     """
@@ -59,26 +65,71 @@ class ConsoleLogger(MetricLogger):
             stream = self.stream if self.stream is not None else sys.stderr
             use_bar = bool(getattr(stream, "isatty", lambda: False)())
         if use_bar and self.active:
-            from ignite.handlers import ProgressBar
-
-            def postfix(_output: Any) -> dict[str, float]:
-                state = trainer.state
-                return {
-                    "loss": state.loss,
-                    "lr": state.lr,
-                    "tok/s": state.metrics.get("tokens_per_s", math.nan),
-                }
-
-            self.pbar = ProgressBar(persist=True, file=self.stream)
-            self.pbar.attach(
-                trainer, output_transform=postfix, event_name=Events.STEP_END(every=self.refresh_every)
-            )
+            trainer.add_event_handler(Events.TRAIN_START, self._open_bar, priority=self.priority)
+            trainer.add_event_handler(Events.STEP_END, self._advance_bar, priority=self.priority)
         return super().attach(trainer)
+
+    def _run_steps(self) -> int | None:
+        """The steps this run ends at: ``max_steps``, else epochs x steps per epoch, else unknown."""
+        trainer = self.trainer
+        max_steps, max_epochs = trainer.limits
+        if max_steps is not None:
+            return max_steps
+        epoch_length = getattr(trainer.state, "epoch_length", None)
+        if max_epochs is not None and max_epochs < _NO_EPOCH_LIMIT and epoch_length:
+            return max_epochs * epoch_length
+        return None
+
+    def _open_bar(self) -> None:
+        from tqdm import tqdm
+
+        self._close_bar()
+        done = self.trainer.state.iteration  # a resumed run starts where it stopped
+        self.pbar = tqdm(
+            total=self._run_steps(),
+            initial=done,
+            desc="train",
+            unit="step",
+            file=self.stream,
+            smoothing=0,  # the average rate since the clock restarted after the first step
+            dynamic_ncols=True,
+            mininterval=0,
+        )
+        self._bar_first = done + 1
+        self._bar_shown = done
+
+    def _advance_bar(self) -> None:
+        bar = self.pbar
+        if bar is None or bar.disable:  # disable: closed
+            return
+        state = self.trainer.state
+        step = state.iteration
+        if step == self._bar_first:
+            # the first step pays for warm-up and compilation: the rate counts from its end
+            bar.n = self._bar_shown = step
+            bar.initial = step
+            bar.start_t = bar.last_print_t = bar._time()
+            bar.refresh()
+            return
+        if step % self.refresh_every and not state.is_last_step and step != self._run_steps():
+            return
+        postfix = {"loss": _fmt(state.loss, ".4f"), "lr": _fmt(state.lr, ".2e")}
+        if "tokens_per_s" in state.metrics:  # published by a MetricsTracker on its log steps
+            postfix["tok/s"] = _fmt(state.metrics["tokens_per_s"], ",.0f")
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(step - self._bar_shown)
+        self._bar_shown = step
+
+    def _close_bar(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()  # idempotent; the closed bar stays readable (its n, total, format_dict)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self.pbar is not None:
             if "val_loss" in metrics:
-                self.pbar.log_message(f"step {step} | val_loss {_fmt(metrics['val_loss'], '.4f')}")
+                self.pbar.write(
+                    f"step {step} | val_loss {_fmt(metrics['val_loss'], '.4f')}", file=self.stream
+                )
             return
         max_steps = self.trainer.limits[0]
         parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
@@ -102,8 +153,5 @@ class ConsoleLogger(MetricLogger):
         stream.flush()
 
     def close(self) -> None:
-        bar = self.pbar.pbar if self.pbar is not None else None  # the tqdm bar, None once closed
-        if bar is not None:  # the run stopped mid-epoch, before ignite closed the bar at EPOCH_END
-            bar.close()
-            self.pbar.pbar = None
+        self._close_bar()  # the bar's last state stays on screen
         self._stream().flush()
