@@ -266,7 +266,18 @@ class MetricsTracker(Handler):
         # A partial interval is published at TRAIN_END before the loggers write and close.
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.TRACK_END)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=Priority.TRACK_END)
+        # A rollback is recorded with the step it left (before the checkpointer restores, at RESUME)
+        # and the step it went back to (after).
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=Priority.TIME)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=Priority.TRACK)
         return super().attach(trainer)
+
+    def _on_rollback_start(self) -> None:
+        self._rollback_from = self.trainer.state.step
+
+    def _on_rollback_done(self) -> None:
+        step = self.trainer.state.step
+        self._write_progress({"event": "rollback", "step": step, "from": self._rollback_from, "to": step})
 
     # ------------------------------------------------------------------ per step
     def _reset_interval(self) -> None:
@@ -292,6 +303,8 @@ class MetricsTracker(Handler):
                 "world_size": parallel.world_size(),
             }
         )
+        if state.step > 0:  # the checkpointer (earlier at TRAIN_START) restored a checkpoint
+            self._write_progress({"event": "resume", "step": state.step})
 
     def _on_train_end(self) -> None:
         # a run that stopped between log steps still publishes its last partial interval

@@ -18,7 +18,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_records", "main", "plot_run"]
+__all__ = ["load_events", "load_records", "main", "plot_run"]
+
+# progress.jsonl lines that mark a moment of the run rather than carry metrics
+_EVENTS = ("start", "resume", "rollback")
+
+
+def load_events(run_dir: str | os.PathLike) -> dict[str, list[int]]:
+    """Steps of the resumes and rollbacks (the step rolled back to) recorded in
+    ``run_dir/progress.jsonl`` by the MetricsTracker: ``{"resume": [...], "rollback": [...]}``."""
+    events: dict[str, list[int]] = {"resume": [], "rollback": []}
+    path = Path(run_dir) / "progress.jsonl"
+    if not path.is_file():
+        return events
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") in events and "step" in record:
+                events[record["event"]].append(int(record["step"]))
+    return events
 
 
 def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -35,7 +56,7 @@ def load_records(path: str | os.PathLike) -> list[dict[str, Any]]:
                 if n > 1:  # a torn last line from a killed job: skip it
                     continue
                 raise
-            if not isinstance(record, dict) or "step" not in record or record.get("event") == "start":
+            if not isinstance(record, dict) or "step" not in record or record.get("event") in _EVENTS:
                 continue
             by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
@@ -94,6 +115,17 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
         ax_tp.plot(xs, ys)
     ax_tp.set_ylabel("tokens / s")
     ax_tp.set_xlabel("step")
+    markers = load_events(run_dir)
+    for kind, color in (("resume", "tab:green"), ("rollback", "tab:red")):
+        for i, step in enumerate(markers[kind]):
+            for ax in (ax_loss, ax_lr, ax_tp):
+                ax.axvline(
+                    step,
+                    color=color,
+                    linestyle=":",
+                    linewidth=1,
+                    label=kind if ax is ax_loss and i == 0 else None,
+                )
     for ax in (ax_loss, ax_lr, ax_tp):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -169,8 +169,16 @@ def test_progress_log_is_appended_across_a_resume(tmp_path):
 
     second.run(_tokens(), max_steps=8)
     lines = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
-    assert [r["event"] for r in lines] == ["start", "progress", "progress", "start", "progress", "progress"]
-    assert [r["step"] for r in lines] == [0, 2, 4, 4, 6, 8]
+    assert [r["event"] for r in lines] == [
+        "start",
+        "progress",
+        "progress",
+        "start",
+        "resume",
+        "progress",
+        "progress",
+    ]
+    assert [r["step"] for r in lines] == [0, 2, 4, 4, 4, 6, 8]
     progress = [r for r in lines if r["event"] == "progress"]
     fpt = second.model.flops_per_token()
     for r in progress:
