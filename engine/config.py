@@ -25,9 +25,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
+from engine.activation_checkpointing import AC_MODES
 from engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from engine.compile import compile_mode
 from engine.data.config import DataConfig, PhaseConfig
 from engine.errors import ConfigError
 from engine.lr import DECAY_STYLES, WSD_DECAY_STYLES
@@ -50,7 +52,11 @@ __all__ = [
 
 @dataclass
 class TrainConfig:
-    """What every run has: seed, batch shape, clipping, threads, where outputs go."""
+    """What every run has: seed, batch shape, clipping, threads, where outputs go.
+
+    ``activation_checkpointing``: "none", "full" (every transformer block) or "selective" (every
+    other block), see :mod:`engine.activation_checkpointing`. ``compile``: false, true (= "blocks"),
+    "blocks" (each block compiled) or "model" (the whole module), see :mod:`engine.compile`."""
 
     seed: int = 0
     local_batch_size: int = 8
@@ -60,6 +66,8 @@ class TrainConfig:
     num_threads: Optional[int] = None
     run_dir: str = "runs/default"
     device: Optional[str] = None
+    activation_checkpointing: str = "none"
+    compile: Union[bool, str] = False
 
     def validate(self, prefix: str = "train") -> None:
         p = prefix
@@ -71,6 +79,8 @@ class TrainConfig:
         check_int(f"{p}.num_threads", self.num_threads, allow_none=True)
         check_str(f"{p}.run_dir", self.run_dir, what="a directory path")
         check_str(f"{p}.device", self.device, allow_none=True, what="a device name such as 'cpu' or 'cuda'")
+        check_choice(f"{p}.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        compile_mode(self.compile, f"{p}.compile")
 
 
 @dataclass
