@@ -25,12 +25,13 @@ with AC on or off: checkpoints load across the setting.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
 from engine.checks import check_choice
 
-__all__ = ["AC_MODES", "apply_activation_checkpointing", "transformer_blocks"]
+__all__ = ["AC_MODES", "apply_activation_checkpointing", "saved_activation_bytes", "transformer_blocks"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -88,3 +89,49 @@ def apply_activation_checkpointing(
         wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         setattr(parent, name, wrapped)  # a ModuleDict/ModuleList entry too: setattr replaces it
     return model
+
+
+def saved_activation_bytes(model: nn.Module, *inputs: Any) -> int:
+    """Bytes of activations one forward pass of ``model(*inputs)`` keeps for backward.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves, once
+    (views of one storage region are counted once), parameters left out (they are kept anyway).
+    Inside a checkpointed block the checkpoint's own hooks take over, so those tensors are not
+    saved; what it keeps instead, the block's inputs, is counted from a forward pre-hook on each
+    wrapper. The recomputation in backward saves again, one block at a time: that transient peak
+    is not counted."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    params = {p.data_ptr() for p in model.parameters()}
+    seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
+    total = 0
+
+    def count(t: torch.Tensor) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.data_ptr() in params:
+            return
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count(t)
+        return t
+
+    def pre_hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        for a in args:
+            count(a)
+
+    handles = [
+        m.register_forward_pre_hook(pre_hook) for m in model.modules() if isinstance(m, CheckpointWrapper)
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    del out
+    return total
