@@ -39,6 +39,7 @@ __all__ = [
     "DistributedConfig",
     "LRConfig",
     "OptimizerConfig",
+    "PRECISIONS",
     "PhaseConfig",
     "PipelineSection",
     "TrainConfig",
@@ -48,6 +49,10 @@ __all__ = [
 
 # OmegaConf resolves annotations at run time, so sections spell Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
+
+#: ``train.precision`` and ``Trainer(precision=...)``: fp32, or autocast to bf16 / fp16 (fp16 with a
+#: gradient scaler); see the README's "Precision" section.
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 
 
 @dataclass
@@ -68,6 +73,7 @@ class TrainConfig:
     device: Optional[str] = None
     activation_checkpointing: str = "none"
     compile: Union[bool, str] = False
+    precision: str = "fp32"
 
     def validate(self, prefix: str = "train") -> None:
         p = prefix
@@ -81,6 +87,7 @@ class TrainConfig:
         check_str(f"{p}.device", self.device, allow_none=True, what="a device name such as 'cpu' or 'cuda'")
         check_choice(f"{p}.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         compile_mode(self.compile, f"{p}.compile")
+        check_choice(f"{p}.precision", self.precision, PRECISIONS)
 
 
 @dataclass

@@ -133,11 +133,24 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def wrap_data_parallel(model: torch.nn.Module, mode: str = "ddp", *, mesh: Any = None) -> torch.nn.Module:
+def wrap_data_parallel(
+    model: torch.nn.Module, mode: str = "ddp", *, mesh: Any = None, mixed_precision: Any = None
+) -> torch.nn.Module:
     """Wrap ``model`` for data parallelism: ``"ddp"`` (DistributedDataParallel), ``"fsdp"``
-    (FSDP2 ``fully_shard`` on each block, then the root) or ``"none"``. One process: unchanged."""
+    (FSDP2 ``fully_shard`` on each block, then the root) or ``"none"``. One process: unchanged.
+
+    ``mixed_precision`` (FSDP2 only; DDP ignores it): ``"bf16-mixed"`` shards with
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (bf16 compute copies of
+    the fp32 shards, gradients reduced in fp32), or pass a ``MixedPrecisionPolicy`` itself;
+    None, ``"fp32"`` and ``"fp16-mixed"`` (autocast and a GradScaler do that) keep fp32 params."""
     if mode not in ("ddp", "fsdp", "none"):
         raise ConfigError("distributed.dp_mode", f"must be 'ddp', 'fsdp' or 'none', got {mode!r}")
+    if isinstance(mixed_precision, str) and mixed_precision not in ("fp32", "bf16-mixed", "fp16-mixed"):
+        raise ConfigError(
+            "mixed_precision",
+            "must be 'fp32', 'bf16-mixed', 'fp16-mixed', a MixedPrecisionPolicy or None, "
+            f"got {mixed_precision!r}",
+        )
     if mode == "none" or world_size() == 1:
         return model
     if mode == "ddp":
@@ -146,13 +159,24 @@ def wrap_data_parallel(model: torch.nn.Module, mode: str = "ddp", *, mesh: Any =
         device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
         process_group = mesh.get_group() if mesh is not None else None
         return DistributedDataParallel(model, device_ids=device_ids, process_group=process_group)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if mixed_precision == "bf16-mixed":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision is None or isinstance(mixed_precision, str):
+        policy = MixedPrecisionPolicy()
+    elif isinstance(mixed_precision, MixedPrecisionPolicy):
+        policy = mixed_precision
+    else:
+        raise TypeError(
+            "mixed_precision must be a precision name or a MixedPrecisionPolicy, "
+            f"got {type(mixed_precision).__name__}"
+        )
     blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
     if blocks is not None:
         for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

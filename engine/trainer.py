@@ -24,6 +24,8 @@ import torch
 from ignite.engine import Engine
 
 from engine import parallel
+from engine.checks import check_choice
+from engine.config import PRECISIONS
 from engine.errors import ConfigError, PeerFailure, exit_code_of
 from engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
 from engine.exit_codes import ExitCode
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
+_AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _UNSET = object()
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
@@ -94,6 +97,10 @@ class Trainer(IgniteAdapter):
         graceful_sigint: the first Ctrl-C (SIGINT) during ``run()`` asks for a stop after the
             current step with a final checkpoint (exit code 75, agreed across ranks); a second one
             interrupts at once (``KeyboardInterrupt``). False: Python's default, a traceback.
+        precision: ``"fp32"``; ``"bf16-mixed"`` (forward and loss under ``torch.autocast`` to
+            bfloat16, in training and validation); ``"fp16-mixed"`` (autocast to float16 plus a
+            ``torch.amp.GradScaler``, checkpointed as ``"grad_scaler"``: an overflow skips the step
+            on every rank and sets ``state.grad_scaler_overflow``).
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class Trainer(IgniteAdapter):
         run_dir: str | os.PathLike | None = None,
         hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
         graceful_sigint: bool = True,
+        precision: str = "fp32",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -126,6 +134,7 @@ class Trainer(IgniteAdapter):
             isinstance(grad_clip_norm, (int, float)) and grad_clip_norm > 0
         ):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
+        check_choice("precision", precision, PRECISIONS)
 
         if pipeline is not None:
             if not hasattr(pipeline, "run_step"):
@@ -142,6 +151,12 @@ class Trainer(IgniteAdapter):
                     "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
                 )
             self.grad_accum_steps = pipeline.n_microbatches
+            if precision == "fp16-mixed":
+                raise ConfigError(
+                    "precision",
+                    "'fp16-mixed' (loss scaling) is not supported with pipeline parallelism: the "
+                    "schedule runs backward itself; use 'bf16-mixed' or pipeline.dtype",
+                )
             if pipeline.loss_fn is None:
                 pipeline.loss_fn = loss_fn
         self.pipeline = pipeline
@@ -169,6 +184,13 @@ class Trainer(IgniteAdapter):
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self.precision = precision
+        self._autocast_dtype = _AUTOCAST_DTYPES[precision]
+        self.grad_scaler: torch.amp.GradScaler | None = None
+        self.state.grad_scaler_overflow = False
+        if precision == "fp16-mixed":
+            self.grad_scaler = torch.amp.GradScaler(self.device.type)
+            self.register_stateful("grad_scaler", self.grad_scaler)
         # Limits a StepScheduler (or the user) configures; run() arguments override them per run.
         self.max_steps: int | None = None
         self.max_epochs: int | None = None
@@ -223,6 +245,13 @@ class Trainer(IgniteAdapter):
     def collective_device(self) -> torch.device:
         """Where tensors for a collective over the trainer's ranks must live (CPU for gloo)."""
         return parallel.collective_device()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context forward and loss run under: ``torch.autocast`` to the precision's dtype, or
+        one shared no-op context for fp32 (nothing entered, nothing allocated)."""
+        if self._autocast_dtype is None:
+            return _NO_CONTEXT
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def set_validation(
         self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
@@ -574,6 +603,7 @@ class Trainer(IgniteAdapter):
         watchdog = self.watchdog
         ddp = hasattr(model, "no_sync")
         fsdp = hasattr(model, "set_requires_gradient_sync")
+        scaler = self.grad_scaler
         loss_sum: Any = 0.0
         tokens = samples = 0
         for i, microbatch in enumerate(microbatches):
@@ -582,11 +612,15 @@ class Trainer(IgniteAdapter):
             if fsdp:  # gradients reduce-scatter only on the step's last microbatch
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if ddp and not last else _NO_CONTEXT:
-                output = model(inputs)
-                loss = self.loss_fn(output, targets)
+                with self.autocast():
+                    output = model(inputs)
+                    loss = self.loss_fn(output, targets)
                 if not self._loss_checked:
                     self._check_loss(loss)
-                (loss / n).backward()
+                if scaler is None:
+                    (loss / n).backward()
+                else:
+                    scaler.scale(loss / n).backward()
             loss = loss.detach()
             loss_sum = loss_sum + loss
             if isinstance(inputs, torch.Tensor):
@@ -624,9 +658,17 @@ class Trainer(IgniteAdapter):
     def finish_step(self, local_loss: torch.Tensor, tokens: int, samples: int) -> float:
         """The tail every step body shares: the step's loss and counts reduced over data-parallel
         ranks into the state, gradients measured and clipped, BEFORE_OPTIMIZER_STEP with its agreed
-        veto, the optimizer and LR scheduler. ``local_loss`` is this rank's mean microbatch loss."""
+        veto, the optimizer and LR scheduler. ``local_loss`` is this rank's mean microbatch loss.
+        With fp16 loss scaling the gradients are unscaled first, and an overflow (a non-finite
+        norm on any rank) vetoes the step on every rank."""
+        state = self.state
         self._reduce_step_metrics(local_loss, tokens, samples)
-        self.state.grad_norm = self._clip_gradients()
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+        state.grad_norm = self._clip_gradients()
+        if self.grad_scaler is not None:
+            state.grad_scaler_overflow = self.agree_any(not math.isfinite(state.grad_norm))
+            state.skip_step = state.skip_step or state.grad_scaler_overflow
         return self._optimizer_step()
 
     def _reduce_step_metrics(self, local_loss: torch.Tensor, tokens: int, samples: int) -> None:
@@ -662,15 +704,29 @@ class Trainer(IgniteAdapter):
         state = self.state
         self.fire(Events.BEFORE_OPTIMIZER_STEP)
         state.skip_step = self.agree_any(state.skip_step)
+        scaler = self.grad_scaler
         if state.skip_step:
             state.skipped_steps += 1
-        else:
+        elif scaler is None:
             self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+        else:
+            scaler.step(self.optimizer)
+        if not state.skip_step and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        if scaler is not None:
+            self._update_scale(scaler, state.grad_scaler_overflow)
         self.optimizer.zero_grad(set_to_none=True)
         state.lr = self.optimizer.param_groups[0]["lr"]
         return state.loss
+
+    def _update_scale(self, scaler: torch.amp.GradScaler, overflow: bool) -> None:
+        """``scaler.update()``, with an agreed overflow counted on every rank (also one whose own
+        gradients were finite) so every rank backs the scale off alike and the scales stay equal."""
+        if overflow:
+            recorded = scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+            for found_inf in recorded.values():
+                found_inf.fill_(1.0)
+        scaler.update()
 
     # ------------------------------------------------------------------ validation
     def _maybe_validate(self) -> None:
@@ -694,8 +750,10 @@ class Trainer(IgniteAdapter):
         if self.watchdog is not None:
             self.watchdog.feed()
         inputs, targets = self.prepare_batch(microbatch, self.device)
-        output = self.model(inputs)
-        engine.state.loss_total += self.loss_fn(output, targets).detach().double().cpu()
+        with self.autocast():
+            output = self.model(inputs)
+            loss = self.loss_fn(output, targets)
+        engine.state.loss_total += loss.detach().double().cpu()
         engine.state.loss_batches += 1
         return output, targets
 

@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             model = runtime.module
         else:
-            model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh)
+            fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
+            model = wrap_data_parallel(
+                model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
+            )
         optimizer = build_optimizer(cfg, model)
         lr_scheduler = build_lr_scheduler(
             optimizer,
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline=runtime,
             run_dir=run_dir,
             hang_timeout_s=cfg.distributed.hang_timeout_s,
+            precision=cfg.train.precision,
         )
         # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the
         # step scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then

@@ -179,7 +179,8 @@ class NaNDetector(Handler):
 
     def _check(self, trainer: Trainer) -> None:
         state = trainer.state
-        reason = self._is_bad(state.loss, state.grad_norm)
+        overflow = getattr(state, "grad_scaler_overflow", False)  # fp16 loss scale too high: not a NaN
+        reason = self._is_bad(state.loss, 0.0 if overflow else state.grad_norm)
         bad = trainer.agree_any(reason is not None)
         if not bad:
             self.consecutive = 0

@@ -10,6 +10,13 @@ Microbatches: the trainer's microbatches *are* the schedule's. One step takes
 samples, concatenates them into one batch and hands it to ``schedule.step``, which cuts it back
 into the same microbatches. A short group (the end of an epoch) is padded with copies whose loss
 weight is zero, so gradients are the mean over the real microbatches, as in the local body.
+
+Precision: ``pipeline.dtype`` casts the stage modules themselves (pure low-precision parameters
+and activations). ``Trainer(precision="bf16-mixed")`` runs the whole ``schedule.step`` (every
+stage's forward, the loss, and the backward the schedule interleaves, which autocast leaves in
+the forward's dtypes) and the validation forward under ``trainer.autocast()``; activations then
+cross stages in bfloat16. ``"fp16-mixed"`` is refused: loss scaling would have to reach inside the
+schedule's backward.
 """
 
 from __future__ import annotations
@@ -179,7 +186,8 @@ class PipelineRuntime:
         pairs = self._prepare(trainer, microbatches)
         self._set_weights(n_real)
         fire_microbatch = trainer.has_event_handler_for(Events.MICROBATCH)
-        losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
+        with trainer.autocast():
+            losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
         tokens = samples = 0
         if self.has_first:  # count each sample once per pipeline, not once per stage
             for inputs, _ in pairs[:n_real]:
@@ -255,7 +263,8 @@ class PipelineRuntime:
         group: list[Any] = []
 
         def flush() -> None:
-            losses = self._forward_only([trainer.prepare_batch(mb, trainer.device) for mb in group])
+            with trainer.autocast():
+                losses = self._forward_only([trainer.prepare_batch(mb, trainer.device) for mb in group])
             total[0] += losses.sum()
             total[1] += len(group)
             group.clear()
