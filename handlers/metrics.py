@@ -13,6 +13,12 @@ Timing contract (what ``step_time_s`` means):
   never counts checkpoint time.
 * ``data_time_s`` is the wait for the step's microbatches (ignite's GET_BATCH events), which happens
   before STEP_START. Throughput divides by step time plus data time: a slow loader shows up.
+* The first step of every run (also of a resumed one) is warm-up: ``torch.compile`` compiles there,
+  allocators and loader workers start. Its time (step plus data) is reported once, as
+  ``state.times["first_step"]`` and an info log line, and left out of ``step_time_s``,
+  ``data_time_s``, ``tokens_per_s``, ``samples_per_s``, TFLOP/s and MFU (its tokens too); an
+  interval holding no other step publishes none of those. The cumulative ``train_time_s`` includes
+  it.
 
 Every ``log_interval`` steps (and at the last step) the tracker reduces its interval averages across
 ranks with one all-reduce (MAX: the job runs at the pace of its slowest rank), writes them into
@@ -282,6 +288,7 @@ class MetricsTracker(Handler):
     # ------------------------------------------------------------------ per step
     def _reset_interval(self) -> None:
         self._n = 0
+        self._timed = 0  # steps in the timing figures: all but a run's first
         self._step_time = 0.0
         self._interval_data_time = 0.0
         self._tokens = 0
@@ -292,6 +299,7 @@ class MetricsTracker(Handler):
         self._reset_interval()
         self._samples_mark = state.samples_seen
         self._job_start = time.time()
+        self._first_step = True
         state.metrics_step = None
         # A StepScheduler publishes loss_avg every step over its own window: the tracker leaves it be.
         self._owns_loss_avg = self.trainer.get_handler("step_scheduler") is None
@@ -329,13 +337,22 @@ class MetricsTracker(Handler):
         elapsed = time.perf_counter() - self._t_start
         state = self.trainer.state
         blocked = state.times.get("checkpoint") or 0.0
-        self._step_time += max(elapsed - blocked, 0.0)
-        self._interval_data_time += self._data_time
+        step_time, data_time = max(elapsed - blocked, 0.0), self._data_time
         self._data_time = 0.0
         self._n += 1
-        self._tokens += state.step_tokens
-        self._samples += state.samples_seen - self._samples_mark
-        self._samples_mark = state.samples_seen
+        if self._first_step:  # warm-up (compilation): reported once, outside the averages
+            self._first_step = False
+            self._samples_mark = state.samples_seen
+            state.times["first_step"] = step_time + data_time
+            self.train_time_s += step_time + data_time
+            logger.info("first step (compile/warm-up) took %.3f s", step_time + data_time)
+        else:
+            self._step_time += step_time
+            self._interval_data_time += data_time
+            self._timed += 1
+            self._tokens += state.step_tokens
+            self._samples += state.samples_seen - self._samples_mark
+            self._samples_mark = state.samples_seen
         if self._owns_loss_avg:
             self._loss_window.add(state.loss)
 
@@ -346,14 +363,14 @@ class MetricsTracker(Handler):
 
     def _publish(self) -> None:
         state = self.trainer.state
-        n = max(self._n, 1)
+        n = max(self._timed, 1)
         local = [self._step_time / n, self._interval_data_time / n, _rss_mb()]
         cuda = self.trainer.device.type == "cuda"
         if cuda:
             local.append(torch.cuda.max_memory_allocated(self.trainer.device) / 2**20)
         step_time, data_time, rss, *cuda_mem = _all_reduce_max(local, self.trainer.collective_device)
-        # the interval as seen by the slowest rank
-        interval_s = (step_time + data_time) * n
+        # the interval as seen by the slowest rank (its timed steps: a run's first is apart)
+        interval_s = (step_time + data_time) * self._timed
         self.train_time_s += interval_s
         m = state.metrics
         m["loss"] = state.loss
@@ -363,11 +380,12 @@ class MetricsTracker(Handler):
             m["loss_avg"] = self._written_loss_avg
         m["grad_norm"] = state.grad_norm
         m["lr"] = state.lr
-        m["step_time_s"] = step_time
-        m["data_time_s"] = data_time
-        if self._tokens:  # token models only: a float-input model has no tokens to count
-            m["tokens_per_s"] = self._tokens / interval_s if interval_s > 0 else float("nan")
-        m["samples_per_s"] = self._samples / interval_s if interval_s > 0 else float("nan")
+        if self._timed:  # an interval of the first step alone has no timing figures
+            m["step_time_s"] = step_time
+            m["data_time_s"] = data_time
+            if self._tokens:  # token models only: a float-input model has no tokens to count
+                m["tokens_per_s"] = self._tokens / interval_s if interval_s > 0 else float("nan")
+            m["samples_per_s"] = self._samples / interval_s if interval_s > 0 else float("nan")
         m["skipped_steps"] = state.skipped_steps
         m["tokens_seen"] = state.tokens_seen
         m["rss_mb"] = rss
@@ -384,8 +402,8 @@ class MetricsTracker(Handler):
             "event": "progress",
             "step": state.step,
             "tokens_seen": state.tokens_seen,
-            "step_time_s": step_time,
-            "tokens_per_s": m.get("tokens_per_s"),
+            "step_time_s": step_time if self._timed else None,
+            "tokens_per_s": m.get("tokens_per_s") if self._timed else None,
             "train_time_s": self.train_time_s,
         }
         if "tflops_per_device" in m and self._tokens:
