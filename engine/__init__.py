@@ -4,7 +4,9 @@ bodies, parallelism set-up, learning-rate schedules and configuration.
 Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
 """
 
+from engine.activation_checkpointing import apply_activation_checkpointing
 from engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from engine.compile import compile_model
 from engine.config import load_config, validate_sections
 from engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from engine.errors import ConfigError, HookloopError, TrainingAborted
@@ -42,6 +44,7 @@ __all__ = [
     "Trainer",
     "TrainingAborted",
     "agree_any",
+    "apply_activation_checkpointing",
     "available_schedules",
     "build_lr_scheduler",
     "build_pipeline",
@@ -50,6 +53,7 @@ __all__ = [
     "check_int",
     "check_number",
     "check_str",
+    "compile_model",
     "default_prepare_batch",
     "init_distributed",
     "load_config",

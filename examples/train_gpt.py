@@ -33,6 +33,8 @@ from engine import (  # noqa: E402
     init_distributed,
     wrap_data_parallel,
 )
+from engine.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
+from engine.compile import compile_mode, compile_model  # noqa: E402
 from engine.data import (  # noqa: E402
     MixtureDataset,
     MixtureLoader,
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         check_run_paths(cfg)
         check_data_files(cfg)
         check_device(cfg)
+        if cfg.train.compile is not False and cfg.distributed.pp_size > 1:
+            raise ConfigError(
+                "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
+            )
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -180,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(cfg.train.device) if cfg.train.device else info.device
         model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(device)
         flops_per_token = model.flops_per_token()  # of the whole model, before any split
+        # Activation checkpointing, then compile, both in place (state-dict keys unchanged) and
+        # before the pipeline split or the data-parallel wrapper, as torchtitan orders them.
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        if compile_mode(cfg.train.compile) is not None:
+            compile_model(model, cfg.train.compile)
         runtime = None
         if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
             runtime = build_pipeline(
