@@ -64,6 +64,21 @@ def test_fp32_is_bitwise_identical_to_a_trainer_without_the_argument():
     assert a == b
     for p, q in zip(default.model.parameters(), explicit.model.parameters()):
         assert torch.equal(p, q)
+    # Both equal a plain fp32 loop (so neither took a mixed-precision path).
+    model = tiny_gpt(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    params = list(model.parameters())
+    plain = []
+    for x, y in token_batches(6):
+        loss = cross_entropy_loss(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        plain.append(float(loss.detach()))
+    assert a == plain
+    assert all(torch.equal(p, q) for p, q in zip(params, explicit.model.parameters()))
 
 
 def test_bf16_forward_runs_in_bf16_in_training_and_validation():
