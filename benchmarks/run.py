@@ -42,6 +42,7 @@ BENCHMARKS = {
     "checkpoint": "checkpoint.py",
     "data": "data.py",
     "pipeline": "pipeline.py",
+    "precision": "precision.py",
 }
 
 
