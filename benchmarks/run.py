@@ -42,6 +42,7 @@ BENCHMARKS = {
     "checkpoint": "checkpoint.py",
     "data": "data.py",
     "pipeline": "pipeline.py",
+    "activation_memory": "activation_memory.py",
     "precision": "precision.py",
 }
 
