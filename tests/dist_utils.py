@@ -167,3 +167,43 @@ def from_numpy(d: dict) -> dict:
     import torch
 
     return {k: torch.from_numpy(v) for k, v in d.items()}
+
+
+def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None) -> list[subprocess.Popen]:
+    """Start ``cmd`` once per rank with torchrun's environment (one process group on a free port),
+    each in its own session so :func:`kill_ranks` can end it; each rank's own exit code is seen."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                list(cmd),
+                cwd=REPO,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def kill_ranks(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL every process still running (and its session), and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()

@@ -63,36 +63,17 @@ def test_a_killed_peer_ends_the_example_with_77_and_one_line(tmp_path):
     within seconds, says why in one line, and records it in exit_status.json."""
     import os
     import signal
-    import subprocess
     import time
 
-    from tests.dist_utils import free_port
+    from tests.dist_utils import kill_ranks, start_ranks
 
     run_dir = tmp_path / "run"
-    port = free_port()
     args = [
         f"train.run_dir={run_dir}", "step_scheduler.max_steps=100000", "lr.decay_steps=100000",
         "logging.log_interval=1", "logging.console=false", "health.enabled=true", "health.every_steps=1",
         "health.timeout_s=5", "checkpoint.enabled=false", "nan.action=warn",
     ]  # fmt: skip
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-            "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )  # fmt: skip
-        )
+    procs = start_ranks([sys.executable, str(SCRIPT), *args], 2)
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"
@@ -104,10 +85,7 @@ def test_a_killed_peer_ends_the_example_with_77_and_one_line(tmp_path):
         _, err = procs[0].communicate(timeout=60)
         seconds = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_ranks(procs)
     assert procs[0].returncode == 77, err[-3000:]
     assert seconds < 30, seconds
     assert "Traceback" not in err

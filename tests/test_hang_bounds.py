@@ -13,26 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import REPO, free_port
+from tests.dist_utils import REPO, free_port, kill_ranks, start_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_peer.py"
 HARD_TIMEOUT_S = 120
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _env(rank: int, world: int, port: int) -> dict:
-    return {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-    }
 
 
 def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> list[int]:
@@ -49,19 +35,7 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> list[int]:
 def _strike(run_dir: Path, mode: str, sig: signal.Signals) -> tuple[int, float, str]:
     """Start 2 ranks directly, stop/kill rank 1 after step 20; return rank 0's code, seconds from
     the strike to its exit, and its stderr."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(run_dir), mode],
-            cwd=REPO,
-            env=_env(rank, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(2)
-    ]
+    procs = start_ranks([sys.executable, str(SCRIPT), str(run_dir), mode], 2)
     try:
         _wait_for([run_dir / "pid-rank0", run_dir / "pid-rank1"], procs)
         struck = time.monotonic()
@@ -69,10 +43,7 @@ def _strike(run_dir: Path, mode: str, sig: signal.Signals) -> tuple[int, float, 
         _, err = procs[0].communicate(timeout=HARD_TIMEOUT_S)
         return procs[0].returncode, time.monotonic() - struck, err
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_ranks(procs)
 
 
 def _assert_hang_evidence(run_dir: Path) -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -13,39 +10,16 @@ import torch
 
 from engine import ConfigError, ExitCode, Trainer
 from handlers.health_check import HealthCheck
-from tests.dist_utils import REPO, free_port
+from tests.dist_utils import REPO, kill_ranks, start_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "obs_health_hang.py"
 HARD_TIMEOUT_S = 60
 
 
 def _launch_ranks(args: list[str], world_size: int = 2) -> list[tuple[int, dict, str]]:
-    """Start one process per rank with torchrun's environment (so each rank's own exit code is
-    seen); kill all of them if they are not done within the hard timeout."""
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), *args],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
+    """Start one process per rank (so each rank's own exit code is seen); kill all of them if they
+    are not done within the hard timeout."""
+    procs = start_ranks([sys.executable, str(SCRIPT), *args], world_size)
     outputs = []
     try:
         for p in procs:
@@ -55,10 +29,7 @@ def _launch_ranks(args: list[str], world_size: int = 2) -> list[tuple[int, dict,
             )
             outputs.append((p.returncode, result, err))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
+        kill_ranks(procs)
     return outputs
 
 
