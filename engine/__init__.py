@@ -13,6 +13,7 @@ from engine.errors import ConfigError, HookloopError, TrainingAborted
 from engine.events import EventHandle, Events, Priority, StepEvents
 from engine.exit_codes import ExitCode
 from engine.handler import Handler, HandlerLike
+from engine.logging_setup import setup_logging
 from engine.lr import build_lr_scheduler, lr_at
 from engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
 from engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
@@ -58,6 +59,7 @@ __all__ = [
     "init_distributed",
     "load_config",
     "prepare_tokens",
+    "setup_logging",
     "lr_at",
     "validate_sections",
     "wrap_data_parallel",

@@ -69,7 +69,7 @@ class TrainConfig:
     grad_clip_norm: Optional[float] = 1.0
     deterministic: bool = False
     num_threads: Optional[int] = None
-    run_dir: str = "runs/default"
+    run_dir: Optional[str] = None  # null: the script picks one (train_gpt.py: runs/<config stem>)
     device: Optional[str] = None
     activation_checkpointing: str = "none"
     compile: Union[bool, str] = False
@@ -83,7 +83,7 @@ class TrainConfig:
         check_number(f"{p}.grad_clip_norm", self.grad_clip_norm, positive=True, allow_none=True)
         check_bool(f"{p}.deterministic", self.deterministic)
         check_int(f"{p}.num_threads", self.num_threads, allow_none=True)
-        check_str(f"{p}.run_dir", self.run_dir, what="a directory path")
+        check_str(f"{p}.run_dir", self.run_dir, allow_none=True, what="a directory path")
         check_str(f"{p}.device", self.device, allow_none=True, what="a device name such as 'cpu' or 'cuda'")
         check_choice(f"{p}.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         compile_mode(self.compile, f"{p}.compile")

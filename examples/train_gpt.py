@@ -14,6 +14,7 @@ directory gets ``metrics.jsonl`` (one line per logged step). The process exits w
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import sys
@@ -26,11 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import (  # noqa: E402
     ConfigError,
+    Events,
     ExitCode,
+    Priority,
     Trainer,
     TrainingAborted,
     build_lr_scheduler,
     init_distributed,
+    setup_logging,
     wrap_data_parallel,
 )
 from engine.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -52,13 +56,41 @@ from handlers import RunConfig, attach_handlers, check_run_paths, load_run_confi
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 
+logger = logging.getLogger("engine.examples.train_gpt")  # under "engine", which setup_logging shows
+
 
 def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(description="Train a small GPT with hookloop.")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML or TOML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
     args = parser.parse_args(argv)
-    return load_run_config(args.config, args.overrides), args
+    cfg = load_run_config(args.config, args.overrides)
+    resolve_run_dir(cfg, args.config)
+    return cfg, args
+
+
+def resolve_run_dir(cfg: RunConfig, config_path: str | os.PathLike) -> Path:
+    """``train.run_dir`` null becomes ``runs/<config file stem>`` (``runs/gpt_tiny``), so each
+    config trains in its own directory; a set one is kept. Returns the run directory."""
+    if cfg.train.run_dir is None:
+        cfg.train.run_dir = str(Path("runs") / Path(config_path).stem)
+    return Path(cfg.train.run_dir)
+
+
+def log_summary(trainer: Trainer, *, n_params: int, world: int, dp: int, pp: int, precision: str) -> None:
+    """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
+    resumes (so run it at a priority below ``Priority.RESUME``)."""
+    state = trainer.state
+    if state.iteration > 0 and state.last_checkpoint:
+        start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
+    else:
+        start = "fresh (step 0)"
+    handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
+    logger.info("parameters: %s", f"{n_params:,}")
+    logger.info("world size %d (dp %d x pp %d), precision %s", world, dp, pp, precision)
+    logger.info("run directory: %s", trainer.run_dir)
+    logger.info("start: %s", start)
+    logger.info("handlers: %s", handlers)
 
 
 def check_data_files(cfg: RunConfig) -> None:
@@ -151,6 +183,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     try:
         cfg, _ = parse_args(argv)
         # Everything that can be checked is checked before any process group or model exists:
@@ -186,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(cfg.train.device) if cfg.train.device else info.device
         model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(device)
         flops_per_token = model.flops_per_token()  # of the whole model, before any split
+        n_params = sum(p.numel() for p in model.parameters())
         # Activation checkpointing, then compile, both in place (state-dict keys unchanged) and
         # before the pipeline split or the data-parallel wrapper, as torchtitan orders them.
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -247,6 +281,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
+        if info.is_main:
+            trainer.add_event_handler(
+                Events.TRAIN_START,
+                lambda: log_summary(
+                    trainer,
+                    n_params=n_params,
+                    world=info.world_size,
+                    dp=dp,
+                    pp=pp,
+                    precision=cfg.train.precision,
+                ),
+                priority=Priority.RESUME - 1,
+            )
 
         try:
             state = trainer.run(train_loader)
@@ -260,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
             return 130
         if info.is_main:
-            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {state.exit_code}", flush=True)
+            code = int(state.exit_code)
+            meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
+            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {code} ({meaning})", flush=True)
         return int(state.exit_code)
     finally:
         destroy_distributed()

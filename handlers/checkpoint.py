@@ -284,7 +284,8 @@ class AsyncCheckpointer(Handler):
                 if max_steps is not None and state.iteration >= max_steps:
                     state.request_stop(
                         f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
-                        "nothing left to train"
+                        "nothing left to train, this run is finished; to start another, pass "
+                        "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
                     )
                     logger.info("%s", state.stop_reason)
                     self.trainer.terminate()
