@@ -1,0 +1,114 @@
+"""What a user sees on stderr: setup_logging, the example's start-up summary and lifecycle lines
+(fresh run, final checkpoint, resume with nothing left to train), and the per-config run directory."""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import setup_logging
+from engine.logging_setup import LOGGER_NAMES
+from examples.train_gpt import DEFAULT_CONFIG, resolve_run_dir
+from handlers import load_run_config
+from tests.dist_utils import REPO, run_process
+
+SCRIPT = REPO / "examples" / "train_gpt.py"
+
+
+@pytest.fixture
+def clean_loggers():
+    """setup_logging changes process-wide loggers: put them back as they were."""
+    names = [*LOGGER_NAMES, "engine.trainer.ignite"]
+    saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers)) for n in names}
+    for n in LOGGER_NAMES:
+        logging.getLogger(n).handlers = []
+    yield
+    for n, (level, handlers) in saved.items():
+        logging.getLogger(n).setLevel(level)
+        logging.getLogger(n).handlers = handlers
+
+
+def test_setup_logging_twice_adds_one_handler(clean_loggers, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    first = setup_logging()
+    second = setup_logging(level="DEBUG")
+    assert first is second
+    for name in LOGGER_NAMES:
+        assert logging.getLogger(name).handlers == [first]
+    assert logging.getLogger("engine").level == logging.DEBUG
+    logging.getLogger("handlers.checkpoint").info("resumed from x (step 3)")
+    logging.getLogger("engine.trainer").warning("slow step")
+    err = capsys.readouterr().err
+    assert err.count("[hookloop] resumed from x (step 3)\n") == 1
+    assert "[hookloop] WARNING: slow step\n" in err
+
+
+def test_setup_logging_silences_info_on_other_ranks(clean_loggers, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    setup_logging()
+    logging.getLogger("handlers.checkpoint").info("resumed from x (step 3)")
+    logging.getLogger("handlers.nan_detector").warning("rolled back")
+    err = capsys.readouterr().err
+    assert "resumed from" not in err
+    assert "[hookloop] WARNING: rolled back" in err
+    # Rank 1 shows info lines when asked to.
+    setup_logging(rank_zero_only=False)
+    logging.getLogger("handlers.checkpoint").info("resumed from y")
+    assert "[hookloop] resumed from y" in capsys.readouterr().err
+
+
+def test_setup_logging_rejects_unknown_level(clean_loggers):
+    with pytest.raises(ValueError, match="not a logging level"):
+        setup_logging(level="LOUD")
+
+
+def test_run_dir_defaults_to_config_stem(tmp_path):
+    cfg = load_run_config(DEFAULT_CONFIG, ["train.run_dir=null"])
+    assert cfg.train.run_dir is None
+    assert resolve_run_dir(cfg, DEFAULT_CONFIG) == Path("runs/gpt_tiny")
+    assert cfg.train.run_dir == str(Path("runs/gpt_tiny"))
+    # A config that does not set run_dir gets its own directory too.
+    own = tmp_path / "my_experiment.yaml"
+    own.write_text("train:\n  seq_len: 32\nstep_scheduler:\n  max_steps: 10\n")
+    cfg = load_run_config(own, [])
+    assert resolve_run_dir(cfg, own) == Path("runs/my_experiment")
+    # An explicit one is kept.
+    cfg = load_run_config(own, [f"train.run_dir={tmp_path / 'mine'}"])
+    assert resolve_run_dir(cfg, own) == tmp_path / "mine"
+
+
+def test_second_run_resumes_and_says_nothing_is_left(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        f"train.run_dir={run_dir}",
+        f"data.cache_dir={tmp_path / 'data'}",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "train.seq_len=32",
+        "step_scheduler.max_steps=6",
+        "lr.decay_steps=100",
+        "lr.warmup_steps=0",
+    ]
+    first = run_process([sys.executable, str(SCRIPT), *args], timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    err = first.stderr
+    assert "[hookloop] parameters: " in err
+    assert f"[hookloop] run directory: {run_dir}\n" in err
+    assert "[hookloop] start: fresh (step 0)" in err
+    assert "[hookloop] handlers: StepScheduler, AsyncCheckpointer" in err
+    final = run_dir / "checkpoints" / "step_00000006"
+    assert f"[hookloop] checkpoint of step 6 is complete: {final}\n" in err
+    assert "done: step 6" in first.stdout and "exit code 0 (SUCCESS)" in first.stdout
+
+    second = run_process([sys.executable, str(SCRIPT), *args], timeout=180)
+    assert second.returncode == 0, second.stderr[-3000:]
+    err = second.stderr
+    assert f"[hookloop] resumed from {final} (step 6)\n" in err
+    assert "nothing left to train, this run is finished" in err
+    assert "train.run_dir=<new dir>" in err and "checkpoint.resume=null" in err
+    assert f"[hookloop] start: resuming from {final} (step 6)" in err
+    # The summary follows the checkpointer's decision, so it cannot claim a fresh start.
+    assert "fresh" not in err
+    assert "checkpoint of step" not in err  # nothing trained, nothing saved again
+    assert "exit code 0 (SUCCESS)" in second.stdout
