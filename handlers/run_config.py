@@ -63,6 +63,14 @@ __all__ = [
 # ruff: noqa: UP006, UP035
 
 _DECAYING = ("linear", "cosine", "WSD")
+#: Where a run writes when ``train.run_dir`` is null and nothing derived one (the example derives
+#: ``runs/<config file name>``).
+DEFAULT_RUN_DIR = "runs/default"
+
+
+def run_dir_of(cfg: Any) -> str:
+    """The run directory of ``cfg``: ``train.run_dir``, or :data:`DEFAULT_RUN_DIR` when null."""
+    return cfg.train.run_dir if cfg.train.run_dir is not None else DEFAULT_RUN_DIR
 
 
 @dataclass
@@ -157,7 +165,7 @@ def check_run_paths(cfg: Any) -> None:
     group or a model): writable ``train.run_dir``, ``checkpoint.directory`` and ``data.cache_dir``;
     an existing ``checkpoint.resume`` path (unless ``auto`` or null) and ``checkpoint.finetune_from``.
     Raises :class:`ConfigError` naming the field; nothing already saved is touched."""
-    run_dir = cfg.train.run_dir
+    run_dir = run_dir_of(cfg)
     _check_writable_dir("train.run_dir", run_dir)
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is not None and ckpt.enabled:
@@ -331,7 +339,7 @@ def _from_run_config(cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     train = getattr(cfg, "train", None)
     if train is not None:
-        out["run_dir"] = train.run_dir
+        out["run_dir"] = run_dir_of(cfg)
         out["local_batch_size"] = train.local_batch_size
     if getattr(cfg, "logging", None) is not None:
         out["log_interval"] = cfg.logging.log_interval

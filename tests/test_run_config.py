@@ -424,3 +424,25 @@ def test_the_docs_example_runs():
         "25",
         "every_n.every: must be an integer >= 1, got 0",
     ]
+
+
+def test_a_null_run_dir_falls_back_to_the_library_default_everywhere(tmp_path, monkeypatch):
+    import torch
+
+    from engine import Trainer
+    from handlers import attach_handlers, check_run_paths, load_run_config
+    from handlers.checkpoint import AsyncCheckpointer
+    from handlers.run_config import DEFAULT_RUN_DIR
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(None, ["train.run_dir=null", "step_scheduler.max_steps=4"], world_size=1)
+    assert cfg.train.run_dir is None
+    check_run_paths(cfg)  # no crash on a null directory: the default is checked instead
+    model = torch.nn.Linear(2, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    attach_handlers(trainer, cfg, dataloader=[(torch.ones(1, 2), torch.ones(1, 1))] * 4, dp_size=1)
+    checkpointer = trainer.get_handler(AsyncCheckpointer)
+    assert (
+        str(checkpointer.directory) == str(tmp_path / DEFAULT_RUN_DIR / "checkpoints")
+        or str(checkpointer.directory) == f"{DEFAULT_RUN_DIR}/checkpoints"
+    )
