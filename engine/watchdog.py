@@ -28,7 +28,7 @@ from pathlib import Path
 
 from engine.exit_codes import ExitCode
 
-__all__ = ["ProgressWatchdog"]
+__all__ = ["ProgressWatchdog", "dump_stacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,19 +139,27 @@ class ProgressWatchdog:
         os._exit(self.exit_code)
 
     def _dump(self, reason: str) -> Path | None:
-        if self.dump_dir is None:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            return None
-        directory = self.dump_dir
-        path = directory / f"hang-rank{self.rank}-{os.getpid()}.txt"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(f"{reason}\n\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
-        except OSError:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            return None
-        self.expired_path = path
+        path = dump_stacks(self.dump_dir, self.rank, reason)
+        if path is not None:
+            self.expired_path = path
         return path
+
+
+def dump_stacks(dump_dir: str | os.PathLike | None, rank: int, reason: str) -> Path | None:
+    """Write ``reason`` and every thread's stack to ``<dump_dir>/hang-rank<R>-<pid>.txt`` and
+    return its path; to stderr (returning None) without a directory or when it cannot be written."""
+    if dump_dir is None:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        return None
+    directory = Path(dump_dir)
+    path = directory / f"hang-rank{rank}-{os.getpid()}.txt"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"{reason}\n\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        return None
+    return path

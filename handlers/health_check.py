@@ -32,6 +32,7 @@ from engine.errors import TrainingAborted
 from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
 from engine.handler import Handler
+from engine.watchdog import dump_stacks
 
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
 
@@ -152,8 +153,11 @@ class HealthCheck(Handler):
         if self.trainer is not None:
             self.trainer.state.request_stop(message, ExitCode.HEALTH_CHECK_FAILED)
             # Recorded now: the grace timer below may end the process before the run's own exit
-            # path gets to write it.
+            # path gets to write it. The stacks show where every thread was when the peer went.
             self.trainer.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), message)
+            path = dump_stacks(getattr(self.trainer, "run_dir", None), parallel.rank(), message)
+            if path is not None:
+                logger.error("stacks of every thread in %s", path)
         self._arm_watchdog()
         raise HealthCheckError(message)
 

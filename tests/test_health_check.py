@@ -42,6 +42,7 @@ def test_hung_peer_ends_the_run_with_exit_code_77():
     assert res0["state_exit_code"] == ExitCode.HEALTH_CHECK_FAILED
     assert res0["exception_handlers"] == ["HealthCheckError"], "the exception path ran once"
     assert "health check at step 3 failed on rank 0" in err0, "the failure is logged"
+    assert "most recent call first" in err0, "every thread's stack is dumped (stderr: no run_dir)"
     # the sleeper makes no progress for longer than the health timeout: its own watchdog ends it
     # with 77 (or, waking first, its probe fails against the dead peer); it never hangs
     assert code1 == ExitCode.HEALTH_CHECK_FAILED, err1
