@@ -320,9 +320,6 @@ class EventRegistry:
         """The entries of ``event`` in firing order (a copy)."""
         return list(self._entries.get(event, []))
 
-    def priorities(self, event: Any) -> list[tuple[float, Callable]]:
-        return [(e.priority, e.original) for e in self._entries.get(event, [])]
-
     # -------------------------------------------------------------------------------- firing
     def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
         """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after

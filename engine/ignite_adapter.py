@@ -124,7 +124,3 @@ class IgniteAdapter(Engine):
     def run_finished(self) -> bool:
         """Whether ignite regards the run as done (a later ``run()`` then starts afresh)."""
         return self._is_done(self.state) and self._internal_run_generator is None
-
-    @property
-    def terminating(self) -> bool:
-        return bool(self.should_terminate)

@@ -22,19 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives ``rank`` of ``world_size`` (rendezvous on ``port``)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, env: dict, args: tuple, queue: Any) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-            **env,
-        }
-    )
+    os.environ.update({**rank_env(rank, world_size, port), **env})
     import torch
 
     torch.set_num_threads(1)
@@ -175,23 +177,12 @@ def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None)
     port = free_port()
     procs = []
     for rank in range(world_size):
-        rank_env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-            **(env or {}),
-        }
+        full_env = {**os.environ, **rank_env(rank, world_size, port), "PYTHONPATH": str(REPO), **(env or {})}
         procs.append(
             subprocess.Popen(
                 list(cmd),
                 cwd=REPO,
-                env=rank_env,
+                env=full_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
