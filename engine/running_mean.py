@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from engine.checks import check_int
 
@@ -20,12 +23,15 @@ class RunningMean:
     """Mean of the last ``window`` finite values added; NaN while none was added.
 
     Non-finite values (a NaN or inf loss) are left out, so one bad step does not blank the curve
-    for a whole window.
+    for a whole window. Values may be 0-dim tensors (a step loss nobody has read): they are kept
+    as they are and read to the host together, in one transfer, when the mean is asked for;
+    :meth:`lazy_mean` gives the mean without reading anything.
     """
 
     def __init__(self, window: int) -> None:
         check_int("window", window)
-        self._values: deque[float] = deque(maxlen=window)
+        self._values: deque[Any] = deque(maxlen=window)
+        self._held = 0  # how many of the values are tensors not yet read
 
     @property
     def window(self) -> int:
@@ -33,10 +39,40 @@ class RunningMean:
 
     def add(self, value: float) -> float:
         """Add ``value`` (ignored unless finite); returns the mean after it."""
+        self.push(value)
+        return self.mean
+
+    def push(self, value: Any) -> None:
+        """Add ``value`` without computing the mean; a tensor is kept unread."""
+        if isinstance(value, torch.Tensor):
+            self._values.append(value.detach())
+            self._held = min(self._held + 1, len(self._values))
+            return
         value = float(value)
         if math.isfinite(value):
             self._values.append(value)
-        return self.mean
+
+    def _read(self) -> None:
+        if not self._held:
+            return
+        values = list(self._values)
+        at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        if at:
+            read = torch.stack([values[i].to(torch.float64) for i in at]).cpu().tolist()
+            for i, v in zip(at, read):
+                values[i] = v
+        self._values.clear()
+        self._values.extend(v for v in values if math.isfinite(v))
+        self._held = 0
+
+    def lazy_mean(self) -> Any:
+        """The mean, as a float when every value is one, else as a 0-dim tensor (nothing read)."""
+        if not self._held:
+            return self.mean
+        values = list(self._values)
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+        finite = torch.isfinite(stacked)
+        return torch.where(finite, stacked, 0.0).sum() / finite.sum()
 
     def extend(self, values: Iterable[float]) -> None:
         for value in values:
@@ -44,15 +80,18 @@ class RunningMean:
 
     @property
     def mean(self) -> float:
+        self._read()
         values = self._values
         return math.fsum(values) / len(values) if values else float("nan")
 
     def clear(self) -> None:
         self._values.clear()
+        self._held = 0
 
     @property
     def values(self) -> list[float]:
         """The values in the window, oldest first (what a checkpoint keeps to resume the mean)."""
+        self._read()
         return list(self._values)
 
     def restore(self, values: Iterable[float]) -> None:
@@ -61,6 +100,7 @@ class RunningMean:
         self.extend(values)
 
     def __len__(self) -> int:
+        self._read()
         return len(self._values)
 
     def __repr__(self) -> str:

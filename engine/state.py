@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from ignite.engine.events import State
 
 __all__ = ["TrainState"]
@@ -42,12 +43,43 @@ __all__ = ["TrainState"]
 _PER_STEP_FLAGS = ("skip_step", "should_checkpoint", "should_validate", "should_log_remote", "is_last_step")
 
 
+class _StepValue:
+    """A number the step body may hold as a tensor: read to a Python number (one scalar read) only
+    when something asks for it, then kept as that number. A step in which nobody reads the loss
+    or the gradient norm never waits for the device to produce them."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = f"_{name}"
+
+    def __get__(self, state: Any, owner: type | None = None) -> Any:
+        if state is None:
+            return self
+        value = state.__dict__[self.key]
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+            state.__dict__[self.key] = value
+        return value
+
+    def __set__(self, state: Any, value: Any) -> None:
+        state.__dict__[self.key] = value
+
+
 class TrainState(State):
     """ignite's ``State`` plus what a training run needs.
 
     ``step`` is ignite's ``iteration``: optimizer steps completed, which equals the 1-based number
     of the current step from STEP_START on. Every ignite filter (``every=``) counts it.
+
+    ``loss``, ``grad_norm``, ``microbatch_loss``, ``step_tokens`` and ``tokens_seen`` read as
+    Python numbers but may be held as tensors until first read (:meth:`peek` gives the held value
+    without reading it), so a step nobody inspects costs no host synchronisation.
     """
+
+    loss = _StepValue()
+    grad_norm = _StepValue()
+    microbatch_loss = _StepValue()
+    step_tokens = _StepValue()
+    tokens_seen = _StepValue()
 
     def __init__(self, **kwargs: Any) -> None:
         self.reset_counters()
@@ -80,6 +112,13 @@ class TrainState(State):
         self.validations = 0
         self.checkpoints_saved = 0
         self.rollbacks = 0
+
+    def peek(self, name: str) -> Any:
+        """The held value of a step value (``"loss"``, ``"grad_norm"``, ...) without reading a
+        tensor to the host: a tensor stays a tensor (use it for device-side checks)."""
+        if not isinstance(getattr(type(self), name, None), _StepValue):
+            raise AttributeError(f"{name!r} is not a step value; read state.{name} directly")
+        return self.__dict__[f"_{name}"]
 
     @property
     def step(self) -> int:

@@ -24,6 +24,14 @@ import torch
 from ignite.engine import Engine
 
 from engine import parallel
+from engine.agreement import (
+    N_EXIT_VOTES,
+    StepAgreement,
+    StepDecisions,
+    agreed_exit_code,
+    exit_code_votes,
+    sum_over_ranks,
+)
 from engine.checks import check_choice
 from engine.config import PRECISIONS
 from engine.errors import ConfigError, PeerFailure, exit_code_of
@@ -229,6 +237,12 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self._own_step_end_handlers = len(self.events.entries(Events.STEP_END))
+        #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
+        self.agreement = StepAgreement()
+        #: What every rank agreed on in the current step (skip, stop, checkpoint, exit code).
+        self.decisions = StepDecisions()
+        self._late_agreement = False
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -536,6 +550,8 @@ class Trainer(IgniteAdapter):
         state.stop_reason = None
         state.exit_code = 0
         state.clear_step_flags()
+        self.decisions = StepDecisions()
+        self._late_agreement = False
         self._skip_completed = False
         self._failed.clear()
 
@@ -543,11 +559,24 @@ class Trainer(IgniteAdapter):
         self._in_step = True
 
     def _end_step(self) -> None:
+        """After the step's handlers: stop when every rank agreed to. A stop asked for after the
+        step's agreement is agreed here with a second small collective, run only when some rank
+        has handlers that could ask (the agreement said so); a checkpoint asked for that late is
+        carried to the next step."""
         state = self.state
         self._in_step = False
         reached = self._run_max_steps is not None and state.iteration >= self._run_max_steps
-        stop = self.agree_any(state.should_stop)
+        stop = self.decisions.stop
+        if self._late_agreement:
+            code = int(state.exit_code) if state.should_stop else 0
+            votes = sum_over_ranks([state.should_stop, *exit_code_votes(code)])
+            if votes[0] > 0:
+                self._agreed_stop(agreed_exit_code(votes[1:]))
+                stop = True
+        carry_checkpoint = state.should_checkpoint and not self.decisions.checkpoint
         state.clear_step_flags()
+        state.should_checkpoint = carry_checkpoint
+        self.decisions = StepDecisions(stop=stop, exit_code=int(state.exit_code) if stop else 0)
         if stop:
             self._mark_stopped()
         if stop or reached:
@@ -631,7 +660,7 @@ class Trainer(IgniteAdapter):
             if watchdog is not None:
                 watchdog.feed()
             if fire_microbatch:
-                state.microbatch_loss = float(loss)
+                state.microbatch_loss = loss
                 state.microbatch_output, state.microbatch_targets = output, targets
                 self.fire(Events.MICROBATCH)
                 state.microbatch_output = state.microbatch_targets = None
@@ -655,38 +684,99 @@ class Trainer(IgniteAdapter):
             )
         self._loss_checked = True
 
-    def finish_step(self, local_loss: torch.Tensor, tokens: int, samples: int) -> float:
-        """The tail every step body shares: the step's loss and counts reduced over data-parallel
-        ranks into the state, gradients measured and clipped, BEFORE_OPTIMIZER_STEP with its agreed
-        veto, the optimizer and LR scheduler. ``local_loss`` is this rank's mean microbatch loss.
-        With fp16 loss scaling the gradients are unscaled first, and an overflow (a non-finite
-        norm on any rank) vetoes the step on every rank."""
-        state = self.state
-        self._reduce_step_metrics(local_loss, tokens, samples)
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.optimizer)
-        state.grad_norm = self._clip_gradients()
-        if self.grad_scaler is not None:
-            state.grad_scaler_overflow = self.agree_any(not math.isfinite(state.grad_norm))
-            state.skip_step = state.skip_step or state.grad_scaler_overflow
-        return self._optimizer_step()
+    def finish_step(self, local_loss: torch.Tensor, tokens: Any, samples: int) -> float:
+        """The tail every step body shares: the gradient norm, BEFORE_OPTIMIZER_STEP, the step's
+        agreement, clipping, the optimizer and LR scheduler.
 
-    def _reduce_step_metrics(self, local_loss: torch.Tensor, tokens: int, samples: int) -> None:
-        """Mean loss over data-parallel ranks and summed token/sample counts: one all-reduce."""
+        ``local_loss`` is this rank's mean microbatch loss (a tensor), ``tokens`` its token count
+        (an int or a 0-dim tensor), ``samples`` its sample count. Nothing here reads a tensor to
+        the host: with several ranks the loss, norm and counts come back from the agreement's one
+        all-reduce as numbers; with one they stay tensors until something reads them. With fp16
+        loss scaling the gradients are unscaled first, and an overflow (a non-finite norm on any
+        rank) vetoes the step on every rank."""
         state = self.state
-        if parallel.world_size() > 1:
-            packed = torch.stack(
-                [local_loss.double().cpu(), torch.tensor(float(tokens)), torch.tensor(float(samples))]
-            ).to(torch.float64)
-            packed = parallel.all_reduce_sum(packed)
-            local_loss = packed[0] / parallel.world_size()
-            tokens, samples = int(packed[1]), int(packed[2])
-        state.loss = float(local_loss)
-        state.step_tokens = tokens
-        state.tokens_seen += tokens
-        state.samples_seen += samples
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        norm = self._grad_norm()
+        state.loss, state.grad_norm, state.step_tokens = local_loss, norm, tokens
+        state.grad_scaler_overflow = False
+        self.fire(Events.BEFORE_OPTIMIZER_STEP)
+        overflow = None
+        if scaler is not None:  # fp16: a non-finite norm means the loss scale overflowed
+            overflow = ~torch.isfinite(norm) if isinstance(norm, torch.Tensor) else False
+        self._agree_step(local_loss, norm, tokens, samples, overflow)
+        return self._optimizer_step(norm)
 
-    def _clip_gradients(self) -> float:
+    def _agree_step(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
+        """The step's one collective: loss, norm and counts summed over ranks together with every
+        decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
+        still ask for a stop after it) and the handlers' slots; then the agreed values are applied
+        and recorded in :attr:`decisions`."""
+        state = self.state
+        world = parallel.world_size()
+        slots = self.agreement.slots
+        decisions: list[Any] = [
+            samples,
+            False if overflow is None else overflow,
+            state.skip_step,
+            state.should_stop,
+            state.should_checkpoint,
+            self._late_requests_possible(),
+            *exit_code_votes(int(state.exit_code) if state.should_stop else 0),
+            *(slot.fill() for slot in slots),
+        ]
+        if world == 1:
+            agreed = sum_over_ranks(decisions, force_read=True)
+        else:
+            agreed = sum_over_ranks([loss, norm, tokens, *decisions])
+            state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
+            state.step_tokens = int(agreed[2])
+            agreed = agreed[3:]
+        samples, overflow_votes, skip, stop, checkpoint, late = agreed[:6]
+        votes, slot_values = agreed[6 : 6 + N_EXIT_VOTES], agreed[6 + N_EXIT_VOTES :]
+        state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
+        state.samples_seen += int(samples)
+        state.grad_scaler_overflow = overflow_votes > 0
+        state.skip_step = skip > 0 or state.grad_scaler_overflow
+        state.should_checkpoint = checkpoint > 0
+        if stop > 0:
+            self._agreed_stop(agreed_exit_code(votes))
+        self._late_agreement = late > 0
+        for slot, value in zip(slots, slot_values):
+            if slot.on_agreed is not None:
+                slot.on_agreed(value)
+        self.decisions = StepDecisions(
+            skip=bool(state.skip_step),
+            stop=bool(state.should_stop),
+            checkpoint=bool(state.should_checkpoint),
+            exit_code=int(state.exit_code),
+        )
+
+    def _late_requests_possible(self) -> bool:
+        """Whether a stop may still be asked for after the step's agreement on this rank: a handler
+        of STEP_END (besides the trainer's own), VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK, or a
+        validation due this step. Agreed across ranks; when false everywhere the trainer needs no
+        second collective at the end of the step."""
+        events = self.events
+        if len(events.entries(Events.STEP_END)) > self._own_step_end_handlers:
+            return True
+        if any(events.any_for(e) for e in (Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)):
+            return True
+        return self._validation_due()
+
+    def _agreed_stop(self, code: int) -> None:
+        """Every rank stops after this step with the same exit code (the largest any rank asked
+        for); a rank that did not ask names the other rank as the reason."""
+        state = self.state
+        state.should_stop = True
+        if state.stop_reason is None:
+            state.stop_reason = "stop requested on another rank"
+        if code:
+            state.exit_code = code
+
+    def _grad_norm(self) -> Any:
+        """The total gradient norm as a tensor (over every shard and stage), before clipping."""
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return 0.0
@@ -695,29 +785,28 @@ class Trainer(IgniteAdapter):
             norm = norm.full_tensor()
         if self.pipeline is not None:  # this rank holds only some stages: the norm over all of them
             norm = self.pipeline.reduce_grad_norm(norm)
-        if self.grad_clip_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
-        return float(norm)
+        return norm
 
-    def _optimizer_step(self) -> float:
-        """BEFORE_OPTIMIZER_STEP, the agreed veto, then optimizer and LR scheduler."""
+    def _optimizer_step(self, norm: Any) -> float:
+        """The agreed veto, clipping, then optimizer and LR scheduler."""
         state = self.state
-        self.fire(Events.BEFORE_OPTIMIZER_STEP)
-        state.skip_step = self.agree_any(state.skip_step)
         scaler = self.grad_scaler
         if state.skip_step:
             state.skipped_steps += 1
-        elif scaler is None:
-            self.optimizer.step()
         else:
-            scaler.step(self.optimizer)
-        if not state.skip_step and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
+            if scaler is None:
+                self.optimizer.step()
+            else:
+                scaler.step(self.optimizer)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         if scaler is not None:
             self._update_scale(scaler, state.grad_scaler_overflow)
         self.optimizer.zero_grad(set_to_none=True)
         state.lr = self.optimizer.param_groups[0]["lr"]
-        return state.loss
+        return state.peek("loss")
 
     def _update_scale(self, scaler: torch.amp.GradScaler, overflow: bool) -> None:
         """``scaler.update()``, with an agreed overflow counted on every rank (also one whose own
@@ -729,11 +818,14 @@ class Trainer(IgniteAdapter):
         scaler.update()
 
     # ------------------------------------------------------------------ validation
-    def _maybe_validate(self) -> None:
+    def _validation_due(self) -> bool:
         if self._validation is None:
-            return
+            return False
         every = self._validation[2]
-        if self.state.should_validate or (every is not None and self.state.iteration % every == 0):
+        return self.state.should_validate or (every is not None and self.state.iteration % every == 0)
+
+    def _maybe_validate(self) -> None:
+        if self._validation_due():
             self.validate()
 
     @property

@@ -217,6 +217,7 @@ class AsyncCheckpointer(Handler):
         self.resumed_from: str | None = None
         self.last_checkpoint: str | None = None
         self._inflight: _Save | None = None
+        self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
         self._group: Any = None
         self._stager: Any = None
         self._session = ""
@@ -263,6 +264,8 @@ class AsyncCheckpointer(Handler):
             Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=Priority.STAGING_WAIT
         )
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.CHECKPOINT)
+        # whether every rank's save in flight is durable travels in the trainer's step agreement
+        trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.RESUME)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.RESUME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.RESUME)
@@ -313,33 +316,44 @@ class AsyncCheckpointer(Handler):
     def _on_step_end(self) -> None:
         start = time.perf_counter()
         state = self.trainer.state
+        decisions = self.trainer.decisions  # agreed by every rank in this step's one all-reduce
         step = state.iteration
         hold = state.hold_checkpoints  # a detector distrusts this state: neither save nor publish
         want = (
             not hold
             and step != self.last_saved_step
             and (
-                state.should_checkpoint
+                decisions.checkpoint
                 or (self.every_steps is not None and step % self.every_steps == 0)
                 or state.is_last_step
                 or self._at_last_step()
-                or (state.should_stop and state.exit_code in _RESUMABLE_EXIT_CODES)
+                or (decisions.stop and decisions.exit_code in _RESUMABLE_EXIT_CODES)
             )
         )
         inflight = self._inflight
-        local_done = inflight is None or inflight.done.done()
-        want, all_done = self._agree(want, local_done)
+        all_done = not self._pending_ranks
         if inflight is not None and (all_done or want) and not hold:
             self._finish(wait=not all_done)
         if want:
             self._start_save(step)
         self._add_blocked(time.perf_counter() - start)
 
+    def _save_pending(self) -> bool:
+        """This rank's vote in the step agreement: its save in flight is not yet durable."""
+        inflight = self._inflight
+        return inflight is not None and not inflight.done.done()
+
+    def _on_pending_agreed(self, ranks: float) -> None:
+        self._pending_ranks = int(ranks)
+
     def _on_train_end(self) -> None:
         state = self.trainer.state
         resumable = state.exit_code in _RESUMABLE_EXIT_CODES
         if resumable and state.iteration > 0 and state.iteration != self.last_saved_step:
-            self._start_save(state.iteration)  # data ran out before a step the flags knew was last
+            # data ran out, or the stop came after the step's agreement: publish the save in
+            # flight first, then save this step
+            self.wait()
+            self._start_save(state.iteration)
         if resumable:
             self.wait()
         else:
@@ -918,14 +932,6 @@ class AsyncCheckpointer(Handler):
                 if name.endswith(f"-{self._session}"):
                     continue
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-    def _agree(self, want: bool, done: bool) -> tuple[bool, bool]:
-        """One all-reduce (MAX) on the training group: any rank wants a save / any rank not done."""
-        if parallel.world_size() == 1:
-            return want, done
-        t = torch.tensor([int(want), int(not done)], dtype=torch.int32, device=parallel.collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0]), not bool(t[1])
 
     def _agree_failed(self, failed: bool) -> bool:
         if parallel.world_size() == 1:

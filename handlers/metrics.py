@@ -350,11 +350,11 @@ class MetricsTracker(Handler):
             self._step_time += step_time
             self._interval_data_time += data_time
             self._timed += 1
-            self._tokens += state.step_tokens
+            self._tokens = self._tokens + state.peek("step_tokens")  # a tensor stays unread
             self._samples += state.samples_seen - self._samples_mark
             self._samples_mark = state.samples_seen
         if self._owns_loss_avg:
-            self._loss_window.add(state.loss)
+            self._loss_window.push(state.peek("loss"))
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
@@ -363,6 +363,8 @@ class MetricsTracker(Handler):
 
     def _publish(self) -> None:
         state = self.trainer.state
+        if isinstance(self._tokens, torch.Tensor):  # counted on the device: read once per interval
+            self._tokens = int(self._tokens.item())
         n = max(self._timed, 1)
         local = [self._step_time / n, self._interval_data_time / n, _rss_mb()]
         cuda = self.trainer.device.type == "cuda"

@@ -1,8 +1,11 @@
 """NaNDetector: skip bad optimizer steps on every rank together, and roll back when they persist.
 
-At BEFORE_OPTIMIZER_STEP each rank checks the step's loss (and gradient norm) for NaN/Inf, and
-optionally for a spike over the running median of recent good losses. The verdict is agreed with
-one small all-reduce: if any rank is bad, every rank vetoes the step, so no rank steps alone.
+At BEFORE_OPTIMIZER_STEP each rank checks its own loss (and the gradient norm) for NaN/Inf on the
+device, without reading them to the host, and optionally for a spike over the running median of
+recent good losses (the one check that reads the loss). The verdict travels in the trainer's step
+agreement (its one all-reduce per step): if any rank is bad, every rank vetoes the step, so no
+rank steps alone. With fp16 loss scaling a non-finite gradient norm is the scaler's overflow, a
+skipped step of its own, not a NaN.
 
 ``action``:
 
@@ -36,6 +39,8 @@ import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
 
 from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
 from engine.checkpoint_io import CheckpointError
@@ -128,9 +133,10 @@ class NaNDetector(Handler):
         self.rollbacks = 0
         self.bad_steps: collections.deque[int] = collections.deque(maxlen=bad_steps_kept)
         self.last_good_step: int | None = None
-        self.last_good_loss: float | None = None
+        self._last_good_loss: Any = None  # the loss tensor of the last good step, read when asked
         self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
         self._rollback_pending = False
+        self._verdict: Any = False
         self.restored_step: int | None = None
 
     @classmethod
@@ -157,39 +163,64 @@ class NaNDetector(Handler):
             )
         if self.action == "rollback":
             trainer.state.initial_checkpoint_requested = True
-        # Early among BEFORE_OPTIMIZER_STEP handlers, so later ones see the verdict.
+        # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=Priority.NAN_CHECK)
+        trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
         # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=Priority.ROLLBACK_REQUEST)
         return super().attach(trainer)
 
     # ---------------------------------------------------------------- checks
-    def _is_bad(self, loss: float, grad_norm: float) -> str | None:
-        if not math.isfinite(loss):
-            return "non-finite loss"
-        if self.check_grad_norm and not math.isfinite(grad_norm):
-            return "non-finite grad norm"
-        if self.spike_factor is not None and len(self._window) >= min(
-            _MIN_SPIKE_HISTORY, self._window.maxlen or 1
-        ):
-            median = statistics.median(self._window)
-            if median > 0 and loss > self.spike_factor * median:
-                return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
-        return None
+    def _is_spike(self, loss: float) -> bool:
+        if self.spike_factor is None or len(self._window) < min(_MIN_SPIKE_HISTORY, self._window.maxlen or 1):
+            return False
+        median = statistics.median(self._window)
+        return median > 0 and loss > self.spike_factor * median
 
     def _check(self, trainer: Trainer) -> None:
+        """This rank's verdict, kept on the device: non-finite loss or gradient norm, or a spike."""
         state = trainer.state
-        overflow = getattr(state, "grad_scaler_overflow", False)  # fp16 loss scale too high: not a NaN
-        reason = self._is_bad(state.loss, 0.0 if overflow else state.grad_norm)
-        bad = trainer.agree_any(reason is not None)
-        if not bad:
+        loss, norm = state.peek("loss"), state.peek("grad_norm")
+        check_norm = self.check_grad_norm and trainer.grad_scaler is None
+        if isinstance(loss, torch.Tensor):
+            bad: Any = ~torch.isfinite(loss)
+            if check_norm and isinstance(norm, torch.Tensor):
+                bad = bad | ~torch.isfinite(norm)
+        else:
+            bad = not math.isfinite(loss) or (check_norm and not math.isfinite(norm))
+        if self.spike_factor is not None and self._is_spike(state.loss):
+            bad = True
+        self._verdict = bad
+
+    def _local_verdict(self) -> Any:
+        verdict, self._verdict = self._verdict, False
+        return verdict
+
+    def _reason(self, state: Any) -> str:
+        """Why this step is bad, read from the agreed values (only on a bad step)."""
+        loss, norm = state.loss, state.grad_norm
+        if not math.isfinite(loss):
+            return "non-finite loss"
+        if self.check_grad_norm and self.trainer.grad_scaler is None and not math.isfinite(norm):
+            return "non-finite grad norm"
+        if self._is_spike(loss):
+            median = statistics.median(self._window)
+            return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
+        return "bad on another rank"
+
+    def _on_verdict(self, bad_ranks: float) -> None:
+        """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
+        state = self.trainer.state
+        if not bad_ranks:
             self.consecutive = 0
-            self.last_good_step, self.last_good_loss = state.step, state.loss
-            self._window.append(state.loss)
+            self.last_good_step, self._last_good_loss = state.step, state.peek("loss")
+            if self.spike_factor is not None:
+                self._window.append(state.loss)
             state.known_good_step = state.step
             state.hold_checkpoints = False
             self._publish(state)
             return
+        reason = self._reason(state)
         state.skip_step = True
         state.hold_checkpoints = self.action == "rollback"
         self.consecutive += 1
@@ -199,19 +230,23 @@ class NaNDetector(Handler):
             "rank %d step %d: %s (loss %s, grad norm %s); step skipped on every rank (%d in a row)",
             rank(),
             state.step,
-            reason or "bad on another rank",
+            reason,
             state.loss,
             state.grad_norm,
             self.consecutive,
         )
         self._publish(state)
         if self.action == "raise":
-            raise TrainingAborted(
-                f"step {state.step}: {reason or 'non-finite values on another rank'} (nan.action='raise')",
-                ExitCode.NAN_ABORT,
-            )
+            raise TrainingAborted(f"step {state.step}: {reason} (nan.action='raise')", ExitCode.NAN_ABORT)
         if self.action == "rollback" and self.consecutive >= self.max_consecutive:
             self._rollback_pending = True
+
+    @property
+    def last_good_loss(self) -> float | None:
+        """The loss of the last step judged good (None: none yet)."""
+        if isinstance(self._last_good_loss, torch.Tensor):
+            self._last_good_loss = self._last_good_loss.item()
+        return self._last_good_loss
 
     def _maybe_roll_back(self, trainer: Trainer) -> None:
         if not self._rollback_pending:
@@ -287,7 +322,7 @@ class NaNDetector(Handler):
         self.bad_steps.clear()
         self.bad_steps.extend(state["bad_steps"])
         self.last_good_step = state["last_good_step"]
-        self.last_good_loss = state["last_good_loss"]
+        self._last_good_loss = state["last_good_loss"]
         self._window.clear()
         self._window.extend(state["window"])
         self.restored_step = state.get("restored_step")

@@ -449,27 +449,57 @@ class StepScheduler(Handler):
 
     # ------------------------------------------------------------------ exits
     def _poll_exit(self, agree: Any) -> None:
-        """Agree stop signals and the exit duration across ranks, at most once per step."""
+        """Agree stop signals and the exit duration across ranks, at most once per step (standalone;
+        attached, the two travel in the trainer's step agreement instead)."""
         step = self.step
         if self._polled_step == step or self._exit_kind in ("signal", "duration"):
             return
         self._polled_step = step
         if self.stop_signals and agree(self._signal_seen is not None):
-            if self._signal_seen is not None:
-                name = self._signal_seen.name
-            elif len(self.stop_signals) == 1:
-                name = self.stop_signals[0].name
-            else:
-                name = "on another rank"
-            self._latch("signal", f"signal {name}")
+            self._latch_signal()
+        elif self.exit_duration_in_mins is not None and agree(self._duration_reached()):
+            self._latch_duration()
+
+    def _duration_reached(self) -> bool:
+        if self.exit_duration_in_mins is None or self._start_time is None:
+            return False
+        return (time.monotonic() - self._start_time) / 60.0 >= self.exit_duration_in_mins
+
+    def _latch_signal(self) -> None:
+        if self._signal_seen is not None:
+            name = self._signal_seen.name
+        elif len(self.stop_signals) == 1:
+            name = self.stop_signals[0].name
+        else:
+            name = "on another rank"
+        self._latch("signal", f"signal {name}")
+
+    def _latch_duration(self) -> None:
+        elapsed = (
+            (time.monotonic() - self._start_time) / 60.0 if self._start_time is not None else float("nan")
+        )
+        self._latch(
+            "duration",
+            f"exit_duration_in_mins={self.exit_duration_in_mins:g} reached ({elapsed:.2f} min on this rank)",
+        )
+
+    def _signal_vote(self) -> bool:
+        return self._exit_kind not in ("signal", "duration") and self._signal_seen is not None
+
+    def _duration_vote(self) -> bool:
+        return self._exit_kind not in ("signal", "duration") and self._duration_reached()
+
+    def _on_agreed_exit(self, kind: str, ranks: float) -> None:
+        """After the step's agreement, on every rank alike: a stop signal or the time limit seen by
+        any rank stops every rank after this step, with a final checkpoint and exit code 75."""
+        if not ranks or self._exit_kind in ("signal", "duration"):
             return
-        if self.exit_duration_in_mins is not None and self._start_time is not None:
-            elapsed = parallel.all_reduce_max((time.monotonic() - self._start_time) / 60.0)
-            if elapsed >= self.exit_duration_in_mins:
-                self._latch(
-                    "duration",
-                    f"exit_duration_in_mins={self.exit_duration_in_mins:g} reached ({elapsed:.2f} min)",
-                )
+        self._latch_signal() if kind == "signal" else self._latch_duration()
+        state = self.trainer.state
+        state.should_checkpoint = True
+        state.should_validate = False
+        if not state.is_last_step:  # a run that ends here anyway ends as a finished run
+            state.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _latch(self, kind: str, reason: str) -> None:
         self._exit_kind, self._exit_reason = kind, reason
@@ -679,6 +709,14 @@ class StepScheduler(Handler):
         trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=Priority.SCHEDULE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.EXIT_CHECK)
+        if self.stop_signals:
+            trainer.agreement.add(
+                "step_scheduler.signal", self._signal_vote, lambda n: self._on_agreed_exit("signal", n)
+            )
+        if self.exit_duration_in_mins is not None:
+            trainer.agreement.add(
+                "step_scheduler.duration", self._duration_vote, lambda n: self._on_agreed_exit("duration", n)
+            )
         trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=Priority.SCHEDULE)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.EXIT_CHECK)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.EXIT_CHECK)
@@ -769,14 +807,8 @@ class StepScheduler(Handler):
 
     def _on_step_end(self) -> None:
         state = self.trainer.state
-        was = self._exit_kind
-        self._poll_exit(self.trainer.agree_any)
-        if self._exit_kind in ("signal", "duration") and was != self._exit_kind:
-            state.should_checkpoint = True
-            state.should_validate = False
-            if not state.is_last_step:  # a run that ends here anyway ends as a finished run
-                state.request_stop(self._exit_reason, ExitCode.STOPPED)
-        state.metrics["loss_avg"] = self.record_loss(state.loss)
+        self._loss_window.push(state.peek("loss"))  # a tensor stays unread until someone asks
+        state.metrics["loss_avg"] = self._loss_window.lazy_mean()
 
     def _on_train_end(self) -> None:
         self.close()

@@ -200,7 +200,7 @@ class PipelineRuntime:
         for i in range(n_real):
             state.microbatch = i
             if fire_microbatch:
-                state.microbatch_loss = float(losses[i])
+                state.microbatch_loss = losses[i]
                 state.microbatch_output = outputs[i] if outputs is not None else None
                 state.microbatch_targets = pairs[i][1]
                 trainer.fire(Events.MICROBATCH)

@@ -1,0 +1,156 @@
+"""The step's agreement: every value ranks must combine in a step, in one small all-reduce.
+
+A step needs the loss and token counts summed over data-parallel ranks and a handful of decisions
+that every rank must take alike (skip the optimizer step, stop after it, save a checkpoint, with
+which exit code). Each of those used to be its own collective; here they travel together. The
+trainer runs the agreement once per step, right after the ``BEFORE_OPTIMIZER_STEP`` handlers and
+before the optimizer, and handlers add their own values as *slots*::
+
+    def veto_if_bad(bad_ranks: float) -> None:
+        if bad_ranks > 0:
+            trainer.state.skip_step = True
+
+    trainer.agreement.add("my_hook.bad", fill=lambda: local_flag, on_agreed=veto_if_bad)
+
+``fill()`` gives this rank's value (a bool, a number or a 0-dim tensor, on any device) just before
+the reduction; the agreed value is the **sum over ranks** and reaches ``on_agreed(value)`` right
+after it, before the optimizer step. Every rank calls ``on_agreed`` with the same value, so flags
+it sets (``skip_step``, ``should_checkpoint``, ``request_stop``) are agreed by construction and
+take effect in this step. With one process nothing is communicated.
+
+The values are packed into one float64 vector on the collective device and read back to the host
+in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) it is one
+device-to-host copy per step, the only one the engine makes when nobody reads a step value.
+Tensors that stay on one process (a single process's loss) are never read unless asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine import parallel
+from engine.exit_codes import ExitCode
+
+__all__ = [
+    "Slot",
+    "StepAgreement",
+    "StepDecisions",
+    "agreed_exit_code",
+    "exit_code_votes",
+    "sum_over_ranks",
+]
+
+Value = bool | int | float | torch.Tensor
+
+
+@dataclass
+class Slot:
+    """One value a handler adds to the step's agreement (see the module docstring)."""
+
+    name: str
+    fill: Callable[[], Value]
+    on_agreed: Callable[[float], None] | None = None
+
+
+@dataclass(frozen=True)
+class StepDecisions:
+    """What every rank agreed on in the current step (read it instead of the live flags, which a
+    handler on one rank may change after the agreement)."""
+
+    skip: bool = False
+    stop: bool = False
+    checkpoint: bool = False
+    exit_code: int = 0
+
+
+class StepAgreement:
+    """Handler slots of the per-step all-reduce, and the packing that makes it one collective."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, Slot] = {}
+
+    def add(
+        self,
+        name: str,
+        fill: Callable[[], Value],
+        on_agreed: Callable[[float], None] | None = None,
+        veto: bool = False,
+        stop: bool = False,
+    ) -> Slot:
+        """Add a slot: ``fill()`` -> this rank's value, ``on_agreed(sum over ranks)`` after the
+        reduction; ``veto``: a positive sum skips the optimizer step; ``stop``: stops the run."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a slot needs a non-empty name, got {name!r}")
+        if name in self._slots:
+            raise ValueError(f"the step agreement already has a slot named {name!r}; pick another name")
+        if not callable(fill) or (on_agreed is not None and not callable(on_agreed)):
+            raise TypeError("fill and on_agreed must be callables: fill() -> value, on_agreed(sum)")
+        slot = Slot(name, fill, on_agreed)
+        self._slots[name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        self._slots.pop(name, None)
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple(self._slots.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slots
+
+
+def sum_over_ranks(values: Sequence[Value], *, force_read: bool = False) -> list[Value]:
+    """``values`` summed over every rank with one all-reduce, read back to the host (floats).
+
+    One process: returned as they are (tensors stay tensors) unless ``force_read``, which reads
+    the tensors among them to floats in one transfer."""
+    if parallel.world_size() == 1:
+        if not force_read or not any(isinstance(v, torch.Tensor) for v in values):
+            return list(values)
+        return pack(values, torch.device("cpu")).tolist()
+    device = parallel.collective_device()
+    packed = pack(values, device)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    return packed.tolist()
+
+
+def pack(values: Sequence[Value], device: torch.device) -> torch.Tensor:
+    """One float64 vector on ``device`` from host numbers and 0-dim tensors, with no host read."""
+    host = [float(v) for v in values if not isinstance(v, torch.Tensor)]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return torch.tensor(host, dtype=torch.float64, device=device)
+    out = torch.empty(len(values), dtype=torch.float64, device=device)
+    tensor_at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    host_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors])
+    out[tensor_at] = stacked
+    if host_at:
+        out[host_at] = torch.tensor(host, dtype=torch.float64, device=device)
+    return out
+
+
+#: Exit codes voted for one-hot; any other code travels as (sum, count) in two more places.
+EXIT_CODES = tuple(int(c) for c in ExitCode if c != ExitCode.SUCCESS)
+N_EXIT_VOTES = len(EXIT_CODES) + 2
+
+
+def exit_code_votes(code: int) -> list[int]:
+    """This rank's vote for the run's exit code (0: none), as values to sum over ranks."""
+    votes = [int(code == c) for c in EXIT_CODES]
+    other = code not in EXIT_CODES and code != 0
+    return [*votes, code if other else 0, int(other)]
+
+
+def agreed_exit_code(summed: Sequence[float]) -> int:
+    """The exit code every rank ends with: the largest one any rank voted for (0: none)."""
+    chosen = [c for c, n in zip(EXIT_CODES, summed) if n > 0]
+    other_sum, other_count = summed[len(EXIT_CODES)], summed[len(EXIT_CODES) + 1]
+    if other_count > 0:
+        chosen.append(round(other_sum / other_count))
+    return max(chosen, default=0)
