@@ -73,6 +73,11 @@ class Handler:
     state_key: str | None = None
     #: Whether a rollback restores this handler's state (a detector keeps its own counters).
     restore_on_rollback: bool = True
+    #: Whether this handler's callbacks that run after the step's agreement (STEP_END,
+    #: VALIDATION_END, ...) may ask for a stop that other ranks do not know of. True unless the
+    #: class knows better: a handler that asks only through agreement slots, or decides only from
+    #: values every rank shares, sets it False and spares the trainer a second collective per step.
+    asks_after_agreement: bool = True
 
     trainer: Any = None
 

@@ -53,6 +53,8 @@ PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 _NO_CONTEXT = contextlib.nullcontext()
 _AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _UNSET = object()
+#: Events whose handlers run after the step's agreement.
+_AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
@@ -237,7 +239,6 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._agree_stop, priority=Priority.ENGINE_LAST)
-        self._own_step_end_handlers = len(self.events.entries(Events.STEP_END))
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
         #: What every rank agreed on in the current step (skip, stop, checkpoint, exit code).
@@ -755,14 +756,15 @@ class Trainer(IgniteAdapter):
 
     def _late_requests_possible(self) -> bool:
         """Whether a stop may still be asked for after the step's agreement on this rank: a handler
-        of STEP_END (besides the trainer's own), VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK, or a
-        validation due this step. Agreed across ranks; when false everywhere the trainer needs no
-        second collective at the end of the step."""
-        events = self.events
-        if len(events.entries(Events.STEP_END)) > self._own_step_end_handlers:
-            return True
-        if any(events.any_for(e) for e in (Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)):
-            return True
+        of STEP_END (besides the trainer's own and handlers that say they never ask late, see
+        :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
+        ROLLBACK, or a validation due this step. Agreed across ranks; when false everywhere the
+        trainer needs no second collective at the end of the step."""
+        for event in _AFTER_AGREEMENT:
+            for entry in self.events.entries(event):
+                owner = getattr(entry.original, "__self__", None)
+                if owner is not self and getattr(owner, "asks_after_agreement", True):
+                    return True
         return self._validation_due()
 
     def _agreed_stop(self, code: int) -> None:

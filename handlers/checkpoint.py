@@ -171,6 +171,8 @@ class AsyncCheckpointer(Handler):
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
     """
 
+    asks_after_agreement = False  # late decisions only from values every rank shares
+
     Config = CheckpointConfig
     section = "checkpoint"
 

@@ -61,9 +61,10 @@ def _reference(dp_size: int = 1) -> dict:
         for x, y in batch:
             loss = cross_entropy_loss(model(x), y)
             (loss / len(batch)).backward()
-            losses.append(float(loss))
-        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            losses.append(float(loss.detach()))
+        # BEFORE_OPTIMIZER_STEP sees the gradients before clipping; the optimizer the clipped ones
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         out["loss"].append(sum(losses) / len(losses))
         out["mb_losses"].append(losses)
         opt.step()
@@ -202,7 +203,7 @@ def _veto_run(info, rank: int) -> dict:
 @pytest.mark.distributed
 def test_every_schedule_matches_the_reference(tmp_path):
     """Each schedule torch offers, plus a CSV schedule, on 2 ranks (4 stages where multi-stage):
-    losses (per step and per microbatch), grad norms, clipped gradients and validation loss equal
+    losses (per step and per microbatch), grad norms, gradients and validation loss equal
     a single-process run over two steps, the second a short (padded) one, with both loss-scaling
     modes; every parameter of the model is trained on exactly one rank."""
     csv_path = tmp_path / "looped.csv"
