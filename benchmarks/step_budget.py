@@ -67,7 +67,7 @@ def call_site() -> str:
     here = str(Path(__file__).resolve())
     while frame is not None:
         code = frame.f_code
-        inside = code.co_filename.startswith(str(REPO) + os.sep)
+        inside = code.co_filename.startswith(str(REPO) + os.sep) and "site-packages" not in code.co_filename
         if inside and not (code.co_filename == here and code.co_name in _COUNTER_FRAMES):
             rel = os.path.relpath(code.co_filename, REPO)
             return f"{rel}:{frame.f_lineno} {code.co_name}"
@@ -86,11 +86,11 @@ _DATA_DEPENDENT = {
     aten.unique_dim.default: "unique",
     aten.unique_consecutive.default: "unique_consecutive",
 }
-_HOST = ("cpu", "meta")  # tensors whose data the host reads without waiting for a device
 
 
 def _on_device(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type not in _HOST
+    """A tensor whose data lives off the host (reading it makes the host wait for the device)."""
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
 
 
 def sync_kind(func: Any, args: tuple, kwargs: dict) -> str | None:

@@ -42,6 +42,29 @@ def test_sync_counter_counts_scalar_reads_and_nothing_else():
     assert all(site.startswith("tests/test_step_budget.py:") for site in syncs.sites), syncs.sites
 
 
+def test_sync_counter_counts_device_to_host_copies():
+    # No accelerator here: meta tensors stand in for device memory. Each op below reaches the
+    # dispatch mode (and is counted) before meta refuses to produce data.
+    dev, host = torch.ones(3, device="meta"), torch.zeros(3)
+    attempts = [
+        lambda: dev.cpu(),
+        lambda: dev.to("cpu", non_blocking=True),
+        lambda: host.copy_(dev),
+        lambda: torch.nonzero(dev),
+    ]
+    with SyncCounter() as syncs:
+        for attempt in attempts:
+            with pytest.raises(NotImplementedError):
+                attempt()
+        host.to("meta")  # host-to-device: the host does not wait
+        dev.add(1)
+    assert syncs.counts == {
+        "device-to-host copy (_to_copy)": 2,
+        "device-to-host copy (copy_)": 1,
+        "data-dependent size (nonzero)": 1,
+    }
+
+
 def _collective_checks(rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
