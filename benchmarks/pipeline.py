@@ -119,13 +119,13 @@ def main() -> None:
         "--json", type=Path, default=None, help="write the figures for benchmarks/run.py here"
     )
     args = parser.parse_args()
-    from tests.dist_utils import run_distributed
+    from benchmarks.launch import run_ranks
 
     torch.set_num_threads(1)
     cfg = _model_cfg(args.quick)
     warmup, steps = (1, 4) if args.quick else (2, 6)
     start = time.perf_counter()
-    results = run_distributed(_worker, PP, cfg, warmup, steps, timeout=900)[0]
+    results = run_ranks(_worker, PP, cfg, warmup, steps, timeout=900)[0]
     single = {m: results[("single", m)] for m in MICROBATCHES}
     figures = []
     lines = [

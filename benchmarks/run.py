@@ -44,6 +44,7 @@ BENCHMARKS = {
     "pipeline": "pipeline.py",
     "activation_memory": "activation_memory.py",
     "precision": "precision.py",
+    "step_budget": "step_budget.py",
 }
 
 
