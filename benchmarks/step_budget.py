@@ -259,6 +259,10 @@ class _Window:
     """Stamps the end of every step and counts between the end of step ``first - 1`` and the end
     of step ``last`` (whole step cycles, data fetching included)."""
 
+    # A measuring instrument must not change what it measures: attached at STEP_END, it asks for
+    # nothing, so the trainer needs no end-of-step agreement on its account.
+    asks_after_agreement = False
+
     def __init__(self, first: int, last: int, count: bool) -> None:
         self.first, self.last = first, last
         self.settle: Callable[[], None] | None = None  # run once before the first measured step
@@ -266,6 +270,9 @@ class _Window:
         self._stack = contextlib.ExitStack() if count else None
         self.syncs: SyncCounter | None = None
         self.collectives: CollectiveCounter | None = None
+
+    def trainer_step_end(self, engine: Any) -> None:
+        self.step_end(engine.state.iteration)
 
     def step_end(self, step: int) -> None:
         if step == self.first - 1 and self.settle is not None:
@@ -383,9 +390,7 @@ def _trainer(config: str, world: int, data: list, total: int, window: _Window, r
         # at a later step's end, whenever every rank has finished writing it: publish it before
         # counting, so the measured steps hold no checkpoint work.
         window.settle = next(h for h in attached if isinstance(h, AsyncCheckpointer)).wait
-    trainer.add_event_handler(
-        Events.STEP_END, lambda: window.step_end(trainer.state.iteration), priority=Priority.ENGINE_LAST
-    )
+    trainer.add_event_handler(Events.STEP_END, window.trainer_step_end, priority=Priority.ENGINE_LAST)
     trainer.run(data, max_steps=total)
     if trainer.state.iteration != total:
         raise RuntimeError(f"the run stopped at step {trainer.state.iteration} of {total}")

@@ -146,25 +146,21 @@ def test_counts_are_consistent_across_ranks_and_the_baseline_is_the_optimizer(bu
         assert budget["merged"][config]["extra_syncs_per_step"] >= 0, config
 
 
-@pytest.mark.xfail(strict=True, reason="step tail not yet lean")
 def test_bare_trainer_adds_no_host_sync(budget):
     extra = budget["merged"]["bare"]["extra_syncs_per_step"]
     assert extra <= BUDGETS["bare"][0], budget["merged"]["bare"]["sync_sites"]
 
 
-@pytest.mark.xfail(strict=True, reason="step tail not yet lean")
 def test_bare_trainer_issues_at_most_one_small_collective(budget):
     entry = budget["merged"]["bare"]
     assert entry["collectives_per_step"] <= BUDGETS["bare"][1], entry["collective_sites"]
 
 
-@pytest.mark.xfail(strict=True, reason="step tail not yet lean")
 def test_trainer_with_four_handlers_adds_at_most_one_host_sync(budget):
     entry = budget["merged"]["handlers"]
     assert entry["extra_syncs_per_step"] <= BUDGETS["handlers"][0], entry["sync_sites"]
 
 
-@pytest.mark.xfail(strict=True, reason="step tail not yet lean")
 def test_trainer_with_four_handlers_issues_at_most_two_small_collectives(budget):
     entry = budget["merged"]["handlers"]
     assert entry["collectives_per_step"] <= BUDGETS["handlers"][1], entry["collective_sites"]

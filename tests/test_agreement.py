@@ -1,0 +1,224 @@
+"""The step's one agreement: what every rank must decide alike travels in one all-reduce.
+
+Each two-rank test asks for something on one rank only, at the worst moment for it (before the
+agreement, after it, with conflicting exit codes, a save asked for late), and checks that both
+ranks did the same thing at the same step. The single-process tests check that a step nobody
+reads costs no host read of the loss or gradient norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import Events, ExitCode, Trainer
+from engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
+from tests.conftest import tiny_gpt, token_batches
+from tests.dist_utils import run_distributed
+
+
+def _trainer(rank: int = 0, **kwargs) -> Trainer:
+    from examples.models.gpt import cross_entropy_loss
+
+    model = tiny_gpt()
+    if torch.distributed.is_initialized():
+        from engine import wrap_data_parallel
+
+        model = wrap_data_parallel(model, "ddp")
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, **kwargs)
+
+
+def _init() -> None:
+    from engine import init_distributed
+
+    init_distributed()
+
+
+# ------------------------------------------------------------------------------ pure functions
+def test_exit_code_votes_pick_the_largest_code_any_rank_asked_for():
+    votes = [a + b for a, b in zip(exit_code_votes(75), exit_code_votes(76))]
+    assert agreed_exit_code(votes) == 76
+    assert agreed_exit_code(exit_code_votes(0)) == 0
+    custom = [a + b for a, b in zip(exit_code_votes(42), exit_code_votes(0))]
+    assert agreed_exit_code(custom) == 42  # a code of the user's own travels too
+    assert agreed_exit_code([a + b for a, b in zip(exit_code_votes(42), exit_code_votes(77))]) == 77
+
+
+def test_pack_mixes_host_numbers_and_tensors_in_place_without_reading():
+    t = torch.tensor(2.5)
+    counted = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counted.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        packed = pack([1, t, True, torch.tensor(3, dtype=torch.int64), 0.5], torch.device("cpu"))
+    assert torch.ops.aten._local_scalar_dense.default not in counted
+    assert packed.tolist() == [1.0, 2.5, 1.0, 3.0, 0.5]
+
+
+def test_slot_names_are_unique_and_callables_checked():
+    agreement = StepAgreement()
+    agreement.add("a", lambda: 1)
+    with pytest.raises(ValueError, match="already has a slot named 'a'"):
+        agreement.add("a", lambda: 2)
+    with pytest.raises(TypeError, match="callables"):
+        agreement.add("b", 3)
+    with pytest.raises(ValueError, match="non-empty name"):
+        agreement.add("", lambda: 1)
+
+
+# ------------------------------------------------------------------------------ one process
+class _ScalarReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_nobody_reads_reads_nothing_and_reading_gives_the_numbers():
+    """SGD has no scalar reads of its own: any read in these steps is the engine's."""
+    trainer = _trainer(grad_accum_steps=2, grad_clip_norm=1.0, hang_timeout_s=None)
+    reads = _ScalarReads()
+    with reads:
+        state = trainer.run(token_batches(8), max_steps=4)
+    assert reads.n == 0
+    held = state.peek("loss")
+    assert isinstance(held, torch.Tensor)
+    assert state.loss == pytest.approx(float(held)) and isinstance(state.loss, float)
+    assert isinstance(state.peek("loss"), float)  # read once, then kept as the number
+    assert math.isfinite(state.grad_norm) and state.grad_norm > 0
+    with pytest.raises(AttributeError, match="not a step value"):
+        state.peek("step")
+
+
+def test_a_handler_reading_the_loss_pays_one_read_per_value_it_reads():
+    trainer = _trainer(grad_accum_steps=2, hang_timeout_s=None)
+    trainer.add_event_handler(Events.STEP_END, lambda e: e.state.loss)
+    reads = _ScalarReads()
+    with reads:
+        trainer.run(token_batches(8), max_steps=4)
+    assert reads.n == 4
+
+
+def test_a_slot_votes_and_its_callback_can_veto_the_step():
+    trainer = _trainer(hang_timeout_s=None)
+    seen = []
+
+    def veto_odd(value: float) -> None:
+        seen.append(value)
+        if value:
+            trainer.state.skip_step = True
+
+    trainer.agreement.add("test.odd", lambda: trainer.state.step % 2 == 1, veto_odd)
+    state = trainer.run(token_batches(4), max_steps=4)
+    assert seen == [1.0, 0.0, 1.0, 0.0]
+    assert state.skipped_steps == 2
+
+
+# ------------------------------------------------------------------------------ two ranks
+def _stop_cases(rank: int, world: int) -> dict:
+    _init()
+    out = {}
+    # (a) one rank asks before the agreement (STEP_START): both stop after that step, its code
+    trainer = _trainer(hang_timeout_s=None)
+
+    @trainer.on(Events.STEP_START)
+    def early(e):
+        if rank == 0 and e.state.step == 3:
+            e.state.request_stop("rank 0 asked early", ExitCode.STOPPED)
+
+    state = trainer.run(token_batches(10, seed=rank), max_steps=10)
+    out["early"] = (state.step, state.exit_code, state.stop_reason)
+
+    # (b) one rank asks after the agreement (a user's STEP_END handler): agreed at the step's end
+    trainer = _trainer(hang_timeout_s=None)
+
+    @trainer.on(Events.STEP_END)
+    def late(e):
+        if rank == 1 and e.state.step == 4:
+            e.state.request_stop("rank 1 asked late", 42)
+
+    state = trainer.run(token_batches(10, seed=rank), max_steps=10)
+    out["late"] = (state.step, state.exit_code, state.stop_reason)
+
+    # (c) both ask at once with different codes: both end with the larger
+    trainer = _trainer(hang_timeout_s=None)
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
+    def clash(e):
+        if e.state.step == 2:
+            e.state.request_stop(f"rank {rank}", ExitCode.STOPPED if rank == 0 else ExitCode.NAN_ABORT)
+
+    state = trainer.run(token_batches(10, seed=rank), max_steps=10)
+    out["clash"] = (state.step, state.exit_code)
+
+    # (d) one rank vetoes: neither steps; the ranks' parameters stay equal
+    trainer = _trainer(hang_timeout_s=None)
+    trainer.add_event_handler(
+        Events.BEFORE_OPTIMIZER_STEP, lambda e: setattr(e.state, "skip_step", rank == 1 and e.state.step == 2)
+    )
+    seen = {}
+    trainer.add_event_handler(Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.state.skip_step))
+    state = trainer.run(token_batches(6, seed=rank), max_steps=3)
+    out["veto"] = (state.skipped_steps, seen)
+    out["params"] = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
+
+    # (e) a slot: the sum over ranks reaches on_agreed on every rank
+    trainer = _trainer(hang_timeout_s=None)
+    got = []
+    trainer.agreement.add("test.rank", lambda: float(rank + 1), got.append)
+    trainer.run(token_batches(2, seed=rank), max_steps=2)
+    out["slot"] = got
+    return out
+
+
+@pytest.mark.distributed
+def test_one_rank_asking_is_every_rank_doing_at_the_same_step():
+    r0, r1 = run_distributed(_stop_cases, 2, timeout=150)
+    assert r0["early"][:2] == r1["early"][:2] == (3, ExitCode.STOPPED)
+    assert r0["early"][2] == "rank 0 asked early" and r1["early"][2] == "stop requested on another rank"
+    assert r0["late"][:2] == r1["late"][:2] == (4, 42)
+    assert r1["late"][2] == "rank 1 asked late" and r0["late"][2] == "stop requested on another rank"
+    assert r0["clash"] == r1["clash"] == (2, ExitCode.NAN_ABORT)
+    assert r0["veto"] == r1["veto"] == (1, {1: False, 2: True, 3: False})
+    assert r0["params"] == r1["params"]
+    assert r0["slot"] == r1["slot"] == [3.0, 3.0]
+
+
+def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
+    _init()
+    from handlers import AsyncCheckpointer
+
+    trainer = _trainer(hang_timeout_s=60)
+    AsyncCheckpointer(directory, mode="async", every_steps=100).attach(trainer)
+    saved = []
+    trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
+
+    @trainer.on(Events.STEP_END, priority=1e6)  # before the checkpointer, after the agreement
+    def ask_late(e):
+        if rank == 0 and e.state.step == 2:
+            e.state.should_checkpoint = True
+
+    state = trainer.run(token_batches(6, seed=rank), max_steps=6)
+    return {"saved": saved, "step": state.step}
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_asked_for_on_one_rank_after_the_agreement_is_saved_next_step_everywhere(tmp_path):
+    """A save is collective: one rank starting it alone would hang the other. Asked for after
+    the step's agreement, it is carried to the next step's agreement and saved there by both."""
+    r0, r1 = run_distributed(_late_checkpoint, 2, str(tmp_path), timeout=150)
+    assert r0["step"] == r1["step"] == 6
+    assert r0["saved"] == r1["saved"]
+    assert r0["saved"][0] == 3
+    assert (tmp_path / "step_00000003").is_dir()
