@@ -18,14 +18,18 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
                 loss = loss_fn(model(x), y) / len(microbatches)
                 loss.backward()                # gradients sync on the last microbatch only
                 fire(MICROBATCH)               # state.microbatch == i, state.microbatch_loss
-            state.loss = mean over microbatches and data-parallel ranks
-            state.grad_norm = total norm (before clipping); clip
-            fire(BEFORE_OPTIMIZER_STEP)        # a handler may set state.skip_step (the veto)
-            if not agreed_by_any_rank(state.skip_step):
-                optimizer.step(); lr_scheduler.step()
+            state.loss = this rank's mean over microbatches      # tensors, read only if asked
+            state.grad_norm = total norm of the unclipped gradients
+            fire(BEFORE_OPTIMIZER_STEP)        # gradients unclipped; a handler may set skip_step
+            agree()                            # ONE all-reduce: loss, norm, tokens, samples summed
+                                               # over ranks with skip/stop/checkpoint/exit-code
+                                               # votes and handler slots (engine/agreement.py)
+            if not state.skip_step:            # agreed: any rank's veto is every rank's
+                clip; optimizer.step(); lr_scheduler.step()
             optimizer.zero_grad()
-            fire(STEP_END)                     # metrics in state; validation -> VALIDATION_END
-            if agreed_by_any_rank(state.should_stop): stop
+            fire(STEP_END)                     # state.loss = mean over ranks; validation
+            if stop agreed (or, only when some rank has handlers that may ask this late,
+                a second small all-reduce agrees a stop asked for after agree()): stop
         fire(EPOCH_END)
     fire(TRAIN_END)
     # on an error: fire(EXCEPTION); unless a handler handled it, fire(TRAIN_FAILED) and re-raise
@@ -57,12 +61,13 @@ validation results and runs before loggers record the step::
                            PHASE             9e5             PhaseCurriculum: this step's lr_scale, phase
                            SCHEDULE          1e3             StepScheduler: publish this step's flags
     MICROBATCH             DATASET_METRICS   1e5             PerDatasetMetrics: per-source loss
-    BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: veto a non-finite step
+    BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: this rank's verdict
                            DEFAULT           0               user handlers (may veto)
                            STAGING_WAIT      -1e9            AsyncCheckpointer: staging done first
+    (the step's agreement: NaN verdict, stop signals, time limit and save completion ride in it)
     STEP_END               TIME .. TIME_STRAGGLER            clocks stop
                            HEALTH            5e6             HealthCheck
-                           EXIT_CHECK        2e6             StepScheduler: time limits, signals
+                           EXIT_CHECK        2e6             StepScheduler: loss average window
                            PUBLISH           1.5e6           MetricsTracker: step metrics into state
                            VALIDATION        1e6             trainer: validate when asked
                            PHASE             9e5             PhaseCurriculum: next phase's weights, lr_scale
