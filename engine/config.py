@@ -51,7 +51,7 @@ __all__ = [
 # ruff: noqa: UP006, UP007, UP035, UP045
 
 #: ``train.precision`` and ``Trainer(precision=...)``: fp32, or autocast to bf16 / fp16 (fp16 with a
-#: gradient scaler); see the README's "Precision" section.
+#: gradient scaler); see docs/performance.md.
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 
 
