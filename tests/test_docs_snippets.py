@@ -142,7 +142,10 @@ def test_walkthrough_runs(page, bash, block, tmp_path):
 def _referenced(command: str) -> list[str]:
     """Problems with one shell command of the README: missing scripts, modules or config files."""
     problems = []
-    words = shlex.split(command, comments=True)
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:  # a quote split across lines (a heredoc, a multi-line string)
+        words = command.split()
     for i, word in enumerate(words):
         if word.endswith((".py", ".yaml", ".toml", ".sh")) and "=" not in word:
             if not (REPO / word).exists():
@@ -157,17 +160,47 @@ def _referenced(command: str) -> list[str]:
     return problems
 
 
+def _commands(page: Path) -> list[str]:
+    """The shell commands of a page's ```bash blocks (comment lines and continuation joined)."""
+    out = []
+    for block in blocks(page, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                out += re.split(r"&&|;|\|", line)
+    return out
+
+
 def test_readme_commands_name_existing_files():
-    commands = [
-        part
-        for block in blocks(REPO / "README.md", "bash")
-        for line in block.splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-        for part in re.split(r"&&|;|\|", line)
-    ]
+    commands = _commands(REPO / "README.md")
     assert commands, "README.md has no ```bash block"
     problems = [p for c in commands for p in _referenced(c)]
     assert not problems, problems
     extras = re.findall(r'-e "\.\[(\w+)\]"', (REPO / "README.md").read_text())
     setup = (REPO / "setup.cfg").read_text()
     assert extras and all(re.search(rf"^{e} =", setup, re.M) for e in extras), extras
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "bash")], ids=_name)
+def test_commands_use_real_config_fields(page):
+    """Every ``section.field=value`` override in a page's commands names a real run-config field,
+    and the scripts and modules the commands name exist."""
+    import dataclasses
+    import typing
+
+    sys.path.insert(0, str(REPO))
+    try:
+        from handlers import RunConfig
+    finally:
+        sys.path.remove(str(REPO))
+    hints = typing.get_type_hints(RunConfig)
+    commands = _commands(page)
+    problems = [p for c in commands for p in _referenced(c) if "examples/" in c or "engine" in c]
+    for key in re.findall(r"(?<![\w/.-])([a-z_]+)\.([a-z_]+)=", " ".join(commands)):
+        section, name = key
+        cls = hints.get(section)
+        if cls is None or not dataclasses.is_dataclass(cls):
+            if section != "model":
+                problems.append(f"{section}.{name}: no such config section")
+        elif name not in {f.name for f in dataclasses.fields(cls)}:
+            problems.append(f"{section}.{name}: no such field (see docs/configuration.md)")
+    assert not problems, f"{_name(page)}: {problems}"
