@@ -51,7 +51,7 @@ __all__ = [
 # ruff: noqa: UP006, UP007, UP035, UP045
 
 #: ``train.precision`` and ``Trainer(precision=...)``: fp32, or autocast to bf16 / fp16 (fp16 with a
-#: gradient scaler); see the README's "Precision" section.
+#: gradient scaler); see docs/performance.md.
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 
 
@@ -63,17 +63,17 @@ class TrainConfig:
     other block), see :mod:`engine.activation_checkpointing`. ``compile``: false, true (= "blocks"),
     "blocks" (each block compiled) or "model" (the whole module), see :mod:`engine.compile`."""
 
-    seed: int = 0
-    local_batch_size: int = 8
-    seq_len: int = 128
-    grad_clip_norm: Optional[float] = 1.0
-    deterministic: bool = False
-    num_threads: Optional[int] = None
+    seed: int = 0  # seeds torch, the data order and every rank's RNG
+    local_batch_size: int = 8  # samples per microbatch on one rank
+    seq_len: int = 128  # tokens per sample
+    grad_clip_norm: Optional[float] = 1.0  # clip the total gradient norm to this; null: no clipping
+    deterministic: bool = False  # torch's deterministic algorithms (bitwise-repeatable runs)
+    num_threads: Optional[int] = None  # torch intra-op threads; null: torch's default
     run_dir: Optional[str] = None  # null: the script picks one (train_gpt.py: runs/<config stem>)
-    device: Optional[str] = None
-    activation_checkpointing: str = "none"
-    compile: Union[bool, str] = False
-    precision: str = "fp32"
+    device: Optional[str] = None  # cpu or cuda; null: this rank's GPU under CUDA, else cpu
+    activation_checkpointing: str = "none"  # none, full (every block) or selective (every other)
+    compile: Union[bool, str] = False  # false, true (= blocks), blocks (each block) or model
+    precision: str = "fp32"  # fp32, bf16-mixed or fp16-mixed (autocast; fp16 with a grad scaler)
 
     def validate(self, prefix: str = "train") -> None:
         p = prefix
@@ -92,12 +92,12 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    momentum: float = 0.9
+    name: str = "adamw"  # adamw, adam or sgd
+    lr: float = 3e-4  # peak learning rate (the lr section shapes it over steps)
+    weight_decay: float = 0.1  # decoupled for adamw, L2 for adam and sgd
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adam/adamw: two numbers in [0, 1)
+    eps: float = 1e-8  # adam/adamw denominator term
+    momentum: float = 0.9  # sgd only
 
     def validate(self, prefix: str = "optimizer") -> None:
         p = prefix
@@ -116,13 +116,13 @@ class OptimizerConfig:
 class LRConfig:
     """Warmup then decay; ``decay_steps`` defaults to the run's max steps."""
 
-    warmup_steps: int = 0
-    decay_steps: Optional[int] = None
-    decay_style: str = "cosine"
-    min_lr: float = 0.0
-    warmup_init: float = 0.0
-    wsd_decay_steps: Optional[int] = None
-    wsd_decay_style: str = "exponential"
+    warmup_steps: int = 0  # linear warmup from warmup_init to optimizer.lr over this many steps
+    decay_steps: Optional[int] = None  # steps of decay after warmup; null: the run's max steps
+    decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root or WSD
+    min_lr: float = 0.0  # the learning rate decay ends at (absolute)
+    warmup_init: float = 0.0  # the learning rate warmup starts from (absolute)
+    wsd_decay_steps: Optional[int] = None  # WSD: length of the final decay phase (required for WSD)
+    wsd_decay_style: str = "exponential"  # WSD decay phase: linear, cosine or exponential
 
     def validate(self, prefix: str = "lr") -> None:
         p = prefix
@@ -147,11 +147,11 @@ class DistributedConfig:
     77 (and a stack dump in the run directory) when the loop makes no progress this long; a health
     check with a smaller ``health.timeout_s`` tightens it; null disables the watchdog."""
 
-    backend: Optional[str] = None
-    dp_mode: str = "ddp"
-    pp_size: int = 1
-    timeout_s: float = 600.0
-    hang_timeout_s: Optional[float] = 1800.0
+    backend: Optional[str] = None  # gloo or nccl; null: nccl with CUDA, gloo otherwise
+    dp_mode: str = "ddp"  # data parallelism over several ranks: ddp, fsdp (FSDP2) or none
+    pp_size: int = 1  # pipeline stages (ranks per pipeline); must divide the world size
+    timeout_s: float = 600.0  # the process group's timeout for one collective
+    hang_timeout_s: Optional[float] = 1800.0  # no progress this long: exit 77 with a stack dump
 
     def validate(self, prefix: str = "distributed") -> None:
         p = prefix

@@ -43,15 +43,15 @@ class LoggingConfig:
     ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
     """
 
-    log_interval: int = 10
-    jsonl: bool = True
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "hookloop"
-    wandb_mode: Optional[str] = None
-    wandb_every_steps: Optional[int] = None
-    console: bool = True
-    progress_bar: Optional[bool] = None
+    log_interval: int = 10  # publish metrics (and log them) every this many steps, and at the last
+    jsonl: bool = True  # JSONLLogger: <run_dir>/metrics.jsonl
+    tensorboard: bool = False  # TensorBoardLogger: <run_dir>/tensorboard (the tensorboard extra)
+    wandb: bool = False  # WandBLogger (the wandb extra)
+    wandb_project: str = "hookloop"  # the W&B project
+    wandb_mode: Optional[str] = None  # online, offline or disabled; null: WANDB_MODE decides
+    wandb_every_steps: Optional[int] = None  # null: follow step_scheduler.log_remote_every_steps
+    console: bool = True  # ConsoleLogger: one line per published step on rank 0
+    progress_bar: Optional[bool] = None  # console as a tqdm bar; null: a bar on a terminal only
 
     def validate(self, prefix: str = "logging") -> None:
         """The only copy of the loggers' rules for these settings."""

@@ -65,13 +65,13 @@ class NaNConfig:
     """The ``nan`` section: see :class:`NaNDetector` (``action: rollback`` needs checkpoints)."""
 
     enabled: bool = True
-    max_consecutive: int = 5
-    check_grad_norm: bool = True
-    action: str = "rollback"
-    max_rollbacks: int = 3
-    skip_data_on_rollback: bool = True
-    spike_factor: Optional[float] = None
-    spike_window: int = 100
+    max_consecutive: int = 5  # bad steps in a row that trigger a rollback
+    check_grad_norm: bool = True  # a non-finite gradient norm is bad too, not only the loss
+    action: str = "rollback"  # warn (veto and log), raise (stop, exit 76) or rollback
+    max_rollbacks: int = 3  # rollbacks allowed in a run; the next request stops it (exit 76)
+    skip_data_on_rollback: bool = True  # after a rollback, go on past the bad data, not rewind it
+    spike_factor: Optional[float] = None  # a loss above this x the median good loss is bad; null: off
+    spike_window: int = 100  # recent good losses the spike median is taken over
 
     def validate(self, prefix: str = "nan") -> None:
         """The only copy of the detector's rules (its constructor calls this too)."""

@@ -34,7 +34,13 @@ IGNITE_PRIVATE = {
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"handlers.metric_logger", "handlers.loggers"}
-COMPOSERS = {"handlers", "handlers.run_config", "handlers.loggers", "handlers.plot"}
+COMPOSERS = {
+    "handlers",
+    "handlers.run_config",
+    "handlers.loggers",
+    "handlers.plot",
+    "handlers.config_reference",
+}
 
 
 def modules() -> dict[str, Path]:

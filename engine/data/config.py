@@ -94,9 +94,9 @@ def check_phases(
 class PhaseConfig:
     """One phase of the ``data.phases`` list (see :class:`Phase`)."""
 
-    start_step: int = 0
-    dataset_weights: Dict[str, float] = field(default_factory=dict)
-    lr_scale: float = 1.0
+    start_step: int = 0  # the first step (1-based, absolute) this phase's weights apply to
+    dataset_weights: Dict[str, float] = field(default_factory=dict)  # dataset name -> weight
+    lr_scale: float = 1.0  # multiplies the scheduled learning rate during this phase
 
 
 @dataclass
@@ -104,13 +104,15 @@ class DataConfig:
     """Named datasets (a token file path, or ``stdlib_docs`` / ``stdlib_source``), their mixture
     weights (a dataset not named weighs 1.0), and an optional phase curriculum."""
 
+    #: name -> a token file path, or ``stdlib_docs`` / ``stdlib_source`` (the standard library's text,
+    #: tokenized on first use or by ``python -m engine.data prepare``)
     datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
-    weights: Dict[str, float] = field(default_factory=dict)
-    mix_temperature: float = 1.0
-    phases: List[PhaseConfig] = field(default_factory=list)
-    cache_dir: str = "data"
-    val_fraction: float = 0.02
-    num_workers: int = 0
+    weights: Dict[str, float] = field(default_factory=dict)  # name -> mixture weight (unnamed: 1.0)
+    mix_temperature: float = 1.0  # draw source i with probability w_i ** (1 / T), normalised
+    phases: List[PhaseConfig] = field(default_factory=list)  # a phase curriculum (empty: one phase)
+    cache_dir: str = "data"  # where the stdlib token files are written and found
+    val_fraction: float = 0.02  # the tail of each dataset held out for validation
+    num_workers: int = 0  # DataLoader worker processes (0: load in the training process)
 
     def validate(self, prefix: str = "data") -> None:
         p = prefix

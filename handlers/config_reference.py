@@ -1,0 +1,239 @@
+"""The configuration reference page, generated from the run config dataclasses.
+
+    python -m handlers.config_reference > docs/configuration.md
+
+Walks :class:`handlers.RunConfig` (or any schema made with :func:`handlers.compose_config`) section
+by section and writes every field with its YAML type, its default and its description. A field's
+description is, first found: its own comment in the section's source (a trailing ``# ...`` or a
+``#:`` line above it), then the ``Args:`` entry of the same name in the docstring of the handler
+built from the section (or of the section class itself). Documenting a field therefore means
+documenting it in the code, once; ``tests/test_config_reference.py`` fails when the committed page
+is stale.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import sys
+import textwrap
+import typing
+from typing import Any
+
+__all__ = ["doc_sources", "field_docs", "render", "type_name"]
+
+COMMAND = "python -m handlers.config_reference > docs/configuration.md"
+
+# Where a section's field descriptions come from when the field has no comment of its own: the class
+# whose docstring has an ``Args:`` list for the same names. Handlers name their section themselves.
+_ENGINE_DOC_SOURCES = {"pipeline": "engine.pipeline.config.PipelineConfig"}
+# Fields every handler section shares, described once here.
+_GENERIC = {"enabled": "build and attach this section's handler (false: `from_config` returns None)"}
+
+
+def type_name(tp: Any) -> str:
+    """A field annotation as a YAML reader would say it: ``int or null``, ``list of str``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin in (list, typing.List):  # noqa: UP006
+        return f"list of {type_name(args[0])}" if args else "list"
+    if origin in (dict, typing.Dict):  # noqa: UP006
+        return f"map of {type_name(args[0])} to {type_name(args[1])}" if args else "map"
+    if tp is Any:
+        return "any"
+    if dataclasses.is_dataclass(tp):
+        return f"`{tp.__name__}`"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    return f"`{_yaml(value)}`"
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _yaml(dataclasses.asdict(value))
+    return str(value)
+
+
+def _md(text: str) -> str:
+    """Docstring markup (reST roles, double backquotes) as Markdown."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`")
+
+
+def _comments(cls: type) -> dict[str, str]:
+    """Each field's own comment in ``cls``'s source: ``#:`` lines above it, or a trailing ``#``."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    source = textwrap.dedent("".join(lines))
+    src_lines = source.splitlines()
+    out: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above = []
+        i = node.lineno - 2
+        while i >= 0 and src_lines[i].strip().startswith("#:"):
+            above.insert(0, src_lines[i].strip()[2:].strip())
+            i -= 1
+        line = src_lines[node.end_lineno - 1]
+        trailing = re.search(r"#\s*(?!noqa|type:)(.+)$", line[node.end_col_offset :])
+        text = " ".join(above) or (trailing.group(1).strip() if trailing else "")
+        if text:
+            out[node.target.id] = text
+    return out
+
+
+def _args(doc: str | None) -> dict[str, str]:
+    """The ``Args:`` entries of a Google-style docstring; ``a, b: text`` documents both names."""
+    if not doc:
+        return {}
+    doc = inspect.cleandoc(doc)
+    match = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)+)", doc, re.M)
+    if not match:
+        return {}
+    out: dict[str, str] = {}
+    current: list[str] = []
+    for line in match.group(1).splitlines():
+        entry = re.match(r"^    ([\w, ]+):\s*(.*)$", line)
+        if entry and not line.startswith("     "):
+            current = [n.strip() for n in entry.group(1).split(",")]
+            for name in current:
+                out[name] = entry.group(2).strip()
+        elif line.strip() and current:
+            for name in current:
+                out[name] += " " + line.strip()
+        elif not line.strip():
+            current = []
+    return out
+
+
+def field_docs(section_cls: type, doc_source: type | None = None) -> dict[str, str]:
+    """Field name -> description for one section (see the module docstring for the sources)."""
+    docs = {**_args(section_cls.__doc__)}
+    if doc_source is not None:
+        docs.update(_args(doc_source.__doc__))
+    docs.update(_comments(section_cls))
+    return docs
+
+
+def doc_sources() -> dict[str, type]:
+    """Section name -> the handler (or engine class) whose docstring documents its fields."""
+    import importlib
+
+    import handlers
+
+    out: dict[str, type] = {}
+    for name in handlers.__all__:
+        obj = getattr(handlers, name)
+        section = getattr(obj, "section", None)
+        if inspect.isclass(obj) and isinstance(section, str) and getattr(obj, "Config", None):
+            out.setdefault(section, obj)
+    for section, dotted in _ENGINE_DOC_SOURCES.items():
+        module, _, attr = dotted.rpartition(".")
+        out[section] = getattr(importlib.import_module(module), attr)
+    return out
+
+
+def _summary(cls: type) -> str:
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    if not doc or doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature
+        return ""
+    paragraph = doc.split("\n\n")[0]
+    return _md(" ".join(line.strip() for line in paragraph.splitlines()))
+
+
+def _table(cls: type, doc_source: type | None, prefix: str) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls, doc_source)
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    nested: list[type] = []
+    for f in dataclasses.fields(cls):
+        tp = hints.get(f.name, f.type)
+        for inner in (tp, *typing.get_args(tp)):
+            if dataclasses.is_dataclass(inner) and inner not in nested:
+                nested.append(inner)
+        text = docs.get(f.name) or _GENERIC.get(f.name, "")
+        text = _md(text).replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| `{prefix}.{f.name}` | {type_name(tp)} | {_default(f)} | {text} |")
+    out = rows
+    for inner in nested:
+        out += ["", f"Each item of a list of `{inner.__name__}` (in `{prefix}`):", ""]
+        summary = _summary(inner)
+        if summary:
+            out += [summary, ""]
+        out += _table(inner, None, "item")
+    return out
+
+
+def render(schema: type | None = None) -> str:
+    """The whole reference page for ``schema`` (default :class:`handlers.RunConfig`) as Markdown."""
+    from handlers.run_config import RunConfig
+
+    schema = schema or RunConfig
+    sources = doc_sources()
+    hints = typing.get_type_hints(schema)
+    lines = [
+        "# Configuration reference",
+        "",
+        f"<!-- Generated from the config dataclasses by `{COMMAND}`; do not edit by hand. -->",
+        "",
+        "Every section of `handlers.RunConfig`, every field with its type, default and meaning. A run",
+        "config is YAML or TOML (`load_run_config(path, overrides)`); dotted command-line overrides",
+        "set one field (`step_scheduler.max_steps=100`); `null` (or `~`, `None`, `none`) sets a field",
+        "that may be null. Each section validates itself before anything is built; every error",
+        "names the field (`engine.ConfigError`). How to add a section of your own:",
+        "[writing handlers](writing_handlers.md).",
+        "",
+        "Sections: " + ", ".join(f"[`{f.name}`](#{f.name})" for f in dataclasses.fields(schema)) + ".",
+    ]
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        lines += ["", f"## {f.name}", ""]
+        if not dataclasses.is_dataclass(tp):
+            lines += [
+                f"`{f.name}`: {type_name(tp)}, default {_default(f)}. Free-form: handed to the model"
+                " builder as it is (the example's GPT reads `vocab_size`, `n_layers`, `d_model`, ...).",
+            ]
+            continue
+        source = sources.get(f.name)
+        where = f"`{tp.__module__}.{tp.__name__}`"
+        if source is not None and source.__module__.startswith("handlers"):
+            where += f", read by `{source.__name__}`"
+        lines += [f"Dataclass {where}.", ""]
+        summary = _summary(tp)
+        if summary:
+            lines += [summary, ""]
+        lines += _table(tp, source, f.name)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the reference page (see the module docstring for the command)."""
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
