@@ -43,9 +43,7 @@ def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, A
                 f"{_HF_HINT}"
             )
         inputs = {
-            k: to_device(v, device)
-            for k, v in microbatch.items()
-            if k != "labels" and k not in METADATA_KEYS
+            k: to_device(v, device) for k, v in microbatch.items() if k != "labels" and k not in METADATA_KEYS
         }
         labels = microbatch.get("labels")
         return inputs, (to_device(labels, device) if labels is not None else None)

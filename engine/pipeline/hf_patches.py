@@ -196,7 +196,9 @@ def _backward_maybe_with_nosync(
             with submod.no_sync():
                 return run()
         # The reducer expects a forward's outputs before a syncing backward (torch does the same).
-        submod.reducer.prepare_for_backward(list(nn.parallel.distributed._find_tensors(bwd_kwargs["stage_output"])))
+        submod.reducer.prepare_for_backward(
+            list(nn.parallel.distributed._find_tensors(bwd_kwargs["stage_output"]))
+        )
         return run()
     if isinstance(submod, FSDPModule):
         submod.set_requires_gradient_sync(last_backward)

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import parallel
+from engine.batch import count_batch
 from engine.errors import ConfigError
 from engine.events import Events
-from engine.batch import count_batch
 from engine.pipeline import hf_patches
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.schedules import losses_computed

@@ -4,9 +4,9 @@ A stage is a deep copy of the model with every module outside the stage removed:
 set to ``None`` and a ``ModuleDict`` entry is deleted, so parameter names stay those of the whole
 model and the model's own ``forward`` runs the stage as long as it skips parts that are ``None``
 (the examples' GPT does; a Hugging Face causal LM gets such forwards from
-:mod:`engine.pipeline.hf_patches`). Modules without parameters stay on every stage. The default split puts the modules before the layer container
-(embeddings) on the first stage, the ones after it (norm, head) on the last, and spreads the layers
-evenly over the stages.
+:mod:`engine.pipeline.hf_patches`). Modules without parameters stay on every stage. The default
+split puts the modules before the layer container (embeddings) on the first stage, the ones after
+it (norm, head) on the last, and spreads the layers evenly over the stages.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ def find_layer_container(model: nn.Module) -> str:
     containers = _layer_containers(model)
     if not containers:
         nested = [
-            f"{name}.{found}"
-            for name, child in model.named_children()
-            for found in _layer_containers(child)
+            f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
         ]
         containers = nested
     for name in _LAYER_NAMES:
