@@ -251,6 +251,72 @@ def test_hf_pipeline_checks_name_the_patch_fields():
             PipelineConfig(**{field: "yes"}).validate()
 
 
+def _nosync_worker(rank: int, world: int) -> dict:
+    """dp 2 x pp 2, FSDP2 stages with patch_stage_backward_maybe_with_nosync: one step of two
+    microbatches per replica; returns the loss, every gradient, and the gradient-sync switches."""
+    from engine import init_distributed
+    from engine.pipeline import build_pipeline
+    from tests.dist_utils import to_numpy
+
+    info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))
+    cfg = PipelineConfig(pp_microbatch_size=2, pp_batch_size=4, patch_stage_backward_maybe_with_nosync=True)
+    runtime = build_pipeline(tiny_llama(), cfg, info, dp_mode="fsdp")
+    (stage,) = runtime.stages
+    syncs: list[bool] = []  # every gradient-sync switch, in order: one per backward, then the schedule's
+    set_sync = stage.submod.set_requires_gradient_sync
+
+    def spy(requires_gradient_sync: bool, **kwargs) -> None:
+        syncs.append(requires_gradient_sync)
+        set_sync(requires_gradient_sync, **kwargs)
+
+    stage.submod.set_requires_gradient_sync = spy
+    trainer = Trainer(
+        runtime.module,
+        torch.optim.SGD(runtime.parameters(), lr=0.0),
+        None,
+        pipeline=runtime,
+        hang_timeout_s=None,
+    )
+    grads: dict = {}
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
+    def keep_grads():
+        for name, p in runtime.module.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.split(".", 1)[1]] = g.detach().clone()
+
+    dp = runtime.dp_rank
+    batches = [{"input_ids": ids(seed=10 * dp + i), "labels": ids(seed=10 * dp + i)} for i in range(2)]
+    trainer.run(batches, max_epochs=1)
+    return {"loss": trainer.state.loss, "grads": to_numpy(grads), "syncs": syncs}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stage_backward_nosync_patch_syncs_on_the_last_microbatch_only():
+    from tests.dist_utils import from_numpy, run_distributed
+
+    per_rank = run_distributed(_nosync_worker, 4, timeout=240)
+    model = tiny_llama()
+    microbatches = [ids(seed=10 * d + i) for d in range(2) for i in range(2)]
+    losses = []
+    for x in microbatches:
+        loss = model(input_ids=x, labels=x).loss
+        (loss / len(microbatches)).backward()
+        losses.append(float(loss.detach()))
+    reference = {n: p.grad for n, p in model.named_parameters()}
+    covered: set[str] = set()
+    for rank, result in enumerate(per_rank):
+        # The first microbatch's backward runs without the sync, the last one with it (torch's own
+        # backward keeps it off for both and reduces after the schedule: False, False, True).
+        assert result["syncs"][:2] == [False, True], (rank, result["syncs"])
+        assert result["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+        for name, grad in from_numpy(result["grads"]).items():
+            torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-6)
+            covered.add(name)
+    assert covered == set(reference)
+
+
 # ---------------------------------------------------------------------- examples/train_hf.py
 def common(run) -> list[str]:
     return [
