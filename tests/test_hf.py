@@ -182,6 +182,15 @@ def test_non_callable_loss_fn_is_refused_at_construction():
         trainer_for(KwargsModel(), loss_fn="cross_entropy")
 
 
+def test_loss_fn_none_under_a_pipeline_without_a_stage_loss():
+    from types import SimpleNamespace
+
+    model = KwargsModel()
+    runtime = SimpleNamespace(module=model, run_step=None, n_microbatches=1, loss_fn=None)
+    with pytest.raises(ConfigError, match=r"loss_fn: is None but pipeline stages.*patch_causal_lm_model"):
+        trainer_for(model, pipeline=runtime)
+
+
 # ---------------------------------------------------------------------- pipeline stages of an HF model
 def test_default_split_of_a_causal_lm():
     model = tiny_llama(layers=4)
