@@ -176,6 +176,9 @@ class PipelineSection:
     layers_per_stage: Optional[int] = None
     round_virtual_stages_to_pp_multiple: Optional[str] = None
     module_fqns_per_model_part: Optional[List[List[str]]] = None
+    patch_inner_model: bool = True
+    patch_causal_lm_model: bool = True
+    patch_stage_backward_maybe_with_nosync: bool = False
     dtype: Optional[str] = None
     scale_grads_in_schedule: bool = False
     pp_seq_len: Optional[int] = None

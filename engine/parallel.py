@@ -133,11 +133,23 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _repeated_blocks(model: torch.nn.Module) -> Any:
+    """The model's repeated layers, each its own FSDP2 unit: ``blocks`` or ``layers``, also under a
+    Hugging Face model's decoder (``model.model.layers``)."""
+    inner = getattr(model, "base_model_prefix", None)
+    for owner in (model, getattr(model, inner, None) if isinstance(inner, str) and inner else None):
+        blocks = getattr(owner, "blocks", None) or getattr(owner, "layers", None)
+        if isinstance(blocks, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            return blocks
+    return None
+
+
 def wrap_data_parallel(
     model: torch.nn.Module, mode: str = "ddp", *, mesh: Any = None, mixed_precision: Any = None
 ) -> torch.nn.Module:
     """Wrap ``model`` for data parallelism: ``"ddp"`` (DistributedDataParallel), ``"fsdp"``
-    (FSDP2 ``fully_shard`` on each block, then the root) or ``"none"``. One process: unchanged.
+    (FSDP2 ``fully_shard`` on each block, a Hugging Face decoder's layers too, then the root) or
+    ``"none"``. One process: unchanged.
 
     ``mixed_precision`` (FSDP2 only; DDP ignores it): ``"bf16-mixed"`` shards with
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (bf16 compute copies of
@@ -172,7 +184,7 @@ def wrap_data_parallel(
             "mixed_precision must be a precision name or a MixedPrecisionPolicy, "
             f"got {type(mixed_precision).__name__}"
         )
-    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    blocks = _repeated_blocks(model)
     if blocks is not None:
         for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)

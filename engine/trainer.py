@@ -32,6 +32,7 @@ from engine.agreement import (
     exit_code_votes,
     sum_over_ranks,
 )
+from engine.batch import count_batch, default_prepare_batch, forward_and_loss
 from engine.checks import check_choice
 from engine.config import PRECISIONS
 from engine.errors import ConfigError, PeerFailure, exit_code_of
@@ -60,41 +61,20 @@ DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
 
 
-def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, Any]:
-    """``(inputs, targets, ...)`` or ``{"input_ids", "labels"}`` -> ``(inputs, targets)`` on ``device``."""
-    if isinstance(microbatch, (list, tuple)) and len(microbatch) >= 2:
-        inputs, targets = microbatch[0], microbatch[1]
-    elif isinstance(microbatch, dict) and "input_ids" in microbatch and "labels" in microbatch:
-        inputs, targets = microbatch["input_ids"], microbatch["labels"]
-    else:
-        raise TypeError(
-            f"a microbatch must be (inputs, targets) or a dict with 'input_ids' and 'labels', got "
-            f"{type(microbatch).__name__}; pass Trainer(prepare_batch=fn) to unpack other layouts"
-        )
-    return _to_device(inputs, device), _to_device(targets, device)
-
-
-def _to_device(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    return x
-
-
 class Trainer(IgniteAdapter):
     """A hook-based training loop on ignite: one ignite iteration is one optimizer step.
 
     Args:
         model: the module to train (plain, DDP- or FSDP2-wrapped).
         optimizer: a torch optimizer over ``model``'s parameters.
-        loss_fn: ``loss_fn(model(inputs), targets) -> scalar tensor``.
+        loss_fn: ``loss_fn(model(inputs), targets) -> scalar tensor``; None: the model computes its
+            own loss (``output.loss``) from dict microbatches holding ``labels`` (the Hugging Face
+            convention, see :mod:`engine.batch`).
         lr_scheduler: stepped after every optimizer step that was not vetoed.
         grad_accum_steps: microbatches per optimizer step (>= 1).
         grad_clip_norm: clip the total gradient norm to this value; ``None`` measures only.
-        prepare_batch: ``prepare_batch(microbatch, device) -> (inputs, targets)``.
+        prepare_batch: ``prepare_batch(microbatch, device) -> (inputs, targets)``; dict inputs go to
+            the model as keyword arguments (:func:`engine.batch.default_prepare_batch`).
         device: where batches go; defaults to the device of the model's first parameter.
         pipeline: a :class:`engine.pipeline.PipelineRuntime` (from ``build_pipeline``): run the
             pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
@@ -117,7 +97,7 @@ class Trainer(IgniteAdapter):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         *,
         lr_scheduler: Any | None = None,
         grad_accum_steps: int = 1,
@@ -134,8 +114,11 @@ class Trainer(IgniteAdapter):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable: loss_fn(model_output, targets) -> scalar tensor")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                "loss_fn must be callable: loss_fn(model_output, targets) -> scalar tensor, or None "
+                "when the model computes its own loss (output.loss, Hugging Face convention)"
+            )
         if prepare_batch is not None and not callable(prepare_batch):
             raise TypeError("prepare_batch must be callable: prepare_batch(microbatch, device)")
         self._grad_accum_steps = 1
@@ -169,6 +152,14 @@ class Trainer(IgniteAdapter):
                 )
             if pipeline.loss_fn is None:
                 pipeline.loss_fn = loss_fn
+            if pipeline.loss_fn is None:
+                raise ConfigError(
+                    "loss_fn",
+                    "is None but pipeline stages cannot return the model's own loss: the last stage "
+                    "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
+                    "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
+                    "build_pipeline",
+                )
         self.pipeline = pipeline
         self.events = EventRegistry(self)
         super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
@@ -643,8 +634,7 @@ class Trainer(IgniteAdapter):
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if ddp and not last else _NO_CONTEXT:
                 with self.autocast():
-                    output = model(inputs)
-                    loss = self.loss_fn(output, targets)
+                    output, loss = forward_and_loss(model, inputs, targets, self.loss_fn)
                 if not self._loss_checked:
                     self._check_loss(loss)
                 if scaler is None:
@@ -653,10 +643,9 @@ class Trainer(IgniteAdapter):
                     scaler.scale(loss / n).backward()
             loss = loss.detach()
             loss_sum = loss_sum + loss
-            if isinstance(inputs, torch.Tensor):
-                samples += inputs.shape[0] if inputs.dim() else 1
-                if not inputs.is_floating_point():
-                    tokens += inputs.numel()
+            mb_samples, mb_tokens = count_batch(inputs)
+            samples += mb_samples
+            tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
             state.microbatch = i
             if watchdog is not None:
                 watchdog.feed()
@@ -679,6 +668,11 @@ class Trainer(IgniteAdapter):
     def _check_loss(self, loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            if self.loss_fn is None:
+                raise ValueError(
+                    f"the model's own loss (output.loss, Trainer(loss_fn=None)) must be a scalar tensor, "
+                    f"got {shape}; have the model reduce it, or pass a loss_fn"
+                )
             raise ValueError(
                 f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
                 "or pass reduction='mean' to the loss"
@@ -845,8 +839,7 @@ class Trainer(IgniteAdapter):
             self.watchdog.feed()
         inputs, targets = self.prepare_batch(microbatch, self.device)
         with self.autocast():
-            output = self.model(inputs)
-            loss = self.loss_fn(output, targets)
+            output, loss = forward_and_loss(self.model, inputs, targets, self.loss_fn)
         engine.state.loss_total += loss.detach().double().cpu()
         engine.state.loss_batches += 1
         return output, targets

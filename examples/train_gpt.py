@@ -13,306 +13,43 @@ directory gets ``metrics.jsonl`` (one line per logged step). The process exits w
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
-import random
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import (  # noqa: E402
-    ConfigError,
-    Events,
-    ExitCode,
-    Priority,
-    Trainer,
-    TrainingAborted,
-    build_lr_scheduler,
-    init_distributed,
-    setup_logging,
-    wrap_data_parallel,
-)
-from engine.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from engine.compile import compile_mode, compile_model  # noqa: E402
-from engine.data import (  # noqa: E402
-    MixtureDataset,
-    MixtureLoader,
-    MixtureSampler,
-    TokenDataset,
-    prepare_tokens,
-    stdlib_docs_text,
-    stdlib_source_files,
-)
-from engine.parallel import destroy_distributed, exit_process  # noqa: E402
-from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
+from engine.parallel import exit_process  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
-from handlers import RunConfig, attach_handlers, check_run_paths, load_run_config  # noqa: E402
+from examples.training import ModelRecipe, resolve_run_dir, run  # noqa: E402
+from handlers import RunConfig  # noqa: E402
+
+__all__ = ["DEFAULT_CONFIG", "RECIPE", "main", "resolve_run_dir"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
-BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
-
-logger = logging.getLogger("engine.examples.train_gpt")  # under "engine", which setup_logging shows
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description="Train a small GPT with hookloop.")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML or TOML config")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
-    args = parser.parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides)
-    resolve_run_dir(cfg, args.config)
-    return cfg, args
+def gpt_config(cfg: RunConfig) -> GPTConfig:
+    """The ``model`` section as a :class:`GPTConfig` (its checks raise ValueError naming the field)."""
+    return GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})
 
 
-def resolve_run_dir(cfg: RunConfig, config_path: str | os.PathLike) -> Path:
-    """``train.run_dir`` null becomes ``runs/<config file stem>`` (``runs/gpt_tiny``), so each
-    config trains in its own directory; a set one is kept. Returns the run directory."""
-    if cfg.train.run_dir is None:
-        cfg.train.run_dir = str(Path("runs") / Path(config_path).stem)
-    return Path(cfg.train.run_dir)
+def build_gpt(cfg: RunConfig) -> tuple[GPT, float]:
+    model = GPT(gpt_config(cfg))
+    return model, model.flops_per_token()
 
 
-def log_summary(trainer: Trainer, *, n_params: int, world: int, dp: int, pp: int, precision: str) -> None:
-    """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
-    resumes (so run it at a priority below ``Priority.RESUME``)."""
-    state = trainer.state
-    if state.iteration > 0 and state.last_checkpoint:
-        start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
-    else:
-        start = "fresh (step 0)"
-    handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
-    logger.info("parameters: %s", f"{n_params:,}")
-    logger.info("world size %d (dp %d x pp %d), precision %s", world, dp, pp, precision)
-    logger.info("run directory: %s", trainer.run_dir)
-    logger.info("start: %s", start)
-    logger.info("handlers: %s", handlers)
-
-
-def check_data_files(cfg: RunConfig) -> None:
-    """Every dataset that names a file must exist (the built-in corpora are made on first use)."""
-    for name, source in cfg.data.datasets.items():
-        if source not in BUILTIN_SOURCES and not Path(source).is_file():
-            raise ConfigError(
-                f"data.datasets.{name}",
-                f"{source} is not a file; give a token file (python -m engine.data prepare ...) or one of "
-                f"{', '.join(sorted(BUILTIN_SOURCES))}",
-            )
-
-
-def check_device(cfg: RunConfig) -> None:
-    """``train.device`` (null: the launcher's choice, CPU or this rank's GPU) must exist here."""
-    device = cfg.train.device
-    if device is None:
-        return
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as e:
-        raise ConfigError(
-            "train.device", f"{device!r} is not a device ({e}); use 'cpu', 'cuda' or null"
-        ) from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device", f"{device!r} but no CUDA device is available; use 'cpu' or null")
-
-
-def token_file(source: str, cache_dir: Path) -> Path:
-    """The token file for a dataset entry: a built-in corpus (tokenized once) or a path."""
-    if source not in BUILTIN_SOURCES:
-        return Path(source)
-    path = cache_dir / f"{source}.u8"
-    if not path.exists():  # every rank writes the same bytes; the write is an atomic rename
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        docs = [stdlib_docs_text()] if source == "stdlib_docs" else stdlib_source_files()
-        prepare_tokens(docs, path)
-    return path
-
-
-def build_data(cfg: RunConfig, rank: int, world: int):
-    """Train loader over the weighted mixture (endless, resumable sampler) and a validation loader."""
-    from torch.utils.data import DataLoader, Subset
-    from torch.utils.data.distributed import DistributedSampler
-
-    train_parts, val_parts = {}, {}
-    for name, source in cfg.data.datasets.items():
-        ds = TokenDataset(token_file(source, Path(cfg.data.cache_dir)), cfg.train.seq_len)
-        n_val = max(1, int(len(ds) * cfg.data.val_fraction)) if cfg.data.val_fraction > 0 else 0
-        train_parts[name] = Subset(ds, range(len(ds) - n_val))
-        if n_val:
-            val_parts[name] = Subset(ds, range(len(ds) - n_val, len(ds)))
-    mixture = MixtureDataset(train_parts)
-    weights = {name: cfg.data.weights.get(name, 1.0) for name in train_parts}
-    sampler = MixtureSampler(
-        mixture,
-        weights,
-        temperature=cfg.data.mix_temperature,
-        seed=cfg.train.seed,
-        rank=rank,
-        world_size=world,
-    )
-    # The loader's position is the sampler's right after the batches training received, also with
-    # worker prefetch, so resume is exact and O(1).
-    train = MixtureLoader(sampler, cfg.train.local_batch_size, num_workers=cfg.data.num_workers)
-    val = None
-    if val_parts:
-        val_set = MixtureDataset(val_parts)
-        val_sampler = (
-            DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-        )
-        val = DataLoader(val_set, batch_size=cfg.train.local_batch_size, sampler=val_sampler)
-    return train, val, sampler
-
-
-def build_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
+RECIPE = ModelRecipe(
+    description="Train a small GPT with hookloop.",
+    default_config=DEFAULT_CONFIG,
+    check=gpt_config,
+    build=build_gpt,
+    loss_fn=cross_entropy_loss,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    try:
-        cfg, _ = parse_args(argv)
-        # Everything that can be checked is checked before any process group or model exists:
-        # model settings, directories, checkpoint paths, data files, the device.
-        GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})
-        check_run_paths(cfg)
-        check_data_files(cfg)
-        check_device(cfg)
-        if cfg.train.compile is not False and cfg.distributed.pp_size > 1:
-            raise ConfigError(
-                "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
-            )
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (TypeError, ValueError) as e:
-        print(f"config error: model: {e}", file=sys.stderr)
-        return 2
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    pp = cfg.distributed.pp_size
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")} if pp > 1 else {}
-    info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **mesh)
-    try:
-        seed_everything(cfg.train.seed, cfg.train.deterministic)
-        run_dir = Path(cfg.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # Data is sharded over data-parallel replicas; pipeline stages of one replica share it.
-        dp, dp_rank = info.world_size // pp, info.rank // pp
-        train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp)
-
-        device = torch.device(cfg.train.device) if cfg.train.device else info.device
-        model = GPT(GPTConfig(**{"seq_len": cfg.train.seq_len, **cfg.model})).to(device)
-        flops_per_token = model.flops_per_token()  # of the whole model, before any split
-        n_params = sum(p.numel() for p in model.parameters())
-        # Activation checkpointing, then compile, both in place (state-dict keys unchanged) and
-        # before the pipeline split or the data-parallel wrapper, as torchtitan orders them.
-        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-        if compile_mode(cfg.train.compile) is not None:
-            compile_model(model, cfg.train.compile)
-        runtime = None
-        if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
-            runtime = build_pipeline(
-                model,
-                PipelineConfig.from_section(cfg.pipeline),
-                info,
-                cross_entropy_loss,
-                dp_mode=cfg.distributed.dp_mode,
-            )
-            model = runtime.module
-        else:
-            fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
-            model = wrap_data_parallel(
-                model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
-            )
-        optimizer = build_optimizer(cfg, model)
-        lr_scheduler = build_lr_scheduler(
-            optimizer,
-            warmup_steps=cfg.lr.warmup_steps,
-            decay_steps=cfg.lr.decay_steps or cfg.step_scheduler.max_steps,
-            decay_style=cfg.lr.decay_style,
-            min_lr=cfg.lr.min_lr,
-            warmup_init=cfg.lr.warmup_init,
-            wsd_decay_steps=cfg.lr.wsd_decay_steps,
-            wsd_decay_style=cfg.lr.wsd_decay_style,
-        )
-        trainer = Trainer(
-            model,
-            optimizer,
-            cross_entropy_loss,
-            lr_scheduler=lr_scheduler,
-            grad_clip_norm=cfg.train.grad_clip_norm,
-            device=device,
-            pipeline=runtime,
-            run_dir=run_dir,
-            hang_timeout_s=cfg.distributed.hang_timeout_s,
-            precision=cfg.train.precision,
-        )
-        # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the
-        # step scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then
-        # checkpoints (they resume at TRAIN_START before any other handler reads the state, and
-        # answer the NaN detector's ROLLBACK; directory <run_dir>/checkpoints unless set), the NaN
-        # detector, the phase curriculum and per-dataset loss/tokens (over the mixture sampler),
-        # metrics (FLOPs per token of the whole model unless configured), loggers, profiler, health
-        # and straggler checks.
-        attach_handlers(
-            trainer,
-            cfg,
-            dataloader=train_loader,
-            dp_size=dp,
-            sampler=sampler,
-            run_dir=run_dir,
-            flops_per_token=flops_per_token,
-        )
-        if val_loader is not None:
-            trainer.set_validation(val_loader, eval_iters=8)
-        if info.is_main:
-            trainer.add_event_handler(
-                Events.TRAIN_START,
-                lambda: log_summary(
-                    trainer,
-                    n_params=n_params,
-                    world=info.world_size,
-                    dp=dp,
-                    pp=pp,
-                    precision=cfg.train.precision,
-                ),
-                priority=Priority.RESUME - 1,
-            )
-
-        try:
-            state = trainer.run(train_loader)
-        except ConfigError as e:  # a setting only the running trainer can check (e.g. the data)
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-        except TrainingAborted as e:  # NaN give-up (76), failed health check or lost peer (77), ...
-            print(f"stopped: {e} (exit code {e.exit_code}: {ExitCode(e.exit_code).name})", file=sys.stderr)
-            return e.exit_code
-        except KeyboardInterrupt:
-            print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
-            return 130
-        if info.is_main:
-            code = int(state.exit_code)
-            meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
-            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {code} ({meaning})", flush=True)
-        return int(state.exit_code)
-    finally:
-        destroy_distributed()
+    return run(argv, RECIPE)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ At every MICROBATCH the handler takes the logits the trainer already computed
 cross-entropy under ``no_grad`` (a softmax over outputs that exist anyway, no forward pass), and adds
 each sample's loss sum and token count to its source, read from the microbatch the batch carries
 (``state.batch[state.microbatch]``: a :class:`~engine.data.MixtureDataset` batch is
-``(input_ids, labels, source_idx)``). Targets equal to ``ignore_index`` count neither way.
+``(input_ids, labels, source_idx)``). Targets equal to ``ignore_index`` count neither way. With
+``Trainer(loss_fn=None)`` the model computes its own loss the Hugging Face way: its ``logits`` at
+position t are scored against label t + 1 (labels unshifted), as the model scores them.
 
 Every ``log_interval`` steps (and at the last step, and at TRAIN_END for a partial interval) it sums
 the interval over data-parallel ranks with one all-reduce and publishes, for every dataset
@@ -132,6 +134,10 @@ class PerDatasetMetrics(Handler):
         logits, targets = state.microbatch_output, state.microbatch_targets
         if logits is None or targets is None:  # e.g. a pipeline stage that holds no outputs
             return
+        if not isinstance(logits, torch.Tensor) and hasattr(logits, "logits"):  # a Hugging Face output
+            logits = logits.logits
+        if self.trainer.loss_fn is None:  # the model's own loss: labels unshifted (Hugging Face)
+            logits, targets = logits[..., :-1, :], targets[..., 1:]
         if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != targets.shape:
             shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise TypeError(

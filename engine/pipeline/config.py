@@ -1,6 +1,8 @@
 """``PipelineConfig``: how a model is split into pipeline stages and scheduled.
 
-The fields follow NeMo AutoModel's pipelining config (Hugging Face patching switches left out).
+The fields follow NeMo AutoModel's pipelining config, including its Hugging Face patching switches
+(``patch_inner_model``, ``patch_causal_lm_model``, ``patch_stage_backward_maybe_with_nosync``,
+implemented in :mod:`engine.pipeline.hf_patches`).
 The degree (``pp_size``) lives in the distributed section. :meth:`PipelineConfig.validate` checks
 what can be checked without a model, before any process group exists; the schedule name and CSV
 file are checked against the installed torch when the degree is known.
@@ -53,6 +55,17 @@ class PipelineConfig:
         round_virtual_stages_to_pp_multiple: ``"up"``/``"down"``: round the derived stage count to
             a multiple of ``pp_size`` instead of failing.
         module_fqns_per_model_part: explicit module names per stage, in stage order.
+        patch_inner_model: a Hugging Face causal LM's decoder (``model.model``) gets a stage forward:
+            token ids or the previous stage's hidden states in, hidden states out, only the layers
+            the stage holds. Required (true) for Hugging Face models; ignored for other models.
+        patch_causal_lm_model: the causal-LM wrapper's forward returns logits (stage with
+            ``lm_head``) or hidden states, never a loss object; the last stage's loss is then the
+            model's shifted cross-entropy unless ``loss_fn`` is given. Required for Hugging Face
+            models; ignored for others.
+        patch_stage_backward_maybe_with_nosync: every stage's backward skips the data-parallel
+            gradient sync except on the step's last microbatch, where DDP all-reduces and FSDP2
+            reduce-scatters inside that backward (torch's default reduces FSDP2 gradients after
+            the whole schedule). Matters only with a ``dp`` degree above 1.
         dtype: cast the stage modules to this dtype (``"bfloat16"``, ``torch.float16``, ...).
         scale_grads_in_schedule: let the schedule divide gradients by the number of microbatches
             (else the loss is divided before backward); gradients are the same either way.
@@ -67,6 +80,9 @@ class PipelineConfig:
     layers_per_stage: int | None = None
     round_virtual_stages_to_pp_multiple: str | None = None
     module_fqns_per_model_part: list[list[str]] | None = None
+    patch_inner_model: bool = True
+    patch_causal_lm_model: bool = True
+    patch_stage_backward_maybe_with_nosync: bool = False
     dtype: torch.dtype | str | None = None
     scale_grads_in_schedule: bool = False
     loss_fn: Callable | None = None
@@ -153,7 +169,13 @@ class PipelineConfig:
                 )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ConfigError(f"{p}.loss_fn", "must be callable: loss_fn(output, target) -> scalar tensor")
-        check_bool(f"{p}.scale_grads_in_schedule", self.scale_grads_in_schedule)
+        for name in (
+            "scale_grads_in_schedule",
+            "patch_inner_model",
+            "patch_causal_lm_model",
+            "patch_stage_backward_maybe_with_nosync",
+        ):
+            check_bool(f"{p}.{name}", getattr(self, name))
         if self.pp_schedule_csv is None and self.pp_schedule is None:
             raise ConfigError(
                 f"{p}.pp_schedule", f"is needed (a schedule name) unless {p}.pp_schedule_csv is set"

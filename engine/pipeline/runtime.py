@@ -22,7 +22,7 @@ schedule's backward.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,8 +30,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import parallel
+from engine.batch import count_batch
 from engine.errors import ConfigError
 from engine.events import Events
+from engine.pipeline import hf_patches
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.schedules import losses_computed
 from engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
@@ -120,14 +122,42 @@ class PipelineRuntime:
         self._weights = [real if i < n_real else 0.0 for i in range(n)]
 
     # ------------------------------------------------------------------ running the schedule
-    def _prepare(self, trainer: Any, microbatches: list[Any]) -> list[tuple[Any, Any]]:
+    def _stage_pair(self, trainer: Any, microbatch: Any) -> tuple[Any, Any, tuple[int, Any]]:
+        """``(inputs, targets, (samples, tokens))`` of one microbatch as the stages take it: a dict
+        microbatch (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
+        inputs, targets = trainer.prepare_batch(microbatch, trainer.device)
+        counts = count_batch(inputs)
+        if isinstance(inputs, Mapping):
+            extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
+            if "input_ids" not in inputs or extra:
+                raise TypeError(
+                    f"pipeline stages take a dict microbatch's 'input_ids' (and 'labels') only, got keys "
+                    f"{sorted(inputs)}: drop {extra or ['inputs_embeds']} or run without pipeline parallelism"
+                )
+            mask = inputs.get("attention_mask")
+            if mask is not None and not bool(mask.all()):
+                raise ValueError(
+                    "pipeline stages apply a causal mask only: this microbatch's attention_mask hides "
+                    "padding; pack sequences to full length (no padding) or drop the mask"
+                )
+            if targets is None:
+                raise ValueError(
+                    "a dict microbatch without 'labels' under pipeline parallelism: the last stage's "
+                    "loss needs them (Hugging Face convention: labels unshifted, equal to input_ids)"
+                )
+            inputs = inputs["input_ids"]
+        return inputs, targets, counts
+
+    def _prepare(self, trainer: Any, microbatches: list[Any]) -> tuple[list[tuple[Any, Any]], list[tuple]]:
         n = self.n_microbatches
         if not 0 < len(microbatches) <= n:
             raise ValueError(
                 f"a pipeline step takes {n} microbatches (pipeline.pp_batch_size // pp_microbatch_size), got "
                 f"{len(microbatches)}; leave trainer.grad_accum_steps at {n}"
             )
-        pairs = [trainer.prepare_batch(mb, trainer.device) for mb in microbatches]
+        prepared = [self._stage_pair(trainer, mb) for mb in microbatches]
+        pairs = [(x, y) for x, y, _ in prepared]
+        counts = [c for _, _, c in prepared]
         cfg = self.config
         for i, (inputs, _) in enumerate(pairs):
             if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
@@ -152,7 +182,7 @@ class PipelineRuntime:
                     f"microbatch {i} has shape {shape}: keep every microbatch the same shape "
                     "(pad or pack sequences)"
                 )
-        return pairs + [pairs[0]] * (self.n_microbatches - len(pairs))
+        return pairs + [pairs[0]] * (self.n_microbatches - len(pairs)), counts
 
     def _run_schedule(self, pairs: list[tuple[Any, Any]], *, keep_outputs: bool) -> tuple[torch.Tensor, Any]:
         """One pass of the schedule over ``pairs``; returns every microbatch's (unweighted) loss on
@@ -183,17 +213,17 @@ class PipelineRuntime:
         state = trainer.state
         trainer.model.train()
         n_real = len(microbatches)
-        pairs = self._prepare(trainer, microbatches)
+        pairs, counts = self._prepare(trainer, microbatches)
         self._set_weights(n_real)
         fire_microbatch = trainer.has_event_handler_for(Events.MICROBATCH)
         with trainer.autocast():
             losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
-        tokens = samples = 0
+        tokens: Any = 0
+        samples = 0
         if self.has_first:  # count each sample once per pipeline, not once per stage
-            for inputs, _ in pairs[:n_real]:
-                samples += inputs.shape[0]
-                if not inputs.is_floating_point():
-                    tokens += inputs.numel()
+            for mb_samples, mb_tokens in counts:
+                samples += mb_samples
+                tokens = tokens + mb_tokens
         outputs = (
             torch.split(output, self.config.pp_microbatch_size) if isinstance(output, torch.Tensor) else None
         )
@@ -264,7 +294,7 @@ class PipelineRuntime:
 
         def flush() -> None:
             with trainer.autocast():
-                losses = self._forward_only([trainer.prepare_batch(mb, trainer.device) for mb in group])
+                losses = self._forward_only([self._stage_pair(trainer, mb)[:2] for mb in group])
             total[0] += losses.sum()
             total[1] += len(group)
             group.clear()
@@ -297,7 +327,8 @@ def build_pipeline(
         dist_info: what :func:`engine.init_distributed` returned; its mesh must have a ``pp``
             dimension (and ``dp`` for data parallelism): ``init_distributed(mesh_shape=(world //
             pp, pp), mesh_dim_names=("dp", "pp"))``.
-        loss_fn: ``loss_fn(output, target)``; defaults to ``config.loss_fn``, else the Trainer's.
+        loss_fn: ``loss_fn(output, target)``; defaults to ``config.loss_fn``, then (for a Hugging
+            Face causal LM) :func:`~engine.pipeline.hf_patches.causal_lm_loss`, else the Trainer's.
         dp_mode: ``"ddp"``, ``"fsdp"`` or ``"none"``: how each stage is replicated across ``dp``.
         mesh: a device mesh to use instead of ``dist_info.mesh``.
     """
@@ -326,7 +357,7 @@ def build_pipeline(
         )
     n_layers = None
     if cfg.module_fqns_per_model_part is None:
-        n_layers = len(list(getattr(model, find_layer_container(model)).children()))
+        n_layers = len(list(model.get_submodule(find_layer_container(model)).children()))
     plan = cfg.stage_plan(pp_size, n_layers)
     num_stages = plan["num_stages"]
     fqns = cfg.module_fqns_per_model_part or default_module_fqns(model, num_stages)
@@ -334,11 +365,25 @@ def build_pipeline(
     dtype = cfg.torch_dtype
     dp_mesh = mesh["dp"] if "dp" in names and mesh["dp"].size() > 1 else None
     stages = []
+    hf = hf_patches.is_hf_causal_lm(model)
+    prepare = None
+    if hf:  # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
+        hf_patches.check_hf_pipeline(model, cfg)
+        container = find_layer_container(model)
+        prepare = lambda part: hf_patches.layers_as_module_dict(part, container)  # noqa: E731
+        loss_fn = loss_fn or cfg.loss_fn or hf_patches.causal_lm_loss
     for stage_id in plan["rank_stages"][pp_rank]:
-        part = split_stage_module(model, fqns, stage_id).to(device=device, dtype=dtype)
+        part = split_stage_module(model, fqns, stage_id, prepare).to(device=device, dtype=dtype)
+        if hf:
+            hf_patches.patch_stage_module(
+                part, patch_inner=cfg.patch_inner_model, patch_causal_lm=cfg.patch_causal_lm_model
+            )
         if dp_mesh is not None:
             part = wrap_data_parallel(part, dp_mode, mesh=dp_mesh)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        stage = PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group())
+        if cfg.patch_stage_backward_maybe_with_nosync:
+            hf_patches.patch_stage_backward(stage)
+        stages.append(stage)
     runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn or cfg.loss_fn, plan["rank_stages"])
     kwargs = {"loss_fn": runtime._scheduled_loss, "scale_grads": cfg.scale_grads_in_schedule}
     style = plan["style"]

@@ -3,14 +3,16 @@
 A stage is a deep copy of the model with every module outside the stage removed: a plain child is
 set to ``None`` and a ``ModuleDict`` entry is deleted, so parameter names stay those of the whole
 model and the model's own ``forward`` runs the stage as long as it skips parts that are ``None``
-(the examples' GPT does). The default split puts the modules before the layer container
-(embeddings) on the first stage, the ones after it (norm, head) on the last, and spreads the layers
-evenly over the stages.
+(the examples' GPT does; a Hugging Face causal LM gets such forwards from
+:mod:`engine.pipeline.hf_patches`). Modules without parameters stay on every stage. The default
+split puts the modules before the layer container (embeddings) on the first stage, the ones after
+it (norm, head) on the last, and spreads the layers evenly over the stages.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 from torch import nn
 
@@ -23,11 +25,19 @@ _FIELD = "pipeline.module_fqns_per_model_part"
 
 
 def find_layer_container(model: nn.Module) -> str:
-    """The name of the model's child holding its repeated layers (a ``ModuleDict`` or ``ModuleList``)."""
-    containers = [n for n, c in model.named_children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
+    """The dotted name of the module holding the model's repeated layers (a ``ModuleDict`` or
+    ``ModuleList``): a child of the model (``blocks``) or, when it has none, a child of one of its
+    children (``model.layers`` in a Hugging Face causal LM)."""
+    containers = _layer_containers(model)
+    if not containers:
+        nested = [
+            f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
+        ]
+        containers = nested
     for name in _LAYER_NAMES:
-        if name in containers:
-            return name
+        for found in containers:
+            if found.rpartition(".")[2] == name:
+                return found
     if len(containers) == 1:
         return containers[0]
     raise ConfigError(
@@ -38,15 +48,29 @@ def find_layer_container(model: nn.Module) -> str:
     )
 
 
+def _layer_containers(module: nn.Module) -> list[str]:
+    return [n for n, c in module.named_children() if isinstance(c, (nn.ModuleDict, nn.ModuleList))]
+
+
 def default_module_fqns(
     model: nn.Module, num_stages: int, layers_field: str = "pipeline.layers_per_stage"
 ) -> list[list[str]]:
     """Module names per stage: children before the layer container on stage 0, children after it
     on the last stage, layers spread evenly (earlier stages take the remainder)."""
     container = find_layer_container(model)
-    names = [n for n, _ in model.named_children()]
-    at = names.index(container)
-    layer_keys = [f"{container}.{k}" for k, _ in getattr(model, container).named_children()]
+    # Modules before the container (at each level of its dotted name) go first, after it last:
+    # GPT: tok_emb, pos_emb | blocks | norm, head; Llama: model.embed_tokens | model.layers |
+    # model.norm, model.rotary_emb, lm_head.
+    before: list[str] = []
+    after: list[str] = []
+    parent, prefix = model, ""
+    for name in container.split("."):
+        names = [n for n, _ in parent.named_children()]
+        at = names.index(name)
+        before += [prefix + n for n in names[:at]]
+        after = [prefix + n for n in names[at + 1 :]] + after
+        parent, prefix = getattr(parent, name), f"{prefix}{name}."
+    layer_keys = [f"{container}.{k}" for k, _ in parent.named_children()]
     n_layers = len(layer_keys)
     base, extra = divmod(n_layers, num_stages)
     parts: list[list[str]] = []
@@ -55,8 +79,8 @@ def default_module_fqns(
         size = base + (1 if s < extra else 0)
         parts.append(layer_keys[start : start + size])
         start += size
-    parts[0] = names[:at] + parts[0]
-    parts[-1] = parts[-1] + names[at + 1 :]
+    parts[0] = before + parts[0]
+    parts[-1] = parts[-1] + after
     for s, part in enumerate(parts):
         if not part:
             raise ConfigError(
@@ -67,11 +91,21 @@ def default_module_fqns(
     return parts
 
 
-def split_stage_module(model: nn.Module, fqns_per_stage: list[list[str]], stage: int) -> nn.Module:
-    """A deep copy of ``model`` that keeps only the modules of stage ``stage``."""
+def split_stage_module(
+    model: nn.Module,
+    fqns_per_stage: list[list[str]],
+    stage: int,
+    prepare: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """A deep copy of ``model`` that keeps only the modules of stage ``stage`` (and every module
+    without parameters, such as rotary embeddings or dropout, which any stage may need).
+    ``prepare(copy)`` runs before pruning (e.g. to turn a ``ModuleList`` of layers into a
+    ``ModuleDict``)."""
     _check_cover(model, fqns_per_stage)
     keep = set(fqns_per_stage[stage])
     part = copy.deepcopy(model)
+    if prepare is not None:
+        prepare(part)
     _prune(part, "", keep)
     if not any(True for _ in part.parameters()):
         raise ConfigError(f"{_FIELD}[{stage}]", f"stage {stage} holds no parameters ({sorted(keep)})")
@@ -81,7 +115,7 @@ def split_stage_module(model: nn.Module, fqns_per_stage: list[list[str]], stage:
 def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
     for name, child in list(module.named_children()):
         fqn = prefix + name
-        if fqn in keep:
+        if fqn in keep or not any(True for _ in child.parameters()):
             continue
         if any(k.startswith(fqn + ".") for k in keep):
             _prune(child, fqn + ".", keep)
@@ -101,14 +135,23 @@ def _check_cover(model: nn.Module, fqns_per_stage: list[list[str]]) -> None:
     """Every name exists, and every parameter belongs to exactly one stage."""
     modules = dict(model.named_modules())
     owner: dict[str, int] = {}
+    tensor_owner: dict[int, tuple[str, int]] = {}
     for s, part in enumerate(fqns_per_stage):
         for fqn in part:
             if fqn not in modules:
                 raise ConfigError(f"{_FIELD}[{s}]", f"{type(model).__name__} has no module {fqn!r}")
-            for pname, _ in modules[fqn].named_parameters(prefix=fqn):
+            for pname, param in modules[fqn].named_parameters(prefix=fqn, remove_duplicate=False):
                 if pname in owner and owner[pname] != s:
                     raise ConfigError(f"{_FIELD}[{s}]", f"{pname} is already in stage {owner[pname]}")
                 owner[pname] = s
+                first = tensor_owner.setdefault(id(param), (pname, s))
+                if first[1] != s:  # one tensor under two names, e.g. tied input/output embeddings
+                    raise ConfigError(
+                        f"{_FIELD}[{s}]",
+                        f"{pname} is the same parameter as {first[0]} in stage {first[1]} (tied weights): "
+                        "each stage would train its own copy; untie them (Hugging Face: "
+                        "tie_word_embeddings=False) or put both modules on one stage",
+                    )
     missing = [n for n, _ in model.named_parameters() if n not in owner]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
