@@ -4,6 +4,7 @@ against a single-process non-PP reference, PP x DP, and the configuration checks
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import warnings
 
@@ -399,6 +400,21 @@ def test_fewer_microbatches_than_stages_warns_with_the_bubble():
         PipelineConfig(pp_schedule="1f1b", pp_batch_size=2).validate("pipeline", pp_size=2)
 
 
+def test_fewer_microbatches_than_stages_is_refused_where_the_schedule_cannot_run():
+    """torch's 1F1B refuses fewer microbatches than stages only when the step runs: the config
+    check says so first, naming the field and the two settings that fix it."""
+    with pytest.raises(ConfigError, match="needs at least one per stage") as err:
+        PipelineConfig(pp_schedule="1f1b", pp_microbatch_size=8, pp_batch_size=8).validate(
+            "pipeline", pp_size=2
+        )
+    assert err.value.field == "pipeline.pp_batch_size"
+    assert "step_scheduler.global_batch_size" in str(err.value) and "train.local_batch_size" in str(err.value)
+    with pytest.warns(UserWarning, match="1 microbatches per step for 2"):  # GPipe runs it, with a bubble
+        PipelineConfig(pp_schedule="gpipe", pp_microbatch_size=8, pp_batch_size=8).validate(
+            "pipeline", pp_size=2
+        )
+
+
 def test_other_field_errors():
     with pytest.raises(ConfigError, match="set only one"):
         PipelineConfig(layers_per_stage=1, module_fqns_per_model_part=[["a"], ["b"]]).validate()
@@ -433,7 +449,7 @@ def test_config_file_section_is_checked_with_the_degree():
         load_config(overrides=pp + batch + ["pipeline.pp_microbatch_size=4"], world_size=4)
     assert err.value.field == "train.local_batch_size"
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=pp + batch + ["pipeline.pp_batch_size=8"], world_size=4)
+        load_config(overrides=pp + batch + ["pipeline.pp_batch_size=24"], world_size=4)
     assert err.value.field == "step_scheduler.global_batch_size"
 
 
@@ -564,3 +580,42 @@ def test_pipeline_precision_bf16_mixed_and_stage_dtype():
         assert losses == b[name]["losses"], name  # every pp rank reports the broadcast loss
         assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.85 * losses[0], (name, losses)
     assert a["bf16"]["losses"][0] == pytest.approx(a["fp32"]["losses"][0], rel=2e-2)
+
+
+def _ddp_stages_worker(rank: int, world: int) -> dict:
+    """PP=2 x DP=2 with DDP stages and as many microbatches per step as stages (the layout where
+    the stage shape inference used to double DDP's first-step bucket rebuild)."""
+    from engine import Events, Trainer, init_distributed
+    from engine.pipeline import build_pipeline
+    from examples.models.gpt import cross_entropy_loss
+    from tests.conftest import token_batches
+
+    info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))
+    cfg = PipelineConfig(pp_schedule="1f1b", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * 2)
+    runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss, dp_mode="ddp")
+    trainer = Trainer(
+        runtime.module,
+        torch.optim.AdamW(runtime.parameters(), lr=1e-2),
+        cross_entropy_loss,
+        pipeline=runtime,
+        grad_clip_norm=CLIP,
+        hang_timeout_s=None,
+    )
+    losses: list = []
+    trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(e.state.loss))
+    state = trainer.run(token_batches(8, batch=MB_SIZE, seed=runtime.dp_rank), max_steps=4)
+    named = sorted((_strip(n), p.detach()) for n, p in runtime.module.named_parameters())
+    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for _, p in named)).hexdigest()
+    return {"steps": state.step, "losses": losses, "stage": tuple(n for n, _ in named), "digest": digest}
+
+
+@pytest.mark.distributed
+def test_ddp_stages_with_one_microbatch_per_stage_train_past_the_first_step():
+    per_rank = run_distributed(_ddp_stages_worker, 4, timeout=150)
+    assert [r["steps"] for r in per_rank] == [4, 4, 4, 4]
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)  # the mean over dp ranks
+    # the two replicas of each stage hold the same weights (DDP averaged their gradients)
+    replicas: dict = {}
+    for r in per_rank:
+        replicas.setdefault(r["stage"], set()).add(r["digest"])
+    assert len(replicas) == 2 and all(len(digests) == 1 for digests in replicas.values())

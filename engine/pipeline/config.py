@@ -34,6 +34,10 @@ _DTYPES = {
 }
 
 
+#: torch schedules that refuse fewer microbatches per step than stages.
+_NEED_A_MICROBATCH_PER_STAGE = ("Schedule1F1B", "ScheduleDualPipeV")
+
+
 def bubble_fraction(n_microbatches: int, pp_size: int, stages_per_rank: int = 1) -> float:
     """Ideal idle fraction of a step: (p - 1) / (v*m + p - 1) for p ranks holding v stages each."""
     return (pp_size - 1) / (stages_per_rank * n_microbatches + pp_size - 1)
@@ -231,6 +235,14 @@ class PipelineConfig:
             rank_stages = {r: [r, 2 * pp_size - 1 - r] for r in range(pp_size)}
         else:
             rank_stages = {r: list(range(r, num_stages, pp_size)) for r in range(pp_size)}
+        if m < num_stages and getattr(schedule, "__name__", "") in _NEED_A_MICROBATCH_PER_STAGE:
+            raise ConfigError(
+                f"{p}.pp_batch_size",
+                f"gives {m} microbatch(es) per step (pp_batch_size {self.pp_batch_size} // "
+                f"pp_microbatch_size {self.pp_microbatch_size}) but {name!r} needs at least one per stage "
+                f"({num_stages}); raise step_scheduler.global_batch_size (it sets pp_batch_size = global "
+                "batch / data-parallel size) or lower train.local_batch_size",
+            )
         if m < num_stages:
             v = num_stages // pp_size
             warnings.warn(

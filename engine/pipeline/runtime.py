@@ -383,6 +383,8 @@ def build_pipeline(
         stage = PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group())
         if cfg.patch_stage_backward_maybe_with_nosync:
             hf_patches.patch_stage_backward(stage)
+        if isinstance(part, nn.parallel.DistributedDataParallel):
+            _infer_shapes_without_ddp_sync(stage)
         stages.append(stage)
     runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn or cfg.loss_fn, plan["rank_stages"])
     kwargs = {"loss_fn": runtime._scheduled_loss, "scale_grads": cfg.scale_grads_in_schedule}
@@ -407,3 +409,24 @@ def build_pipeline(
     runtime.schedule = schedule
     logger.info("pipeline: %r", runtime)
     return runtime
+
+
+def _infer_shapes_without_ddp_sync(stage: Any) -> None:
+    """Run a DDP stage's first-step shape inference under ``no_sync()``, as its real forwards are.
+
+    torch infers the stages' activation shapes by running the stage module (with gradients, on
+    meta tensors) before the first real forward. Through DDP that forward arms the reducer, the
+    inference backward marks every parameter ready, and the real last backward marks them all again:
+    DDP's first-step bucket rebuild then counts each parameter twice and asserts ("rebuilt params
+    size 52 vs 26") at the second step. Under ``no_sync()`` the inference leaves the reducer alone.
+    """
+    for name in ("_forward_metadata_inference", "_backward_metadata_inference"):
+        infer = getattr(stage, name, None)
+        if infer is None:  # another torch: nothing of this kind to guard
+            continue
+
+        def guarded(*args: Any, _infer: Callable = infer, **kwargs: Any) -> Any:
+            with stage.submod.no_sync():
+                return _infer(*args, **kwargs)
+
+        setattr(stage, name, guarded)
