@@ -281,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
+        start = [0]  # the step this process starts at, once the checkpointer has resumed
+
+        def note_start() -> None:
+            start[0] = trainer.state.iteration
+
+        trainer.add_event_handler(Events.TRAIN_START, note_start, priority=Priority.RESUME - 1)
         if info.is_main:
             trainer.add_event_handler(
                 Events.TRAIN_START,
@@ -309,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         if info.is_main:
             code = int(state.exit_code)
             meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
-            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {code} ({meaning})", flush=True)
+            trained = f"loss {state.loss:.4f}" if state.step > start[0] else "no step left to train"
+            print(f"done: step {state.step}, {trained}, exit code {code} ({meaning})", flush=True)
         return int(state.exit_code)
     finally:
         destroy_distributed()
