@@ -3,12 +3,20 @@
     python examples/train_gpt.py                                   # examples/configs/gpt_tiny.yaml
     python examples/train_gpt.py --config examples/configs/gpt_mixture.yaml
     python examples/train_gpt.py step_scheduler.max_steps=50 train.run_dir=runs/try
+    python examples/train_gpt.py "fault.nan_microbatches=[120,121,122,123,124,125]"   # a NaN burst
     torchrun --nproc-per-node 2 examples/train_gpt.py              # data parallel (DDP, gloo on CPU)
 
 Datasets are the standard library's own documentation text (``stdlib_docs``) and its ``.py``
 source files (``stdlib_source``), tokenized to bytes into ``data.cache_dir`` on first use. The run
 directory gets ``metrics.jsonl`` (one line per logged step). The process exits with
 ``state.exit_code`` (see ``engine.ExitCode``).
+
+``fault.nan_microbatches`` injects a fault on purpose, to watch the recovery path work: the loss
+of each listed microbatch of the run (0-based, counted over the whole run as
+``state.microbatches_seen``, which a rollback never rewinds) becomes NaN, so its step's gradients
+are NaN too. The NaN detector vetoes those steps and, after ``nan.max_consecutive`` of them, rolls
+back to the last good checkpoint and trains on past the poisoned data
+(``examples/fault_tolerance_demo.sh`` shows it).
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import logging
 import os
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +61,7 @@ from engine.data import (  # noqa: E402
 from engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
-from handlers import RunConfig, attach_handlers, check_run_paths, load_run_config  # noqa: E402
+from handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "gpt_tiny.yaml"
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
@@ -59,12 +69,50 @@ BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 logger = logging.getLogger("engine.examples.train_gpt")  # under "engine", which setup_logging shows
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
+@dataclass
+class FaultConfig:
+    """The ``fault`` section: faults injected on purpose (see the module docstring)."""
+
+    nan_microbatches: list[int] = field(default_factory=list)
+
+    def validate(self, prefix: str = "fault") -> None:
+        for i, index in enumerate(self.nan_microbatches):
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ConfigError(
+                    f"{prefix}.nan_microbatches[{i}]", f"must be a microbatch index >= 0, got {index!r}"
+                )
+
+    def cross_check(self, cfg: RunConfig, prefix: str) -> None:
+        if self.nan_microbatches and cfg.distributed.pp_size > 1:
+            raise ConfigError(
+                f"{prefix}.nan_microbatches",
+                "is not supported with distributed.pp_size > 1 (the schedule computes the loss)",
+            )
+
+
+#: The example's run config: every shipped section plus ``fault``.
+ExampleConfig = compose_config(fault=FaultConfig)
+
+
+def nan_injecting_loss(loss_fn, bad: set[int], state_of):  # noqa: ANN001, ANN201
+    """``loss_fn`` whose loss is NaN for the microbatches in ``bad`` (by ``microbatches_seen``,
+    which is the running microbatch's 0-based index while its loss is computed)."""
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(output, targets)
+        if torch.is_grad_enabled() and state_of().microbatches_seen in bad:  # training, not validation
+            value = value * float("nan")
+        return value
+
+    return loss
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Any, argparse.Namespace]:
     parser = argparse.ArgumentParser(description="Train a small GPT with hookloop.")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML or TOML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
     args = parser.parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, schema=ExampleConfig)
     resolve_run_dir(cfg, args.config)
     return cfg, args
 
@@ -240,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             model = wrap_data_parallel(
                 model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
             )
+        loss_fn = cross_entropy_loss
+        if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
+            loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
         optimizer = build_optimizer(cfg, model)
         lr_scheduler = build_lr_scheduler(
             optimizer,
@@ -254,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(
             model,
             optimizer,
-            cross_entropy_loss,
+            loss_fn,
             lr_scheduler=lr_scheduler,
             grad_clip_norm=cfg.train.grad_clip_norm,
             device=device,

@@ -27,11 +27,13 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
         ("lr.warmup_init=inf", "lr.warmup_init"),
         ("health.timeout_s=inf", "health.timeout_s"),
         ("checkpoint.wait_timeout_s=soon", "checkpoint.wait_timeout_s"),
+        ("fault.nan_microbatches=[-1]", "fault.nan_microbatches[0]"),
+        ("checkpoint.keep_best=2 checkpoint.metric=val_bleu", "checkpoint.metric"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line_naming_the_field(tmp_path, override, field):
     run_dir = tmp_path / "run"
-    args = [f"train.run_dir={run_dir}", "step_scheduler.max_steps=50", override]
+    args = [f"train.run_dir={run_dir}", "step_scheduler.max_steps=50", *override.split()]
     if override.startswith("train.run_dir"):
         args = args[1:]
     result = run_process([sys.executable, str(SCRIPT), *args], timeout=120)
