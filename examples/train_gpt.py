@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,13 @@ class FaultConfig:
 ExampleConfig = compose_config(fault=FaultConfig)
 
 
-def nan_injecting_loss(loss_fn, bad: set[int], state_of):  # noqa: ANN001, ANN201
+def nan_injecting_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], bad: set[int], state_of: Callable[[], Any]
+) -> Callable[[Any, Any], torch.Tensor]:
     """``loss_fn`` whose loss is NaN for the microbatches in ``bad`` (by ``microbatches_seen``,
     which is the running microbatch's 0-based index while its loss is computed)."""
 
-    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(output: Any, targets: Any) -> torch.Tensor:
         value = loss_fn(output, targets)
         if torch.is_grad_enabled() and state_of().microbatches_seen in bad:  # training, not validation
             value = value * float("nan")
