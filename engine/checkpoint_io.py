@@ -65,12 +65,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.planner import ReadItem
 
-from engine.errors import HookloopError
+from engine.errors import ConfigError, HookloopError
 
 __all__ = [
     "MARKER",
     "CHECKSUM_ALGORITHM",
     "CheckpointError",
+    "CheckpointLayoutError",
     "RecordingWriter",
     "SafeLoadPlanner",
     "SafeReader",
@@ -106,6 +107,14 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(HookloopError, RuntimeError):
     """A checkpoint could not be written or read (missing, incomplete, from another model, unsafe)."""
+
+
+class CheckpointLayoutError(CheckpointError, ConfigError):
+    """The checkpoint to load holds another model layout (other layers, widths or pipeline split).
+
+    Also a :class:`ConfigError` naming the field that chose the checkpoint (``checkpoint.resume``),
+    since the fix is a setting: resume with the layout that wrote it or start fresh. Raised before
+    anything is loaded, so the running model and the saved checkpoints are untouched."""
 
 
 # ---------------------------------------------------------------------------------------- layout

@@ -16,8 +16,9 @@ import sys
 __all__ = ["LOGGER_NAMES", "setup_logging"]
 
 LOGGER_NAMES = ("engine", "handlers")
-# ignite's Engine logs every run's start and end at INFO under the trainer's logger: not lifecycle.
-_QUIET = {"engine.trainer.ignite": logging.WARNING}
+# ignite's Engine logs every run's start and end at INFO under the trainer's logger (not lifecycle),
+# and every error at ERROR before the trainer's own error path reports it: only its CRITICAL lines.
+_QUIET = {"engine.trainer.ignite": logging.CRITICAL}
 
 
 class _Formatter(logging.Formatter):

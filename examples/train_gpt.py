@@ -3,12 +3,20 @@
     python examples/train_gpt.py                                   # examples/configs/gpt_tiny.yaml
     python examples/train_gpt.py --config examples/configs/gpt_mixture.yaml
     python examples/train_gpt.py step_scheduler.max_steps=50 train.run_dir=runs/try
+    python examples/train_gpt.py "fault.nan_microbatches=[120,121,122,123,124,125]"   # a NaN burst
     torchrun --nproc-per-node 2 examples/train_gpt.py              # data parallel (DDP, gloo on CPU)
 
 Datasets are the standard library's own documentation text (``stdlib_docs``) and its ``.py``
 source files (``stdlib_source``), tokenized to bytes into ``data.cache_dir`` on first use. The run
 directory gets ``metrics.jsonl`` (one line per logged step). The process exits with
 ``state.exit_code`` (see ``engine.ExitCode``).
+
+``fault.nan_microbatches`` injects a fault on purpose, to watch the recovery path work: the loss
+of each listed microbatch of the run (0-based, counted over the whole run as
+``state.microbatches_seen``, which a rollback never rewinds) becomes NaN, so its step's gradients
+are NaN too. The NaN detector vetoes those steps and, after ``nan.max_consecutive`` of them, rolls
+back to the last good checkpoint and trains on past the poisoned data
+(``examples/fault_tolerance_demo.sh`` shows it).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from engine.data import (  # noqa: E402
 )
 from engine.parallel import destroy_distributed  # noqa: E402
 from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
-from handlers import RunConfig, attach_handlers, check_run_paths, load_run_config  # noqa: E402
+from handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config  # noqa: E402
 
 __all__ = ["ModelRecipe", "resolve_run_dir", "run"]
 
@@ -58,14 +59,56 @@ BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 logger = logging.getLogger("engine.examples.training")  # under "engine", which setup_logging shows
 
 
+@dataclass
+class FaultConfig:
+    """The ``fault`` section: faults injected on purpose, to watch recovery work. Each microbatch
+    index in ``nan_microbatches`` (0-based over the whole run, ``state.microbatches_seen``, which a
+    rollback never rewinds) gets a NaN training loss."""
+
+    nan_microbatches: list[int] = field(default_factory=list)  # microbatches whose loss becomes NaN
+
+    def validate(self, prefix: str = "fault") -> None:
+        for i, index in enumerate(self.nan_microbatches):
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ConfigError(
+                    f"{prefix}.nan_microbatches[{i}]", f"must be a microbatch index >= 0, got {index!r}"
+                )
+
+    def cross_check(self, cfg: RunConfig, prefix: str) -> None:
+        if self.nan_microbatches and cfg.distributed.pp_size > 1:
+            raise ConfigError(
+                f"{prefix}.nan_microbatches",
+                "is not supported with distributed.pp_size > 1 (the schedule computes the loss)",
+            )
+
+
+#: The examples' run config: every shipped section plus ``fault``.
+ExampleConfig = compose_config(fault=FaultConfig)
+
+
+def nan_injecting_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], bad: set[int], state_of: Callable[[], Any]
+) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` whose loss is NaN for the microbatches in ``bad`` (by ``microbatches_seen``,
+    which is the running microbatch's 0-based index while its loss is computed)."""
+
+    def loss(output: Any, targets: Any) -> torch.Tensor:
+        value = loss_fn(output, targets)
+        if torch.is_grad_enabled() and state_of().microbatches_seen in bad:  # training, not validation
+            value = value * float("nan")
+        return value
+
+    return loss
+
+
 def parse_args(
     argv: list[str] | None, default_config: Path, description: str
-) -> tuple[RunConfig, argparse.Namespace]:
+) -> tuple[Any, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, default=default_config, help="YAML or TOML config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. step_scheduler.max_steps=50")
     args = parser.parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides, schema=ExampleConfig)
     resolve_run_dir(cfg, args.config)
     return cfg, args
 
@@ -222,6 +265,11 @@ def run(argv: list[str] | None, recipe: ModelRecipe) -> int:
         check_run_paths(cfg)
         check_data_files(cfg)
         check_device(cfg)
+        if cfg.fault.nan_microbatches and recipe.loss_fn is None:
+            raise ConfigError(
+                "fault.nan_microbatches",
+                "needs a loss_fn to poison: this model computes its own loss (loss_fn=None)",
+            )
         if cfg.train.compile is not False and cfg.distributed.pp_size > 1:
             raise ConfigError(
                 "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
@@ -270,6 +318,9 @@ def run(argv: list[str] | None, recipe: ModelRecipe) -> int:
             model = wrap_data_parallel(
                 model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
             )
+        loss_fn = recipe.loss_fn
+        if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
+            loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
         optimizer = build_optimizer(cfg, model)
         lr_scheduler = build_lr_scheduler(
             optimizer,
@@ -284,7 +335,7 @@ def run(argv: list[str] | None, recipe: ModelRecipe) -> int:
         trainer = Trainer(
             model,
             optimizer,
-            recipe.loss_fn,
+            loss_fn,
             lr_scheduler=lr_scheduler,
             grad_clip_norm=cfg.train.grad_clip_norm,
             device=device,
@@ -311,6 +362,12 @@ def run(argv: list[str] | None, recipe: ModelRecipe) -> int:
         )
         if val_loader is not None:
             trainer.set_validation(val_loader, eval_iters=8)
+        start = [0]  # the step this process starts at, once the checkpointer has resumed
+
+        def note_start() -> None:
+            start[0] = trainer.state.iteration
+
+        trainer.add_event_handler(Events.TRAIN_START, note_start, priority=Priority.RESUME - 1)
         if info.is_main:
             trainer.add_event_handler(
                 Events.TRAIN_START,
@@ -339,7 +396,8 @@ def run(argv: list[str] | None, recipe: ModelRecipe) -> int:
         if info.is_main:
             code = int(state.exit_code)
             meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
-            print(f"done: step {state.step}, loss {state.loss:.4f}, exit code {code} ({meaning})", flush=True)
+            trained = f"loss {state.loss:.4f}" if state.step > start[0] else "no step left to train"
+            print(f"done: step {state.step}, {trained}, exit code {code} ({meaning})", flush=True)
         return int(state.exit_code)
     finally:
         destroy_distributed()

@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -67,18 +69,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 from engine import checkpoint_io as io
 from engine import parallel
-from engine.checkpoint_io import CheckpointError
+from engine.checkpoint_io import CheckpointError, CheckpointLayoutError
 from engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
 from engine.errors import ConfigError
 from engine.events import Events, Priority
 from engine.exit_codes import ExitCode
 from engine.handler import Handler
 
-__all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError"]
+__all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError", "CheckpointLayoutError"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "async", "async_staged")
+METRIC_MODES = ("min", "max")
 _FORMAT = "hookloop-checkpoint"
 _VERSION = 1
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
@@ -101,6 +104,9 @@ class CheckpointConfig:
     directory: Optional[str] = None
     every_steps: Optional[int] = None
     keep_last: int = 3
+    keep_best: int = 0
+    metric: str = "val_loss"
+    metric_mode: str = "min"
     mode: str = "async"
     resume: Optional[str] = "auto"
     load_optimizer: bool = True
@@ -114,6 +120,11 @@ class CheckpointConfig:
         check_str(dotted(p, "directory"), self.directory, allow_none=True, what="a directory path")
         check_int(dotted(p, "every_steps"), self.every_steps, allow_none=True)
         check_int(dotted(p, "keep_last"), self.keep_last, hint="complete checkpoints to keep")
+        check_int(
+            dotted(p, "keep_best"), self.keep_best, low=0, hint="best checkpoints by the metric to keep"
+        )
+        check_str(dotted(p, "metric"), self.metric, what="a metric name in state.metrics (e.g. 'val_loss')")
+        check_choice(dotted(p, "metric_mode"), self.metric_mode, METRIC_MODES)
         check_choice(dotted(p, "mode"), self.mode, MODES)
         for name in ("resume", "finetune_from"):
             value = getattr(self, name)
@@ -143,10 +154,12 @@ class _Save:
         staged: Future | None,
         writer: io.RecordingWriter | None = None,
         entries: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         self.step, self.partial, self.final = step, partial, final
         self.done, self.staged = done, staged
         self.writer, self.entries = writer, dict(entries or {})
+        self.metrics = dict(metrics or {})
 
 
 def _done_future() -> Future:
@@ -162,6 +175,13 @@ class AsyncCheckpointer(Handler):
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
         every_steps: also save every this many steps (None: only on request, at the end, on stop).
         keep_last: complete checkpoints to keep; older ones are deleted after a new one is durable.
+        keep_best: also keep the best this many checkpoints by ``metric`` (0: off). A checkpoint
+            stays if it is among the last ``keep_last`` *or* the best ``keep_best``; ``latest`` and
+            the newest known-good one (a NaN rollback may need it) are never pruned either.
+        metric: the ``state.metrics`` entry ranking checkpoints, read when a save starts (at
+            STEP_END, after validation) and stored in the checkpoint's completion marker, so the
+            ranking survives restarts. A checkpoint saved without it is kept by ``keep_last`` only.
+        metric_mode: ``"min"`` (lower is better, e.g. ``val_loss``) or ``"max"``.
         mode: ``"sync"``, ``"async"`` or ``"async_staged"`` (see the module docstring).
         resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
             there is none), a checkpoint directory path (must exist and be complete), or None.
@@ -182,6 +202,9 @@ class AsyncCheckpointer(Handler):
         *,
         every_steps: int | None = None,
         keep_last: int = 3,
+        keep_best: int = 0,
+        metric: str = "val_loss",
+        metric_mode: str = "min",
         mode: str = "async",
         resume: str | os.PathLike | None = "auto",
         load_optimizer: bool = True,
@@ -194,6 +217,9 @@ class AsyncCheckpointer(Handler):
             directory=os.fspath(directory),
             every_steps=every_steps,
             keep_last=keep_last,
+            keep_best=keep_best,
+            metric=metric,
+            metric_mode=metric_mode,
             mode=mode,
             resume=resume,  # type: ignore[arg-type]
             load_optimizer=load_optimizer,
@@ -203,6 +229,8 @@ class AsyncCheckpointer(Handler):
         self.directory = os.path.abspath(directory)
         self.every_steps = every_steps
         self.keep_last = keep_last
+        self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
+        self._metric_missing_warned = False
         self.mode = mode
         self.load_optimizer = load_optimizer
         self.wait_timeout_s = wait_timeout_s
@@ -242,6 +270,9 @@ class AsyncCheckpointer(Handler):
             directory,
             every_steps=cfg.every_steps,
             keep_last=cfg.keep_last,
+            keep_best=cfg.keep_best,
+            metric=cfg.metric,
+            metric_mode=cfg.metric_mode,
             mode=cfg.mode,
             resume=cfg.resume,
             load_optimizer=cfg.load_optimizer,
@@ -292,7 +323,7 @@ class AsyncCheckpointer(Handler):
                         "nothing left to train, this run is finished; to start another, pass "
                         "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
                     )
-                    logger.info("%s", state.stop_reason)
+                    # The trainer prints the reason once, as it stops ("stopping after step N: ...").
                     self.trainer.terminate()
                 return
         if self.finetune_from is not None:
@@ -477,7 +508,9 @@ class AsyncCheckpointer(Handler):
                 "are unchanged"
             ) from e
         final = os.path.join(self.directory, name)
-        self._inflight = _Save(step, partial, final, done, staged, writer=writer, entries=entries)
+        self._inflight = _Save(
+            step, partial, final, done, staged, writer=writer, entries=entries, metrics=self._ranking_metric()
+        )
         self.last_saved_step = step
         if self.mode == "sync":
             self._finish(wait=False)
@@ -577,6 +610,7 @@ class AsyncCheckpointer(Handler):
                 "world_size": parallel.world_size(),
                 "mode": self.mode,
                 "time": time.time(),
+                "metrics": save.metrics,
                 "manifest": io.make_manifest(files),
             }
             io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
@@ -605,6 +639,7 @@ class AsyncCheckpointer(Handler):
             if step is not None and step < newest:
                 shutil.rmtree(path, ignore_errors=True)
         keep = {path for _, path in complete[: self.keep_last]}
+        keep.update(self._best(complete))
         latest = io.read_latest(self.directory)
         if latest:
             keep.add(os.path.join(self.directory, latest))
@@ -621,6 +656,45 @@ class AsyncCheckpointer(Handler):
                 shutil.rmtree(path)
             except OSError as e:
                 logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
+
+    def _ranking_metric(self) -> dict[str, float]:
+        """``{metric: value}`` to store with the save being started ({} when keep_best is off or
+        the run has no finite value of the metric yet)."""
+        if not self.keep_best:
+            return {}
+        value = self.trainer.state.metrics.get(self.metric)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):
+            if not self._metric_missing_warned and self.trainer.state.iteration > 0:
+                self._metric_missing_warned = True
+                logger.warning(
+                    "checkpoint.metric %r has no finite value in state.metrics at step %d: checkpoints "
+                    "saved without it are kept by keep_last only (validate on checkpoint steps, or pick "
+                    "a metric the run publishes)",
+                    self.metric,
+                    self.trainer.state.iteration,
+                )
+            return {}
+        return {self.metric: value}
+
+    def _best(self, complete: list[tuple[int, str]]) -> set[str]:
+        """The best ``keep_best`` of ``complete`` by the metric stored in their markers. Ties go to
+        the older checkpoint: a value carried over from an earlier validation belongs to it."""
+        if not self.keep_best:
+            return set()
+        ranked = []
+        for step, path in complete:
+            try:
+                value = io.read_json(os.path.join(path, io.MARKER)).get("metrics", {}).get(self.metric)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, int | float) and math.isfinite(value):
+                ranked.append((value if self.metric_mode == "min" else -value, step, path))
+        ranked.sort()
+        return {path for _, _, path in ranked[: self.keep_best]}
 
     def _wait_local(self) -> None:
         """Wait for this rank's own write only (no collective: a peer may be gone)."""
@@ -736,42 +810,34 @@ class AsyncCheckpointer(Handler):
         everyone = [p if world == 1 else f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
         return everyone, all(v for _, v in gathered)
 
-    def _check_compatible(self, path: str, state_dict: dict[str, Any]) -> None:
-        metadata = io.SafeReader(path).read_metadata()
-        stored = metadata.state_dict_metadata
-        wanted = {f"model.{k}": v for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
-        stored_model = {k for k in stored if k.startswith("model.")}
-        held = set(wanted)
+    def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> None:
+        """Refuse, before anything is read into the model, a checkpoint whose model parameters are
+        not this model's (other layers or widths, or another pipeline split). The verdict is taken
+        on every rank from the union of the ranks' parameters, so all ranks raise together."""
+        stored = {
+            k.removeprefix("model."): tuple(getattr(v, "size", ()))
+            for k, v in io.SafeReader(path).read_metadata().state_dict_metadata.items()
+            if k.startswith("model.")
+        }
+        wanted = {k: tuple(v.shape) for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
         if self._group is not None:  # ranks may hold different parts (pipeline stages): the union counts
             gathered: list[Any] = [None] * parallel.world_size()
-            dist.all_gather_object(gathered, sorted(held), group=self._group)
-            held = set().union(*(set(keys) for keys in gathered))
-        missing = sorted(set(wanted) - stored_model)
-        unexpected = sorted(stored_model - held)
-        wrong = sorted(
-            k
-            for k in set(wanted) & stored_model
-            if tuple(getattr(stored[k], "size", ())) != tuple(wanted[k].shape)
+            dist.all_gather_object(gathered, wanted, group=self._group)
+            for part in gathered:
+                wanted.update(part)
+        difference = describe_layout_difference(stored, wanted)
+        if difference is None:
+            return
+        raise CheckpointLayoutError(
+            field,
+            f"checkpoint {path} holds another model layout: {difference}; resume it with the settings "
+            "that wrote it, or start a fresh run with train.run_dir=<new dir> (checkpoint.resume=null "
+            "also starts fresh, but saves over this directory's checkpoints); nothing was loaded or "
+            "changed",
         )
-        if missing or unexpected or wrong:
 
-            def show(keys: list[str]) -> str:
-                return ", ".join(k.removeprefix("model.") for k in keys[:5]) + (
-                    " ..." if len(keys) > 5 else ""
-                )
-
-            parts = [
-                f"{label} {len(keys)} ({show(keys)})"
-                for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-                if keys
-            ]
-            raise CheckpointError(
-                f"checkpoint {path} is from a different model: {'; '.join(parts)}; resume with the model "
-                "that wrote it, or start fresh (checkpoint.resume=None) / fine-tune matching weights"
-            )
-
-    def _dcp_load(self, path: str, state_dict: dict[str, Any]) -> None:
-        self._check_compatible(path, state_dict)
+    def _dcp_load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
+        self._check_compatible(path, state_dict, field)
         with _quiet_single_process():
             try:
                 dcp.load(
@@ -793,7 +859,7 @@ class AsyncCheckpointer(Handler):
         model = self.trainer.model
         model_sd = get_model_state_dict(model)
         state_dict = {"model": model_sd}
-        self._dcp_load(path, state_dict)
+        self._dcp_load(path, state_dict, "checkpoint.finetune_from")
         try:
             set_model_state_dict(model, state_dict["model"])
         except Exception as e:
@@ -961,6 +1027,53 @@ class AsyncCheckpointer(Handler):
     def _add_blocked(self, seconds: float) -> None:
         times = self.trainer.state.times
         times["checkpoint"] = times.get("checkpoint", 0.0) + seconds
+
+
+_STAGE_PREFIX = re.compile(r"^\d+\.")
+_NUMBERED = re.compile(r"^(.*?[A-Za-z_]\w*)\.(\d+)\.")
+
+
+def describe_layout_difference(stored: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+    """How a checkpoint's model parameters (name -> shape) differ from a model's, in a few words
+    (a pipeline split, layer counts, shapes), or None when they match. Used for the error that
+    refuses to load another layout."""
+    if stored == wanted:
+        return None
+    parts: list[str] = []
+    split_stored, split_wanted = (
+        bool(names) and all(_STAGE_PREFIX.match(k) for k in names) for names in (stored, wanted)
+    )
+    if split_stored != split_wanted:
+        parts.append(
+            "it was written by a pipeline-parallel run (parameters under stage prefixes) and this model is "
+            "not split into stages (distributed.pp_size=1)"
+            if split_stored
+            else "it was written without pipeline stages and this model is split into stages "
+            "(distributed.pp_size > 1)"
+        )
+
+    def plain(names: dict[str, tuple]) -> dict[str, tuple]:
+        return {_STAGE_PREFIX.sub("", k) if split_stored != split_wanted else k: v for k, v in names.items()}
+
+    a, b = plain(stored), plain(wanted)
+    for container in sorted({m.group(1) for k in (*a, *b) if (m := _NUMBERED.match(k))}):
+        counts = [
+            len({m.group(2) for k in names if (m := _NUMBERED.match(k)) and m.group(1) == container})
+            for names in (a, b)
+        ]
+        if counts[0] != counts[1]:
+            parts.append(f"{container}: {counts[0]} in the checkpoint, {counts[1]} in this model")
+    shapes = [f"{k} {a[k]} vs {b[k]}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    if shapes:
+        more = f" (+{len(shapes) - 3} more)" if len(shapes) > 3 else ""
+        parts.append(f"shapes (checkpoint vs this model): {', '.join(shapes[:3])}{more}")
+    if not parts:
+        missing, unexpected = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+        for label, keys in (("not in the checkpoint", missing), ("not in this model", unexpected)):
+            if keys:
+                more = " ..." if len(keys) > 3 else ""
+                parts.append(f"{len(keys)} parameters {label} ({', '.join(keys[:3])}{more})")
+    return "; ".join(parts) if parts else None
 
 
 @contextmanager

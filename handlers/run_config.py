@@ -158,6 +158,36 @@ class RunConfig:
             raise ConfigError(
                 "lr.min_lr", f"({lr.min_lr}) must not exceed optimizer.lr ({self.optimizer.lr})"
             )
+        ckpt = self.checkpoint
+        if ckpt.enabled and ckpt.keep_best:
+            produced = self.produced_metrics()
+            if ckpt.metric not in produced:
+                why = (
+                    " (val_loss needs validation: data.val_fraction > 0 and step_scheduler.val_every_steps "
+                    "or ckpt_every_steps)"
+                    if ckpt.metric == "val_loss"
+                    else ""
+                )
+                raise ConfigError(
+                    "checkpoint.metric",
+                    f"{ckpt.metric!r} is not a metric this run produces{why}; checkpoint.keep_best ranks "
+                    f"by one of: {', '.join(sorted(produced))}",
+                )
+
+    def produced_metrics(self) -> set[str]:
+        """The ``state.metrics`` entries this configuration publishes that can rank checkpoints
+        (``checkpoint.metric``): validation loss, training loss figures, per-dataset losses."""
+        out: set[str] = set()
+        sched = self.step_scheduler
+        if self.data.val_fraction > 0 and sched.enabled and (sched.val_every_steps or sched.ckpt_every_steps):
+            out.add("val_loss")
+        if self.metrics.enabled:
+            out.update(("loss", "loss_avg", "grad_norm"))
+        if sched.enabled:
+            out.add("loss_avg")
+        if self.dataset_metrics.enabled:
+            out.update(f"loss/{name}" for name in self.data.datasets)
+        return out
 
 
 def check_run_paths(cfg: Any) -> None:

@@ -19,10 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine import ConfigError, Events, ExitCode, Trainer
+from engine import ConfigError, Events, ExitCode, Priority, Trainer
 from engine import checkpoint_io as io
 from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from handlers import load_run_config
+from handlers.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointError,
+    CheckpointLayoutError,
+    describe_layout_difference,
+)
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
 from tests.scripts import ckpt_train
@@ -309,14 +315,119 @@ def test_clear_errors_for_bad_directories_paths_and_models(tmp_path):
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path / "c", mode="sync").attach(trainer)
     trainer.run(token_batches(4), max_steps=2)
+    before = tree_bytes(tmp_path / "c")
     for overrides, pattern in (
-        ({"n_layers": 3}, r"different model: missing 12 \(blocks\.2\."),
-        ({"n_layers": 1, "d_model": 48}, r"different model: unexpected 12 \(blocks\.1\..*wrong shape"),
+        ({"n_layers": 3}, r"another model layout: blocks: 2 in the checkpoint, 3 in this model; "),
+        (
+            {"n_layers": 1, "d_model": 48},
+            r"blocks: 2 in the checkpoint, 1 in this model; shapes \(checkpoint vs this model\): "
+            r"blocks\.0\.ln1\.bias \(32,\) vs \(48,\)",
+        ),
     ):
         other = plain_trainer(0, **overrides)
         AsyncCheckpointer(tmp_path / "c", mode="sync").attach(other)
-        with pytest.raises(CheckpointError, match=pattern):
+        with pytest.raises(CheckpointLayoutError, match=pattern) as raised:
             other.run(token_batches(4), max_steps=3)
+        # a setting to fix (ConfigError, exit code 2), naming the field and the fresh start
+        assert isinstance(raised.value, ConfigError) and raised.value.field == "checkpoint.resume"
+        assert "train.run_dir=<new dir>" in str(raised.value)
+        assert other.state.step == 0
+    assert tree_bytes(tmp_path / "c") == before  # nothing saved was touched
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes: what "nothing was changed" compares."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_layout_difference_names_pipeline_split_counts_and_shapes():
+    model = {"tok_emb.weight": (64, 32), "blocks.0.w": (32,), "blocks.1.w": (32,), "head.weight": (64, 32)}
+    assert describe_layout_difference(model, dict(model)) is None
+    staged = {f"0.{k}": v for k, v in model.items()}
+    assert "written by a pipeline-parallel run" in describe_layout_difference(staged, model)
+    assert "written without pipeline stages" in describe_layout_difference(model, staged)
+    wider = {**model, "blocks.2.w": (32,), "tok_emb.weight": (64, 48)}
+    text = describe_layout_difference(model, wider)
+    assert "blocks: 2 in the checkpoint, 3 in this model" in text
+    assert "tok_emb.weight (64, 32) vs (64, 48)" in text
+    renamed = {"emb.weight": (64, 32)}
+    assert "1 parameters not in the checkpoint (emb.weight)" in describe_layout_difference(
+        {"tok_emb.weight": (64, 32)}, renamed
+    )
+
+
+# ------------------------------------------------------------------------------ keep_best
+def scripted_metric(trainer: Trainer, values: dict[int, float]) -> None:
+    """Publish ``val_loss`` at STEP_END before the checkpointer saves, as validation does."""
+
+    @trainer.on(Events.STEP_END, priority=Priority.VALIDATION)
+    def _publish(engine):
+        if engine.state.step in values:
+            engine.state.metrics["val_loss"] = values[engine.state.step]
+
+
+@pytest.mark.parametrize("metric_mode", ["min", "max"])
+def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path, metric_mode):
+    sign = 1.0 if metric_mode == "min" else -1.0  # "max" sees the same ranking, negated
+    first = {1: 5.0, 2: 3.0, 3: 4.0, 4: 1.0, 5: 6.0, 6: 2.5}
+    options = dict(mode="sync", every_steps=1, keep_last=1, keep_best=2, metric_mode=metric_mode)
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, **options).attach(trainer)
+    scripted_metric(trainer, {s: sign * v for s, v in first.items()})
+    trainer.run(token_batches(20), max_steps=6)
+    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [6, 4]  # last 1; best 2: 4 and 6
+    marker = io.read_json(tmp_path / io.step_dir_name(4) / io.MARKER)
+    assert marker["metrics"] == {"val_loss": sign * 1.0}
+
+    # A new process resumes at step 6: the ranking reads the values stored in the markers.
+    again = make_trainer(seed=1)
+    AsyncCheckpointer(tmp_path, **options).attach(again)
+    scripted_metric(again, {7: sign * 0.5, 8: sign * 9.0, 9: sign * 8.0})
+    again.run(token_batches(20), max_steps=9)
+    assert again.state.step == 9
+    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [9, 7, 4]  # last 1; best: 7, 4
+
+
+def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_path, caplog):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=1, keep_best=1).attach(trainer)
+    # steps 1-2 have no val_loss yet (warned once); 3 validates; 4 and 5 carry 3's value over
+    scripted_metric(trainer, {3: 2.0})
+    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+        trainer.run(token_batches(20), max_steps=5)
+    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [5, 3]
+    warned = [r for r in caplog.records if "checkpoint.metric 'val_loss'" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_keep_best_never_prunes_the_newest_known_good_checkpoint(tmp_path):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=1, keep_best=1).attach(trainer)
+    scripted_metric(trainer, {1: 1.0, 2: 5.0, 3: 6.0, 4: 7.0})
+
+    @trainer.on(Events.STEP_END, priority=Priority.VALIDATION)
+    def _distrust(engine):  # as a NaN detector does during a bad streak: step 2 is the last good one
+        engine.state.known_good_step = min(engine.state.step, 2)
+
+    trainer.run(token_batches(20), max_steps=4)
+    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [4, 2, 1]
+
+
+def test_keep_best_settings_are_validated_naming_the_field(tmp_path):
+    for kwargs, field in (
+        ({"keep_best": -1}, "checkpoint.keep_best"),
+        ({"keep_best": 2, "metric": ""}, "checkpoint.metric"),
+        ({"keep_best": 2, "metric_mode": "median"}, "checkpoint.metric_mode"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            AsyncCheckpointer(tmp_path, **kwargs)
+    config = REPO / "examples" / "configs" / "gpt_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"checkpoint.metric: 'val_bleu' is not a metric this run produces"):
+        load_run_config(config, ["checkpoint.keep_best=2", "checkpoint.metric=val_bleu"])
+    with pytest.raises(ConfigError, match=r"checkpoint.metric: 'val_loss' .*data.val_fraction > 0"):
+        load_run_config(config, ["checkpoint.keep_best=2", "data.val_fraction=0"])
+    cfg = load_run_config(config, ["checkpoint.keep_best=2", "checkpoint.metric=loss/docs"])
+    assert cfg.checkpoint.keep_best == 2
 
 
 def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp_path):

@@ -27,11 +27,13 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
         ("lr.warmup_init=inf", "lr.warmup_init"),
         ("health.timeout_s=inf", "health.timeout_s"),
         ("checkpoint.wait_timeout_s=soon", "checkpoint.wait_timeout_s"),
+        ("fault.nan_microbatches=[-1]", "fault.nan_microbatches[0]"),
+        ("checkpoint.keep_best=2 checkpoint.metric=val_bleu", "checkpoint.metric"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line_naming_the_field(tmp_path, override, field):
     run_dir = tmp_path / "run"
-    args = [f"train.run_dir={run_dir}", "step_scheduler.max_steps=50", override]
+    args = [f"train.run_dir={run_dir}", "step_scheduler.max_steps=50", *override.split()]
     if override.startswith("train.run_dir"):
         args = args[1:]
     result = run_process([sys.executable, str(SCRIPT), *args], timeout=120)
@@ -92,3 +94,57 @@ def test_a_killed_peer_ends_the_example_with_77_and_one_line(tmp_path):
     assert "exit code 77" in err or "no progress" in err
     status = json.loads((run_dir / "exit_status.json").read_text())
     assert status["code"] == 77
+
+
+def tree_bytes(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def small_run(tmp_path) -> list[str]:
+    return [
+        f"train.run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'data'}", "model.d_model=32",
+        "train.seq_len=32", "lr.decay_steps=100", "lr.warmup_steps=0", "logging.console=false",
+    ]  # fmt: skip
+
+
+def assert_refused_in_one_line(result, what: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "[hookloop]" not in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr and "ERROR" not in result.stderr, (
+        result.stderr
+    )
+    line = lines[0]
+    assert line.startswith("config error: checkpoint.resume: checkpoint "), line
+    assert what in line, line
+    assert "train.run_dir=<new dir>" in line and "checkpoint.resume=null" in line, line
+
+
+def test_resuming_a_checkpoint_of_another_layer_count_exits_2_and_touches_nothing(tmp_path):
+    args = small_run(tmp_path)
+    first = run_process(
+        [sys.executable, str(SCRIPT), *args, "model.n_layers=1", "step_scheduler.max_steps=4"]
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = tree_bytes(tmp_path / "run" / "checkpoints")
+    second = run_process(
+        [sys.executable, str(SCRIPT), *args, "model.n_layers=2", "step_scheduler.max_steps=8"]
+    )
+    assert_refused_in_one_line(
+        second, "holds another model layout: blocks: 1 in the checkpoint, 2 in this model"
+    )
+    assert tree_bytes(tmp_path / "run" / "checkpoints") == before
+
+
+@pytest.mark.distributed
+def test_a_pipeline_run_checkpoint_refused_by_a_single_process_run_in_one_line(tmp_path):
+    """The pipeline run's stage checkpoint, resumed by the single-process example: exit 2, one line
+    naming the pipeline split and the fresh start; the checkpoints stay as they were."""
+    from tests.dist_utils import run_torchrun
+
+    args = [*small_run(tmp_path), "step_scheduler.max_steps=4"]
+    pipe = run_torchrun(SCRIPT, 2, [*args, "distributed.pp_size=2", "pipeline.pp_schedule=1f1b"], timeout=240)
+    assert pipe.returncode == 0, pipe.stderr[-3000:]
+    before = tree_bytes(tmp_path / "run" / "checkpoints")
+    single = run_process([sys.executable, str(SCRIPT), *args[:-1], "step_scheduler.max_steps=8"], timeout=180)
+    assert_refused_in_one_line(single, "it was written by a pipeline-parallel run")
+    assert tree_bytes(tmp_path / "run" / "checkpoints") == before

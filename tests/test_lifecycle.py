@@ -105,10 +105,11 @@ def test_second_run_resumes_and_says_nothing_is_left(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     err = second.stderr
     assert f"[hookloop] resumed from {final} (step 6)\n" in err
-    assert "nothing left to train, this run is finished" in err
+    assert err.count("nothing left to train") == 1, err  # said once, as the stop reason
+    assert "[hookloop] stopping after step 6: the checkpoint" in err
     assert "train.run_dir=<new dir>" in err and "checkpoint.resume=null" in err
     assert f"[hookloop] start: resuming from {final} (step 6)" in err
     # The summary follows the checkpointer's decision, so it cannot claim a fresh start.
     assert "fresh" not in err
     assert "checkpoint of step" not in err  # nothing trained, nothing saved again
-    assert "exit code 0 (SUCCESS)" in second.stdout
+    assert "done: step 6, no step left to train, exit code 0 (SUCCESS)" in second.stdout

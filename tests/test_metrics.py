@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine import ConfigError, Events, Trainer
+from engine import ConfigError, Events, Priority, Trainer
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from handlers.metrics import MetricsTracker, estimate_flops_per_token
 from tests.dist_utils import run_distributed
@@ -186,6 +186,40 @@ def test_progress_log_is_appended_across_a_resume(tmp_path):
         assert r["flops"] == pytest.approx(fpt * r["tokens_seen"])
     times = [r["train_time_s"] for r in progress]
     assert times == sorted(times) and times[2] > saved_tracker["train_time_s"]
+
+
+def test_first_interval_after_a_real_resume_counts_only_this_process_steps(tmp_path):
+    """A checkpoint at step 7 (mid-interval), resumed by the checkpointer with a slow load: the
+    interval published at step 10 holds steps 9 and 10 only (step 8 is the resumed run's warm-up),
+    so its tokens/s is their tokens over their time; neither the load nor the steps trained before
+    the restart enter it."""
+    from handlers.checkpoint import AsyncCheckpointer
+
+    first = _gpt_trainer()
+    AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(first)
+    MetricsTracker(5, run_dir=tmp_path).attach(first)
+    first.run(_tokens(12), max_steps=7)
+
+    load_s = 1.0
+    second = _gpt_trainer(seed=3)
+    AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(second)
+    MetricsTracker(5, run_dir=tmp_path).attach(second)
+    published = _snapshots(second)
+
+    @second.on(Events.TRAIN_START, priority=Priority.RESUME - 1)
+    def slow_load() -> None:  # right after the checkpointer restored step 7
+        assert second.state.step == 7
+        time.sleep(load_s)
+
+    second.run(_tokens(12), max_steps=10)
+    m = published[10]
+    step_tokens = 2 * SEQ  # one microbatch of 2 sequences per step
+    assert m["tokens_seen"] == 10 * step_tokens
+    assert m["tokens_per_s"] == pytest.approx(step_tokens / (m["step_time_s"] + m["data_time_s"]), rel=1e-9)
+    assert m["step_time_s"] + m["data_time_s"] < load_s
+    rows = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    after = [r for r in rows if r["event"] == "progress" and r["step"] == 10]
+    assert after and after[-1]["tokens_per_s"] == pytest.approx(m["tokens_per_s"])
 
 
 def test_publishes_a_partial_interval_when_the_run_stops_early():
