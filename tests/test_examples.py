@@ -79,8 +79,8 @@ def test_custom_hooks_example_each_hook_acts(tmp_path):
     (the learning rate halves), and an early stop before max_steps."""
     script = REPO / "examples" / "custom_hooks.py"
     run_dir = tmp_path / "run"
-    # Without clipping, the norm before clipping is also the norm of the gradients the hook reads.
-    args = [f"train.run_dir={run_dir}", f"data.cache_dir={tmp_path / 'data'}", "train.grad_clip_norm=null"]
+    # Clipping on (the config's 1.0): BEFORE_OPTIMIZER_STEP sees the gradients before clipping.
+    args = [f"train.run_dir={run_dir}", f"data.cache_dir={tmp_path / 'data'}"]
     proc = run_process([sys.executable, str(script), *args], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
