@@ -161,7 +161,7 @@ def main() -> None:
         f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {cpu_model()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
-    modes = (None, "sync", "async", "async_staged")
+    modes = (None, "sync", "async_copy", "async")
     runs: dict = {mode: [] for mode in modes}
     try:
         print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
