@@ -13,16 +13,17 @@ not saved yet; never twice for one step. The decision is agreed across ranks.
 
 Modes (``mode=``):
 
-* ``"async"`` (the default): ``dcp.async_save`` on its own gloo process group; the copy of the state
-  to host memory (into reused buffers, pinned with CUDA) runs on a background thread too, and the
-  write follows on another. Training waits for the copy only where it must (the staging-wait
-  contract): right before the next ``optimizer.step`` (the parameters and optimizer state must not
-  change mid-copy), and before any load, rollback, next save or drain. Model buffers (which a
-  forward may change, e.g. BatchNorm statistics) are copied at the save itself. ``"async_staged"``
-  is the old name of this mode and still accepted.
-* ``"async_copy"``: as ``"async"``, but training waits while the whole state is copied to host
-  memory in the save call: for code that changes parameters or optimizer state outside
-  ``optimizer.step`` (this mode was called ``"async"`` before ``"async_staged"`` became the default).
+* ``"async"`` (the default): the save call returns at once; the checkpointer's writer thread copies
+  the state to host memory (DCP's stager, into buffers reused from save to save, pinned with CUDA)
+  and then writes it with ``dcp.save`` on a gloo process group of its own. Training waits for the
+  copy only where it must (the staging-wait contract): right before the next ``optimizer.step``
+  (parameters and optimizer state must not change mid-copy), and before any load, rollback, next
+  save or drain. Model buffers (which a forward may change, e.g. BatchNorm statistics) are copied
+  at the save itself. ``"async_staged"`` is the old name of this mode and still accepted.
+* ``"async_copy"``: ``dcp.async_save``: training waits while the whole state is copied to host
+  memory in the save call, then the write runs on a background thread. For code that changes
+  parameters or optimizer state outside ``optimizer.step`` (this was ``"async"`` before the
+  staged copy became the default).
 * ``"sync"``: ``dcp.save``; training waits for the whole write.
 
 Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable: each
