@@ -76,6 +76,8 @@ def run_one(name: str, script: str, quick: bool, timeout: float) -> dict:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(path), "--json", str(out)] + (["--quick"] if quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+        # The code of this checkout, not whichever copy of the packages is installed.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
         start = time.perf_counter()
         try:
             proc = subprocess.run(

@@ -13,12 +13,18 @@ not saved yet; never twice for one step. The decision is agreed across ranks.
 
 Modes (``mode=``):
 
+* ``"async"`` (the default): the save call returns at once; the checkpointer's writer thread copies
+  the state to host memory (DCP's stager, into buffers reused from save to save, pinned with CUDA)
+  and then writes it with ``dcp.save`` on a gloo process group of its own. Training waits for the
+  copy only where it must (the staging-wait contract): right before the next ``optimizer.step``
+  (parameters and optimizer state must not change mid-copy), and before any load, rollback, next
+  save or drain. Model buffers (which a forward may change, e.g. BatchNorm statistics) are copied
+  at the save itself. ``"async_staged"`` is the old name of this mode and still accepted.
+* ``"async_copy"``: ``dcp.async_save``: training waits while the whole state is copied to host
+  memory in the save call, then the write runs on a background thread. For code that changes
+  parameters or optimizer state outside ``optimizer.step`` (this was ``"async"`` before the
+  staged copy became the default).
 * ``"sync"``: ``dcp.save``; training waits for the whole write.
-* ``"async"``: ``dcp.async_save`` on its own gloo process group; training waits while the state is
-  copied to host memory, then the write runs on a background thread.
-* ``"async_staged"``: the copy to host memory (pinned with CUDA) also runs in the background;
-  training waits for it only right before the next ``optimizer.step`` (parameters must not change
-  mid-copy) or the next save.
 
 Only one save is in flight. A save becomes a checkpoint only when every rank's data is durable: each
 rank's DCP writer checksums the files it wrote while it fsyncs them (on DCP's background thread for
@@ -45,11 +51,12 @@ import math
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,7 +87,9 @@ __all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError", "Checkpoi
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync", "async", "async_staged")
+MODES = ("async", "async_copy", "sync")
+# Old mode names configs may still hold -> the mode that behaves as they meant.
+MODE_ALIASES = {"async_staged": "async"}
 METRIC_MODES = ("min", "max")
 _FORMAT = "hookloop-checkpoint"
 _VERSION = 1
@@ -125,7 +134,7 @@ class CheckpointConfig:
         )
         check_str(dotted(p, "metric"), self.metric, what="a metric name in state.metrics (e.g. 'val_loss')")
         check_choice(dotted(p, "metric_mode"), self.metric_mode, METRIC_MODES)
-        check_choice(dotted(p, "mode"), self.mode, MODES)
+        check_choice(dotted(p, "mode"), self.mode, (*MODES, *MODE_ALIASES))
         for name in ("resume", "finetune_from"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str | os.PathLike) or not os.fspath(value)):
@@ -143,7 +152,8 @@ class CheckpointConfig:
 
 class _Save:
     """One save in flight: where it goes, the futures that tell when it is staged/durable, and this
-    rank's manifest entries (its state JSON's here, its DCP files' in ``writer.entries`` once done)."""
+    rank's manifest entries (its state JSON's from ``rank_file``, its DCP files' in
+    ``writer.entries`` once done)."""
 
     def __init__(
         self,
@@ -153,23 +163,55 @@ class _Save:
         done: Future,
         staged: Future | None,
         writer: io.RecordingWriter | None = None,
-        entries: dict[str, Any] | None = None,
+        rank_file: Future | None = None,
         metrics: dict[str, float] | None = None,
     ) -> None:
         self.step, self.partial, self.final = step, partial, final
         self.done, self.staged = done, staged
-        self.writer, self.entries = writer, dict(entries or {})
+        self.writer, self.rank_file = writer, rank_file
         self.metrics = dict(metrics or {})
 
+    @property
+    def entries(self) -> dict[str, Any]:
+        """This rank's manifest entries; only once ``done`` has resolved without error."""
+        own = self.rank_file.result() if self.rank_file is not None else {}
+        return {**own, **(self.writer.entries if self.writer is not None else {})}
 
-def _done_future() -> Future:
+
+def _done_future(result: Any = None) -> Future:
     f: Future = Future()
-    f.set_result(None)
+    f.set_result(result)
     return f
 
 
+def _all_of(futures: list[Future]) -> Future:
+    """One future for several: None once all of them are done, or the first failure among them."""
+    combined: Future = Future()
+    lock = threading.Lock()
+
+    def check(_: Future) -> None:
+        with lock:
+            if combined.done() or not all(f.done() for f in futures):
+                return
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is None:
+                combined.set_result(None)
+            else:
+                combined.set_exception(failed)
+
+    for future in futures:
+        future.add_done_callback(check)
+    return combined
+
+
+def _write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write this rank's state JSON durably into ``partial``; its manifest entries."""
+    io.write_json_atomic(os.path.join(partial, name), extra)
+    return io.checksum_files(partial, [name], parallel.rank())  # tens of kB
+
+
 class AsyncCheckpointer(Handler):
-    """Save sharded checkpoints (sync, async or staged-async), resume exactly, answer ROLLBACK.
+    """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
 
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
@@ -182,7 +224,9 @@ class AsyncCheckpointer(Handler):
             STEP_END, after validation) and stored in the checkpoint's completion marker, so the
             ranking survives restarts. A checkpoint saved without it is kept by ``keep_last`` only.
         metric_mode: ``"min"`` (lower is better, e.g. ``val_loss``) or ``"max"``.
-        mode: ``"sync"``, ``"async"`` or ``"async_staged"`` (see the module docstring).
+        mode: ``"async"`` (the default: training waits only for what must not change mid-copy),
+            ``"async_copy"`` or ``"sync"`` (see the module docstring); ``"async_staged"`` is an old
+            name of ``"async"``.
         resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
             there is none), a checkpoint directory path (must exist and be complete), or None.
         load_optimizer: restore the optimizer state too (False: model, counters and the rest only).
@@ -231,7 +275,7 @@ class AsyncCheckpointer(Handler):
         self.keep_last = keep_last
         self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
         self._metric_missing_warned = False
-        self.mode = mode
+        self.mode = MODE_ALIASES.get(mode, mode)
         self.load_optimizer = load_optimizer
         self.wait_timeout_s = wait_timeout_s
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
@@ -250,6 +294,9 @@ class AsyncCheckpointer(Handler):
         self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
         self._group: Any = None
         self._stager: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._write_executor: ThreadPoolExecutor | None = None
+        self._pruning: Future | None = None
         self._session = ""
         self._started = False
 
@@ -339,11 +386,13 @@ class AsyncCheckpointer(Handler):
         self.trainer.state.times["checkpoint"] = 0.0
 
     def _wait_staged(self) -> None:
+        """The staging-wait contract: the optimizer must not change what is still being copied."""
         save = self._inflight
         if save is None or save.staged is None or save.staged.done():
             return
         start = time.perf_counter()
-        self._result(save.staged, "staging")
+        with self._long_wait():
+            self._result(save.staged, "staging")
         self._add_blocked(time.perf_counter() - start)
 
     def _on_step_end(self) -> None:
@@ -407,12 +456,20 @@ class AsyncCheckpointer(Handler):
         """A save was started and is not yet published as a complete checkpoint."""
         return self._inflight is not None
 
+    @property
+    def staging(self) -> bool:
+        """The save in flight is still being copied to host memory (``mode="async"``): the next
+        optimizer step, load, rollback, save or drain waits for the copy first."""
+        save = self._inflight
+        return save is not None and save.staged is not None and not save.staged.done()
+
     def wait(self) -> None:
         """Drain the save in flight: wait until it is durable on every rank, then publish it
         (marker, ``latest``, pruning, CHECKPOINT_SAVED). Collective: call it on every rank."""
         if self._inflight is not None:
             with self._long_wait():
                 self._finish(wait=True)
+        self._wait_pruned()
 
     def _long_wait(self) -> Any:
         """Lift the trainer's progress watchdog around a wait that is long by nature and bounded
@@ -437,6 +494,10 @@ class AsyncCheckpointer(Handler):
     def close(self) -> None:
         """Drain the save in flight and release the checkpoint process group and stager."""
         self.wait()
+        for executor in (self._write_executor, self._executor):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._write_executor = self._executor = None
         if self._stager is not None:
             self._stager.close()
             self._stager = None
@@ -461,6 +522,9 @@ class AsyncCheckpointer(Handler):
         )
 
     def _start_save(self, step: int) -> None:
+        if self._inflight is not None:  # one save in flight: its staging buffers are reused
+            with self._long_wait():
+                self._finish(wait=True)
         name = io.step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session}")
         own_state = f"rank_{parallel.rank():05d}.json"
@@ -470,14 +534,18 @@ class AsyncCheckpointer(Handler):
             raise CheckpointError(f"cannot save step {step}: {type(e).__name__}: {e}") from e
         try:
             os.makedirs(partial, exist_ok=True)
-            io.write_json_atomic(os.path.join(partial, own_state), extra)
-            entries = io.checksum_files(partial, [own_state], parallel.rank())  # tens of kB
+            if self.mode == "sync":
+                rank_file = _done_future(_write_rank_file(partial, own_state, extra))
+            else:  # two fsyncs that training need not wait for: beside the DCP write
+                rank_file = self._io().submit(_write_rank_file, partial, own_state, extra)
         except OSError as e:
             raise CheckpointError(
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
+        if self.mode == "async":  # staged later, while the next forward may change buffers
+            model_sd = _copy_buffers(model_sd, self.trainer.model)
         state_dict = {"model": model_sd, "optim": optim_sd}
         writer = io.RecordingWriter(
             partial, parallel.rank()
@@ -495,12 +563,14 @@ class AsyncCheckpointer(Handler):
                     with self._long_wait():
                         dcp.save(state_dict, **kwargs)
                     done = _done_future()
-                elif self.mode == "async":
+                elif self.mode == "async_copy":
                     done = dcp.async_save(state_dict, **kwargs)
-                else:
-                    response = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
-                    staged, done = response.staging_completion, response.upload_completion
+                else:  # the copy and the write both on the writer thread: the call returns at once
+                    staged = Future()
+                    stager = self._get_stager()
+                    done = self._writer().submit(_stage_then_write, stager, state_dict, staged, kwargs)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
             _reraise_interrupt(e)
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {_last_line(e)}; free space or fix permissions of "
@@ -508,8 +578,16 @@ class AsyncCheckpointer(Handler):
                 "are unchanged"
             ) from e
         final = os.path.join(self.directory, name)
+        done = _all_of([done, rank_file])
         self._inflight = _Save(
-            step, partial, final, done, staged, writer=writer, entries=entries, metrics=self._ranking_metric()
+            step,
+            partial,
+            final,
+            done,
+            staged,
+            writer=writer,
+            rank_file=rank_file,
+            metrics=self._ranking_metric(),
         )
         self.last_saved_step = step
         if self.mode == "sync":
@@ -543,13 +621,27 @@ class AsyncCheckpointer(Handler):
         return io.data_generators(step_data.data) if step_data is not None else []
 
     def _get_stager(self) -> Any:
+        """DCP's stager, used on the writer thread only: it keeps the host buffers of the first save
+        and copies into them at every later one (pinned with CUDA, for fast device-to-host copies)."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            # Without an accelerator a non-blocking, pinned copy is impossible: copy on a thread.
-            self._stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # it runs on our writer thread already
+                    use_non_blocking_copy=cuda,
+                )
+            )
         return self._stager
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time)."""
+        if self._write_executor is None:
+            self._write_executor = ThreadPoolExecutor(1, thread_name_prefix="hookloop-checkpoint-write")
+        return self._write_executor
 
     def _finish(self, wait: bool) -> None:
         """Publish the save in flight once every rank's write is durable (collective)."""
@@ -558,7 +650,7 @@ class AsyncCheckpointer(Handler):
         entries: dict[str, Any] = {}
         try:  # without ``wait`` every rank reported its save done: no waiting here
             save.done.result(timeout=self.wait_timeout_s if wait else 0)
-            entries = {**save.entries, **(save.writer.entries if save.writer is not None else {})}
+            entries = save.entries
         except FutureTimeout:
             error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
@@ -632,12 +724,17 @@ class AsyncCheckpointer(Handler):
         return True
 
     def _prune(self) -> None:
+        """Rank 0: delete the checkpoints ``keep_last`` no longer keeps. Each is made incomplete
+        (marker removed) and renamed out of the listing here; the files go on a background thread,
+        since unlinking hundreds of MB would block training about as long as a save's copy."""
+        self._wait_pruned()
         complete, torn = io.complete_checkpoints(self.directory)
         newest = complete[0][0] if complete else -1
+        doomed: list[str] = []
         for path in torn:  # left by a deletion that a crash interrupted (a save in flight is .partial)
             step = io.parse_step(os.path.basename(path))
             if step is not None and step < newest:
-                shutil.rmtree(path, ignore_errors=True)
+                doomed.append(path)
         keep = {path for _, path in complete[: self.keep_last]}
         keep.update(self._best(complete))
         latest = io.read_latest(self.directory)
@@ -653,9 +750,33 @@ class AsyncCheckpointer(Handler):
                 continue
             try:
                 os.remove(os.path.join(path, io.MARKER))  # incomplete first, so a reader never loads it
-                shutil.rmtree(path)
             except OSError as e:
                 logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
+                continue
+            doomed.append(path)
+        trash = []
+        for path in doomed:
+            target = f"{path}.pruned-{self._session}"
+            try:
+                os.replace(path, target)
+            except OSError as e:
+                logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
+                continue
+            trash.append(target)
+        if trash:
+            self._pruning = self._io().submit(_delete_trees, trash)
+
+    def _io(self) -> ThreadPoolExecutor:
+        """The thread for the file work training need not wait for (rank state files, pruning)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hookloop-checkpoint-io")
+        return self._executor
+
+    def _wait_pruned(self) -> None:
+        """Wait until the old checkpoints the last publish pruned are deleted."""
+        pruning, self._pruning = self._pruning, None
+        if pruning is not None:
+            pruning.result()
 
     def _ranking_metric(self) -> dict[str, float]:
         """``{metric: value}`` to store with the save being started ({} when keep_best is off or
@@ -996,7 +1117,7 @@ class AsyncCheckpointer(Handler):
 
     def _remove_stale_partials(self) -> None:
         for name in os.listdir(self.directory):
-            if ".partial-" in name or ".replaced-" in name:
+            if ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
                 if name.endswith(f"-{self._session}"):
                     continue
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
@@ -1074,6 +1195,50 @@ def describe_layout_difference(stored: dict[str, tuple], wanted: dict[str, tuple
                 more = " ..." if len(keys) > 3 else ""
                 parts.append(f"{len(keys)} parameters {label} ({', '.join(keys[:3])}{more})")
     return "; ".join(parts) if parts else None
+
+
+def _stage_then_write(
+    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+) -> None:
+    """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
+    training may change the state), then write the copy with DCP."""
+    try:
+        with torch.no_grad():
+            host = stager.stage(state_dict)
+    except BaseException as e:
+        staged.set_exception(e)
+        raise
+    staged.set_result(None)
+    with _quiet_single_process():
+        dcp.save(host, **kwargs)
+
+
+def _wait_quietly(future: Future, timeout: float) -> None:
+    with contextlib.suppress(Exception):  # the caller reports the error that matters
+        future.result(timeout=timeout)
+
+
+def _delete_trees(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``model_sd`` with every tensor that is not a parameter (buffers such as BatchNorm statistics,
+    which a forward changes) replaced by a copy taken now; parameters stay shared for staging."""
+    params = {_local(p).data_ptr() for p in model.parameters()}
+    return {
+        key: value.detach().clone()
+        if isinstance(value, torch.Tensor) and _local(value).data_ptr() not in params
+        else value
+        for key, value in model_sd.items()
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 @contextmanager

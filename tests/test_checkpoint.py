@@ -33,7 +33,7 @@ from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
 from tests.scripts import ckpt_train
 
-MODES = ("sync", "async", "async_staged")
+MODES = ("sync", "async_copy", "async")
 
 
 pytestmark = pytest.mark.usefixtures("deterministic")
@@ -96,7 +96,7 @@ def stop_at(trainer: Trainer, step: int) -> None:
 
 # ------------------------------------------------------------------------------ single process
 @pytest.mark.parametrize(
-    ("mode", "stop"), [("sync", 4), ("async", 7), ("async_staged", 5), ("sync", 5), ("async_staged", 7)]
+    ("mode", "stop"), [("sync", 4), ("async", 7), ("async_copy", 5), ("sync", 5), ("async_copy", 7)]
 )
 def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop):
     """10 microbatches, 2 per step: 5 steps per epoch; stops mid-epoch (7), at an epoch end (5) and
@@ -574,7 +574,7 @@ def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, loa
     result["checkpoint_3"] = to_numpy(full_snapshot(first))
 
     second = build(seed=4)
-    ck2 = AsyncCheckpointer(directory, mode="async_staged", every_steps=2).attach(second)
+    ck2 = AsyncCheckpointer(directory, mode="async_copy", every_steps=2).attach(second)
     second.run(data, max_steps=6)
     ck2.close()
     got = full_snapshot(second)

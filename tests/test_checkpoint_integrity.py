@@ -167,7 +167,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     assert any(str(newest) in m and name in m and "damaged" in m for m in warned), warned
 
 
-@pytest.mark.parametrize("mode", ["sync", "async_staged"])
+@pytest.mark.parametrize("mode", ["sync", "async_copy"])
 def test_flipped_bytes_are_caught_in_every_save_mode(tmp_path, mode):
     states = _train(tmp_path, mode=mode)
     flip_tensor_bytes(tmp_path / io.step_dir_name(4))

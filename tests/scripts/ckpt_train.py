@@ -1,9 +1,13 @@
 """A small deterministic training run with an AsyncCheckpointer, for the kill/resume tests.
 
-``python tests/scripts/ckpt_train.py DIR STEPS OUT [--mode async]``: trains the tiny GPT for STEPS
-optimizer steps (resuming from DIR's newest complete checkpoint), saving every 2 steps, printing
-``STEP n`` after each step and ``RESUMED path`` when it resumed; at the end writes the parameters and
-optimizer state to OUT (``torch.save``; read back with ``weights_only=True``).
+``python tests/scripts/ckpt_train.py DIR STEPS OUT [--mode async] [--stall-staging-at N] [--ddp]``:
+trains the tiny GPT for STEPS optimizer steps (resuming from DIR's newest complete checkpoint),
+saving every 2 steps, printing ``STEP n`` after each step and ``RESUMED path`` when it resumed; at
+the end writes the parameters and optimizer state to OUT (``torch.save``; read back with
+``weights_only=True``). ``--stall-staging-at N``: the copy to host memory of step N's save never
+starts, and ``STAGING N`` is printed when the next optimizer step has to wait for it (a test kills
+the process there). ``--ddp``: join the process group the torchrun environment describes and train
+with DistributedDataParallel (each rank writes OUT with its rank appended).
 """
 
 from __future__ import annotations
@@ -11,17 +15,35 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import threading
+from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from engine import Events, Trainer
+from engine import Events, Priority, Trainer
 from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from handlers.checkpoint import AsyncCheckpointer
 
 
+class GatedStager(DefaultStager):
+    """DCP's stager (as the checkpointer uses it on CPU) whose copy to host memory starts only while
+    ``gate`` is open: holds a save's staging in flight for as long as a test needs."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(False, False, False, False))
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        if not self.gate.wait(timeout=120):
+            raise TimeoutError("the test never opened the staging gate")
+        return super().stage(state_dict, **kwargs)
+
+
 def build(
-    directory: str | None, mode: str = "async", every_steps: int = 2
+    directory: str | None, mode: str = "async", every_steps: int = 2, ddp: bool = False
 ) -> tuple[Trainer, AsyncCheckpointer | None]:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -29,6 +51,11 @@ def build(
     random.seed(0)  # every RNG the checkpoint holds starts the same in every process
     np.random.seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2))
+    if ddp:
+        from engine.parallel import init_distributed, wrap_data_parallel
+
+        init_distributed()
+        model = wrap_data_parallel(model, "ddp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
     trainer = Trainer(model, optimizer, cross_entropy_loss, lr_scheduler=scheduler, grad_accum_steps=2)
@@ -63,8 +90,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("steps", type=int)
     parser.add_argument("out")
     parser.add_argument("--mode", default="async")
+    parser.add_argument("--stall-staging-at", type=int, default=None)
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args(argv)
-    trainer, checkpointer = build(args.directory, args.mode)
+    trainer, checkpointer = build(args.directory, args.mode, ddp=args.ddp)
+    if args.stall_staging_at is not None:
+        stager = checkpointer._stager = GatedStager()
+
+        @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
+        def _stall(engine: Trainer) -> None:  # before the checkpointer starts this step's save
+            if engine.state.step == args.stall_staging_at:
+                stager.gate.clear()
+
+        @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Priority.DEFAULT)
+        def _report_staging(_engine: Trainer) -> None:  # the staging wait comes right after this
+            if checkpointer.staging:
+                print(f"STAGING {checkpointer.last_saved_step}", flush=True)
 
     @trainer.on(Events.STEP_END, priority=-100)
     def _progress(engine: Trainer) -> None:
@@ -79,6 +120,11 @@ def main(argv: list[str]) -> int:
 
     trainer.run(loader(), max_steps=args.steps)
     checkpointer.close()
+    if args.ddp:
+        import torch.distributed as dist
+
+        args.out = f"{args.out}.{dist.get_rank()}"
+        dist.destroy_process_group()
     torch.save(final_state(trainer), args.out)
     print("DONE", flush=True)
     return 0
