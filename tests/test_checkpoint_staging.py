@@ -105,8 +105,8 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
     out: dict[str, Any] = {"mode": checkpointer.mode}
     saved: dict[str, torch.Tensor] = {}
 
-    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
-    def _hold(engine: Trainer) -> None:  # before the checkpointer: its save of this step stalls
+    @trainer.on(Events.STEP_START)
+    def _hold(engine: Trainer) -> None:  # asked before the step's agreement: this step's save stalls
         if engine.state.step == at and "staging_at_save" not in out:
             engine.state.should_checkpoint = True
             stager.gate.clear()
