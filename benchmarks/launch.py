@@ -1,5 +1,5 @@
-"""Run a function on several gloo ranks for a benchmark: torchrun's environment, a hard timeout,
-and every process killed on the way out (the benchmarks do not import the test helpers)."""
+"""Run a function on several gloo ranks: torchrun's environment, a hard timeout, and every process
+killed on the way out. The benchmarks use it, and the tests start their ranks through it too."""
 
 from __future__ import annotations
 
@@ -19,18 +19,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives ``rank`` of ``world_size`` (rendezvous on ``port``)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _rank_main(
+    fn: Callable, rank: int, world_size: int, port: int, env: dict, args: tuple, results: Any
+) -> None:
+    os.environ.update({**rank_env(rank, world_size, port), **env})
     import torch
 
     torch.set_num_threads(1)
@@ -45,16 +50,19 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (one thread each) that
-    join one process group from the torchrun environment; each rank's result, in rank order.
-    ``fn`` must be importable by name (a module-level function). Raises when a rank fails or the
-    run takes longer than ``timeout`` seconds; no process outlives the call."""
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, env: dict | None = None
+) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (one thread each, ``env``
+    added to their environment) that join one process group from the torchrun environment; each
+    rank's result, in rank order. ``fn`` must be importable by name (a module-level function).
+    Raises when a rank fails or the run takes longer than ``timeout`` seconds; no process outlives
+    the call."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, env or {}, args, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

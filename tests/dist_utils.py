@@ -2,54 +2,17 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.launch import free_port, rank_env, run_ranks
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment torchrun gives ``rank`` of ``world_size`` (rendezvous on ``port``)."""
-    return {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def _worker(fn: Callable, rank: int, world_size: int, port: int, env: dict, args: tuple, queue: Any) -> None:
-    os.environ.update({**rank_env(rank, world_size, port), **env})
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
-    except BaseException:  # report every failure to the parent, then leave
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_distributed(
@@ -58,42 +21,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined into one
     process group by the usual torchrun environment. Returns each rank's result, in rank order.
     Raises if a rank fails or the whole run exceeds ``timeout`` (every process is killed)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, args, queue), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        import queue as queue_mod
-
-        while len(results) + len(errors) < world_size:
-            try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(
-                    f"distributed run did not finish within {timeout}s (ranks done: {sorted(results)})"
-                ) from None
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break
-        for p in procs:
-            p.join(timeout=10)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return run_ranks(fn, world_size, *args, timeout=timeout, env=env)
 
 
 def run_torchrun(

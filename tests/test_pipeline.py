@@ -522,12 +522,25 @@ def test_bubble_formula():
     assert math.isclose(bubble_fraction(4, 2, 2), 1 / 9)
 
 
+def _adamw_pipeline(info, cfg: PipelineConfig, **trainer_kwargs):
+    """This rank's stages of the test model (DDP across data-parallel replicas) and a Trainer with
+    AdamW over them."""
+    from engine import Trainer
+    from engine.pipeline import build_pipeline
+    from examples.models.gpt import cross_entropy_loss
+
+    runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss, dp_mode="ddp")
+    optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
+    trainer = Trainer(
+        runtime.module, optimizer, cross_entropy_loss, pipeline=runtime, hang_timeout_s=None, **trainer_kwargs
+    )
+    return runtime, trainer
+
+
 def _precision_worker(rank: int, world: int) -> dict:
     """Two stages trained for a few steps three ways: fp32, bf16-mixed (fp32 weights, autocast in
     the schedule), and pipeline.dtype=bfloat16 (the stages' own weights cast)."""
-    from engine import Events, Trainer, init_distributed
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
+    from engine import Events, init_distributed
     from tests.conftest import token_batches
 
     info = init_distributed(mesh_shape=(1, world), mesh_dim_names=("dp", "pp"))
@@ -541,15 +554,7 @@ def _precision_worker(rank: int, world: int) -> dict:
         cfg = PipelineConfig(
             pp_schedule="1f1b", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * N_MB, dtype=dtype
         )
-        runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
-        trainer = Trainer(
-            runtime.module,
-            torch.optim.AdamW(runtime.parameters(), lr=1e-2),
-            cross_entropy_loss,
-            pipeline=runtime,
-            precision=precision,
-            hang_timeout_s=None,
-        )
+        runtime, trainer = _adamw_pipeline(info, cfg, precision=precision)
         activations: set = set()  # what the stages' linear layers compute in
         linears = [m for stage in runtime.module for m in stage.modules() if isinstance(m, torch.nn.Linear)]
         for linear in linears:
@@ -585,22 +590,12 @@ def test_pipeline_precision_bf16_mixed_and_stage_dtype():
 def _ddp_stages_worker(rank: int, world: int) -> dict:
     """PP=2 x DP=2 with DDP stages and as many microbatches per step as stages (the layout where
     the stage shape inference used to double DDP's first-step bucket rebuild)."""
-    from engine import Events, Trainer, init_distributed
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
+    from engine import Events, init_distributed
     from tests.conftest import token_batches
 
     info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))
     cfg = PipelineConfig(pp_schedule="1f1b", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * 2)
-    runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss, dp_mode="ddp")
-    trainer = Trainer(
-        runtime.module,
-        torch.optim.AdamW(runtime.parameters(), lr=1e-2),
-        cross_entropy_loss,
-        pipeline=runtime,
-        grad_clip_norm=CLIP,
-        hang_timeout_s=None,
-    )
+    runtime, trainer = _adamw_pipeline(info, cfg, grad_clip_norm=CLIP)
     losses: list = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(e.state.loss))
     state = trainer.run(token_batches(8, batch=MB_SIZE, seed=runtime.dp_rank), max_steps=4)
