@@ -714,7 +714,7 @@ def _loss_avg_run(directory, stop_at=None):
 
     @trainer.on(Events.STEP_END, priority=1_000)
     def _record():
-        averages[trainer.state.step] = trainer.state.metrics["loss_avg"]
+        averages[trainer.state.step] = float(trainer.state.metrics["loss_avg"])  # may be a 0-dim tensor
         if trainer.state.step == stop_at:
             trainer.state.request_stop("test stop", ExitCode.STOPPED)
 
