@@ -78,11 +78,9 @@ class StepAgreement:
         name: str,
         fill: Callable[[], Value],
         on_agreed: Callable[[float], None] | None = None,
-        veto: bool = False,
-        stop: bool = False,
     ) -> Slot:
-        """Add a slot: ``fill()`` -> this rank's value, ``on_agreed(sum over ranks)`` after the
-        reduction; ``veto``: a positive sum skips the optimizer step; ``stop``: stops the run."""
+        """Add a slot: ``fill()`` -> this rank's value just before the reduction,
+        ``on_agreed(sum over ranks)`` on every rank right after it, before the optimizer step."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a slot needs a non-empty name, got {name!r}")
         if name in self._slots:
@@ -93,15 +91,9 @@ class StepAgreement:
         self._slots[name] = slot
         return slot
 
-    def remove(self, name: str) -> None:
-        self._slots.pop(name, None)
-
     @property
     def slots(self) -> tuple[Slot, ...]:
         return tuple(self._slots.values())
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._slots
 
 
 def sum_over_ranks(values: Sequence[Value], *, force_read: bool = False) -> list[Value]:
