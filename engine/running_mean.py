@@ -31,7 +31,7 @@ class RunningMean:
     def __init__(self, window: int) -> None:
         check_int("window", window)
         self._values: deque[Any] = deque(maxlen=window)
-        self._held = 0  # how many of the values are tensors not yet read
+        self._unread = False  # whether some values are tensors not yet read to the host
 
     @property
     def window(self) -> int:
@@ -46,14 +46,14 @@ class RunningMean:
         """Add ``value`` without computing the mean; a tensor is kept unread."""
         if isinstance(value, torch.Tensor):
             self._values.append(value.detach())
-            self._held = min(self._held + 1, len(self._values))
+            self._unread = True
             return
         value = float(value)
         if math.isfinite(value):
             self._values.append(value)
 
     def _read(self) -> None:
-        if not self._held:
+        if not self._unread:
             return
         values = list(self._values)
         at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
@@ -63,11 +63,11 @@ class RunningMean:
                 values[i] = v
         self._values.clear()
         self._values.extend(v for v in values if math.isfinite(v))
-        self._held = 0
+        self._unread = False
 
     def lazy_mean(self) -> Any:
         """The mean, as a float when every value is one, else as a 0-dim tensor (nothing read)."""
-        if not self._held:
+        if not self._unread:
             return self.mean
         values = list(self._values)
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
@@ -86,7 +86,7 @@ class RunningMean:
 
     def clear(self) -> None:
         self._values.clear()
-        self._held = 0
+        self._unread = False
 
     @property
     def values(self) -> list[float]:
