@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import write_result  # noqa: E402
 
-from engine.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
-from engine.compile import compile_model  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from hookloop.engine.activation_checkpointing import apply_activation_checkpointing, saved_activation_bytes  # noqa: E402
+from hookloop.engine.compile import compile_model  # noqa: E402
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
 MODES = ("none", "full", "selective")
 EXAMPLE = dict(vocab_size=256, seq_len=64, n_layers=4, d_model=128, n_heads=4)

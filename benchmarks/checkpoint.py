@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from engine import Events, Priority, Trainer, checkpoint_io
-from handlers.checkpoint import AsyncCheckpointer
+from hookloop.engine import Events, Priority, Trainer, checkpoint_io
+from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 WRITERS: list[checkpoint_io.RecordingWriter] = []
 

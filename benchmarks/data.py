@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data import MixtureDataset, MixtureSampler  # noqa: E402
+from hookloop.engine.data import MixtureDataset, MixtureSampler  # noqa: E402
 
 LENGTHS = {"web": 1_000_000, "code": 100_000, "math": 1_000}
 WEIGHTS = {"web": 6.0, "code": 3.0, "math": 1.0}

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-from engine import Events, Trainer  # noqa: E402
-from examples.models.gpt import cross_entropy_loss  # noqa: E402
+from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
 
 CLIP = 1.0
 LR = 1e-3
@@ -77,10 +77,10 @@ def hookloop_bare(data: list) -> float:
 
 def hookloop_default_handlers(data: list) -> float | None:
     try:
-        from handlers.jsonl_logger import JSONLLogger
-        from handlers.metrics import MetricsTracker
-        from handlers.nan_detector import NaNDetector
-        from handlers.step_scheduler import StepScheduler
+        from hookloop.handlers.jsonl_logger import JSONLLogger
+        from hookloop.handlers.metrics import MetricsTracker
+        from hookloop.handlers.nan_detector import NaNDetector
+        from hookloop.handlers.step_scheduler import StepScheduler
     except ImportError as e:
         print(f"  (default handler set unavailable: {e})")
         return None

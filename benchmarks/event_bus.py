@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import write_result  # noqa: E402
 
-from engine import Events, Trainer  # noqa: E402
+from hookloop.engine import Events, Trainer  # noqa: E402
 
 
 def bare_trainer() -> Trainer:

@@ -23,8 +23,8 @@ CASES = {
     "import torch, ignite": "import torch, ignite, ignite.engine",
     "import engine, handlers": (
         "import engine, handlers, handlers.metrics, handlers.loggers, handlers.jsonl_logger, "
-        "handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
-        "handlers.health_check, handlers.straggler, handlers.plot"
+        "hookloop.handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
+        "hookloop.handlers.health_check, handlers.straggler, handlers.plot"
     ),
 }
 
@@ -33,8 +33,8 @@ OWN = (
     "import time, engine, handlers\n"
     "start = time.perf_counter()\n"
     "import handlers.metrics, handlers.loggers, handlers.jsonl_logger, handlers.tensorboard_logger, "
-    "handlers.wandb_logger, handlers.console, handlers.profiler, handlers.health_check, handlers.straggler, "
-    "handlers.plot\n"
+    "hookloop.handlers.wandb_logger, handlers.console, handlers.profiler, handlers.health_check, handlers.straggler, "
+    "hookloop.handlers.plot\n"
     "print(time.perf_counter() - start)"
 )
 

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Events, Trainer  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
 
 def make_data(steps: int, batch: int, seq: int) -> list:
@@ -59,9 +59,9 @@ def _time_handlers(trainer: Trainer, owners: tuple, spent: list[float]) -> None:
 def run(config: str, data: list, steps: int, log_dir: Path, spent: list | None = None) -> tuple[float, float]:
     """(wall seconds, CPU seconds of the training thread) per step of one run of ``config``; with
     ``spent``, CPU time inside the handlers is added to ``spent[0]``."""
-    from handlers.jsonl_logger import JSONLLogger
-    from handlers.metrics import MetricsTracker
-    from handlers.tensorboard_logger import TensorBoardLogger
+    from hookloop.handlers.jsonl_logger import JSONLLogger
+    from hookloop.handlers.metrics import MetricsTracker
+    from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=data[0][0].shape[1], n_layers=2, d_model=64, n_heads=4))

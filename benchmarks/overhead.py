@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-from engine import Events, Trainer  # noqa: E402
-from examples.models.gpt import cross_entropy_loss  # noqa: E402
+from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
 
 CLIP = 1.0
 EVENTS = [

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.pipeline import bubble_fraction  # noqa: E402
+from hookloop.engine.pipeline import bubble_fraction  # noqa: E402
 
 PP = 2
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -59,7 +59,7 @@ def _batches(n: int, cfg: dict) -> list:
 
 def _timed_steps(trainer, data: list, warmup: int, steps: int) -> tuple[float, float]:
     """(fastest, median) step time in seconds after ``warmup`` steps."""
-    from engine import Events
+    from hookloop.engine import Events
 
     times: list[float] = []
     start = [0.0]
@@ -70,8 +70,8 @@ def _timed_steps(trainer, data: list, warmup: int, steps: int) -> tuple[float, f
 
 
 def _single_process(m: int, cfg: dict, warmup: int, steps: int) -> tuple[float, float]:
-    from engine import Trainer
-    from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
+    from hookloop.engine import Trainer
+    from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
@@ -83,9 +83,9 @@ def _single_process(m: int, cfg: dict, warmup: int, steps: int) -> tuple[float, 
 def _worker(rank: int, world: int, cfg: dict, warmup: int, steps: int) -> dict:
     import warnings
 
-    from engine import Trainer, init_distributed
-    from engine.pipeline import PipelineConfig, build_pipeline
-    from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
+    from hookloop.engine import Trainer, init_distributed
+    from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+    from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
     warnings.simplefilter("ignore", UserWarning)  # m < stages is measured on purpose
     info = init_distributed(mesh_shape=(1, world), mesh_dim_names=("dp", "pp"))

@@ -302,7 +302,7 @@ class _Window:
 def _setup(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     model = tiny_gpt(0)
     if world > 1:
-        from engine import wrap_data_parallel
+        from hookloop.engine import wrap_data_parallel
 
         model = wrap_data_parallel(model, "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -317,7 +317,7 @@ def _rank_data(rank: int, world: int, steps: int) -> list:
 
 
 def _hand_written(world: int, data: list, total: int, window: _Window) -> None:
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.models.gpt import cross_entropy_loss
 
     model, opt, sched = _setup(world)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -337,8 +337,8 @@ def _hand_written(world: int, data: list, total: int, window: _Window) -> None:
 
 
 def _trainer(config: str, world: int, data: list, total: int, window: _Window, run_dir: Path) -> None:
-    from engine import Events, Priority, Trainer
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Events, Priority, Trainer
+    from hookloop.models.gpt import cross_entropy_loss
 
     model, opt, sched = _setup(world)
     trainer = Trainer(
@@ -352,7 +352,7 @@ def _trainer(config: str, world: int, data: list, total: int, window: _Window, r
         graceful_sigint=False,
     )
     if config == "handlers":
-        from handlers import (
+        from hookloop.handlers import (
             AsyncCheckpointer,
             MetricsTracker,
             NaNDetector,
@@ -421,7 +421,7 @@ def measure_rank(
     ``step_ms`` the median step time of each round. ``world > 1`` joins the process group."""
     torch.set_num_threads(1)
     if world > 1:
-        from engine import init_distributed
+        from hookloop.engine import init_distributed
 
         init_distributed("gloo")
     out: dict[str, dict] = {}

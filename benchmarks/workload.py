@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from examples.models.gpt import GPT, GPTConfig  # noqa: E402
+from hookloop.models.gpt import GPT, GPTConfig  # noqa: E402
 
 ACCUM = 2  # microbatches per optimizer step
 BATCH = 8

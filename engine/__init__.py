@@ -1,25 +1,25 @@
 """hookloop's core: the :class:`Trainer`, its :class:`Events` and :class:`TrainState`, the step
 bodies, parallelism set-up, learning-rate schedules and configuration.
 
-Importing ``engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
+Importing ``hookloop.engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
 """
 
-from engine.activation_checkpointing import apply_activation_checkpointing
-from engine.checks import check_bool, check_choice, check_int, check_number, check_str
-from engine.compile import compile_model
-from engine.config import load_config, validate_sections
-from engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
-from engine.errors import ConfigError, HookloopError, TrainingAborted
-from engine.events import EventHandle, Events, Priority, StepEvents
-from engine.exit_codes import ExitCode
-from engine.handler import Handler, HandlerLike
-from engine.logging_setup import setup_logging
-from engine.lr import build_lr_scheduler, lr_at
-from engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
-from engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
-from engine.state import TrainState
-from engine.step_batches import StepBatches
-from engine.trainer import Trainer, default_prepare_batch
+from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from hookloop.engine.compile import compile_model
+from hookloop.engine.config import load_config, validate_sections
+from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
+from hookloop.engine.errors import ConfigError, HookloopError, TrainingAborted
+from hookloop.engine.events import EventHandle, Events, Priority, StepEvents
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler, HandlerLike
+from hookloop.engine.logging_setup import install_default, setup_logging
+from hookloop.engine.lr import build_lr_scheduler, lr_at
+from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
+from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
+from hookloop.engine.state import TrainState
+from hookloop.engine.step_batches import StepBatches
+from hookloop.engine.trainer import Trainer, default_prepare_batch
 
 __version__ = "0.1.0"
 
@@ -65,10 +65,4 @@ __all__ = [
     "wrap_data_parallel",
 ]
 
-
-def __getattr__(name: str):
-    # HookloopConfig and validate_config moved to handlers (RunConfig, validate_run_config): the
-    # shim resolves them lazily with a DeprecationWarning, so importing engine never imports handlers.
-    import importlib
-
-    return importlib.import_module("engine._deprecated").resolve(__name__, name)
+install_default()  # lifecycle lines reach stderr until the application configures logging

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from engine.checks import check_choice
+from hookloop.engine.checks import check_choice
 
 __all__ = ["AC_MODES", "apply_activation_checkpointing", "saved_activation_bytes", "transformer_blocks"]
 
@@ -43,7 +43,7 @@ def transformer_blocks(
     its layer container, or (with ``module_types``) every module of those types that is not inside
     another one."""
     if module_types is None:
-        from engine.pipeline.split import find_layer_container
+        from hookloop.engine.pipeline.split import find_layer_container
 
         container = getattr(model, find_layer_container(model))
         return [(container, name, child) for name, child in container.named_children()]

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine import parallel
-from engine.exit_codes import ExitCode
+from hookloop.engine import parallel
+from hookloop.engine.exit_codes import ExitCode
 
 __all__ = [
     "Slot",

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.planner import ReadItem
 
-from engine.errors import ConfigError, HookloopError
+from hookloop.engine.errors import ConfigError, HookloopError
 
 __all__ = [
     "MARKER",
@@ -165,15 +165,20 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` so a reader sees the old file or the whole new one."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so a reader sees the old file or the whole new one."""
+    write_text_atomic(path, json.dumps(obj))
 
 
 def read_json(path: str | os.PathLike) -> Any:

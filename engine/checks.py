@@ -20,7 +20,7 @@ import numbers
 from collections.abc import Collection
 from typing import Any
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_str", "dotted"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["COMPILE_MODES", "compile_mode", "compile_model"]
 
@@ -49,7 +49,7 @@ def compile_model(model: nn.Module, mode: str | bool = "blocks", **compile_kwarg
     if resolved == "model":
         model.compile(**compile_kwargs)
         return model
-    from engine.activation_checkpointing import transformer_blocks
+    from hookloop.engine.activation_checkpointing import transformer_blocks
 
     for _parent, _name, block in transformer_blocks(model):
         block.compile(**compile_kwargs)

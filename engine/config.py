@@ -11,9 +11,7 @@ composes them all (a user's handler adds its own section with :func:`handlers.co
 validates the whole config (:func:`validate_sections`) before any process group or model is built.
 Every error is a :class:`~engine.errors.ConfigError` whose ``field`` is the dotted key at fault.
 
-This module never imports ``handlers``: the old names that moved there (``HookloopConfig``,
-``StepSchedulerConfig``, ...) still resolve, with a ``DeprecationWarning``, through
-:mod:`engine._deprecated`.
+This module never imports ``handlers``.
 """
 
 from __future__ import annotations
@@ -27,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Union
 
-from engine.activation_checkpointing import AC_MODES
-from engine.checks import check_bool, check_choice, check_int, check_number, check_str
-from engine.compile import compile_mode
-from engine.data.config import DataConfig, PhaseConfig
-from engine.errors import ConfigError
-from engine.lr import DECAY_STYLES, WSD_DECAY_STYLES
+from hookloop.engine.activation_checkpointing import AC_MODES
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str
+from hookloop.engine.compile import compile_mode
+from hookloop.engine.data.config import DataConfig, PhaseConfig
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.lr import DECAY_STYLES, WSD_DECAY_STYLES
 
 __all__ = [
     "DataConfig",
@@ -187,7 +185,7 @@ class PipelineSection:
         """The rules are :meth:`engine.pipeline.PipelineConfig.validate`'s (the one copy). The
         schedule name or CSV file is checked only with ``pp_size > 1`` and both batch sizes known
         (looking a schedule up imports torch's pipelining, about two seconds)."""
-        from engine.pipeline.config import PipelineConfig
+        from hookloop.engine.pipeline.config import PipelineConfig
 
         # Null batch sizes are filled in by the run config's cross-section check; until then they
         # are stand-ins that pass (the other rules do not depend on them).
@@ -241,29 +239,19 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     *,
-    schema: type | None = None,
+    schema: type,
     world_size: int | None = None,
 ) -> Any:
     """Load a YAML or TOML file onto ``schema``'s defaults, apply ``key=value`` overrides, and
     validate every section (:func:`validate_sections`); return a ``schema`` instance.
 
-    ``schema`` is a dataclass of sections (e.g. :class:`handlers.RunConfig`, or one made with
-    :func:`handlers.compose_config`). Calling without it is deprecated and loads a
-    ``handlers.RunConfig`` (use :func:`handlers.load_run_config`).
+    ``schema`` is a dataclass of sections (e.g. :class:`hookloop.handlers.RunConfig`, or one made
+    with :func:`hookloop.handlers.compose_config`; :func:`hookloop.handlers.load_run_config` passes
+    ``RunConfig``).
 
     Raises :class:`ConfigError` naming the field for unknown keys, wrong types, missing files and
     inconsistent values.
     """
-    if schema is None:
-        warnings.warn(
-            "load_config() without schema= is deprecated: use handlers.load_run_config(path, overrides) "
-            "or load_config(path, overrides, schema=handlers.RunConfig)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        import importlib
-
-        schema = importlib.import_module("engine._deprecated").run_config_schema()
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise TypeError(f"schema must be a dataclass type whose fields are sections, got {schema!r}")
     from omegaconf import OmegaConf
@@ -364,9 +352,3 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
-
-def __getattr__(name: str) -> Any:
-    # Names that moved to handlers (HookloopConfig, StepSchedulerConfig, ...): see engine._deprecated.
-    import importlib
-
-    return importlib.import_module("engine._deprecated").resolve(__name__, name)

@@ -110,7 +110,7 @@ from typing import Any
 from ignite.engine import Events as IgniteEvents
 from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList
 
-from engine import ignite_adapter
+from hookloop.engine import ignite_adapter
 
 __all__ = ["EventHandle", "EventRegistry", "Events", "Priority", "StepEvents", "STEP_EVENT_TO_ATTR"]
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.exit_codes import ExitCode
+from hookloop.engine.exit_codes import ExitCode
 
 __all__ = ["EXIT_STATUS_FILE", "read_exit_status", "write_exit_status"]
 

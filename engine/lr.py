@@ -26,7 +26,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["DECAY_STYLES", "WSD_DECAY_STYLES", "build_lr_scheduler", "lr_at"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError, HookloopError
+from hookloop.engine.errors import ConfigError, HookloopError
 
 __all__ = [
     "DistInfo",

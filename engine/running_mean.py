@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.checks import check_int
+from hookloop.engine.checks import check_int
 
 __all__ = ["RunningMean"]
 

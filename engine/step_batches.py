@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from engine import checkpoint_io
+from hookloop.engine import checkpoint_io
 
 __all__ = ["StepBatches", "data_length", "iter_groups"]
 

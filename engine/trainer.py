@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import torch
 from ignite.engine import Engine
 
-from engine import parallel
-from engine.agreement import (
+from hookloop.engine import parallel
+from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
     StepDecisions,
@@ -32,18 +32,18 @@ from engine.agreement import (
     exit_code_votes,
     sum_over_ranks,
 )
-from engine.batch import count_batch, default_prepare_batch, forward_and_loss
-from engine.checks import check_choice
-from engine.config import PRECISIONS
-from engine.errors import ConfigError, PeerFailure, exit_code_of
-from engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
-from engine.exit_codes import ExitCode
-from engine.exit_status import write_exit_status
-from engine.handler import handler_state_key, is_stateful
-from engine.ignite_adapter import IgniteAdapter
-from engine.state import TrainState
-from engine.step_batches import StepBatches, data_length
-from engine.watchdog import ProgressWatchdog
+from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
+from hookloop.engine.checks import check_choice
+from hookloop.engine.config import PRECISIONS
+from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
+from hookloop.engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.exit_status import write_exit_status
+from hookloop.engine.handler import handler_state_key, is_stateful
+from hookloop.engine.ignite_adapter import IgniteAdapter
+from hookloop.engine.state import TrainState
+from hookloop.engine.step_batches import StepBatches, data_length
+from hookloop.engine.watchdog import ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
 
@@ -840,13 +840,16 @@ class Trainer(IgniteAdapter):
         inputs, targets = self.prepare_batch(microbatch, self.device)
         with self.autocast():
             output, loss = forward_and_loss(self.model, inputs, targets, self.loss_fn)
-        engine.state.loss_total += loss.detach().double().cpu()
-        engine.state.loss_batches += 1
+        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
+        # and however the samples are shared among ranks.
+        samples = count_batch(inputs)[0] or 1
+        engine.state.loss_total += loss.detach().double().cpu() * samples
+        engine.state.loss_samples += samples
         return output, targets
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean validation loss over batches and ranks; published as ``state.metrics["val_loss"]``
+        """Mean validation loss over the samples of every rank; published as ``state.metrics["val_loss"]``
         (with the evaluator's ignite metrics) before VALIDATION_END fires."""
         if self._validation is None:
             raise RuntimeError("no validation data: call trainer.set_validation(data) first")
@@ -864,11 +867,11 @@ class Trainer(IgniteAdapter):
                 length = data_length(data)
                 batches = eval_iters if length is None else min(length, eval_iters or length)
                 evaluator.state.loss_total = torch.zeros((), dtype=torch.float64)
-                evaluator.state.loss_batches = 0
+                evaluator.state.loss_samples = 0
                 if batches:
                     evaluator.run(data, max_epochs=1, epoch_length=batches)
                 total = torch.stack(
-                    [evaluator.state.loss_total, torch.tensor(float(evaluator.state.loss_batches))]
+                    [evaluator.state.loss_total, torch.tensor(float(evaluator.state.loss_samples))]
                 )
                 metrics = dict(evaluator.state.metrics)
         finally:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.exit_codes import ExitCode
+from hookloop.engine.exit_codes import ExitCode
 
 __all__ = ["ProgressWatchdog", "dump_stacks"]
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import (  # noqa: E402
+from hookloop.engine import (  # noqa: E402
     ConfigError,
     Events,
     ExitCode,
@@ -37,9 +37,9 @@ from engine import (  # noqa: E402
     setup_logging,
     wrap_data_parallel,
 )
-from engine.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
-from engine.compile import compile_mode, compile_model  # noqa: E402
-from engine.data import (  # noqa: E402
+from hookloop.engine.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
+from hookloop.engine.compile import compile_mode, compile_model  # noqa: E402
+from hookloop.engine.data import (  # noqa: E402
     MixtureDataset,
     MixtureLoader,
     MixtureSampler,
@@ -48,15 +48,15 @@ from engine.data import (  # noqa: E402
     stdlib_docs_text,
     stdlib_source_files,
 )
-from engine.parallel import destroy_distributed  # noqa: E402
-from engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
-from handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config  # noqa: E402
+from hookloop.engine.parallel import destroy_distributed  # noqa: E402
+from hookloop.engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
+from hookloop.handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config  # noqa: E402
 
 __all__ = ["ModelRecipe", "resolve_run_dir", "run"]
 
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 
-logger = logging.getLogger("engine.examples.training")  # under "engine", which setup_logging shows
+logger = logging.getLogger("hookloop.engine.examples.training")  # under "engine", which setup_logging shows
 
 
 @dataclass
@@ -143,7 +143,7 @@ def check_data_files(cfg: RunConfig) -> None:
         if source not in BUILTIN_SOURCES and not Path(source).is_file():
             raise ConfigError(
                 f"data.datasets.{name}",
-                f"{source} is not a file; give a token file (python -m engine.data prepare ...) or one of "
+                f"{source} is not a file; give a token file (python -m hookloop.engine.data prepare ...) or one of "
                 f"{', '.join(sorted(BUILTIN_SOURCES))}",
             )
 

@@ -9,17 +9,17 @@ Importing ``handlers`` stays cheap: optional backends (tensorboard, wandb, matpl
 only when the handler that needs them is built.
 """
 
-from handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
-from handlers.console import ConsoleLogger
-from handlers.curriculum import Phase, PhaseCurriculum
-from handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
-from handlers.health_check import HealthCheck, HealthCheckError, HealthConfig
-from handlers.jsonl_logger import JSONLLogger
-from handlers.loggers import LoggingConfig, MetricLogger, build_loggers, metric_tag
-from handlers.metrics import MetricsConfig, MetricsTracker, estimate_flops_per_token, peak_flops_for_device
-from handlers.nan_detector import NaNConfig, NaNDetector
-from handlers.profiler import ProfilerWindow, ProfilingConfig
-from handlers.run_config import (
+from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
+from hookloop.handlers.console import ConsoleLogger
+from hookloop.handlers.curriculum import Phase, PhaseCurriculum
+from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
+from hookloop.handlers.health_check import HealthCheck, HealthCheckError, HealthConfig
+from hookloop.handlers.jsonl_logger import JSONLLogger
+from hookloop.handlers.loggers import LoggingConfig, MetricLogger, build_loggers, metric_tag
+from hookloop.handlers.metrics import MetricsConfig, MetricsTracker, estimate_flops_per_token, peak_flops_for_device
+from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
+from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
+from hookloop.handlers.run_config import (
     HANDLER_ORDER,
     RunConfig,
     attach_handlers,
@@ -28,10 +28,10 @@ from handlers.run_config import (
     load_run_config,
     validate_run_config,
 )
-from handlers.step_scheduler import StepScheduler, StepSchedulerConfig
-from handlers.straggler import StragglerConfig, StragglerDetector
-from handlers.tensorboard_logger import TensorBoardLogger
-from handlers.wandb_logger import WandBLogger
+from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
+from hookloop.handlers.straggler import StragglerConfig, StragglerDetector
+from hookloop.handlers.tensorboard_logger import TensorBoardLogger
+from hookloop.handlers.wandb_logger import WandBLogger
 
 __all__ = [
     "HANDLER_ORDER",

@@ -74,14 +74,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from engine import checkpoint_io as io
-from engine import parallel
-from engine.checkpoint_io import CheckpointError, CheckpointLayoutError
-from engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
-from engine.errors import ConfigError
-from engine.events import Events, Priority
-from engine.exit_codes import ExitCode
-from engine.handler import Handler
+from hookloop.engine import checkpoint_io as io
+from hookloop.engine import parallel
+from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler
 
 __all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError", "CheckpointLayoutError"]
 

@@ -1,8 +1,9 @@
 """The configuration reference page, generated from the run config dataclasses.
 
-    python -m handlers.config_reference > docs/configuration.md
+    hookloop config --markdown > docs/configuration.md
 
-Walks :class:`handlers.RunConfig` (or any schema made with :func:`handlers.compose_config`) section
+Walks :class:`hookloop.train.TrainingConfig` (``hookloop config``'s schema, :class:`handlers.RunConfig`
+plus ``fault``) (or any schema made with :func:`handlers.compose_config`) section
 by section and writes every field with its YAML type, its default and its description. A field's
 description is, first found: its own comment in the section's source (a trailing ``# ...`` or a
 ``#:`` line above it), then the ``Args:`` entry of the same name in the docstring of the handler
@@ -24,11 +25,11 @@ from typing import Any
 
 __all__ = ["doc_sources", "field_docs", "render", "type_name"]
 
-COMMAND = "python -m handlers.config_reference > docs/configuration.md"
+COMMAND = "hookloop config --markdown > docs/configuration.md"
 
 # Where a section's field descriptions come from when the field has no comment of its own: the class
 # whose docstring has an ``Args:`` list for the same names. Handlers name their section themselves.
-_ENGINE_DOC_SOURCES = {"pipeline": "engine.pipeline.config.PipelineConfig"}
+_ENGINE_DOC_SOURCES = {"pipeline": "hookloop.engine.pipeline.config.PipelineConfig"}
 # Fields every handler section shares, described once here.
 _GENERIC = {"enabled": "build and attach this section's handler (false: `from_config` returns None)"}
 
@@ -142,7 +143,7 @@ def doc_sources() -> dict[str, type]:
     """Section name -> the handler (or engine class) whose docstring documents its fields."""
     import importlib
 
-    import handlers
+    import hookloop.handlers as handlers
 
     out: dict[str, type] = {}
     for name in handlers.__all__:
@@ -189,7 +190,7 @@ def _table(cls: type, doc_source: type | None, prefix: str) -> list[str]:
 
 def render(schema: type | None = None) -> str:
     """The whole reference page for ``schema`` (default :class:`handlers.RunConfig`) as Markdown."""
-    from handlers.run_config import RunConfig
+    from hookloop.handlers.run_config import RunConfig
 
     schema = schema or RunConfig
     sources = doc_sources()
@@ -199,11 +200,12 @@ def render(schema: type | None = None) -> str:
         "",
         f"<!-- Generated from the config dataclasses by `{COMMAND}`; do not edit by hand. -->",
         "",
-        "Every section of `handlers.RunConfig`, every field with its type, default and meaning. A run",
-        "config is YAML or TOML (`load_run_config(path, overrides)`); dotted command-line overrides",
+        "Every section of the config `hookloop train` reads, every field with its type, default and",
+        "meaning (`hookloop config CONFIG` prints a config resolved, with the same notes). A run config",
+        "is YAML or TOML (`hookloop.handlers.load_run_config(path, overrides)`); dotted overrides",
         "set one field (`step_scheduler.max_steps=100`); `null` (or `~`, `None`, `none`) sets a field",
         "that may be null. Each section validates itself before anything is built; every error",
-        "names the field (`engine.ConfigError`). How to add a section of your own:",
+        "names the field (`hookloop.ConfigError`). How to add a section of your own:",
         "[writing handlers](writing_handlers.md).",
         "",
         "Sections: " + ", ".join(f"[`{f.name}`](#{f.name})" for f in dataclasses.fields(schema)) + ".",
@@ -213,13 +215,15 @@ def render(schema: type | None = None) -> str:
         lines += ["", f"## {f.name}", ""]
         if not dataclasses.is_dataclass(tp):
             lines += [
-                f"`{f.name}`: {type_name(tp)}, default {_default(f)}. Free-form: handed to the model"
-                " builder as it is (the example's GPT reads `vocab_size`, `n_layers`, `d_model`, ...).",
+                f"`{f.name}`: {type_name(tp)}, default {_default(f)}. `{f.name}.target` names the model"
+                " factory (`module:attribute` or `path/to/file.py:attribute`, e.g."
+                " `hookloop.models.gpt:recipe`); every other key is an argument of that factory,"
+                " checked against its signature (see `hookloop.recipe`).",
             ]
             continue
         source = sources.get(f.name)
         where = f"`{tp.__module__}.{tp.__name__}`"
-        if source is not None and source.__module__.startswith("handlers"):
+        if source is not None and source.__module__.startswith("hookloop.handlers"):
             where += f", read by `{source.__name__}`"
         lines += [f"Dataclass {where}.", ""]
         summary = _summary(tp)
@@ -227,6 +231,41 @@ def render(schema: type | None = None) -> str:
             lines += [summary, ""]
         lines += _table(tp, source, f.name)
     return "\n".join(lines) + "\n"
+
+
+def annotated_yaml(cfg: Any) -> str:
+    """``cfg`` (a run config instance) as YAML, every field followed by a comment with its meaning
+    and, where the value differs, its default: what ``hookloop config CONFIG`` prints."""
+    import yaml
+
+    schema = type(cfg)
+    sources = doc_sources()
+    out = ["# Resolved config: every field, defaults included (hookloop config --markdown: the reference)."]
+    for f in dataclasses.fields(schema):
+        value = getattr(cfg, f.name)
+        out.append(f"{f.name}:")
+        if not dataclasses.is_dataclass(value):
+            body = yaml.safe_dump(_plain(value), default_flow_style=False, sort_keys=False).rstrip()
+            out += [f"  {line}" for line in body.splitlines()] if value else ["  {}"]
+            continue
+        docs = field_docs(type(value), sources.get(f.name))
+        for sub in dataclasses.fields(value):
+            v = _plain(getattr(value, sub.name))
+            text = yaml.safe_dump({sub.name: v}, default_flow_style=True, width=10**6).strip()[1:-1]
+            note = _md(docs.get(sub.name) or _GENERIC.get(sub.name, "")).replace("\n", " ")
+            default = _default(sub).strip("`")
+            if default != _yaml(v):
+                note = f"{note} (default {default})" if note else f"default {default}"
+            out.append(f"  {text}" + (f"  # {note}" if note else ""))
+    return "\n".join(out) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ import math
 import sys
 from typing import IO, Any
 
-from engine.events import Events, Priority
-from handlers.metric_logger import LoggingConfig, MetricLogger
+from hookloop.engine.events import Events, Priority
+from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["ConsoleLogger"]
 

@@ -42,13 +42,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.checks import check_int, check_number
-from engine.data.config import DataConfig, Phase, check_phases
-from engine.data.loader import MixtureLoader
-from engine.data.sampler import MixtureSampler
-from engine.errors import ConfigError
-from engine.events import Events, Priority
-from engine.handler import Handler
+from hookloop.engine.checks import check_int, check_number
+from hookloop.engine.data.config import DataConfig, Phase, check_phases
+from hookloop.engine.data.loader import MixtureLoader
+from hookloop.engine.data.sampler import MixtureSampler
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.handler import Handler
 
 __all__ = ["Phase", "PhaseCurriculum", "check_phases"]
 
@@ -350,7 +350,7 @@ class PhaseCurriculum(Handler):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue right after the step ``state_dict`` was taken at (load the trainer counters too)."""
-        from engine.checkpoint_io import CheckpointError  # a bad state is a checkpoint problem
+        from hookloop.engine.checkpoint_io import CheckpointError  # a bad state is a checkpoint problem
 
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__

@@ -29,13 +29,13 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from engine import parallel
-from engine.checks import check_bool, check_int, dotted
-from engine.data.mixture import MixtureDataset
-from engine.data.sampler import MixtureSampler
-from engine.errors import ConfigError
-from engine.events import Events, Priority
-from engine.handler import Handler
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_int, dotted
+from hookloop.engine.data.mixture import MixtureDataset
+from hookloop.engine.data.sampler import MixtureSampler
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.handler import Handler
 
 __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from engine import parallel
-from engine.checks import check_bool, check_int, check_number, dotted
-from engine.errors import TrainingAborted
-from engine.events import Events, Priority
-from engine.exit_codes import ExitCode
-from engine.handler import Handler
-from engine.watchdog import dump_stacks
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.errors import TrainingAborted
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler
+from hookloop.engine.watchdog import dump_stacks
 
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from engine.events import Priority
-from handlers.metric_logger import LoggingConfig, MetricLogger
+from hookloop.engine.events import Priority
+from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["JSONLLogger"]
 
@@ -40,7 +40,7 @@ class JSONLLogger(MetricLogger):
         return cls(Path(run_dir) / "metrics.jsonl", every_steps=cfg.log_interval)
 
     def _rank_path(self) -> Path:
-        from engine import parallel
+        from hookloop.engine import parallel
 
         r = parallel.rank()
         return self.path if r == 0 else self.path.with_name(f"{self.path.stem}.rank{r}{self.path.suffix}")

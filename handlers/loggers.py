@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from handlers.console import ConsoleLogger
-from handlers.jsonl_logger import JSONLLogger
-from handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, is_validation_metric, metric_tag
-from handlers.tensorboard_logger import TensorBoardLogger
-from handlers.wandb_logger import WandBLogger
+from hookloop.handlers.console import ConsoleLogger
+from hookloop.handlers.jsonl_logger import JSONLLogger
+from hookloop.handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, is_validation_metric, metric_tag
+from hookloop.handlers.tensorboard_logger import TensorBoardLogger
+from hookloop.handlers.wandb_logger import WandBLogger
 
 __all__ = [
     "WANDB_MODES",

@@ -20,10 +20,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from engine import parallel
-from engine.checks import check_bool, check_choice, check_int, check_str, dotted
-from engine.events import Events, Priority
-from engine.handler import Handler
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_str, dotted
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.handler import Handler
 
 __all__ = ["WANDB_MODES", "LoggingConfig", "MetricLogger", "is_validation_metric", "metric_tag"]
 

@@ -41,11 +41,11 @@ from typing import IO, Any, Optional
 import torch
 from ignite.engine import Events as IgniteEvents
 
-from engine import parallel
-from engine.checks import check_bool, check_int, check_number, dotted
-from engine.events import Events, Priority
-from engine.handler import Handler
-from engine.running_mean import RunningMean
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.handler import Handler
+from hookloop.engine.running_mean import RunningMean
 
 __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
 

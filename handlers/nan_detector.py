@@ -42,12 +42,12 @@ from typing import Any, Optional
 
 import torch
 
-from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
-from engine.checkpoint_io import CheckpointError
-from engine.checks import check_bool, check_choice, check_int, check_number, dotted
-from engine.events import Priority
-from engine.handler import Handler
-from engine.parallel import rank
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from hookloop.engine.events import Priority
+from hookloop.engine.handler import Handler
+from hookloop.engine.parallel import rank
 
 __all__ = ["NaNConfig", "NaNDetector"]
 

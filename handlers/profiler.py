@@ -23,11 +23,11 @@ from typing import Any, List, Optional
 
 import torch
 
-from engine import parallel
-from engine.checks import check_bool, check_int, check_str, dotted
-from engine.errors import ConfigError
-from engine.events import Events, Priority
-from engine.handler import Handler
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_int, check_str, dotted
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.handler import Handler
 
 __all__ = ["ProfilerWindow", "ProfilingConfig"]
 

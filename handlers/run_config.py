@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-from engine.config import (
+from hookloop.engine.config import (
     DataConfig,
     DistributedConfig,
     LRConfig,
@@ -33,21 +33,21 @@ from engine.config import (
     load_config,
     validate_sections,
 )
-from engine.errors import ConfigError
-from handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
-from handlers.console import ConsoleLogger
-from handlers.curriculum import PhaseCurriculum
-from handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
-from handlers.health_check import HealthCheck, HealthConfig
-from handlers.jsonl_logger import JSONLLogger
-from handlers.loggers import LoggingConfig
-from handlers.metrics import MetricsConfig, MetricsTracker
-from handlers.nan_detector import NaNConfig, NaNDetector
-from handlers.profiler import ProfilerWindow, ProfilingConfig
-from handlers.step_scheduler import StepScheduler, StepSchedulerConfig, grad_acc_steps_for
-from handlers.straggler import StragglerConfig, StragglerDetector
-from handlers.tensorboard_logger import TensorBoardLogger
-from handlers.wandb_logger import WandBLogger
+from hookloop.engine.errors import ConfigError
+from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
+from hookloop.handlers.console import ConsoleLogger
+from hookloop.handlers.curriculum import PhaseCurriculum
+from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
+from hookloop.handlers.health_check import HealthCheck, HealthConfig
+from hookloop.handlers.jsonl_logger import JSONLLogger
+from hookloop.handlers.loggers import LoggingConfig
+from hookloop.handlers.metrics import MetricsConfig, MetricsTracker
+from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
+from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
+from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig, grad_acc_steps_for
+from hookloop.handlers.straggler import StragglerConfig, StragglerDetector
+from hookloop.handlers.tensorboard_logger import TensorBoardLogger
+from hookloop.handlers.wandb_logger import WandBLogger
 
 __all__ = [
     "HANDLER_ORDER",

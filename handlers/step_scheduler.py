@@ -33,14 +33,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from engine import parallel
-from engine.checks import check_bool, check_int, check_number, dotted
-from engine.errors import ConfigError
-from engine.events import Events, Priority
-from engine.exit_codes import ExitCode
-from engine.handler import Handler
-from engine.running_mean import RunningMean
-from engine.step_batches import iter_groups
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler
+from hookloop.engine.running_mean import RunningMean
+from hookloop.engine.step_batches import iter_groups
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 

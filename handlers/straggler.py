@@ -24,11 +24,11 @@ from typing import Any, Optional
 
 import torch
 
-from engine import parallel
-from engine.checks import check_bool, check_choice, check_int, check_number, dotted
-from engine.events import Events, Priority
-from engine.exit_codes import ExitCode
-from engine.handler import Handler
+from hookloop.engine import parallel
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler
 
 __all__ = ["StragglerConfig", "StragglerDetector"]
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.events import Priority
-from handlers.metric_logger import LoggingConfig, MetricLogger, metric_tag
+from hookloop.engine.events import Priority
+from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, metric_tag
 
 __all__ = ["TensorBoardLogger"]
 
@@ -51,7 +51,7 @@ class TensorBoardLogger(MetricLogger):
     def open(self) -> None:
         log_dir = self.log_dir
         if self.all_ranks:
-            from engine import parallel
+            from hookloop.engine import parallel
 
             log_dir = log_dir / f"rank{parallel.rank()}"
         from tensorboard.compat.proto.summary_pb2 import Summary

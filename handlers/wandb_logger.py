@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.checks import check_choice
-from engine.events import Priority
-from handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, metric_tag
+from hookloop.engine.checks import check_choice
+from hookloop.engine.events import Priority
+from hookloop.handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, metric_tag
 
 __all__ = ["WandBLogger"]
 

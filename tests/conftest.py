@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from examples.models.gpt import GPT, GPTConfig
+from hookloop.models.gpt import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -8,14 +8,14 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from engine.activation_checkpointing import (
+from hookloop.engine.activation_checkpointing import (
     apply_activation_checkpointing,
     saved_activation_bytes,
     transformer_blocks,
 )
-from engine.config import TrainConfig
-from engine.errors import ConfigError
-from examples.models.gpt import Block, cross_entropy_loss
+from hookloop.engine.config import TrainConfig
+from hookloop.engine.errors import ConfigError
+from hookloop.models.gpt import Block, cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

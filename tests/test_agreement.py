@@ -14,25 +14,25 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import Events, ExitCode, Trainer
-from engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
+from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
 
 def _trainer(rank: int = 0, **kwargs) -> Trainer:
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.models.gpt import cross_entropy_loss
 
     model = tiny_gpt()
     if torch.distributed.is_initialized():
-        from engine import wrap_data_parallel
+        from hookloop.engine import wrap_data_parallel
 
         model = wrap_data_parallel(model, "ddp")
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss, **kwargs)
 
 
 def _init() -> None:
-    from engine import init_distributed
+    from hookloop.engine import init_distributed
 
     init_distributed()
 
@@ -197,7 +197,7 @@ def test_one_rank_asking_is_every_rank_doing_at_the_same_step():
 
 def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     _init()
-    from handlers import AsyncCheckpointer
+    from hookloop.handlers import AsyncCheckpointer
 
     trainer = _trainer(hang_timeout_s=60)
     AsyncCheckpointer(directory, mode="async", every_steps=100).attach(trainer)

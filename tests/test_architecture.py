@@ -15,8 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "handlers")
 # The shim that keeps old names importable; it reaches handlers through importlib on purpose.
-ENGINE_TO_HANDLERS_SHIM = "engine._deprecated"
-IGNITE_ADAPTER = "engine.ignite_adapter"
+ENGINE_TO_HANDLERS_SHIM = "hookloop.engine._deprecated"
+IGNITE_ADAPTER = "hookloop.engine.ignite_adapter"
 IGNITE_PRIVATE = {
     "_event_handlers",
     "_init_iter",
@@ -33,13 +33,13 @@ IGNITE_PRIVATE = {
     "_check_and_set_max_iters",
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
-SHARED_HANDLER_MODULES = {"handlers.metric_logger", "handlers.loggers"}
+SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
 COMPOSERS = {
     "handlers",
-    "handlers.run_config",
-    "handlers.loggers",
-    "handlers.plot",
-    "handlers.config_reference",
+    "hookloop.handlers.run_config",
+    "hookloop.handlers.loggers",
+    "hookloop.handlers.plot",
+    "hookloop.handlers.config_reference",
 }
 
 
@@ -176,7 +176,7 @@ def test_only_the_adapter_touches_ignite_internals():
 def test_handlers_do_not_import_each_other():
     offenders = {}
     for name, deps in graph().items():
-        if not name.startswith("handlers.") or name in COMPOSERS:
+        if not name.startswith("hookloop.handlers.") or name in COMPOSERS:
             continue
         bad = sorted(
             d
@@ -199,4 +199,4 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "x.py").write_text("def g():\n    from handlers.nan_detector import NaNDetector\n")
-    assert imports_of("engine.x", pkg / "x.py", {"handlers.nan_detector"}) == {"handlers.nan_detector"}
+    assert imports_of("hookloop.engine.x", pkg / "x.py", {"hookloop.handlers.nan_detector"}) == {"hookloop.handlers.nan_detector"}

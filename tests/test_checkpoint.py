@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import ConfigError, Events, ExitCode, Priority, Trainer
-from engine import checkpoint_io as io
-from examples.models.gpt import cross_entropy_loss
-from handlers import load_run_config
-from handlers.checkpoint import (
+from hookloop.engine import ConfigError, Events, ExitCode, Priority, Trainer
+from hookloop.engine import checkpoint_io as io
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers import load_run_config
+from hookloop.handlers.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
     CheckpointLayoutError,
@@ -231,7 +231,7 @@ def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
         f.write_bytes(f.read_bytes()[:10])
     resumed = make_trainer(seed=1)
     checkpointer = AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8), max_steps=5)
     assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
     assert any(str(torn) in r.getMessage() for r in caplog.records)
@@ -393,7 +393,7 @@ def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=1, keep_best=1).attach(trainer)
     # steps 1-2 have no val_loss yet (warned once); 3 validates; 4 and 5 carry 3's value over
     scripted_metric(trainer, {3: 2.0})
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         trainer.run(token_batches(20), max_steps=5)
     assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [5, 3]
     warned = [r for r in caplog.records if "checkpoint.metric 'val_loss'" in r.getMessage()]
@@ -540,7 +540,7 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
 
 def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, load_from: str | None) -> dict:
     """Uninterrupted vs stopped-and-resumed (DDP or FSDP2); optionally load a 1-process checkpoint."""
-    from engine.parallel import init_distributed, wrap_data_parallel
+    from hookloop.engine.parallel import init_distributed, wrap_data_parallel
 
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
@@ -609,7 +609,7 @@ def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp
 
 
 def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_path):
-    from handlers.step_scheduler import StepScheduler
+    from hookloop.handlers.step_scheduler import StepScheduler
 
     def build(seed: int, data: list, directory=None, signal_at=None):
         trainer = make_trainer(seed)

@@ -17,10 +17,10 @@ import textwrap
 import pytest
 import torch
 
-from engine import Events, Trainer
-from engine import checkpoint_io as io
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from hookloop.engine import Events, Trainer
+from hookloop.engine import checkpoint_io as io
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import full_snapshot, run_distributed, run_process
 
@@ -159,7 +159,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     states = _train(tmp_path)
     newest = tmp_path / io.step_dir_name(4)
     name = DAMAGE[damage](newest)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
     assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
     assert _equal(loaded, states[2])
@@ -189,7 +189,7 @@ def test_every_checkpoint_damaged_is_a_checkpoint_error_naming_them(tmp_path):
 def test_an_unreadable_marker_is_damage(tmp_path, caplog):
     states = _train(tmp_path)
     (tmp_path / io.step_dir_name(4) / io.MARKER).write_text('{"step": 4, "manifest": {"algor')
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
     assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
     assert _equal(loaded, states[2])
@@ -211,7 +211,7 @@ def test_a_checkpoint_without_manifest_loads_with_an_unverified_warning(tmp_path
         marker = tmp_path / io.step_dir_name(step) / io.MARKER
         legacy = {k: v for k, v in json.loads(marker.read_text()).items() if k != "manifest"}
         marker.write_text(json.dumps(legacy))
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
     assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
     assert _equal(loaded, states[4])
@@ -243,7 +243,7 @@ def test_finetune_from_a_damaged_checkpoint_takes_the_older_one_beside_it(tmp_pa
         Events.TRAIN_START,
         lambda e: loaded.update({f"p.{n}": p.detach().clone() for n, p in e.model.named_parameters()}),
     )
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         trainer.run(token_batches(8, seed=1), max_steps=1)
     assert _equal(loaded, {k: v for k, v in states[2].items() if k.startswith("p.")})
     assert any("damaged" in r.getMessage() for r in caplog.records)
@@ -265,10 +265,10 @@ _FULL_DISK = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from engine import Events, Trainer
-    from engine import checkpoint_io as io
-    from examples.models.gpt import cross_entropy_loss
-    from handlers.checkpoint import AsyncCheckpointer, CheckpointError
+    from hookloop.engine import Events, Trainer
+    from hookloop.engine import checkpoint_io as io
+    from hookloop.models.gpt import cross_entropy_loss
+    from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
     from tests.conftest import tiny_gpt, token_batches
 
     directory, mode = sys.argv[1], sys.argv[2]
@@ -359,7 +359,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
     resumed run must load step 2 on both ranks."""
     import torch.distributed as dist
 
-    from engine.parallel import init_distributed, wrap_data_parallel
+    from hookloop.engine.parallel import init_distributed, wrap_data_parallel
 
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
@@ -393,7 +393,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    logging.getLogger("handlers.checkpoint").addHandler(Collect(level=logging.WARNING))
+    logging.getLogger("hookloop.handlers.checkpoint").addHandler(Collect(level=logging.WARNING))
     second = build(7)
     ck2 = AsyncCheckpointer(directory, mode="async").attach(second)
     loaded: dict = {}

@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from engine import ConfigError, Events, Priority, Trainer
-from engine import checkpoint_io as io
-from handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
+from hookloop.engine import ConfigError, Events, Priority, Trainer
+from hookloop.engine import checkpoint_io as io
+from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
 from tests.scripts import ckpt_train
 from tests.scripts.ckpt_train import GatedStager
@@ -53,7 +53,7 @@ def build(world: int, directory: str, **kwargs: Any) -> tuple[Trainer, AsyncChec
         torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
     )
     if world > 1:
-        from engine.parallel import wrap_data_parallel
+        from hookloop.engine.parallel import wrap_data_parallel
 
         model = wrap_data_parallel(model, "ddp")
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss)
@@ -96,7 +96,7 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
     """Hold the save of step 3 (``scenario``: "end"/"fail", step 4) in staging, do the thing under
     test, open the gate only later; report what the checkpointer and the checkpoints hold."""
     if world > 1:
-        from engine.parallel import init_distributed
+        from hookloop.engine.parallel import init_distributed
 
         init_distributed()
     trainer, checkpointer = build(world, directory, every_steps=2, keep_last=10)

@@ -18,10 +18,10 @@ import zlib
 import pytest
 import torch
 
-from engine import Trainer
-from engine import checkpoint_io as io
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from hookloop.engine import Trainer
+from hookloop.engine import checkpoint_io as io
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -217,7 +217,7 @@ def test_crafted_metadata_without_a_matching_manifest_is_never_unpickled(tmp_pat
         io.SafeReader(newest).read_metadata()
     resumed = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(resumed)
-    with caplog.at_level(logging.WARNING, logger="handlers.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8, seed=1), max_steps=5)
     assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
     assert any(str(newest) in r.getMessage() and ".metadata" in r.getMessage() for r in caplog.records)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import load_config
-from engine.errors import ConfigError
-from handlers import load_run_config
+from hookloop.engine.config import load_config
+from hookloop.engine.errors import ConfigError
+from hookloop.handlers import load_run_config
 
 _BASE = ["step_scheduler.max_steps=10"]  # the default cosine schedule needs a length
 

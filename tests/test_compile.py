@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from engine import Events, Trainer
-from engine.activation_checkpointing import apply_activation_checkpointing
-from engine.compile import compile_mode, compile_model
-from engine.config import TrainConfig
-from engine.errors import ConfigError
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer
-from handlers.metrics import MetricsTracker
+from hookloop.engine import Events, Trainer
+from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
+from hookloop.engine.compile import compile_mode, compile_model
+from hookloop.engine.config import TrainConfig
+from hookloop.engine.errors import ConfigError
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.handlers.metrics import MetricsTracker
 from tests.conftest import tiny_gpt, token_batches
 
 SEQ = 16
@@ -125,7 +125,7 @@ def test_metrics_leave_the_first_step_out_of_the_averages(caplog):
         if trainer.state.metrics_step == trainer.state.step:
             published[trainer.state.step] = dict(trainer.state.metrics)
 
-    with caplog.at_level(logging.INFO, logger="handlers.metrics"):
+    with caplog.at_level(logging.INFO, logger="hookloop.handlers.metrics"):
         trainer.run(token_batches(6), max_steps=6)
     first = trainer.state.times["first_step"]
     assert first >= 0.5

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from engine import ConfigError
-from engine.checks import check_bool, check_choice, check_int, check_number, dotted
-from engine.config import DistributedConfig, LRConfig, OptimizerConfig, TrainConfig, load_config
-from engine.data.config import DataConfig, PhaseConfig
-from handlers import RunConfig, load_run_config
-from handlers.health_check import HealthConfig
+from hookloop.engine import ConfigError
+from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from hookloop.engine.config import DistributedConfig, LRConfig, OptimizerConfig, TrainConfig, load_config
+from hookloop.engine.data.config import DataConfig, PhaseConfig
+from hookloop.handlers import RunConfig, load_run_config
+from hookloop.handlers.health_check import HealthConfig
 from tests.dist_utils import REPO
 
 YAML = """
@@ -263,7 +263,7 @@ def test_deprecated_names_still_work_and_warn():
     import handlers
 
     with pytest.warns(DeprecationWarning, match="RunConfig"):
-        from engine import HookloopConfig
+        from hookloop.engine import HookloopConfig
     assert HookloopConfig is RunConfig
     with pytest.warns(DeprecationWarning, match="validate_run_config"):
         validate_config = engine.validate_config

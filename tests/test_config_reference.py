@@ -7,8 +7,8 @@ import subprocess
 import sys
 import typing
 
-from handlers import RunConfig
-from handlers.config_reference import COMMAND, doc_sources, field_docs, render
+from hookloop.handlers import RunConfig
+from hookloop.handlers.config_reference import COMMAND, doc_sources, field_docs, render
 from tests.dist_utils import REPO
 
 PAGE = REPO / "docs" / "configuration.md"
@@ -40,7 +40,7 @@ def test_every_field_is_described():
 
 def test_command_prints_the_page(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "handlers.config_reference"],
+        [sys.executable, "-m", "hookloop.handlers.config_reference"],
         cwd=tmp_path,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
         capture_output=True,

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from engine import Events, Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers.console import ConsoleLogger
-from handlers.metrics import MetricsTracker
+from hookloop.engine import Events, Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.console import ConsoleLogger
+from hookloop.handlers.metrics import MetricsTracker
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from engine.data import MixtureDataset, MixtureSampler, TokenDataset
-from engine.data.config import DataConfig, PhaseConfig
-from engine.data.loader import MixtureLoader
-from engine.errors import ConfigError
-from engine.events import Events
-from engine.lr import build_lr_scheduler, lr_at
-from engine.trainer import Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer
-from handlers.curriculum import Phase, PhaseCurriculum
-from handlers.dataset_metrics import PerDatasetMetrics
+from hookloop.engine.data import MixtureDataset, MixtureSampler, TokenDataset
+from hookloop.engine.data.config import DataConfig, PhaseConfig
+from hookloop.engine.data.loader import MixtureLoader
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events
+from hookloop.engine.lr import build_lr_scheduler, lr_at
+from hookloop.engine.trainer import Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.handlers.curriculum import Phase, PhaseCurriculum
+from hookloop.handlers.dataset_metrics import PerDatasetMetrics
 from tests.conftest import tiny_gpt
 
 SEQ = 16

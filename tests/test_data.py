@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from engine.data import (
+from hookloop.engine.data import (
     MixtureDataset,
     MixtureSampler,
     TokenDataset,
@@ -24,8 +24,8 @@ from engine.data import (
     stdlib_docs_text,
     stdlib_source_files,
 )
-from engine.data.prepare import main as prepare_main
-from engine.errors import ConfigError
+from hookloop.engine.data.prepare import main as prepare_main
+from hookloop.engine.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,7 +189,7 @@ def test_prepare_cli(tmp_path):
     assert out.stat().st_size == sum(f.stat().st_size for f in files) + 2
     docs = tmp_path / "docs.bin"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.data", "prepare", str(docs), "--from-stdlib-docs"],
+        [sys.executable, "-m", "hookloop.engine.data", "prepare", str(docs), "--from-stdlib-docs"],
         cwd=REPO,
         capture_output=True,
         text=True,

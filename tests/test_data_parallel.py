@@ -13,8 +13,8 @@ ACCUM = 3
 
 
 def _worker(rank: int, world: int, mode: str) -> dict:
-    from engine import Events, Trainer, init_distributed, wrap_data_parallel
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Events, Trainer, init_distributed, wrap_data_parallel
+    from hookloop.models.gpt import cross_entropy_loss
     from tests.conftest import tiny_gpt, token_batches
 
     torch.use_deterministic_algorithms(True)

@@ -8,8 +8,8 @@ import gc
 
 import torch
 
-from engine import Events, Priority, Trainer
-from examples.models.gpt import cross_entropy_loss
+from hookloop.engine import Events, Priority, Trainer
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from ignite.engine import Events as IgniteEvents
 
-from engine import Events, Trainer
-from examples.models.gpt import cross_entropy_loss
+from hookloop.engine import Events, Trainer
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 ALL = [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer
+from hookloop.engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer
 from tests.conftest import tiny_gpt, token_batches
 
 TOTAL, STOP = 16, 10

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Events, Trainer
-from engine.data import MixtureDataset, MixtureSampler, TokenDataset
-from engine.data.loader import MixtureLoader
-from engine.events import Priority
-from engine.handler import Handler
-from engine.running_mean import RunningMean
-from examples.models.gpt import cross_entropy_loss
-from handlers import (
+from hookloop.engine import Events, Trainer
+from hookloop.engine.data import MixtureDataset, MixtureSampler, TokenDataset
+from hookloop.engine.data.loader import MixtureLoader
+from hookloop.engine.events import Priority
+from hookloop.engine.handler import Handler
+from hookloop.engine.running_mean import RunningMean
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers import (
     AsyncCheckpointer,
     ConsoleLogger,
     HealthCheck,

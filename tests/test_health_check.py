@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from engine import ConfigError, ExitCode, Trainer
-from handlers.health_check import HealthCheck
+from hookloop.engine import ConfigError, ExitCode, Trainer
+from hookloop.handlers.health_check import HealthCheck
 from tests.dist_utils import REPO, kill_ranks, start_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "obs_health_hang.py"
@@ -73,7 +73,7 @@ def test_bad_arguments(kwargs, field):
 
 
 def test_from_config():
-    from handlers.health_check import HealthConfig
+    from hookloop.handlers.health_check import HealthConfig
 
     health = HealthCheck.from_config(HealthConfig(enabled=True, every_steps=7, timeout_s=5))
     assert (health.every_steps, health.timeout_s) == (7, 5.0)

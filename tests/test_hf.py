@@ -14,16 +14,16 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="Hugging Face tests need transformers: pip install -e '.[hf]'")
 
-from engine import ConfigError, Events, PipelineConfig, Trainer  # noqa: E402
-from engine.batch import count_batch, default_prepare_batch  # noqa: E402
-from engine.pipeline import default_module_fqns, split_stage_module  # noqa: E402
-from engine.pipeline.hf_patches import (  # noqa: E402
+from hookloop.engine import ConfigError, Events, PipelineConfig, Trainer  # noqa: E402
+from hookloop.engine.batch import count_batch, default_prepare_batch  # noqa: E402
+from hookloop.engine.pipeline import default_module_fqns, split_stage_module  # noqa: E402
+from hookloop.engine.pipeline.hf_patches import (  # noqa: E402
     causal_lm_loss,
     check_hf_pipeline,
     layers_as_module_dict,
     patch_stage_module,
 )
-from engine.pipeline.split import find_layer_container  # noqa: E402
+from hookloop.engine.pipeline.split import find_layer_container  # noqa: E402
 from tests.dist_utils import REPO, run_process, run_torchrun  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_hf.py"
@@ -263,8 +263,8 @@ def test_hf_pipeline_checks_name_the_patch_fields():
 def _nosync_worker(rank: int, world: int) -> dict:
     """dp 2 x pp 2, FSDP2 stages with patch_stage_backward_maybe_with_nosync: one step of two
     microbatches per replica; returns the loss, every gradient, and the gradient-sync switches."""
-    from engine import init_distributed
-    from engine.pipeline import build_pipeline
+    from hookloop.engine import init_distributed
+    from hookloop.engine.pipeline import build_pipeline
     from tests.dist_utils import to_numpy
 
     info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))

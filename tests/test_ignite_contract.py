@@ -12,7 +12,7 @@ import ignite
 from ignite.engine import Engine, Events
 from packaging.specifiers import SpecifierSet
 
-from engine import ignite_adapter
+from hookloop.engine import ignite_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 

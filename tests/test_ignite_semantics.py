@@ -10,8 +10,8 @@ from ignite.engine import Events as IgniteEvents
 from ignite.handlers import Checkpoint, DiskSaver, EarlyStopping
 from ignite.metrics import Loss
 
-from engine import Events, Trainer
-from examples.models.gpt import cross_entropy_loss
+from hookloop.engine import Events, Trainer
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -180,7 +180,7 @@ def test_ignite_metrics_attach_to_the_validation_evaluator_and_early_stopping_wo
 
 
 def _terminate_on_one_rank(rank: int, world: int) -> tuple:
-    from engine import init_distributed
+    from hookloop.engine import init_distributed
 
     init_distributed("gloo", timeout_s=60)
     trainer = make_trainer()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import setup_logging
-from engine.logging_setup import LOGGER_NAMES
+from hookloop.engine import setup_logging
+from hookloop.engine.logging_setup import LOGGER_NAMES
 from examples.train_gpt import DEFAULT_CONFIG, resolve_run_dir
-from handlers import load_run_config
+from hookloop.handlers import load_run_config
 from tests.dist_utils import REPO, run_process
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -19,7 +19,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
 @pytest.fixture
 def clean_loggers():
     """setup_logging changes process-wide loggers: put them back as they were."""
-    names = [*LOGGER_NAMES, "engine.trainer.ignite"]
+    names = [*LOGGER_NAMES, "hookloop.engine.trainer.ignite"]
     saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers)) for n in names}
     for n in LOGGER_NAMES:
         logging.getLogger(n).handlers = []
@@ -37,8 +37,8 @@ def test_setup_logging_twice_adds_one_handler(clean_loggers, monkeypatch, capsys
     for name in LOGGER_NAMES:
         assert logging.getLogger(name).handlers == [first]
     assert logging.getLogger("engine").level == logging.DEBUG
-    logging.getLogger("handlers.checkpoint").info("resumed from x (step 3)")
-    logging.getLogger("engine.trainer").warning("slow step")
+    logging.getLogger("hookloop.handlers.checkpoint").info("resumed from x (step 3)")
+    logging.getLogger("hookloop.engine.trainer").warning("slow step")
     err = capsys.readouterr().err
     assert err.count("[hookloop] resumed from x (step 3)\n") == 1
     assert "[hookloop] WARNING: slow step\n" in err
@@ -47,14 +47,14 @@ def test_setup_logging_twice_adds_one_handler(clean_loggers, monkeypatch, capsys
 def test_setup_logging_silences_info_on_other_ranks(clean_loggers, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     setup_logging()
-    logging.getLogger("handlers.checkpoint").info("resumed from x (step 3)")
-    logging.getLogger("handlers.nan_detector").warning("rolled back")
+    logging.getLogger("hookloop.handlers.checkpoint").info("resumed from x (step 3)")
+    logging.getLogger("hookloop.handlers.nan_detector").warning("rolled back")
     err = capsys.readouterr().err
     assert "resumed from" not in err
     assert "[hookloop] WARNING: rolled back" in err
     # Rank 1 shows info lines when asked to.
     setup_logging(rank_zero_only=False)
-    logging.getLogger("handlers.checkpoint").info("resumed from y")
+    logging.getLogger("hookloop.handlers.checkpoint").info("resumed from y")
     assert "[hookloop] resumed from y" in capsys.readouterr().err
 
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Events, Trainer
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
-from handlers.console import ConsoleLogger
-from handlers.jsonl_logger import JSONLLogger
-from handlers.loggers import metric_tag
-from handlers.metrics import MetricsTracker
-from handlers.tensorboard_logger import TensorBoardLogger
+from hookloop.engine import Events, Trainer
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from hookloop.handlers.console import ConsoleLogger
+from hookloop.handlers.jsonl_logger import JSONLLogger
+from hookloop.handlers.loggers import metric_tag
+from hookloop.handlers.metrics import MetricsTracker
+from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from tests.dist_utils import REPO
 
 SEQ = 16
@@ -259,7 +259,7 @@ def wandb_offline(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
-    from handlers.wandb_logger import WandBLogger
+    from hookloop.handlers.wandb_logger import WandBLogger
 
     trainer = _trainer(validate_every=3)
     MetricsTracker(2).attach(trainer)
@@ -284,8 +284,8 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
 
 
 def test_wandb_follows_the_remote_logging_cadence(tmp_path, wandb_offline):
-    from handlers.step_scheduler import StepScheduler
-    from handlers.wandb_logger import WandBLogger
+    from hookloop.handlers.step_scheduler import StepScheduler
+    from hookloop.handlers.wandb_logger import WandBLogger
 
     trainer = _trainer()
     MetricsTracker(2).attach(trainer)
@@ -304,7 +304,7 @@ def test_wandb_follows_the_remote_logging_cadence(tmp_path, wandb_offline):
 
 
 def test_wandb_marks_the_run_failed_on_an_exception(tmp_path, wandb_offline):
-    from handlers.wandb_logger import WandBLogger
+    from hookloop.handlers.wandb_logger import WandBLogger
 
     trainer = _trainer()
     logger = WandBLogger("hookloop-test", dir=tmp_path, every_steps=1, settings=wandb_offline).attach(trainer)
@@ -322,8 +322,8 @@ def test_wandb_marks_the_run_failed_on_an_exception(tmp_path, wandb_offline):
 def test_importing_engine_and_handlers_imports_no_logging_backend():
     code = (
         "import sys, engine, handlers, handlers.metrics, handlers.loggers, handlers.jsonl_logger, "
-        "handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
-        "handlers.health_check, handlers.straggler, handlers.plot\n"
+        "hookloop.handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
+        "hookloop.handlers.health_check, handlers.straggler, handlers.plot\n"
         "bad = [m for m in ('wandb', 'tensorboard', 'torch.utils.tensorboard', 'matplotlib') "
         "if m in sys.modules]\n"
         "print(','.join(bad))"
@@ -337,7 +337,7 @@ def test_importing_engine_and_handlers_imports_no_logging_backend():
 
 
 def test_build_loggers_from_the_logging_section(tmp_path):
-    from handlers.loggers import LoggingConfig, build_loggers
+    from hookloop.handlers.loggers import LoggingConfig, build_loggers
 
     cfg = LoggingConfig(
         log_interval=5, jsonl=True, tensorboard=True, wandb=False, console=True, progress_bar=False

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine import ConfigError, build_lr_scheduler
+from hookloop.engine import ConfigError, build_lr_scheduler
 
 PEAK, MIN, INIT = 1.0, 0.1, 0.05
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from engine import ConfigError, Events, Priority, Trainer
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
-from handlers.metrics import MetricsTracker, estimate_flops_per_token
+from hookloop.engine import ConfigError, Events, Priority, Trainer
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from hookloop.handlers.metrics import MetricsTracker, estimate_flops_per_token
 from tests.dist_utils import run_distributed
 
 SEQ = 16
@@ -193,7 +193,7 @@ def test_first_interval_after_a_real_resume_counts_only_this_process_steps(tmp_p
     interval published at step 10 holds steps 9 and 10 only (step 8 is the resumed run's warm-up),
     so its tokens/s is their tokens over their time; neither the load nor the steps trained before
     the restart enter it."""
-    from handlers.checkpoint import AsyncCheckpointer
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
 
     first = _gpt_trainer()
     AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(first)
@@ -262,8 +262,8 @@ def test_bad_arguments(kwargs, field):
 
 
 def two_rank_worker(rank: int, world_size: int, run_dir: str) -> dict:
-    from engine.parallel import init_distributed, wrap_data_parallel
-    from handlers.jsonl_logger import JSONLLogger
+    from hookloop.engine.parallel import init_distributed, wrap_data_parallel
+    from hookloop.handlers.jsonl_logger import JSONLLogger
 
     init_distributed("gloo", timeout_s=60)
     torch.manual_seed(0)
@@ -296,7 +296,7 @@ def test_two_ranks_agree_on_reduced_metrics_and_only_rank0_logs(tmp_path):
 
 
 def test_from_config(tmp_path):
-    from handlers.metrics import MetricsConfig
+    from hookloop.handlers.metrics import MetricsConfig
 
     tracker = MetricsTracker.from_config(
         MetricsConfig(peak_flops_per_device=2e12), log_interval=7, run_dir=tmp_path

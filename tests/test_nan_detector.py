@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
-from examples.models.gpt import cross_entropy_loss
-from handlers.nan_detector import NaNDetector
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.nan_detector import NaNDetector
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
@@ -110,7 +110,7 @@ def test_state_dict_round_trip():
 
 
 def _one_rank_nan(rank: int, world: int) -> dict:
-    from engine import init_distributed, wrap_data_parallel
+    from hookloop.engine import init_distributed, wrap_data_parallel
 
     init_distributed()
     model = wrap_data_parallel(tiny_gpt(), "ddp")
@@ -147,7 +147,7 @@ def test_nan_on_one_rank_only_skips_the_step_on_both():
 def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
     """Microbatch i is poisoned (its loss is NaN) when i is in ``poisoned``; poison is tied to the
     data, so a rollback that re-fed the same batches would fail again."""
-    from handlers.checkpoint import AsyncCheckpointer
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
 
     data = [(x, y, i) for i, (x, y) in enumerate(token_batches(40))]
     current: dict = {}
@@ -201,7 +201,7 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path
 
 
 def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path):
-    from engine.checkpoint_io import read_latest
+    from hookloop.engine.checkpoint_io import read_latest
 
     poisoned = set(range(9, 40))
     trainer, detector, log, data = _rollback_run(tmp_path, poisoned=poisoned, max_rollbacks=1)

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from engine.errors import ConfigError
-from engine.pipeline import PipelineConfig, available_schedules, default_module_fqns, split_stage_module
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.pipeline import PipelineConfig, available_schedules, default_module_fqns, split_stage_module
 from tests.dist_utils import run_distributed
 
 MB_SIZE = 2  # samples per microbatch
@@ -47,7 +47,7 @@ def _data(dp_rank: int = 0, dp_size: int = 1) -> tuple[list, list]:
 
 def _reference(dp_size: int = 1) -> dict:
     """Two local steps (grad accumulation over every dp rank's microbatches), AdamW, clipping."""
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.models.gpt import cross_entropy_loss
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -83,9 +83,9 @@ def _strip(name: str) -> str:
 
 
 def _run_pipelined(info, pipeline_cfg: PipelineConfig, dp_mode: str = "ddp") -> dict:
-    from engine import Events, Trainer
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Events, Trainer
+    from hookloop.engine.pipeline import build_pipeline
+    from hookloop.models.gpt import cross_entropy_loss
 
     runtime = build_pipeline(_model(), pipeline_cfg, info, cross_entropy_loss, dp_mode=dp_mode)
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
@@ -149,7 +149,7 @@ def _compare(got: dict, ref: dict, dp_rank: int = 0, dp_size: int = 1) -> list[s
 
 
 def _all_schedules_worker(rank: int, world: int, csv_path: str) -> dict:
-    from engine import init_distributed
+    from hookloop.engine import init_distributed
 
     torch.use_deterministic_algorithms(True)
     info = init_distributed(mesh_shape=(1, world), mesh_dim_names=("dp", "pp"))
@@ -178,9 +178,9 @@ def _all_schedules_worker(rank: int, world: int, csv_path: str) -> dict:
 
 def _veto_run(info, rank: int) -> dict:
     """Rank 1 alone vetoes step 1: no rank steps, every rank counts the skip."""
-    from engine import Events, Trainer
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Events, Trainer
+    from hookloop.engine.pipeline import build_pipeline
+    from hookloop.models.gpt import cross_entropy_loss
 
     cfg = PipelineConfig(pp_schedule="gpipe", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * N_MB)
     runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
@@ -234,7 +234,7 @@ def test_every_schedule_matches_the_reference(tmp_path):
 
 
 def _pp_dp_worker(rank: int, world: int) -> dict:
-    from engine import init_distributed
+    from hookloop.engine import init_distributed
 
     torch.use_deterministic_algorithms(True)
     info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))
@@ -266,10 +266,10 @@ def test_pp2_dp2_matches_the_reference():
 
 
 def _resume_worker(rank: int, world: int, directory: str) -> dict:
-    from engine import Trainer, init_distributed
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
-    from handlers.checkpoint import AsyncCheckpointer
+    from hookloop.engine import Trainer, init_distributed
+    from hookloop.engine.pipeline import build_pipeline
+    from hookloop.models.gpt import cross_entropy_loss
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
     from tests.conftest import token_batches
 
     torch.use_deterministic_algorithms(True)
@@ -428,7 +428,7 @@ def test_other_field_errors():
 
 @pytest.mark.filterwarnings("ignore:pipeline. 1 microbatches:UserWarning")
 def test_config_file_section_is_checked_with_the_degree():
-    from handlers import load_run_config as load_config
+    from hookloop.handlers import load_run_config as load_config
 
     pp = ["distributed.pp_size=2", "step_scheduler.max_steps=10"]
     with pytest.raises(ConfigError) as err:
@@ -454,13 +454,13 @@ def test_config_file_section_is_checked_with_the_degree():
 
 
 def test_to_dict_is_plain():
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.models.gpt import cross_entropy_loss
 
     d = PipelineConfig(
         dtype=torch.bfloat16, loss_fn=cross_entropy_loss, module_fqns_per_model_part=[["a"]]
     ).to_dict()
     assert d["dtype"] == "bfloat16"
-    assert d["loss_fn"] == "examples.models.gpt.cross_entropy_loss"
+    assert d["loss_fn"] == "hookloop.models.gpt.cross_entropy_loss"
     assert d["module_fqns_per_model_part"] == [["a"]]
     assert set(d) == {f for f in PipelineConfig.__dataclass_fields__}
 
@@ -506,8 +506,8 @@ def test_split_rejects_bad_module_lists():
 
 
 def test_trainer_wants_the_built_runtime():
-    from engine import Trainer
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Trainer
+    from hookloop.models.gpt import cross_entropy_loss
 
     model = _model(n_layers=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -516,7 +516,7 @@ def test_trainer_wants_the_built_runtime():
 
 
 def test_bubble_formula():
-    from engine.pipeline import bubble_fraction
+    from hookloop.engine.pipeline import bubble_fraction
 
     assert math.isclose(bubble_fraction(4, 2), 1 / 5)
     assert math.isclose(bubble_fraction(4, 2, 2), 1 / 9)
@@ -525,9 +525,9 @@ def test_bubble_formula():
 def _adamw_pipeline(info, cfg: PipelineConfig, **trainer_kwargs):
     """This rank's stages of the test model (DDP across data-parallel replicas) and a Trainer with
     AdamW over them."""
-    from engine import Trainer
-    from engine.pipeline import build_pipeline
-    from examples.models.gpt import cross_entropy_loss
+    from hookloop.engine import Trainer
+    from hookloop.engine.pipeline import build_pipeline
+    from hookloop.models.gpt import cross_entropy_loss
 
     runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss, dp_mode="ddp")
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
@@ -540,7 +540,7 @@ def _adamw_pipeline(info, cfg: PipelineConfig, **trainer_kwargs):
 def _precision_worker(rank: int, world: int) -> dict:
     """Two stages trained for a few steps three ways: fp32, bf16-mixed (fp32 weights, autocast in
     the schedule), and pipeline.dtype=bfloat16 (the stages' own weights cast)."""
-    from engine import Events, init_distributed
+    from hookloop.engine import Events, init_distributed
     from tests.conftest import token_batches
 
     info = init_distributed(mesh_shape=(1, world), mesh_dim_names=("dp", "pp"))
@@ -590,7 +590,7 @@ def test_pipeline_precision_bf16_mixed_and_stage_dtype():
 def _ddp_stages_worker(rank: int, world: int) -> dict:
     """PP=2 x DP=2 with DDP stages and as many microbatches per step as stages (the layout where
     the stage shape inference used to double DDP's first-step bucket rebuild)."""
-    from engine import Events, init_distributed
+    from hookloop.engine import Events, init_distributed
     from tests.conftest import token_batches
 
     info = init_distributed(mesh_shape=(2, 2), mesh_dim_names=("dp", "pp"))

@@ -1,11 +1,11 @@
-"""``python -m handlers.plot RUN_DIR`` renders a run's JSONL log to a PNG."""
+"""``python -m hookloop.handlers.plot RUN_DIR`` renders a run's JSONL log to a PNG."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from handlers.plot import load_records, main
+from hookloop.handlers.plot import load_records, main
 from tests.dist_utils import run_process
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -42,7 +42,7 @@ def test_load_records_merges_and_keeps_the_last(tmp_path):
 
 def test_plot_command_writes_a_png(tmp_path):
     _write_run(tmp_path)
-    result = run_process([sys.executable, "-m", "handlers.plot", str(tmp_path)], timeout=120)
+    result = run_process([sys.executable, "-m", "hookloop.handlers.plot", str(tmp_path)], timeout=120)
     assert result.returncode == 0, result.stderr
     png = tmp_path / "metrics.png"
     assert result.stdout.strip() == str(png)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine import Events, ExitCode, Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer
-from handlers.jsonl_logger import JSONLLogger
-from handlers.metrics import MetricsTracker
-from handlers.plot import load_events, load_records, plot_run
+from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.handlers.jsonl_logger import JSONLLogger
+from hookloop.handlers.metrics import MetricsTracker
+from hookloop.handlers.plot import load_events, load_records, plot_run
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ConfigError, Events, Trainer
-from engine.config import TrainConfig
-from examples.models.gpt import cross_entropy_loss
-from handlers.nan_detector import NaNDetector
+from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.engine.config import TrainConfig
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.nan_detector import NaNDetector
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
@@ -149,7 +149,7 @@ def _fp16_resume_trainer(ref: dict) -> Trainer:
 
 
 def test_grad_scaler_state_resumes_exactly(tmp_path, deterministic):
-    from handlers.checkpoint import AsyncCheckpointer
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
 
     data = token_batches(16)
     ref_ctx: dict = {}
@@ -196,7 +196,7 @@ def test_fp16_is_refused_with_a_pipeline():
 
 # ---------------------------------------------------------------- two ranks
 def _overflow_on_one_rank(rank: int, world: int) -> dict:
-    from engine import init_distributed
+    from hookloop.engine import init_distributed
 
     init_distributed()
     ref: dict = {}
@@ -227,7 +227,7 @@ def test_fp16_overflow_on_one_rank_is_skipped_on_both():
 
 
 def _fsdp_bf16(rank: int, world: int) -> dict:
-    from engine import init_distributed, wrap_data_parallel
+    from hookloop.engine import init_distributed, wrap_data_parallel
 
     info = init_distributed()
     model = wrap_data_parallel(tiny_gpt(0), "fsdp", mesh=info.mesh, mixed_precision="bf16-mixed")

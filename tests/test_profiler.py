@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import ConfigError, Events, Trainer
-from handlers.profiler import ProfilerWindow, ProfilingConfig
+from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
 
 
 def _trainer(resume_at: int | None = None) -> Trainer:

@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from engine import Events, ExitCode, Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers import attach_handlers, load_run_config
-from handlers.checkpoint import AsyncCheckpointer
+from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers import attach_handlers, load_run_config
+from hookloop.handlers.checkpoint import AsyncCheckpointer
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -165,7 +165,7 @@ def test_no_checkpoint_old_enough_stops_with_76_and_keeps_checkpoints(tmp_path, 
     def bad_update(engine):
         engine.model.poisoned_at.fill_(12)
 
-    from engine import TrainingAborted
+    from hookloop.engine import TrainingAborted
 
     with pytest.raises(TrainingAborted) as info:
         trainer.run(data)

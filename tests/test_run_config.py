@@ -9,16 +9,16 @@ import re
 import pytest
 import torch
 
-from engine import ConfigError, Events, Trainer
-from engine.checkpoint_io import CheckpointError
-from engine.checks import check_int, check_str
-from engine.config import PipelineSection
-from engine.data import MixtureDataset, MixtureSampler
-from engine.data.config import DataConfig, Phase, PhaseConfig
-from engine.handler import Handler
-from engine.pipeline import PipelineConfig
-from examples.models.gpt import cross_entropy_loss
-from handlers import (
+from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checks import check_int, check_str
+from hookloop.engine.config import PipelineSection
+from hookloop.engine.data import MixtureDataset, MixtureSampler
+from hookloop.engine.data.config import DataConfig, Phase, PhaseConfig
+from hookloop.engine.handler import Handler
+from hookloop.engine.pipeline import PipelineConfig
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers import (
     HANDLER_ORDER,
     AsyncCheckpointer,
     CheckpointConfig,
@@ -430,10 +430,10 @@ def test_the_docs_example_runs():
 def test_a_null_run_dir_falls_back_to_the_library_default_everywhere(tmp_path, monkeypatch):
     import torch
 
-    from engine import Trainer
-    from handlers import attach_handlers, check_run_paths, load_run_config
-    from handlers.checkpoint import AsyncCheckpointer
-    from handlers.run_config import DEFAULT_RUN_DIR
+    from hookloop.engine import Trainer
+    from hookloop.handlers import attach_handlers, check_run_paths, load_run_config
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
+    from hookloop.handlers.run_config import DEFAULT_RUN_DIR
 
     monkeypatch.chdir(tmp_path)
     cfg = load_run_config(None, ["train.run_dir=null", "step_scheduler.max_steps=4"], world_size=1)

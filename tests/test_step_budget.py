@@ -69,7 +69,7 @@ def _collective_checks(rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from engine import init_distributed, wrap_data_parallel
+    from hookloop.engine import init_distributed, wrap_data_parallel
 
     init_distributed("gloo")
     torch.manual_seed(0)

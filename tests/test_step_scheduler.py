@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from engine import ConfigError, Events, ExitCode, Trainer
-from examples.models.gpt import cross_entropy_loss
-from handlers.step_scheduler import StepScheduler, StepSchedulerConfig
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer
+from hookloop.models.gpt import cross_entropy_loss
+from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, free_port
 
@@ -700,7 +700,7 @@ def test_attach_accepts_an_explicit_trainer_grad_accum_steps_that_agrees():
 def _loss_avg_run(directory, stop_at=None):
     """Train 10 steps with a StepScheduler (window 4) and an AsyncCheckpointer in ``directory``;
     returns the final state and the loss_avg of every step."""
-    from handlers.checkpoint import AsyncCheckpointer
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
 
     torch.manual_seed(0)
     data = token_batches(12)  # 2 per step: 6 steps per epoch

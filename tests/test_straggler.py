@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from engine import ConfigError, Events, ExitCode, Trainer
-from handlers.straggler import StragglerDetector
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer
+from hookloop.handlers.straggler import StragglerDetector
 from tests.dist_utils import run_distributed
 
 
@@ -19,7 +19,7 @@ def _busy(seconds: float) -> None:
 
 
 def _run(rank: int, slow_rank: int, extra_s: float, threshold: float | None) -> dict:
-    from engine.parallel import wrap_data_parallel
+    from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
     model = wrap_data_parallel(torch.nn.Linear(16, 1), "ddp")
@@ -45,7 +45,7 @@ def _run(rank: int, slow_rank: int, extra_s: float, threshold: float | None) -> 
 
 
 def straggler_worker(rank: int, world_size: int) -> dict:
-    from engine.parallel import init_distributed
+    from hookloop.engine.parallel import init_distributed
 
     init_distributed("gloo", timeout_s=60)
     # report only (rank 1 slow), then stop over the threshold (rank 0 slow)
@@ -101,7 +101,7 @@ def test_bad_arguments(kwargs, field):
 
 
 def test_from_config():
-    from handlers.straggler import StragglerConfig
+    from hookloop.handlers.straggler import StragglerConfig
 
     detector = StragglerDetector.from_config(StragglerConfig(enabled=True, every_steps=9, stop_threshold=1.5))
     assert (detector.every_steps, detector.stop_threshold, detector.window) == (9, 1.5, 9)

@@ -9,8 +9,8 @@ from ignite.contrib.handlers import ProgressBar
 from ignite.handlers import EarlyStopping, Timer
 from ignite.metrics import RunningAverage
 
-from engine import ConfigError, Events, Trainer, build_lr_scheduler
-from examples.models.gpt import cross_entropy_loss
+from hookloop.engine import ConfigError, Events, Trainer, build_lr_scheduler
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -9,11 +9,11 @@
   batches it returned, however far its workers prefetch.
 """
 
-from engine.data.loader import MixtureLoader
-from engine.data.mixture import MixtureDataset
-from engine.data.prepare import DOC_SEPARATOR, prepare_tokens, stdlib_docs_text, stdlib_source_files
-from engine.data.sampler import MixtureSampler
-from engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, TokenDataset, read_token_metadata
+from hookloop.engine.data.loader import MixtureLoader
+from hookloop.engine.data.mixture import MixtureDataset
+from hookloop.engine.data.prepare import DOC_SEPARATOR, prepare_tokens, stdlib_docs_text, stdlib_source_files
+from hookloop.engine.data.sampler import MixtureSampler
+from hookloop.engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, TokenDataset, read_token_metadata
 
 __all__ = [
     "DOC_SEPARATOR",

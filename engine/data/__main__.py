@@ -1,7 +1,7 @@
-"""``python -m engine.data``: prepare token files (see :mod:`engine.data.prepare`)."""
+"""``python -m hookloop.engine.data``: prepare token files (see :mod:`engine.data.prepare`)."""
 
 import sys
 
-from engine.data.prepare import main
+from hookloop.engine.data.prepare import main
 
 sys.exit(main())

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-from engine.checks import check_int, check_number, check_str
-from engine.errors import ConfigError
+from hookloop.engine.checks import check_int, check_number, check_str
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["DataConfig", "Phase", "PhaseConfig", "check_phases"]
 
@@ -105,13 +105,16 @@ class DataConfig:
     weights (a dataset not named weighs 1.0), and an optional phase curriculum."""
 
     #: name -> a token file path, or ``stdlib_docs`` / ``stdlib_source`` (the standard library's text,
-    #: tokenized on first use or by ``python -m engine.data prepare``)
+    #: tokenized on first use or by ``python -m hookloop.engine.data prepare``)
     datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
     weights: Dict[str, float] = field(default_factory=dict)  # name -> mixture weight (unnamed: 1.0)
     mix_temperature: float = 1.0  # draw source i with probability w_i ** (1 / T), normalised
     phases: List[PhaseConfig] = field(default_factory=list)  # a phase curriculum (empty: one phase)
     cache_dir: str = "data"  # where the stdlib token files are written and found
     val_fraction: float = 0.02  # the tail of each dataset held out for validation
+    #: validation samples: the first N of the held-out tail, shared evenly among the data-parallel
+    #: ranks, so the validation loss is the same whatever the world size (0: no validation)
+    val_samples: int = 64
     num_workers: int = 0  # DataLoader worker processes (0: load in the training process)
 
     def validate(self, prefix: str = "data") -> None:
@@ -134,4 +137,5 @@ class DataConfig:
         check_phases(self.phases, names, f"{p}.phases", base_weights=base)
         check_str(f"{p}.cache_dir", self.cache_dir, what="a directory path")
         check_number(f"{p}.val_fraction", self.val_fraction, low=0, below=1)
+        check_int(f"{p}.val_samples", self.val_samples, low=0)
         check_int(f"{p}.num_workers", self.num_workers, low=0)

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from engine.data.sampler import MixtureSampler
+from hookloop.engine.data.sampler import MixtureSampler
 
 __all__ = ["MixtureLoader"]
 

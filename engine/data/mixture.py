@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["MixtureDataset"]
 

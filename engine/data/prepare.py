@@ -7,9 +7,9 @@ has two corpora for smoke runs and benchmarks without any download: the bundled 
 
 Command line::
 
-    python -m engine.data prepare OUT --from-stdlib-docs
-    python -m engine.data prepare OUT --from-stdlib-source [--limit N]
-    python -m engine.data prepare OUT --files a.txt b.txt [--dtype uint16]
+    python -m hookloop.engine.data prepare OUT --from-stdlib-docs
+    python -m hookloop.engine.data prepare OUT --from-stdlib-source [--limit N]
+    python -m hookloop.engine.data prepare OUT --files a.txt b.txt [--dtype uint16]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, sidecar_path
-from engine.errors import ConfigError
+from hookloop.engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, sidecar_path
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["DOC_SEPARATOR", "main", "prepare_tokens", "stdlib_docs_text", "stdlib_source_files"]
 
@@ -164,8 +164,8 @@ def stdlib_source_files(limit: int | None = None) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point of ``python -m engine.data``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m engine.data", description=__doc__.split("\n\n")[0])
+    """Command-line entry point of ``python -m hookloop.engine.data``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m hookloop.engine.data", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="write a byte-level token file and its .json sidecar")
     prep.add_argument("out", type=Path, help="token file to write; the sidecar goes to OUT.json")

@@ -59,8 +59,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from engine.data.mixture import MixtureDataset
-from engine.errors import ConfigError
+from hookloop.engine.data.mixture import MixtureDataset
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["MixtureSampler"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["SUPPORTED_TOKEN_DTYPES", "TokenDataset", "read_token_metadata", "sidecar_path"]
 
@@ -80,7 +80,7 @@ class TokenDataset(Dataset):
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"path: token file {str(self.path)!r} does not exist; create it with prepare_tokens "
-                "or `python -m engine.data prepare`"
+                "or `python -m hookloop.engine.data prepare`"
             )
         meta = read_token_metadata(self.path)
         meta_dtype = None if meta is None else meta.get("dtype")

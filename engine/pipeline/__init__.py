@@ -11,10 +11,10 @@ Importing this package is cheap: ``torch.distributed.pipelining`` (about two sec
 only when a schedule is looked up or built.
 """
 
-from engine.pipeline.config import PipelineConfig, bubble_fraction
-from engine.pipeline.runtime import PipelineRuntime, build_pipeline
-from engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
-from engine.pipeline.split import default_module_fqns, split_stage_module
+from hookloop.engine.pipeline.config import PipelineConfig, bubble_fraction
+from hookloop.engine.pipeline.runtime import PipelineRuntime, build_pipeline
+from hookloop.engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
+from hookloop.engine.pipeline.split import default_module_fqns, split_stage_module
 
 __all__ = [
     "PipelineConfig",

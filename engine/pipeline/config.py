@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.checks import check_bool, check_int
-from engine.errors import ConfigError
+from hookloop.engine.checks import check_bool, check_int
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["PipelineConfig", "bubble_fraction"]
 
@@ -197,7 +197,7 @@ class PipelineConfig:
         schedules, ``r + k*pp`` for looped ones, ``r`` and ``2p-1-r`` for V-shaped ones, and what
         the file says for a CSV schedule.
         """
-        from engine.pipeline import schedules
+        from hookloop.engine.pipeline import schedules
 
         p = prefix
         check_int("distributed.pp_size", pp_size)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = [
     "IGNORE_INDEX",

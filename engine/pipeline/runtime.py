@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import parallel
-from engine.batch import count_batch
-from engine.errors import ConfigError
-from engine.events import Events
-from engine.pipeline import hf_patches
-from engine.pipeline.config import PipelineConfig
-from engine.pipeline.schedules import losses_computed
-from engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
+from hookloop.engine import parallel
+from hookloop.engine.batch import count_batch
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events
+from hookloop.engine.pipeline import hf_patches
+from hookloop.engine.pipeline.config import PipelineConfig
+from hookloop.engine.pipeline.schedules import losses_computed
+from hookloop.engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
 
 __all__ = ["PipelineRuntime", "build_pipeline"]
 
@@ -287,16 +287,19 @@ class PipelineRuntime:
         return t.to(self.device)
 
     def validation_totals(self, trainer: Any, data: Iterable, eval_iters: int | None) -> torch.Tensor:
-        """``[sum of batch losses, batch count]`` over ``data`` (``n_microbatches`` batches per
-        pass through the stages); the same on every pp rank."""
+        """``[sum of sample losses, sample count]`` over ``data`` (``n_microbatches`` batches per
+        pass through the stages; each batch's mean loss weighted by its samples); the same on every
+        pp rank."""
         total = torch.zeros(2, dtype=torch.float64)
         group: list[Any] = []
 
         def flush() -> None:
+            prepared = [self._stage_pair(trainer, mb) for mb in group]
+            samples = torch.tensor([float(c[0] or 1) for _, _, c in prepared], dtype=torch.float64)
             with trainer.autocast():
-                losses = self._forward_only([self._stage_pair(trainer, mb)[:2] for mb in group])
-            total[0] += losses.sum()
-            total[1] += len(group)
+                losses = self._forward_only([(x, y) for x, y, _ in prepared])
+            total[0] += (losses.double() * samples).sum()
+            total[1] += samples.sum()
             group.clear()
 
         for i, microbatch in enumerate(data):
@@ -334,8 +337,8 @@ def build_pipeline(
     """
     from torch.distributed.pipelining import PipelineStage
 
-    from engine.parallel import wrap_data_parallel
-    from engine.pipeline import schedules
+    from hookloop.engine.parallel import wrap_data_parallel
+    from hookloop.engine.pipeline import schedules
 
     cfg = PipelineConfig.from_section(config)
     cfg.validate("pipeline")

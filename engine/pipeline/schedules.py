@@ -19,7 +19,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = [
     "CsvSchedule",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["default_module_fqns", "find_layer_container", "split_stage_module"]
 

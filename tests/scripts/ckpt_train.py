@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from engine import Events, Priority, Trainer
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
-from handlers.checkpoint import AsyncCheckpointer
+from hookloop.engine import Events, Priority, Trainer
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 
 class GatedStager(DefaultStager):
@@ -52,7 +52,7 @@ def build(
     np.random.seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layers=2, d_model=32, n_heads=2))
     if ddp:
-        from engine.parallel import init_distributed, wrap_data_parallel
+        from hookloop.engine.parallel import init_distributed, wrap_data_parallel
 
         init_distributed()
         model = wrap_data_parallel(model, "ddp")

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from engine import Events, Trainer, TrainingAborted
-from engine.parallel import init_distributed, wrap_data_parallel
-from handlers.health_check import HealthCheck
+from hookloop.engine import Events, Trainer, TrainingAborted
+from hookloop.engine.parallel import init_distributed, wrap_data_parallel
+from hookloop.handlers.health_check import HealthCheck
 
 
 def main() -> int:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine import Events, Trainer
-from handlers.checkpoint import AsyncCheckpointer
+from hookloop.engine import Events, Trainer
+from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 
 def main() -> int:

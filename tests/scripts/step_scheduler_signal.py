@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from engine import parallel
-from engine.events import Events
-from engine.trainer import Trainer
-from examples.models.gpt import GPT, GPTConfig, cross_entropy_loss
-from handlers.step_scheduler import StepScheduler
+from hookloop.engine import parallel
+from hookloop.engine.events import Events
+from hookloop.engine.trainer import Trainer
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from hookloop.handlers.step_scheduler import StepScheduler
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""A small GPT for the examples, tests and benchmarks.
+"""A small GPT for the examples, tests and benchmarks (``model.target: hookloop.models.gpt:recipe``).
 
 Built from parts a pipeline split can remove: ``tok_emb``/``pos_emb`` (first stage), ``blocks``
 (a ``ModuleDict`` keyed "0", "1", ... so names stay stable when a stage keeps only some),
@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "cross_entropy_loss"]
+from hookloop.recipe import ModelRecipe, token_cross_entropy
+
+__all__ = ["GPT", "GPTConfig", "build", "cross_entropy_loss", "recipe"]
 
 
 @dataclasses.dataclass
@@ -100,6 +102,25 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layers * c.d_model * c.seq_len
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+#: Next-token cross entropy of logits ``[batch, seq, vocab]`` against ids ``[batch, seq]``.
+cross_entropy_loss = token_cross_entropy
+
+
+def build(
+    n_layers: int = 4,
+    d_model: int = 128,
+    n_heads: int = 4,
+    dropout: float = 0.0,
+    vocab_size: int = 256,
+    seq_len: int = 128,
+) -> GPT:
+    """A freshly initialized :class:`GPT` (``seq_len`` defaults to ``train.seq_len`` in a config)."""
+    return GPT(GPTConfig(vocab_size, seq_len, n_layers, d_model, n_heads, dropout))
+
+
+def _check(args: dict, cfg: object) -> None:
+    GPTConfig(**args)  # raises ValueError naming the model field
+
+
+#: What ``model.target: hookloop.models.gpt:recipe`` trains.
+recipe = ModelRecipe(build=build, loss_fn=cross_entropy_loss, check=_check)

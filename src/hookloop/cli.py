@@ -1,0 +1,119 @@
+"""The ``hookloop`` command (also ``python -m hookloop``)::
+
+    hookloop train CONFIG [section.field=value ...]     train (under torchrun too: -m hookloop train)
+    hookloop check CONFIG [overrides] [--nproc N]        check everything a run can check up front
+    hookloop config [CONFIG] [overrides] [--markdown]    the resolved config, every field explained
+
+``train`` exits with the run's exit code (:class:`hookloop.engine.ExitCode`); every command exits
+with 2 and one line naming the field when the config is wrong, before any process group, data or
+model exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "run", "train_script"]
+
+OVERRIDES_HELP = "dotted overrides, e.g. step_scheduler.max_steps=50 train.run_dir=runs/try"
+
+
+def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentParser:
+    helps = {
+        "train": "train the model a config names, with the shipped handlers",
+        "check": "check a config without starting anything (exit 0 or 2)",
+        "config": "print a config resolved, or the reference of every field",
+    }
+    parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=helps[command])
+    if command == "config":
+        parser.add_argument("config", type=Path, nargs="?", default=None, help="YAML or TOML run config")
+    else:
+        parser.add_argument("config", type=Path, help="YAML or TOML run config")
+    parser.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    if command == "check":
+        parser.add_argument(
+            "--nproc", type=int, default=None, help="the world size to check for (default: WORLD_SIZE, else 1)"
+        )
+    if command == "config":
+        parser.add_argument("--markdown", action="store_true", help="the reference page as Markdown")
+    return parser
+
+
+COMMANDS = ("train", "check", "config")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    if not argv or argv[0] not in COMMANDS:  # --help, a typo, nothing: argparse explains
+        parser = argparse.ArgumentParser(
+            prog="hookloop", description="Train, check or explain a hookloop run config."
+        )
+        sub = parser.add_subparsers(dest="command", required=True)
+        for command in COMMANDS:
+            sub.add_parser(command, help=_command_parser(command).description, add_help=False)
+        parser.parse_args(argv[:1])
+    # Overrides may come before or after the options: parse them intermixed.
+    args = _command_parser(argv[0]).parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit code."""
+    args = _parse(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "config" and args.config is not None and "=" in args.config.name:
+        if not args.config.exists():  # `hookloop config a.b=1`: overrides of the defaults
+            args.overrides.insert(0, str(args.config))
+            args.config = None
+    from hookloop.engine.errors import ConfigError
+
+    if args.command == "config" and args.markdown:
+        from hookloop.handlers.config_reference import render
+        from hookloop.train import TrainingConfig
+
+        sys.stdout.write(render(TrainingConfig))
+        return 0
+    from hookloop import train as training
+
+    try:
+        if args.command == "check" and args.nproc is not None and args.nproc < 1:
+            raise ConfigError("--nproc", f"must be a world size >= 1, got {args.nproc}")
+        world = args.nproc if args.command == "check" else None
+        cfg = training.load_training_config(args.config, args.overrides, world_size=world)
+        if args.command == "config":
+            from hookloop.handlers.config_reference import annotated_yaml
+
+            sys.stdout.write(annotated_yaml(cfg))
+            return 0
+        model = training.check(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"config ok: {args.config} (model {model.target}, run directory {cfg.train.run_dir})")
+        return 0
+    return training.train(cfg, model)
+
+
+def train_script(default_config: str | os.PathLike, argv: list[str] | None = None) -> int:
+    """A training script's ``main``: ``[--config CONFIG] [overrides]``, ``default_config`` when no
+    ``--config`` is given, then ``hookloop train``. Returns the exit code."""
+    parser = argparse.ArgumentParser(description=f"hookloop train, with {default_config} by default")
+    parser.add_argument("--config", type=Path, default=Path(default_config), help="YAML or TOML config")
+    parser.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    args = parser.parse_intermixed_args(argv)
+    return main(["train", str(args.config), *args.overrides])
+
+
+def run() -> None:
+    """The console script: :func:`main`, then leave the way a gloo process group allows."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from hookloop.engine.parallel import exit_process
+
+    exit_process(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,1 @@
+"""Models shipped with hookloop: a small GPT and a Hugging Face causal LM recipe."""
