@@ -32,8 +32,9 @@ CASES = {
 OWN = (
     "import time, engine, handlers\n"
     "start = time.perf_counter()\n"
-    "import handlers.metrics, handlers.loggers, handlers.jsonl_logger, handlers.tensorboard_logger, "
-    "hookloop.handlers.wandb_logger, handlers.console, handlers.profiler, handlers.health_check, handlers.straggler, "
+    "import hookloop.handlers.metrics, hookloop.handlers.loggers, hookloop.handlers.jsonl_logger, "
+    "hookloop.handlers.tensorboard_logger, hookloop.handlers.wandb_logger, hookloop.handlers.console, "
+    "hookloop.handlers.profiler, hookloop.handlers.health_check, hookloop.handlers.straggler, "
     "hookloop.handlers.plot\n"
     "print(time.perf_counter() - start)"
 )

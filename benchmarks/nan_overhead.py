@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from hookloop.engine import Trainer  # noqa: E402
-from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
 from hookloop.handlers.nan_detector import NaNDetector  # noqa: E402
+from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
 
 
 def run(data: list, detector: bool) -> float:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,4 +350,3 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data
-

@@ -36,7 +36,14 @@ from hookloop.engine.batch import count_batch, default_prepare_batch, forward_an
 from hookloop.engine.checks import check_choice
 from hookloop.engine.config import PRECISIONS
 from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
-from hookloop.engine.events import STEP_EVENT_TO_ATTR, EventHandle, EventRegistry, Events, Priority, StepEvents
+from hookloop.engine.events import (
+    STEP_EVENT_TO_ATTR,
+    EventHandle,
+    EventRegistry,
+    Events,
+    Priority,
+    StepEvents,
+)
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hookloop.engine import ConfigError, Events, Trainer, check_int, check_number  # noqa: E402
 from hookloop.engine.data import TokenDataset, prepare_tokens, stdlib_docs_text  # noqa: E402
 from hookloop.engine.handler import Handler  # noqa: E402
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 from hookloop.handlers import compose_config, load_run_config  # noqa: E402
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
 
 # ------------------------------------------------------------------ 1. per-layer gradient norms

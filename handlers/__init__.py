@@ -16,7 +16,12 @@ from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMe
 from hookloop.handlers.health_check import HealthCheck, HealthCheckError, HealthConfig
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import LoggingConfig, MetricLogger, build_loggers, metric_tag
-from hookloop.handlers.metrics import MetricsConfig, MetricsTracker, estimate_flops_per_token, peak_flops_for_device
+from hookloop.handlers.metrics import (
+    MetricsConfig,
+    MetricsTracker,
+    estimate_flops_per_token,
+    peak_flops_for_device,
+)
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
 from hookloop.handlers.run_config import (

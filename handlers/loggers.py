@@ -12,7 +12,13 @@ from typing import Any
 
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.jsonl_logger import JSONLLogger
-from hookloop.handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLogger, is_validation_metric, metric_tag
+from hookloop.handlers.metric_logger import (
+    WANDB_MODES,
+    LoggingConfig,
+    MetricLogger,
+    is_validation_metric,
+    metric_tag,
+)
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.handlers.wandb_logger import WandBLogger
 

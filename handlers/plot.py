@@ -139,7 +139,9 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hookloop.handlers.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hookloop.handlers.plot", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_dir", help="directory holding metrics.jsonl or progress.jsonl")
     parser.add_argument("-o", "--output", help="PNG path (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)

@@ -28,7 +28,6 @@ import math
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -154,19 +153,6 @@ class StepSchedulerConfig:
         )
         check_int(dotted(p, "exit_interval"), self.exit_interval, allow_none=True)
         _resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
-
-    def build(self, dataloader: Any, dp_group_size: int, local_batch_size: int) -> StepScheduler:
-        """Deprecated: use ``StepScheduler.from_config(cfg, dataloader=..., dp_size=...,
-        local_batch_size=...)``. Builds the scheduler even when ``enabled`` is false, as before."""
-        warnings.warn(
-            "StepSchedulerConfig.build() is deprecated: use StepScheduler.from_config(cfg, dataloader=..., "
-            "dp_size=..., local_batch_size=...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return StepScheduler._from_section(
-            self, dataloader=dataloader, dp_size=dp_group_size, local_batch_size=local_batch_size
-        )
 
 
 def _data_length(data: Any) -> int | None:

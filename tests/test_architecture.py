@@ -1,6 +1,9 @@
 """The rules the code's shape promises, checked on the source itself.
 
-- ``engine/`` never imports ``handlers/`` (one deprecation shim aside, which resolves old names).
+- One installed name: every module is ``hookloop.*`` (``engine/`` and ``handlers/`` map to
+  ``hookloop.engine`` and ``hookloop.handlers``), and nothing imports ``engine`` or ``handlers``
+  as top-level names.
+- ``hookloop.engine`` never imports ``hookloop.handlers``; handlers never import the composition root.
 - No import cycles between the project's modules.
 - Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
   ignite's internals.
@@ -10,12 +13,11 @@
 from __future__ import annotations
 
 import ast
+import configparser
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "handlers")
-# The shim that keeps old names importable; it reaches handlers through importlib on purpose.
-ENGINE_TO_HANDLERS_SHIM = "hookloop.engine._deprecated"
 IGNITE_ADAPTER = "hookloop.engine.ignite_adapter"
 IGNITE_PRIVATE = {
     "_event_handlers",
@@ -35,7 +37,7 @@ IGNITE_PRIVATE = {
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
 COMPOSERS = {
-    "handlers",
+    "hookloop.handlers",
     "hookloop.handlers.run_config",
     "hookloop.handlers.loggers",
     "hookloop.handlers.plot",
@@ -43,13 +45,25 @@ COMPOSERS = {
 }
 
 
+def package_dirs() -> dict[str, Path]:
+    """Installed package name -> its folder, as setup.cfg's ``package_dir`` maps them."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    mapping = {}
+    for line in cfg["options"]["package_dir"].strip().splitlines():
+        name, _, folder = (part.strip() for part in line.partition("="))
+        mapping[name] = REPO / folder
+    return mapping
+
+
 def modules() -> dict[str, Path]:
+    """Every installed module name -> its source file."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((REPO / package).rglob("*.py")):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
+    for package, folder in package_dirs().items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
+            found.setdefault(name, path)
     return found
 
 
@@ -89,32 +103,60 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
 
-def test_engine_never_imports_handlers():
+def test_the_package_maps_every_folder_under_hookloop():
+    dirs = package_dirs()
+    assert set(dirs) == {"hookloop", "hookloop.engine", "hookloop.handlers"}
+    names = modules()
+    assert all(name == "hookloop" or name.startswith("hookloop.") for name in names)
+    for expected in (
+        "hookloop.engine.trainer",
+        "hookloop.handlers.checkpoint",
+        "hookloop.cli",
+        "hookloop.train",
+    ):
+        assert expected in names
+
+
+def test_nothing_imports_engine_or_handlers_as_top_level_names():
+    """Code, tests, examples, benchmarks and docs snippets import ``hookloop``: a bare ``engine``
+    or ``handlers`` import would work only from the repository root (or load a second copy)."""
+    bare = re.compile(r"^\s*(?:from|import)\s+(engine|handlers|examples)\b", re.M)
+    offenders = []
+    for folder in ("src", "engine", "handlers", "tests", "examples", "benchmarks", "docs"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix in (".py", ".md", ".sh") and "results" not in path.parts:
+                for m in bare.finditer(path.read_text()):
+                    offenders.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
+    for m in bare.finditer((REPO / "README.md").read_text()):
+        offenders.append(f"README.md: {m.group(0).strip()}")
+    assert offenders == []
+
+
+def test_engine_never_imports_handlers_or_the_composition_root():
+    graph_ = graph()
     offenders = {
-        name: sorted(d for d in deps if d.split(".")[0] == "handlers")
-        for name, deps in graph().items()
-        if name.split(".")[0] == "engine"
+        name: sorted(d for d in deps if d.startswith(("hookloop.handlers", "hookloop.train", "hookloop.cli")))
+        for name, deps in graph_.items()
+        if name.startswith("hookloop.engine")
     }
-    offenders = {k: v for k, v in offenders.items() if v}
-    assert offenders == {}
-    shim = (
-        (REPO / "engine" / "_deprecated.py").read_text()
-        if (REPO / "engine" / "_deprecated.py").exists()
-        else ""
+    offenders.update(
+        {
+            name: sorted(d for d in deps if d.startswith(("hookloop.train", "hookloop.cli")))
+            for name, deps in graph_.items()
+            if name.startswith("hookloop.handlers")
+        }
     )
+    assert {k: v for k, v in offenders.items() if v} == {}
     for name, path in modules().items():
-        if name.startswith("engine") and name != ENGINE_TO_HANDLERS_SHIM:
+        if name.startswith("hookloop.engine"):
             source = path.read_text()
-            assert 'import_module("handlers' not in source and "import_module('handlers" not in source, name
-    if shim:
-        assert "DeprecationWarning" in shim
+            assert 'import_module("hookloop.handlers' not in source, name
 
 
 def test_no_import_cycles():
     g = graph()
     # a package importing its own submodules is how packages export names; not a cycle of concepts
     edges = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in g.items()}
-    edges[ENGINE_TO_HANDLERS_SHIM] = set()
     cycles = []
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -179,9 +221,7 @@ def test_handlers_do_not_import_each_other():
         if not name.startswith("hookloop.handlers.") or name in COMPOSERS:
             continue
         bad = sorted(
-            d
-            for d in deps
-            if d.startswith("handlers") and d != "handlers" and d not in SHARED_HANDLER_MODULES
+            d for d in deps if d.startswith("hookloop.handlers.") and d not in SHARED_HANDLER_MODULES
         )
         bad = [d for d in bad if not any(d.startswith(s + ".") for s in SHARED_HANDLER_MODULES)]
         if bad:
@@ -198,5 +238,7 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert len(_private_accesses(planted)) == 2
     pkg = tmp_path / "engine"
     pkg.mkdir()
-    (pkg / "x.py").write_text("def g():\n    from handlers.nan_detector import NaNDetector\n")
-    assert imports_of("hookloop.engine.x", pkg / "x.py", {"hookloop.handlers.nan_detector"}) == {"hookloop.handlers.nan_detector"}
+    (pkg / "x.py").write_text("def g():\n    from hookloop.handlers.nan_detector import NaNDetector\n")
+    assert imports_of("hookloop.engine.x", pkg / "x.py", {"hookloop.handlers.nan_detector"}) == {
+        "hookloop.handlers.nan_detector"
+    }

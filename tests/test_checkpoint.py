@@ -21,7 +21,6 @@ import torch
 
 from hookloop.engine import ConfigError, Events, ExitCode, Priority, Trainer
 from hookloop.engine import checkpoint_io as io
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers import load_run_config
 from hookloop.handlers.checkpoint import (
     AsyncCheckpointer,
@@ -29,6 +28,7 @@ from hookloop.handlers.checkpoint import (
     CheckpointLayoutError,
     describe_layout_difference,
 )
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
 from tests.scripts import ckpt_train

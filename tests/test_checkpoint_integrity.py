@@ -19,8 +19,8 @@ import torch
 
 from hookloop.engine import Events, Trainer
 from hookloop.engine import checkpoint_io as io
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import full_snapshot, run_distributed, run_process
 

@@ -20,8 +20,8 @@ import torch
 
 from hookloop.engine import Trainer
 from hookloop.engine import checkpoint_io as io
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

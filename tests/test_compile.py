@@ -15,9 +15,9 @@ from hookloop.engine.activation_checkpointing import apply_activation_checkpoint
 from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.config import TrainConfig
 from hookloop.engine.errors import ConfigError
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.metrics import MetricsTracker
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 SEQ = 16

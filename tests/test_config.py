@@ -254,46 +254,22 @@ def test_data_section_shares_the_phase_rules():
     assert info.value.field == "data.phases[1].start_step"
 
 
-# ------------------------------------------------------------------------------ deprecated names
+# ------------------------------------------------------------------------------ removed names
 
 
-def test_deprecated_names_still_work_and_warn():
-    import engine
-    import engine.config
-    import handlers
+def test_old_names_are_gone_and_load_config_needs_a_schema():
+    import hookloop.engine
+    import hookloop.engine.config
 
-    with pytest.warns(DeprecationWarning, match="RunConfig"):
-        from hookloop.engine import HookloopConfig
-    assert HookloopConfig is RunConfig
-    with pytest.warns(DeprecationWarning, match="validate_run_config"):
-        validate_config = engine.validate_config
-    cfg = RunConfig()
-    cfg.step_scheduler.max_steps = 10
-    assert validate_config(cfg, world_size=1) is cfg
-    cfg.lr.min_lr = math.nan
-    with pytest.raises(ConfigError, match="lr.min_lr"):
-        validate_config(cfg, world_size=1)
-    for name in (
-        "StepSchedulerConfig",
-        "CheckpointConfig",
-        "NaNConfig",
-        "LoggingConfig",
-        "MetricsConfig",
-        "ProfilingConfig",
-        "HealthConfig",
-        "StragglerConfig",
-        "HookloopConfig",
-    ):
-        with pytest.warns(DeprecationWarning, match=name if name != "HookloopConfig" else "RunConfig"):
-            old = getattr(engine.config, name)
-        assert old is getattr(handlers, name if name != "HookloopConfig" else "RunConfig")
-    with pytest.warns(DeprecationWarning, match="schema="):
-        cfg = engine.load_config(None, ["step_scheduler.max_steps=10"], world_size=1)
-    assert isinstance(cfg, RunConfig) and cfg.step_scheduler.max_steps == 10
-    with pytest.raises(AttributeError):
-        engine.config.NoSuchConfig  # noqa: B018
-    with pytest.raises(AttributeError):
-        engine.StepSchedulerConfig  # noqa: B018  (never was an engine name)
+    for module, name in [
+        (hookloop.engine, "HookloopConfig"),
+        (hookloop.engine, "validate_config"),
+        (hookloop.engine.config, "StepSchedulerConfig"),
+    ]:
+        with pytest.raises(AttributeError):
+            getattr(module, name)
+    with pytest.raises(TypeError, match="schema"):
+        hookloop.engine.load_config(None, ["step_scheduler.max_steps=10"])  # no schema=
 
 
 def test_engine_config_does_not_import_handlers():

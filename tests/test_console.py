@@ -10,9 +10,9 @@ import time
 import torch
 
 from hookloop.engine import Events, Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.metrics import MetricsTracker
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -23,10 +23,10 @@ from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.engine.trainer import Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.curriculum import Phase, PhaseCurriculum
 from hookloop.handlers.dataset_metrics import PerDatasetMetrics
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt
 
 SEQ = 16

@@ -189,17 +189,14 @@ def test_readme_commands_name_existing_files():
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "bash")], ids=_name)
 def test_commands_use_real_config_fields(page):
     """Every ``section.field=value`` override in a page's commands names a real field of the
-    example scripts' run config (every shipped section plus the examples' ``fault``), and the
+    config ``hookloop train`` reads (every shipped section plus ``fault``), and the
     scripts and modules the commands name exist."""
     import dataclasses
     import typing
 
-    sys.path.insert(0, str(REPO))
-    try:
-        from examples.training import ExampleConfig
-    finally:
-        sys.path.remove(str(REPO))
-    hints = typing.get_type_hints(ExampleConfig)
+    from hookloop.train import TrainingConfig
+
+    hints = typing.get_type_hints(TrainingConfig)
     commands = _commands(page)
     problems = [p for c in commands for p in _referenced(c) if "examples/" in c or "engine" in c]
     for key in re.findall(r"(?<![\w/.-])([a-z_]+)\.([a-z_]+)=", " ".join(commands)):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hookloop.engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 TOTAL, STOP = 16, 10

@@ -22,7 +22,6 @@ from hookloop.engine.data.loader import MixtureLoader
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler
 from hookloop.engine.running_mean import RunningMean
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers import (
     AsyncCheckpointer,
     ConsoleLogger,
@@ -39,6 +38,7 @@ from hookloop.handlers import (
     TensorBoardLogger,
     WandBLogger,
 )
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 SEQ = 16

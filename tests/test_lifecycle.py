@@ -1,5 +1,7 @@
-"""What a user sees on stderr: setup_logging, the example's start-up summary and lifecycle lines
-(fresh run, final checkpoint, resume with nothing left to train), and the per-config run directory."""
+"""What a user sees on stderr: the lifecycle lines without set-up (in a plain script too), how the
+standard ``logging`` calls redirect or silence them, setup_logging, the start-up summary of
+``hookloop train`` (fresh run, final checkpoint, resume with nothing left to train), and the
+per-config run directory."""
 
 import logging
 import sys
@@ -8,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from hookloop.engine import setup_logging
-from hookloop.engine.logging_setup import LOGGER_NAMES
-from examples.train_gpt import DEFAULT_CONFIG, resolve_run_dir
+from hookloop.engine.logging_setup import LOGGER_NAME, install_default
 from hookloop.handlers import load_run_config
+from hookloop.train import resolve_run_dir
 from tests.dist_utils import REPO, run_process
 
 SCRIPT = REPO / "examples" / "train_gpt.py"
+DEFAULT_CONFIG = REPO / "examples" / "configs" / "gpt_tiny.yaml"
+LOGGER_NAMES = (LOGGER_NAME,)
 
 
 @pytest.fixture
@@ -23,6 +27,7 @@ def clean_loggers():
     saved = {n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers)) for n in names}
     for n in LOGGER_NAMES:
         logging.getLogger(n).handlers = []
+    install_default()
     yield
     for n, (level, handlers) in saved.items():
         logging.getLogger(n).setLevel(level)
@@ -36,7 +41,7 @@ def test_setup_logging_twice_adds_one_handler(clean_loggers, monkeypatch, capsys
     assert first is second
     for name in LOGGER_NAMES:
         assert logging.getLogger(name).handlers == [first]
-    assert logging.getLogger("engine").level == logging.DEBUG
+    assert logging.getLogger("hookloop").level == logging.DEBUG
     logging.getLogger("hookloop.handlers.checkpoint").info("resumed from x (step 3)")
     logging.getLogger("hookloop.engine.trainer").warning("slow step")
     err = capsys.readouterr().err
@@ -93,7 +98,7 @@ def test_second_run_resumes_and_says_nothing_is_left(tmp_path):
     first = run_process([sys.executable, str(SCRIPT), *args], timeout=180)
     assert first.returncode == 0, first.stderr[-3000:]
     err = first.stderr
-    assert "[hookloop] parameters: " in err
+    assert "[hookloop] model: hookloop.models.gpt:recipe, " in err and " parameters\n" in err
     assert f"[hookloop] run directory: {run_dir}\n" in err
     assert "[hookloop] start: fresh (step 0)" in err
     assert "[hookloop] handlers: StepScheduler, AsyncCheckpointer" in err
@@ -113,3 +118,48 @@ def test_second_run_resumes_and_says_nothing_is_left(tmp_path):
     assert "fresh" not in err
     assert "checkpoint of step" not in err  # nothing trained, nothing saved again
     assert "done: step 6, no step left to train, exit code 0 (SUCCESS)" in second.stdout
+
+
+PLAIN_SCRIPT = """
+import logging, sys
+import torch
+from hookloop import Trainer
+from hookloop.handlers import AsyncCheckpointer, StepScheduler
+MODE = sys.argv[2]
+if MODE == "basicConfig":
+    logging.basicConfig(format="APP %(name)s: %(message)s", level=logging.INFO)
+elif MODE == "quiet":
+    logging.getLogger("hookloop").setLevel(logging.WARNING)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(4)]
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                  run_dir=sys.argv[1])
+StepScheduler(2, 2, 1, data, max_steps=3).attach(trainer)
+AsyncCheckpointer(sys.argv[1] + "/ckpt", every_steps=3, mode="sync").attach(trainer)
+trainer.run(data)
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "basicConfig", "quiet"])
+def test_a_plain_script_says_what_happened_without_set_up(tmp_path, mode):
+    """A user's own script (no setup_logging) hears the lifecycle lines on stderr; an application
+    that configures logging gets them through its own handler, once; setLevel silences them."""
+    script = tmp_path / "mine.py"
+    script.write_text(PLAIN_SCRIPT)
+    cmd = [sys.executable, str(script), str(tmp_path / "run"), mode]
+    first = run_process(cmd, timeout=120, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_process(cmd, timeout=120, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    err = second.stderr
+    if mode == "plain":
+        assert "[hookloop] checkpoint of step 3 is complete" in first.stderr
+        assert "[hookloop] resumed from " in err and "(step 3)" in err
+        assert err.count("nothing left to train") == 1, err
+    elif mode == "basicConfig":
+        assert "[hookloop]" not in err  # the application's handler took over, nothing twice
+        assert "APP hookloop.handlers.checkpoint: resumed from " in err
+        assert err.count("nothing left to train") == 1, err
+    else:
+        assert "resumed from" not in err and "nothing left to train" not in err

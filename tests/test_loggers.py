@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from hookloop.engine import Events, Trainer
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import metric_tag
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from tests.dist_utils import REPO
 
 SEQ = 16

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Events, Priority, Trainer
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.handlers.metrics import MetricsTracker, estimate_flops_per_token
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from tests.dist_utils import run_distributed
 
 SEQ = 16

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.pipeline import PipelineConfig, available_schedules, default_module_fqns, split_stage_module
+from hookloop.engine.pipeline import (
+    PipelineConfig,
+    available_schedules,
+    default_module_fqns,
+    split_stage_module,
+)
 from tests.dist_utils import run_distributed
 
 MB_SIZE = 2  # samples per microbatch
@@ -268,8 +273,8 @@ def test_pp2_dp2_matches_the_reference():
 def _resume_worker(rank: int, world: int, directory: str) -> dict:
     from hookloop.engine import Trainer, init_distributed
     from hookloop.engine.pipeline import build_pipeline
-    from hookloop.models.gpt import cross_entropy_loss
     from hookloop.handlers.checkpoint import AsyncCheckpointer
+    from hookloop.models.gpt import cross_entropy_loss
     from tests.conftest import token_batches
 
     torch.use_deterministic_algorithms(True)

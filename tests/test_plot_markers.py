@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from hookloop.engine import Events, ExitCode, Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.handlers.plot import load_events, load_records, plot_run
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

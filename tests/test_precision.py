@@ -8,8 +8,8 @@ import torch
 
 from hookloop.engine import ConfigError, Events, Trainer
 from hookloop.engine.config import TrainConfig
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.nan_detector import NaNDetector
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hookloop.engine import Events, ExitCode, Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers import attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 

@@ -17,7 +17,6 @@ from hookloop.engine.data import MixtureDataset, MixtureSampler
 from hookloop.engine.data.config import DataConfig, Phase, PhaseConfig
 from hookloop.engine.handler import Handler
 from hookloop.engine.pipeline import PipelineConfig
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers import (
     HANDLER_ORDER,
     AsyncCheckpointer,
@@ -47,6 +46,7 @@ from hookloop.handlers import (
     compose_config,
     load_run_config,
 )
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -383,13 +383,6 @@ _CASES = {
 def test_constructor_and_section_reject_a_bad_value_with_the_same_rule(case, tmp_path):
     ctor, config, ctor_field, config_field = _CASES[case]
     _same_rule(lambda: ctor(tmp_path), config, ctor_field, config_field)
-
-
-def test_config_build_is_deprecated_but_works():
-    cfg = StepSchedulerConfig(global_batch_size=8, num_epochs=2, ckpt_every_steps=3)
-    with pytest.warns(DeprecationWarning, match="from_config"):
-        s = cfg.build(list(range(12)), dp_group_size=2, local_batch_size=2)
-    assert isinstance(s, StepScheduler) and (s.grad_acc_steps, s.max_steps) == (2, 12)
 
 
 def test_a_corrupt_curriculum_state_is_a_checkpoint_error_naming_the_key():

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Events, ExitCode, Trainer
-from hookloop.models.gpt import cross_entropy_loss
 from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
+from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, free_port
 

@@ -165,7 +165,9 @@ def stdlib_source_files(limit: int | None = None) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point of ``python -m hookloop.engine.data``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m hookloop.engine.data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hookloop.engine.data", description=__doc__.split("\n\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="write a byte-level token file and its .json sidecar")
     prep.add_argument("out", type=Path, help="token file to write; the sidecar goes to OUT.json")

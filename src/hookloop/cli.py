@@ -35,7 +35,10 @@ def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentPa
     parser.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     if command == "check":
         parser.add_argument(
-            "--nproc", type=int, default=None, help="the world size to check for (default: WORLD_SIZE, else 1)"
+            "--nproc",
+            type=int,
+            default=None,
+            help="the world size to check for (default: WORLD_SIZE, else 1)",
         )
     if command == "config":
         parser.add_argument("--markdown", action="store_true", help="the reference page as Markdown")

@@ -184,4 +184,3 @@ def _bind(target: str, build: Callable, section: Mapping[str, Any], cfg: Any) ->
     if missing:
         raise ConfigError(f"model.{missing[0]}", f"is required by {target}; set it in the model section")
     return args
-

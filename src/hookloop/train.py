@@ -202,18 +202,27 @@ def build_data(cfg: Any, rank: int, world: int, collate_fn: Callable | None = No
     mixture = MixtureDataset(train_parts)
     weights = {name: cfg.data.weights.get(name, 1.0) for name in train_parts}
     sampler = MixtureSampler(
-        mixture, weights, temperature=cfg.data.mix_temperature, seed=cfg.train.seed, rank=rank, world_size=world
+        mixture,
+        weights,
+        temperature=cfg.data.mix_temperature,
+        seed=cfg.train.seed,
+        rank=rank,
+        world_size=world,
     )
     # The loader's position is the sampler's right after the batches training received, also with
     # worker prefetch, so resume is exact and O(1).
-    train = MixtureLoader(sampler, cfg.train.local_batch_size, num_workers=cfg.data.num_workers, collate_fn=collate_fn)
+    train = MixtureLoader(
+        sampler, cfg.train.local_batch_size, num_workers=cfg.data.num_workers, collate_fn=collate_fn
+    )
     val = None
     if val_parts and cfg.data.val_samples:
         val_set = MixtureDataset(val_parts)
         shard = Subset(val_set, validation_indices(len(val_set), cfg.data.val_samples, rank, world))
         # Pipeline stages take whole microbatches only: a partial last batch is dropped there.
         drop_last = cfg.distributed.pp_size > 1
-        val = DataLoader(shard, batch_size=cfg.train.local_batch_size, collate_fn=collate_fn, drop_last=drop_last)
+        val = DataLoader(
+            shard, batch_size=cfg.train.local_batch_size, collate_fn=collate_fn, drop_last=drop_last
+        )
     return train, val, sampler
 
 
@@ -261,7 +270,9 @@ def save_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
     return path
 
 
-def log_summary(trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str) -> None:
+def log_summary(
+    trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str
+) -> None:
     """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
     resumes (so run it at a priority below ``Priority.RESUME``)."""
     state = trainer.state
@@ -322,12 +333,18 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     runtime = None
     if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
         runtime = build_pipeline(
-            model, PipelineConfig.from_section(cfg.pipeline), info, recipe.loss_fn, dp_mode=cfg.distributed.dp_mode
+            model,
+            PipelineConfig.from_section(cfg.pipeline),
+            info,
+            recipe.loss_fn,
+            dp_mode=cfg.distributed.dp_mode,
         )
         model = runtime.module
     else:
         fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
-        model = wrap_data_parallel(model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision)
+        model = wrap_data_parallel(
+            model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
+        )
     loss_fn = recipe.loss_fn
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
         loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)

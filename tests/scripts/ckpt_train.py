@@ -23,8 +23,8 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hookloop.engine import Events, Priority, Trainer
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
 
 class GatedStager(DefaultStager):

@@ -21,8 +21,8 @@ import torch
 from hookloop.engine import parallel
 from hookloop.engine.events import Events
 from hookloop.engine.trainer import Trainer
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.handlers.step_scheduler import StepScheduler
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
 
 def main() -> int:

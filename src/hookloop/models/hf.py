@@ -40,14 +40,18 @@ def hf_model_config(architecture: str = "llama", seq_len: int = 128, pp_size: in
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model.target", "hookloop.models.hf needs transformers: pip install 'hookloop[hf]'") from None
+        raise ConfigError(
+            "model.target", "hookloop.models.hf needs transformers: pip install 'hookloop[hf]'"
+        ) from None
     cls = transformers.LlamaConfig if architecture == "llama" else transformers.GPT2Config
     known = set(cls().to_dict())
     for key in fields:
         if key not in known:
             raise ConfigError(f"model.{key}", f"is not a field of {cls.__name__}; check the spelling")
         if key in _SET_HERE:
-            raise ConfigError(f"model.{key}", "is set by hookloop (byte vocabulary 256, positions train.seq_len)")
+            raise ConfigError(
+                f"model.{key}", "is set by hookloop (byte vocabulary 256, positions train.seq_len)"
+            )
     positions = {"max_position_embeddings" if architecture == "llama" else "n_positions": seq_len}
     extra = {"bos_token_id": None, "eos_token_id": None} if architecture == "gpt2" else {}
     # Untied embeddings: the input embedding and lm_head sit on different pipeline stages.
