@@ -66,7 +66,7 @@ class TrainConfig:
     grad_clip_norm: Optional[float] = 1.0  # clip the total gradient norm to this; null: no clipping
     deterministic: bool = False  # torch's deterministic algorithms (bitwise-repeatable runs)
     num_threads: Optional[int] = None  # torch intra-op threads; null: torch's default
-    run_dir: Optional[str] = None  # null: the script picks one (train_gpt.py: runs/<config stem>)
+    run_dir: Optional[str] = None  # null: runs/<config file stem> (hookloop train)
     device: Optional[str] = None  # cpu or cuda; null: this rank's GPU under CUDA, else cpu
     activation_checkpointing: str = "none"  # none, full (every block) or selective (every other)
     compile: Union[bool, str] = False  # false, true (= blocks), blocks (each block) or model
@@ -326,27 +326,39 @@ def _where(schema: type, key: str) -> str:
 
 
 def _read_file(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError("config", f"{path} is a directory; pass the path of a .yaml or .toml file")
     if not path.is_file():
         raise ConfigError(
             "config", f"file {str(path)!r} does not exist; pass the path of a .yaml or .toml file"
         )
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("config", f"cannot read {path}: {e}") from None
     if path.suffix == ".toml":
         import tomllib
 
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError("config", f"{path} is not valid TOML: {e}") from None
+            raise ConfigError("config", f"{path} is not valid TOML: {_one_line(str(e))}") from None
     elif path.suffix in (".yaml", ".yml"):
         import yaml
 
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError("config", f"{path} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError("config", f"{path} is not valid YAML{where}: {_one_line(problem)}") from None
     else:
         raise ConfigError("config", f"{path}: use a .yaml, .yml or .toml file")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -27,6 +27,11 @@ def read_metrics(tmp_path) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+def val_losses(tmp_path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
 def test_train_gpt_loss_falls(tmp_path):
     proc = run_process(
         [sys.executable, str(SCRIPT), *common(tmp_path), "step_scheduler.max_steps=30"], timeout=180
@@ -42,7 +47,7 @@ def test_train_gpt_loss_falls(tmp_path):
 @pytest.mark.distributed
 def test_train_gpt_under_torchrun_ddp_and_pipeline_match_single_process(tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
-    args = ["step_scheduler.max_steps=10", "train.deterministic=true"]
+    args = ["step_scheduler.max_steps=10", "train.deterministic=true", "step_scheduler.val_every_steps=5"]
     p1 = run_process([sys.executable, str(SCRIPT), *common(single), *args], timeout=180)
     assert p1.returncode == 0, p1.stderr[-3000:]
     p2 = run_torchrun(SCRIPT, 2, [*common(multi), *args], timeout=180)
@@ -60,6 +65,13 @@ def test_train_gpt_under_torchrun_ddp_and_pipeline_match_single_process(tmp_path
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
         assert ra["loss"] == pytest.approx(rc["loss"], rel=1e-4)
         assert ra["tokens_seen"] == rb["tokens_seen"] == rc["tokens_seen"]
+    # Validation shares data.val_samples among the data-parallel ranks and weighs every sample
+    # once: the same model gives the same val_loss whatever the world size or layout.
+    va, vb, vc = (val_losses(d) for d in (single, multi, pipe))
+    assert list(va) == list(vb) == list(vc) == [5, 10]
+    for step in va:
+        assert va[step] == pytest.approx(vb[step], rel=1e-4)
+        assert va[step] == pytest.approx(vc[step], rel=1e-4)
 
 
 def test_bad_config_fails_before_any_work(tmp_path):

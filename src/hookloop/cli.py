@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check" and args.nproc is not None and args.nproc < 1:
             raise ConfigError("--nproc", f"must be a world size >= 1, got {args.nproc}")
         world = args.nproc if args.command == "check" else None
-        cfg = training.load_training_config(args.config, args.overrides, world_size=world)
+        if args.command == "config" and args.config is None and not args.overrides:
+            cfg = training.TrainingConfig()  # every field at its default, as the reference lists them
+        else:
+            cfg = training.load_training_config(args.config, args.overrides, world_size=world)
         if args.command == "config":
             from hookloop.handlers.config_reference import annotated_yaml
 

@@ -114,8 +114,6 @@ def load_training_config(
 ) -> Any:
     """A :data:`TrainingConfig` from a YAML/TOML file and dotted overrides, validated for
     ``world_size`` (default: torchrun's ``WORLD_SIZE``, else 1), with its run directory resolved."""
-    if path is not None and Path(path).is_dir():
-        raise ConfigError("config", f"{path} is a directory; give a .yaml, .yml or .toml file")
     cfg = load_run_config(path, overrides, schema=TrainingConfig, world_size=world_size)
     resolve_run_dir(cfg, path)
     return cfg

@@ -1,0 +1,243 @@
+"""The ``hookloop`` command and the package's shape: a user's own model trained from a config
+(resumed, retrained from the saved config), ``check`` and ``config``, torchrun ``-m hookloop``,
+and one installed name (a local ``engine.py`` or ``handlers/`` stays the user's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hookloop.train import load_training_config
+from tests.dist_utils import REPO, free_port, run_process
+
+MY_MODEL = """
+import torch
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, dim, seq_len, vocab=256):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(seq_len, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.head(torch.relu(self.embed(tokens) + self.pos(positions)))
+
+def build(dim: int = 16, seq_len: int = 32):
+    return TinyLM(dim, seq_len)
+"""
+
+MY_CONFIG = """
+model:
+  target: my_models.py:build
+  dim: 24
+train:
+  seq_len: 16
+  local_batch_size: 4
+step_scheduler:
+  global_batch_size: 4
+  max_steps: 8
+  ckpt_every_steps: 4
+  val_every_steps: 4
+lr:
+  warmup_steps: 0
+logging:
+  log_interval: 4
+data:
+  cache_dir: data
+"""
+
+
+def hookloop(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_process([sys.executable, "-m", "hookloop", *args], cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A user's project: their own model file and config, nothing copied from hookloop."""
+    (tmp_path / "my_models.py").write_text(MY_MODEL)
+    (tmp_path / "my_run.yaml").write_text(MY_CONFIG)
+    return tmp_path
+
+
+def test_train_a_users_own_model_resume_and_retrain_from_the_saved_config(project):
+    first = hookloop("train", "my_run.yaml", cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = project / "runs" / "my_run"  # the config's stem: each config its own run directory
+    assert "[hookloop] model: my_models.py:build, " in first.stderr
+    assert "done: step 8, loss " in first.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [4, 8]
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    # The resolved config is saved beside the run, every default included.
+    saved = run_dir / "config.yaml"
+    cfg = load_training_config(saved)
+    assert cfg.model == {"target": "my_models.py:build", "dim": 24}
+    assert cfg.train.run_dir == "runs/my_run" and cfg.step_scheduler.max_steps == 8
+    assert cfg.optimizer.lr == load_training_config(project / "my_run.yaml").optimizer.lr
+
+    again = hookloop("train", "my_run.yaml", cwd=project)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000008'} (step 8)" in again.stderr
+    assert "done: step 8, no step left to train" in again.stdout
+
+    # Overrides anywhere on the line; the saved config trains the same run further.
+    more = hookloop("train", str(saved), "step_scheduler.max_steps=12", cwd=project)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "(step 8)" in more.stderr and "done: step 12, loss " in more.stdout
+
+
+def test_the_console_script_is_installed_and_checks(project):
+    exe = shutil.which("hookloop")
+    assert exe, "the hookloop console script is not on PATH: pip install -e . installs it"
+    ok = run_process([exe, "check", "my_run.yaml", "--nproc", "2", "train.local_batch_size=2"], cwd=project)
+    assert ok.returncode == 0, ok.stderr
+    # --nproc is the world size checked for: 4 samples a step cannot split into 2 x 4.
+    bad = run_process([exe, "check", "--nproc", "2", "my_run.yaml"], cwd=project)
+    assert bad.returncode == 2 and "step_scheduler.global_batch_size: (4)" in bad.stderr, bad.stderr
+    assert ok.stdout.startswith(
+        "config ok: my_run.yaml (model my_models.py:build, run directory runs/my_run)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["model.dimm=3"], "model.dimm: is not an argument of my_models.py:build (it takes: dim, seq_len)"),
+        (["model.target=my_models.py:nope"], "model.target: my_models.py has no attribute 'nope'"),
+        (["model.target=nowhere.py:build"], "model.target: nowhere.py is not a file"),
+        (["model.target=build"], "model.target: must look like module:attribute"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["step_scheduler.max_stepz=3"], "step_scheduler.max_stepz"),
+        (["data.datasets.docs=missing.u8"], "data.datasets.docs: missing.u8 is not a file"),
+        (
+            ["--nproc", "3", "distributed.pp_size=2"],
+            "distributed.pp_size: (2) must divide the world size (3)",
+        ),
+    ],
+)
+def test_check_names_the_field_in_one_line_and_creates_nothing(project, args, field):
+    before = sorted(p.name for p in project.iterdir())
+    proc = hookloop("check", "my_run.yaml", *args, cwd=project, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), proc.stderr
+    assert field in lines[0]
+    assert sorted(p.name for p in project.iterdir()) == before  # no runs/, no data/
+
+
+def test_check_and_train_reject_unreadable_configs_in_one_line(project):
+    (project / "broken.yaml").write_text("model:\n  target: [unclosed\n")
+    for args in (["check", "broken.yaml"], ["train", "broken.yaml"], ["check", "."], ["check", "none.yaml"]):
+        proc = hookloop(*args, cwd=project, timeout=120)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("config error: config: "), (args, proc.stderr)
+    assert not (project / "runs").exists()
+
+
+def test_config_prints_the_resolved_config_that_loads_back(project):
+    proc = hookloop("config", "my_run.yaml", "optimizer.lr=0.01", cwd=project, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "  lr: 0.01  # " in out and "(default 0.0003)" in out  # value, meaning, default
+    assert "  max_steps: 8  # " in out
+    (project / "resolved.yaml").write_text(out)
+    a = load_training_config(project / "resolved.yaml")
+    b = load_training_config(project / "my_run.yaml", ["optimizer.lr=0.01"])
+    b.train.run_dir = a.train.run_dir  # resolved from each file's own name
+    assert a == b
+
+
+def test_config_markdown_is_the_committed_reference(tmp_path):
+    proc = hookloop("config", "--markdown", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (REPO / "docs" / "configuration.md").read_text(), (
+        "docs/configuration.md is stale: run  hookloop config --markdown > docs/configuration.md"
+    )
+    assert "## fault" in proc.stdout and "`model.target`" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_torchrun_module_trains_fsdp_and_resumes(project):
+    def torchrun() -> subprocess.CompletedProcess:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+        ]
+        args = ["train", "my_run.yaml", "distributed.dp_mode=fsdp", "train.run_dir=runs/fsdp"]
+        args.append("train.local_batch_size=2")
+        return run_process([*launcher, "-m", "hookloop", *args], cwd=project, timeout=240)
+
+    proc = torchrun()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: step 8, loss ") == 1  # rank 0 only
+    assert proc.stderr.count("[hookloop] model: my_models.py:build") == 1
+    assert "world size 2 (dp 2 x pp 1)" in proc.stderr
+    again = torchrun()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "done: step 8, no step left to train" in again.stdout
+
+
+def test_a_users_engine_and_handlers_stay_theirs(tmp_path):
+    """hookloop installs one name: a project's own engine.py and handlers/ keep working beside it."""
+    (tmp_path / "engine.py").write_text("def train_one_epoch():\n    return 'mine'\n")
+    (tmp_path / "handlers").mkdir()
+    (tmp_path / "handlers" / "__init__.py").write_text("NAME = 'my handlers'\n")
+    code = (
+        "import hookloop, hookloop.handlers, hookloop.train\n"
+        "from engine import train_one_epoch\n"
+        "from handlers import NAME\n"
+        "print(train_one_epoch(), NAME, hookloop.Trainer.__module__)\n"
+    )
+    env = {"PYTHONPATH": ""}
+    proc = run_process([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["mine", "my", "handlers", "hookloop.engine.trainer"]
+    # Outside the repository there is no top-level engine or handlers at all.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("engine", "handlers", "examples"):
+        proc = run_process([sys.executable, "-c", f"import {name}"], cwd=empty, env=env, timeout=60)
+        assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, name
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_only_hookloop(tmp_path):
+    proc = run_process(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("hookloop-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"hookloop"}, sorted(top)
+    for module in ("hookloop/engine/trainer.py", "hookloop/handlers/checkpoint.py", "hookloop/cli.py"):
+        assert module in names
+    info = next(t for t in top if t.endswith(".dist-info"))
+    assert zipfile.ZipFile(wheel).read(f"{info}/top_level.txt").decode().split() == ["hookloop"]
+    entry = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
+    assert "hookloop = hookloop.cli:run" in entry
+    assert os.path.basename(wheel).startswith("hookloop-0.")
