@@ -1,4 +1,4 @@
-"""Import time of ``import engine, handlers`` (with every observability module) against
+"""Import time of ``import hookloop`` (with every handler and observability module) against
 ``import torch, ignite``, each in a fresh interpreter, alternated, medians over repeats.
 
     python benchmarks/import_time.py [--quick] [--json out.json]
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,16 +20,18 @@ CASES = {
     "python (empty)": "pass",
     "import torch": "import torch",
     "import torch, ignite": "import torch, ignite, ignite.engine",
-    "import engine, handlers": (
-        "import engine, handlers, handlers.metrics, handlers.loggers, handlers.jsonl_logger, "
-        "hookloop.handlers.tensorboard_logger, handlers.wandb_logger, handlers.console, handlers.profiler, "
-        "hookloop.handlers.health_check, handlers.straggler, handlers.plot"
+    "import hookloop": "import hookloop",
+    "import hookloop (all handlers)": (
+        "import hookloop, hookloop.handlers, hookloop.handlers.metrics, hookloop.handlers.loggers, "
+        "hookloop.handlers.jsonl_logger, hookloop.handlers.tensorboard_logger, "
+        "hookloop.handlers.wandb_logger, hookloop.handlers.console, hookloop.handlers.profiler, hookloop.handlers.health_check, "
+        "hookloop.handlers.straggler, hookloop.handlers.plot"
     ),
 }
 
 
 OWN = (
-    "import time, engine, handlers\n"
+    "import time, hookloop, hookloop.handlers\n"
     "start = time.perf_counter()\n"
     "import hookloop.handlers.metrics, hookloop.handlers.loggers, hookloop.handlers.jsonl_logger, "
     "hookloop.handlers.tensorboard_logger, hookloop.handlers.wandb_logger, hookloop.handlers.console, "
@@ -41,18 +42,14 @@ OWN = (
 
 
 def time_own_modules() -> float:
-    """Seconds to import the observability modules in a process that already imported engine."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", OWN], check=True, env=env, cwd=REPO, capture_output=True, text=True
-    )
+    """Seconds to import the observability modules in a process that already imported hookloop."""
+    out = subprocess.run([sys.executable, "-c", OWN], check=True, cwd=REPO, capture_output=True, text=True)
     return float(out.stdout.strip())
 
 
 def time_import(code: str) -> float:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     return time.perf_counter() - start
 
 
@@ -78,11 +75,12 @@ def main() -> None:
         med = statistics.median(times[name])
         print(f"{name:28s} {med:9.3f} {min(times[name]):7.3f} {med / ref:22.3f}")
     print(
-        f"observability modules alone (imported after engine, in-process): median "
+        f"observability modules alone (imported after hookloop, in-process): median "
         f"{1e3 * statistics.median(own):.1f} ms, min {1e3 * min(own):.1f} ms"
     )
     if args.json:
-        ours = statistics.median(times["import engine, handlers"])
+        ours = statistics.median(times["import hookloop"])
+        everything = statistics.median(times["import hookloop (all handlers)"])
         result = {
             "benchmark": "import_time",
             "repeats": repeats,
@@ -90,14 +88,23 @@ def main() -> None:
             "observability_modules_ms": 1e3 * statistics.median(own),
             "figures": [
                 {
-                    "figure": "import engine, handlers (all handler modules)",
+                    "figure": "import hookloop",
                     "hookloop": ours,
                     "reference": ref,
                     "ratio": ours / ref,
                     "target": "<= 1.1",
                     "met": ours / ref <= 1.1,
                     "unit": "s",
-                }
+                },
+                {
+                    "figure": "import hookloop with every handler module",
+                    "hookloop": everything,
+                    "reference": ref,
+                    "ratio": everything / ref,
+                    "target": "<= 1.1",
+                    "met": everything / ref <= 1.1,
+                    "unit": "s",
+                },
             ],
             "notes": "Reference: import torch, ignite; a fresh interpreter per import.",
         }

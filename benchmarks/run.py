@@ -37,6 +37,7 @@ BENCHMARKS = {
     "engines": "engines.py",
     "event_bus": "event_bus.py",
     "import_time": "import_time.py",
+    "startup": "startup.py",
     "logging": "logging_overhead.py",
     "nan_detector": "nan_overhead.py",
     "checkpoint": "checkpoint.py",
@@ -76,7 +77,7 @@ def run_one(name: str, script: str, quick: bool, timeout: float) -> dict:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(path), "--json", str(out)] + (["--quick"] if quick else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-        # The code of this checkout, not whichever copy of the packages is installed.
+        # benchmarks.* resolve from this checkout; hookloop is the installed (editable) package.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
         start = time.perf_counter()
         try:
