@@ -24,8 +24,8 @@ CASES = {
     "import hookloop (all handlers)": (
         "import hookloop, hookloop.handlers, hookloop.handlers.metrics, hookloop.handlers.loggers, "
         "hookloop.handlers.jsonl_logger, hookloop.handlers.tensorboard_logger, "
-        "hookloop.handlers.wandb_logger, hookloop.handlers.console, hookloop.handlers.profiler, hookloop.handlers.health_check, "
-        "hookloop.handlers.straggler, hookloop.handlers.plot"
+        "hookloop.handlers.wandb_logger, hookloop.handlers.console, hookloop.handlers.profiler, "
+        "hookloop.handlers.health_check, hookloop.handlers.straggler, hookloop.handlers.plot"
     ),
 }
 
