@@ -614,6 +614,8 @@ class AsyncCheckpointer(Handler):
             "handlers": handlers,
             "data": io.encode(data, "data position"),
             "rng": io.capture_rng(self._data_generators()),
+            # What the run last reported, so a resumed run that trains no further step still says it.
+            "last": {"loss": float(state.loss), "metrics": _numeric(state.metrics)},
         }
 
     def _data_generators(self) -> list[torch.Generator]:
@@ -1033,6 +1035,10 @@ class AsyncCheckpointer(Handler):
         self.last_saved_step = extra["step"]
         self.resumed_from = path
         if not rollback:
+            last = extra.get("last") or {}
+            if "loss" in last:
+                state.loss = last["loss"]
+            state.metrics.update(last.get("metrics") or {})
             self._position_data(position, epoch_length, counters["epoch"])
         elif not keep_data_position:
             self._rewind_data(position, epoch_length, counters)
@@ -1292,3 +1298,14 @@ def _check_loadable(path: str, field: str) -> None:
             f"{field}: checkpoint {path} is incomplete (no {io.MARKER} marker: it was being "
             "written when the run stopped); pass a complete step_N directory or 'auto'"
         )
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers among ``metrics`` (0-dim tensors read once), for the checkpoint."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(key, str):
+            out[key] = float(value)
+    return out

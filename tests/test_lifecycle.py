@@ -137,7 +137,8 @@ trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.f
                   run_dir=sys.argv[1])
 StepScheduler(2, 2, 1, data, max_steps=3).attach(trainer)
 AsyncCheckpointer(sys.argv[1] + "/ckpt", every_steps=3, mode="sync").attach(trainer)
-trainer.run(data)
+state = trainer.run(data)
+print("loss", state.loss, "step", state.step)
 """
 
 
@@ -153,6 +154,9 @@ def test_a_plain_script_says_what_happened_without_set_up(tmp_path, mode):
     second = run_process(cmd, timeout=120, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     err = second.stderr
+    # A run that resumes a finished one still reports the run's last loss, not nan.
+    assert first.stdout.split()[:4] == second.stdout.split()[:4]
+    assert first.stdout.startswith("loss ") and "nan" not in first.stdout
     if mode == "plain":
         assert "[hookloop] checkpoint of step 3 is complete" in first.stderr
         assert "[hookloop] resumed from " in err and "(step 3)" in err
