@@ -222,7 +222,6 @@ def test_the_wheel_holds_only_hookloop(tmp_path):
             "pip",
             "wheel",
             "--no-deps",
-            "--no-build-isolation",
             "-w",
             str(tmp_path),
             str(REPO),
