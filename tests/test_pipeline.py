@@ -76,8 +76,9 @@ def _reference(dp_size: int = 1) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     with torch.no_grad():
-        val = [cross_entropy_loss(model(x), y) for _, v in shards for x, y in v]
-    out["val_loss"] = float(sum(val) / len(val))
+        # Every validation sample weighs the same (the short last batch's samples too).
+        val = [(float(cross_entropy_loss(model(x), y)) * len(x), len(x)) for _, v in shards for x, y in v]
+    out["val_loss"] = sum(total for total, _ in val) / sum(n for _, n in val)
     return out
 
 
@@ -465,7 +466,7 @@ def test_to_dict_is_plain():
         dtype=torch.bfloat16, loss_fn=cross_entropy_loss, module_fqns_per_model_part=[["a"]]
     ).to_dict()
     assert d["dtype"] == "bfloat16"
-    assert d["loss_fn"] == "hookloop.models.gpt.cross_entropy_loss"
+    assert d["loss_fn"] == "hookloop.recipe.token_cross_entropy"  # gpt's cross_entropy_loss
     assert d["module_fqns_per_model_part"] == [["a"]]
     assert set(d) == {f for f in PipelineConfig.__dataclass_fields__}
 
