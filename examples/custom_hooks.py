@@ -13,10 +13,11 @@
    it with ``trainer.fire(...)`` when the validation loss stops improving; ``HalveLROnPlateau``, a
    separate handler that knows nothing about the detector, reacts by halving the learning rate.
 
-The detector is a stateful ``engine.Handler`` with its own config section (a dataclass whose
+The detector is a stateful ``hookloop.Handler`` with its own config section (a dataclass whose
 ``validate`` holds the only copy of its rules); ``compose_config`` adds the sections to the run
 config, so ``plateau.patience=3`` works on the command line and is validated like a shipped
-section (see docs/handlers.md). Validation runs every ``step_scheduler.val_every_steps`` steps.
+section (see docs/writing_handlers.md). Validation runs every ``step_scheduler.val_every_steps``
+steps.
 """
 
 from __future__ import annotations
@@ -32,13 +33,10 @@ import torch
 from ignite.engine import EventEnum
 from ignite.handlers import EarlyStopping
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hookloop.engine import ConfigError, Events, Trainer, check_int, check_number  # noqa: E402
-from hookloop.engine.data import TokenDataset, prepare_tokens, stdlib_docs_text  # noqa: E402
-from hookloop.engine.handler import Handler  # noqa: E402
-from hookloop.handlers import compose_config, load_run_config  # noqa: E402
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from hookloop import ConfigError, Events, Handler, Trainer, check_int, check_number
+from hookloop.engine.data import TokenDataset, prepare_tokens, stdlib_docs_text
+from hookloop.handlers import compose_config, load_run_config
+from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
 
 # ------------------------------------------------------------------ 1. per-layer gradient norms
@@ -120,8 +118,9 @@ class PlateauDetector(Handler):
         self.stalled = 0
 
     def attach(self, trainer: Trainer) -> PlateauDetector:
-        trainer.register_events(*PlateauEvents, event_to_attr={PlateauEvents.PLATEAU: "plateaus"})
-        trainer.state.plateaus = 0
+        if not trainer.is_registered_event(PlateauEvents.PLATEAU):  # once per trainer
+            trainer.register_events(*PlateauEvents, event_to_attr={PlateauEvents.PLATEAU: "plateaus"})
+            trainer.state.plateaus = 0
         trainer.add_event_handler(Events.VALIDATION_END, self.check)
         return super().attach(trainer)
 

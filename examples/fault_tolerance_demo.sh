@@ -3,9 +3,10 @@
 #
 #     bash examples/fault_tolerance_demo.sh [WORK_DIR]        # WORK_DIR: a fresh temp dir if omitted
 #
-# 1. A reference run of examples/train_gpt.py trains 80 steps without interruption. A NaN burst is
-#    injected on purpose (fault.nan_microbatches: the loss of microbatches 80-85, i.e. steps 41-43,
-#    is NaN), so the NaN detector vetoes those steps and rolls back to the step-40 checkpoint.
+# 1. A reference run (hookloop train examples/configs/gpt_tiny.yaml, a smaller model) trains 80
+#    steps without interruption. A NaN burst is injected on purpose (fault.nan_microbatches: the
+#    loss of microbatches 80-85, i.e. steps 41-43, is NaN), so the NaN detector vetoes those steps
+#    and rolls back to the step-40 checkpoint.
 # 2. The same run again, in another directory, is killed with SIGKILL (kill -9) once its step-20
 #    checkpoint is complete: no clean shutdown, a save may be half written.
 # 3. Started again with the same command, it resumes from its newest complete checkpoint, meets the
@@ -20,7 +21,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${1:-$(mktemp -d "${TMPDIR:-/tmp}/fault_demo.XXXXXX")}"
 PY="${PYTHON:-python}"
 mkdir -p "$WORK"
-export OMP_NUM_THREADS=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1
+CONFIG="$REPO/examples/configs/gpt_tiny.yaml"
 
 ARGS=(
   "data.cache_dir=$WORK/data" model.n_layers=2 model.d_model=64
@@ -28,10 +30,10 @@ ARGS=(
   logging.log_interval=10 train.deterministic=true train.num_threads=1
   nan.max_consecutive=3 "fault.nan_microbatches=[80,81,82,83,84,85]"
 )
-train() {  # train <run name> ...: the example on WORK_DIR/<run name>, output to WORK_DIR/<run name>.log
+train() {  # train <run name> ...: hookloop train CONFIG in WORK_DIR/<run name>
   local name="$1"
   shift
-  "$PY" "$REPO/examples/train_gpt.py" "train.run_dir=$WORK/$name" "${ARGS[@]}" "$@"
+  "$PY" -m hookloop train "$CONFIG" "train.run_dir=$WORK/$name" "${ARGS[@]}" "$@"
 }
 show() {  # the lifecycle lines of a log: resume, NaN steps, rollback, checkpoints, the end
   grep -E "resumed from|step skipped|rolling back|rolled back|checkpoint of step|^done:" "$1" | sed 's/^/    /' || true
@@ -49,7 +51,7 @@ train reference >"$WORK/reference.log" 2>&1
 show "$WORK/reference.log"
 
 echo "== 2. the same run, killed with SIGKILL once its step-20 checkpoint is complete"
-"$PY" "$REPO/examples/train_gpt.py" "train.run_dir=$WORK/demo" "${ARGS[@]}" >"$WORK/demo_killed.log" 2>&1 &
+"$PY" -m hookloop train "$CONFIG" "train.run_dir=$WORK/demo" "${ARGS[@]}" >"$WORK/demo_killed.log" 2>&1 &
 pid=$!  # the training process itself, so kill -9 hits it and nothing else
 latest="$WORK/demo/checkpoints/latest"
 for _ in $(seq 1 1200); do  # at most 2 minutes
