@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -96,8 +95,10 @@ def test_train_a_users_own_model_resume_and_retrain_from_the_saved_config(projec
 
 
 def test_the_console_script_is_installed_and_checks(project):
-    exe = shutil.which("hookloop")
-    assert exe, "the hookloop console script is not on PATH: pip install -e . installs it"
+    # pip installs console scripts beside the interpreter that installed the package.
+    exe = Path(sys.executable).with_name("hookloop")
+    assert exe.is_file(), f"no hookloop console script beside {sys.executable}: pip install -e . installs it"
+    exe = str(exe)
     ok = run_process([exe, "check", "my_run.yaml", "--nproc", "2", "train.local_batch_size=2"], cwd=project)
     assert ok.returncode == 0, ok.stderr
     # --nproc is the world size checked for: 4 samples a step cannot split into 2 x 4.
