@@ -114,7 +114,7 @@ class LRConfig:
     """Warmup then decay; ``decay_steps`` defaults to the run's max steps."""
 
     warmup_steps: int = 0  # linear warmup from warmup_init to optimizer.lr over this many steps
-    decay_steps: Optional[int] = None  # steps of decay after warmup; null: the run's max steps
+    decay_steps: Optional[int] = None  # the step the decay ends at (counted from step 0); null: max steps
     decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root or WSD
     min_lr: float = 0.0  # the learning rate decay ends at (absolute)
     warmup_init: float = 0.0  # the learning rate warmup starts from (absolute)

@@ -241,3 +241,19 @@ def test_the_wheel_holds_only_hookloop(tmp_path):
     entry = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "hookloop = hookloop.cli:run" in entry
     assert os.path.basename(wheel).startswith("hookloop-0.")
+
+
+@pytest.mark.distributed
+def test_a_config_error_under_torchrun_is_said_once(project):
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    args = ["train", "my_run.yaml", "train.local_batch_size=2", "model.dimm=3"]
+    proc = run_process([*launcher, "-m", "hookloop", *args], cwd=project)
+    assert proc.returncode != 0
+    assert proc.stderr.count("config error: model.dimm: is not an argument") == 1, proc.stderr
+    assert not (project / "runs").exists()

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         model = training.check(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        training.report_config_error(e)
         return 2
     if args.command == "check":
         print(f"config ok: {args.config} (model {model.target}, run directory {cfg.train.run_dir})")

@@ -145,6 +145,13 @@ def check_device(cfg: Any) -> None:
         raise ConfigError("train.device", f"{device!r} but no CUDA device is available; use 'cpu' or null")
 
 
+def report_config_error(error: ConfigError) -> None:
+    """One line on stderr, ``config error: <field>: ...``; under torchrun every rank finds the same
+    error before any process group exists, and only rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"config error: {error}", file=sys.stderr)
+
+
 def check(cfg: Any) -> ResolvedModel:
     """Everything that can be checked before a process group exists: the model target and its
     arguments, directories, checkpoint paths, data files, the device, and what the layout
@@ -293,7 +300,7 @@ def train(cfg: Any, model: ResolvedModel | None = None) -> int:
     try:
         model = model or check(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        report_config_error(e)
         return 2
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
