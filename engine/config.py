@@ -259,7 +259,9 @@ def load_config(
     base = OmegaConf.structured(schema)
     layers = []
     if path is not None:
-        layers.append(OmegaConf.create(_read_file(Path(path))))
+        data = _read_file(Path(path))
+        _replace_default_mappings(base, data)
+        layers.append(OmegaConf.create(data))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
@@ -362,3 +364,16 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def _replace_default_mappings(base: Any, data: dict[str, Any]) -> None:
+    """A mapping the file sets replaces a non-empty default instead of merging into it: a config
+    naming ``data.datasets: {mine: ...}`` trains on ``mine`` alone, not on the default ``docs`` as
+    well. (Command-line overrides still add or replace single keys.)"""
+    for section, values in data.items():
+        if not isinstance(values, dict) or section not in base or not hasattr(base[section], "keys"):
+            continue
+        for key, value in values.items():
+            current = base[section].get(key) if key in base[section] else None
+            if isinstance(value, dict) and hasattr(current, "keys") and len(current):
+                base[section][key] = {}

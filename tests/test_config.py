@@ -291,3 +291,19 @@ def test_engine_config_does_not_import_handlers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_config_files_datasets_replace_the_default(tmp_path):
+    """``data.datasets`` in a file is the run's dataset list (not added to the default docs entry);
+    command-line overrides add or replace one entry."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("step_scheduler:\n  max_steps: 5\ndata:\n  datasets:\n    mine: x.u8\n")
+    assert load_run_config(path, world_size=1).data.datasets == {"mine": "x.u8"}
+    both = load_run_config(path, ["data.datasets.code=stdlib_source"], world_size=1)
+    assert both.data.datasets == {"mine": "x.u8", "code": "stdlib_source"}
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("step_scheduler:\n  max_steps: 5\n")
+    assert load_run_config(plain, ["data.datasets.mine=y"], world_size=1).data.datasets == {
+        "docs": "stdlib_docs",
+        "mine": "y",
+    }
