@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.planner import ReadItem
 
 from hookloop.engine.errors import ConfigError, HookloopError
+from hookloop.engine.intra_op import use_one_intra_op_thread
 
 __all__ = [
     "MARKER",
@@ -485,8 +486,11 @@ class RecordingWriter(_FileSystemWriter):
         self.writer_rank = rank
         self.entries: dict[str, dict[str, Any]] = {}
         self.timings = {"checksum": 0.0, "exposed": 0.0}
+        self._owner = threading.get_ident()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if threading.get_ident() != self._owner:  # DCP's background thread (async_save): copies of
+            use_one_intra_op_thread()  # views must not start an OpenMP team beside training's
         future = super().write_data(plan, planner)
         self._make_durable(sorted({result.storage_data.relative_path for result in future.wait()}))
         return future

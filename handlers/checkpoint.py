@@ -82,6 +82,7 @@ from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler
+from hookloop.engine.intra_op import use_one_intra_op_thread
 
 __all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError", "CheckpointLayoutError"]
 
@@ -640,9 +641,13 @@ class AsyncCheckpointer(Handler):
         return self._stager
 
     def _writer(self) -> ThreadPoolExecutor:
-        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time)."""
+        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time).
+        It runs its torch ops on one intra-op thread: a team of its own would slow every later
+        training step (see :mod:`hookloop.engine.intra_op`)."""
         if self._write_executor is None:
-            self._write_executor = ThreadPoolExecutor(1, thread_name_prefix="hookloop-checkpoint-write")
+            self._write_executor = ThreadPoolExecutor(
+                1, thread_name_prefix="hookloop-checkpoint-write", initializer=use_one_intra_op_thread
+            )
         return self._write_executor
 
     def _finish(self, wait: bool) -> None:
@@ -771,7 +776,9 @@ class AsyncCheckpointer(Handler):
     def _io(self) -> ThreadPoolExecutor:
         """The thread for the file work training need not wait for (rank state files, pruning)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="hookloop-checkpoint-io")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="hookloop-checkpoint-io", initializer=use_one_intra_op_thread
+            )
         return self._executor
 
     def _wait_pruned(self) -> None:

@@ -283,3 +283,59 @@ def test_kill_9_while_staging_publishes_nothing_and_resume_takes_the_previous_ch
         got = torch.load(out, weights_only=True)
         assert got.keys() == expected.keys()
         assert [k for k in got if not torch.equal(got[k], expected[k])] == []
+
+
+# ------------------------------------------------------------------------------ intra-op threads
+def _native_only_threads() -> set[int]:
+    """This process's OS threads that are not Python threads (OpenMP workers, among others)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists OS threads through /proc")
+@pytest.mark.parametrize("mode", ["async", "async_copy"])
+def test_background_saves_start_no_openmp_team_and_leave_the_training_threads_alone(tmp_path, mode):
+    """Training with torch's default of several intra-op threads: a checkpoint thread that ran a
+    parallel torch op with that count led an OpenMP team of its own for the rest of the run, and
+    GNU OpenMP, counting more threads than cores, then put the training team's worker to sleep and
+    woke it at every parallel region: every later step was up to 2.5x slower. The checkpointer's
+    threads must work on one intra-op thread, and the training thread keeps its count."""
+    torch.set_num_threads(2)  # the autouse fixture restores it
+    torch.ones(1 << 20).add_(1)  # the training thread's own team exists before the baseline
+    before = _native_only_threads()
+    torch.manual_seed(0)
+    width = 256  # 65536-element weights: copying them is a parallel op
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), torch.nn.functional.mse_loss)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=2, resume=None).attach(trainer)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)) for _ in range(4)]
+    trainer.run(batches, max_steps=4)
+    assert checkpointer.last_checkpoint is not None and checkpointer.last_checkpoint.endswith("4")
+    if mode == "async":
+        assert checkpointer._writer().submit(torch.get_num_threads).result() == 1
+    started = _native_only_threads() - before
+    assert not started, f"saving started {len(started)} native thread(s) (an OpenMP team) beside training"
+    assert torch.get_num_threads() == 2, "the training thread's intra-op thread count changed"
+    checkpointer.close()
+
+
+def test_a_dcp_writer_on_another_thread_uses_one_intra_op_thread_and_on_its_own_thread_none_changes(
+    tmp_path,
+):
+    """DCP's async_save writes on a thread of its own, which copies views of larger storages."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(2)
+    seen: dict[str, int] = {}
+
+    def save(name: str, writer: io.RecordingWriter) -> None:
+        dcp.save({"w": torch.randn(300, 300)}, storage_writer=writer, no_dist=True)
+        seen[name] = torch.get_num_threads()
+
+    elsewhere = io.RecordingWriter(tmp_path / "a")
+    thread = threading.Thread(target=save, args=("thread", elsewhere))
+    thread.start()
+    thread.join(timeout=60)
+    save("owner", io.RecordingWriter(tmp_path / "b"))
+    assert seen == {"thread": 1, "owner": 2}

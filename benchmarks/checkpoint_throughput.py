@@ -1,0 +1,678 @@
+"""Checkpoint throughput the way a user runs it, side by side with HF Trainer and Lightning.
+
+The workload: a tiny Llama built from a config (4 layers, hidden 128, vocabulary 256; ~0.86 M
+parameters, ~10 MB of state with AdamW), microbatch 8 x 64 tokens, 2 microbatches per step,
+gradient clipping at 1.0, AdamW. Every contender trains it for ``5 + 40 + 1`` steps and stamps the
+end of each optimizer step; the 40 steps after the first 5 are timed (the last step's own end-of-run
+save falls outside the window for everyone), once without saves and once saving every 10 steps its
+own way:
+
+* a hand-written loop calling ``torch.distributed.checkpoint.save`` (sync) on
+  ``{"model": model.state_dict(), "optim": optimizer.state_dict()}``,
+* Hugging Face ``Trainer`` (``save_steps=10``: safetensors weights, ``optimizer.pt``, RNG and state
+  files), when ``transformers`` is installed,
+* Lightning (``ModelCheckpoint(every_n_train_steps=10)``, ``torch.save`` of the whole state), when
+  ``lightning`` is installed,
+* hookloop's Trainer with StepScheduler (``ckpt_every_steps=10``), NaNDetector, MetricsTracker and a
+  JSONL logger, without a checkpointer and with an AsyncCheckpointer in each mode (``async`` is the
+  default).
+
+Reported per contender: the median step without saves, the 40 steps' time without and with saves,
+"kept" (no-save time / with-save time, taken within one round, median over rounds), and "after"
+(the median step from the second step after each save to the next save, over the median step of
+the same contender's run without saves: 1.0 means steps are back to normal one step after a save).
+
+Two launches, each with torch's default thread count as a user gets it: one process (all the
+machine's cores), and ``torchrun --nproc-per-node 2`` (DDP over gloo; torchrun sets one thread per
+process). The contenders run interleaved in rounds inside the same processes.
+
+Then the durable-save cost of each mode against the disk's own write bandwidth, measured in the same
+run: the bandwidth is the median of writing a file of the checkpoint's size and fsyncing it; each
+save's "durable" time runs from the save call until every file is written and fsynced (for sync:
+the whole call, publishing included). Plain ``dcp.save`` of the user-like state dict and of the
+flattened state dict hookloop writes are the references for ``sync``. Measured at two sizes: the
+tiny Llama above and 4 x Linear(2048, 2048) with AdamW (~200 MB; ``--quick``: 1024, ~50 MB).
+
+    python benchmarks/checkpoint_throughput.py [--quick] [--json PATH] [--no-torchrun]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workload import write_result  # noqa: E402
+
+from hookloop.engine import Events, Priority, Trainer  # noqa: E402
+from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
+
+MODEL = dict(
+    hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4
+)
+SEQ, BATCH, ACCUM, LR, CLIP = 64, 8, 2, 1e-3, 1.0
+WARMUP = 5  # steps not timed
+MODES = ("async", "async_copy", "sync")  # the checkpointer's; async is the default
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    from hookloop.models.hf import build
+
+    torch.manual_seed(seed)
+    return build("llama", seq_len=SEQ, **MODEL)
+
+
+def microbatches(steps: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's ``steps * ACCUM`` microbatches (HF convention: the labels are the inputs)."""
+    g = torch.Generator().manual_seed(1 + rank())
+    x = torch.randint(0, 256, (steps * ACCUM, BATCH, SEQ), generator=g)
+    return [{"input_ids": b, "labels": b} for b in x]
+
+
+def ddp(model: torch.nn.Module) -> torch.nn.Module:
+    if world() == 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+# ------------------------------------------------------------------------------ contenders
+# Each takes (save, steps, every, directory) and returns the time stamp of each optimizer step's end.
+def hand_written(save: str | None, steps: int, every: int, directory: str) -> list[float]:
+    model = ddp(llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = microbatches(steps)
+    stamps: list[float] = []
+    for step in range(1, steps + 1):
+        group = data[(step - 1) * ACCUM : step * ACCUM]
+        for i, mb in enumerate(group):
+            last = i == len(group) - 1
+            with model.no_sync() if world() > 1 and not last else contextlib.nullcontext():
+                (model(**mb).loss / len(group)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if save and step % every == 0:
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            dcp.save(state, checkpoint_id=os.path.join(directory, f"step_{step}"))
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def hookloop(save: str | None, steps: int, every: int, directory: str) -> list[float]:
+    from hookloop.engine.parallel import wrap_data_parallel
+    from hookloop.handlers.jsonl_logger import JSONLLogger
+    from hookloop.handlers.metrics import MetricsTracker
+    from hookloop.handlers.nan_detector import NaNDetector
+    from hookloop.handlers.step_scheduler import StepScheduler
+
+    model = wrap_data_parallel(llama(), "ddp")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = microbatches(steps)
+    trainer = Trainer(model, opt, None, grad_accum_steps=ACCUM, grad_clip_norm=CLIP)
+    StepScheduler(
+        global_batch_size=BATCH * ACCUM * world(),
+        local_batch_size=BATCH,
+        dp_size=world(),
+        dataloader=data,
+        ckpt_every_steps=every if save else None,
+        max_steps=steps,
+    ).attach(trainer)
+    NaNDetector(action="warn").attach(trainer)
+    MetricsTracker(log_interval=1, run_dir=directory).attach(trainer)
+    JSONLLogger(Path(directory) / f"metrics-{rank()}.jsonl").attach(trainer)
+    checkpointer = None
+    if save:
+        checkpointer = AsyncCheckpointer(os.path.join(directory, "checkpoints"), mode=save, resume=None)
+        checkpointer.attach(trainer)
+    stamps: list[float] = []
+    trainer.add_event_handler(Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=-1e9)
+    trainer.run(data)
+    if checkpointer is not None:
+        checkpointer.close()
+    return stamps
+
+
+class _Samples(torch.utils.data.Dataset):
+    """The microbatches as samples, for the frameworks that batch (and shard) data themselves."""
+
+    def __init__(self, steps: int) -> None:
+        # every rank builds the same list of all ranks' samples; the framework's sampler shards it
+        self.items = []
+        for r in range(world()):
+            g = torch.Generator().manual_seed(1 + r)
+            x = torch.randint(0, 256, (steps * ACCUM * BATCH, SEQ), generator=g)
+            self.items += [{"input_ids": s, "labels": s} for s in x]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]
+
+
+def hf_trainer(save: str | None, steps: int, every: int, directory: str) -> list[float]:
+    import transformers
+
+    stamps: list[float] = []
+
+    class Stamp(transformers.TrainerCallback):
+        def on_step_end(self, *_args: Any, **_kwargs: Any) -> None:
+            stamps.append(time.perf_counter())
+
+    args = transformers.TrainingArguments(
+        output_dir=directory,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=CLIP,
+        optim="adamw_torch",
+        save_strategy="steps" if save else "no",
+        save_steps=every,
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        ddp_backend="gloo" if world() > 1 else None,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    trainer = transformers.Trainer(
+        model=llama(), args=args, train_dataset=_Samples(steps), callbacks=[Stamp()]
+    )
+    trainer.remove_callback(transformers.PrinterCallback)  # it prints the run's metrics
+    trainer.train()
+    return stamps
+
+
+def lightning_trainer(save: str | None, steps: int, every: int, directory: str) -> list[float]:
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama()
+
+        def training_step(self, batch: dict[str, torch.Tensor], _idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    stamps: list[float] = []
+
+    class Stamp(L.Callback):
+        def on_before_zero_grad(self, *_args: Any) -> None:
+            stamps.append(time.perf_counter())
+
+    callbacks: list[Any] = [Stamp()]
+    if save:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=every))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world(),
+        strategy="ddp" if world() > 1 else "auto",
+        max_steps=steps,
+        default_root_dir=directory,
+        logger=False,
+        enable_checkpointing=bool(save),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
+    loader = torch.utils.data.DataLoader(_Samples(steps), batch_size=BATCH, shuffle=False)
+    trainer.fit(Module(), loader)
+    return stamps
+
+
+def contenders() -> dict[str, tuple[Callable, tuple]]:
+    """name -> (function, the save variants to run besides None); the optional ones if installed."""
+    found: dict[str, tuple[Callable, tuple]] = {"hand-written loop + dcp.save": (hand_written, ("dcp",))}
+    try:
+        import accelerate  # noqa: F401  (HF Trainer needs it)
+        import transformers  # noqa: F401
+
+        found["HF Trainer"] = (hf_trainer, ("save_steps",))
+    except ImportError as e:
+        print(f"  (HF Trainer skipped: {e.name} is not installed; pip install -e '.[hf,bench]')")
+    try:
+        import lightning  # noqa: F401
+
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        found["Lightning"] = (lightning_trainer, ("ModelCheckpoint",))
+    except ImportError:
+        print("  (Lightning skipped: lightning is not installed; pip install -e '.[bench]')")
+    found["hookloop"] = (hookloop, MODES)
+    return found
+
+
+def throughput(rounds: int, timed: int, every: int, root: str, quick: bool) -> dict[str, Any]:
+    """Every contender with and without saves, ``rounds`` interleaved rounds after a warm-up round
+    (none with ``quick``); the stamps of each."""
+    steps = WARMUP + timed + 1
+    found = contenders()
+    runs = {name: {v: [] for v in (None, *variants)} for name, (_, variants) in found.items()}
+    fns = {name: fn for name, (fn, _) in found.items()}
+    first = 0 if quick else 1
+    for r in range(first, rounds + 1):  # round 0 warms every code path up and is not counted
+        for name, variants in runs.items():
+            for variant in variants:
+                directory = os.path.join(root, f"{name.split()[0]}-{variant}-{r}")
+                if rank() == 0:
+                    os.makedirs(directory, exist_ok=True)
+                if world() > 1:
+                    dist.barrier()
+                    os.makedirs(directory, exist_ok=True)
+                stamps = fns[name](variant, steps, every, directory)
+                if world() > 1:
+                    dist.barrier()
+                if rank() == 0:
+                    shutil.rmtree(directory, ignore_errors=True)
+                if r > 0:
+                    variants[variant].append(stamps)
+    return {"steps": steps, "timed": timed, "every": every, "runs": runs}
+
+
+def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    timed, every = result["timed"], result["every"]
+    rows: dict[str, dict[str, Any]] = {}
+
+    def window(stamps: list[float]) -> float:
+        return stamps[WARMUP + timed - 1] - stamps[WARMUP - 1]
+
+    def intervals(stamps: list[float]) -> dict[int, float]:  # step number -> its duration
+        return {k + 1: b - a for k, (a, b) in enumerate(zip(stamps, stamps[1:]), start=1)}
+
+    for name, variants in result["runs"].items():
+        base = variants[None]
+        steps = range(WARMUP + 1, WARMUP + timed + 1)
+        base_steps = [statistics.median(intervals(s)[k] for k in steps) for s in base]
+        for variant, runs in variants.items():
+            if variant is None:
+                continue
+            after = []
+            for stamps, reference in zip(runs, base_steps):
+                d = intervals(stamps)
+                quiet = [d[k] for k in steps if k > every and k % every not in (0, 1)]
+                after.append(statistics.median(quiet) / reference)
+            rows[f"{name} [{variant}]"] = {
+                "median_step_ms": statistics.median(base_steps) * 1e3,
+                "no_saves_s": statistics.median(window(s) for s in base),
+                "saves_s": statistics.median(window(s) for s in runs),
+                "kept": statistics.median(window(b) / window(s) for b, s in zip(base, runs)),
+                "after": statistics.median(after),
+            }
+    return rows
+
+
+def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: int) -> None:
+    print(f"\n{title}: {timed} steps timed, a save every {every} steps")
+    print(
+        f"{'contender [how it saves]':44s}{'step, no saves':>15s}{'no saves':>10s}{'saving':>9s}"
+        f"{'kept':>7s}{'after':>7s}"
+    )
+    for name, row in rows.items():
+        print(
+            f"{name:44s}{row['median_step_ms']:12.1f} ms{row['no_saves_s']:9.2f}s{row['saves_s']:8.2f}s"
+            f"{row['kept']:7.2f}{row['after']:7.2f}"
+        )
+
+
+# ------------------------------------------------------------------------------ durable-save cost
+def disk_bandwidth(directory: str, nbytes: int, repeats: int = 3) -> float:
+    """Bytes per second of writing ``nbytes`` to a new file and fsyncing it (median)."""
+    chunk = os.urandom(min(nbytes, 8 << 20))
+    times = []
+    for i in range(repeats):
+        path = os.path.join(directory, f"bandwidth-{i}")
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - start)
+        os.remove(path)
+    return nbytes / statistics.median(times)
+
+
+def fsync_latency(directory: str, repeats: int = 9) -> float:
+    """Seconds to write a small file and fsync it (median): what each of a save's fsyncs costs."""
+    times = []
+    for i in range(repeats):
+        path = os.path.join(directory, f"small-{i}")
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(b"{}" * 100)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - start)
+        os.remove(path)
+    return statistics.median(times)
+
+
+def tree_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def linear_stack(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+
+
+def save_costs(
+    mode: str, model: torch.nn.Module, batches: list, loss_fn: Any, saves: int, directory: str
+) -> dict[str, Any]:
+    """One mode's median blocked and durable seconds per save (the first save, a warm-up, aside)."""
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn)
+    checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=2, keep_last=2, resume=None)
+    checkpointer.attach(trainer)
+    blocked: list[float] = []
+    durable: list[float] = []
+    begun: dict[str, float] = {}
+
+    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
+    def _before(engine: Trainer) -> None:
+        begun["t"] = time.perf_counter()
+
+    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT - 1)
+    def _after(engine: Trainer) -> None:
+        if checkpointer.last_saved_step != engine.state.iteration or engine.state.iteration < 2:
+            return
+        now = time.perf_counter()
+        blocked.append(now - begun["t"])
+        save = checkpointer._inflight
+        if save is None:  # sync: durable and published when the call returned
+            durable.append(now - begun["t"])
+        else:
+            save.done.add_done_callback(lambda _f, t=begun["t"]: durable.append(time.perf_counter() - t))
+
+    trainer.run(batches, max_steps=2 * saves + 1)  # saves at 2, 4, ...
+    checkpointer.close()
+    row = {
+        "blocked": statistics.median(blocked[1:]),
+        "durable": statistics.median(durable[1:]),
+        "bytes": tree_bytes(checkpointer.last_checkpoint),
+    }
+    shutil.rmtree(directory, ignore_errors=True)
+    return row
+
+
+def durable_costs(kind: str, saves: int, root: str) -> dict[str, Any]:
+    """Per-save blocked and durable seconds of each mode and of plain dcp.save, the bytes written,
+    the disk's write bandwidth and a small file's fsync latency."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hookloop.handlers.checkpoint import _OPTIONS  # the flattened layout the checkpointer writes
+
+    if kind == "llama":
+        build: Callable[[], torch.nn.Module] = llama
+        batches: list = microbatches(2 * saves + 2)
+        loss_fn = None
+    else:
+        width = int(kind)
+        build = lambda: linear_stack(width)  # noqa: E731
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(8, width, generator=g), torch.randn(8, width, generator=g)) for _ in range(4)]
+        loss_fn = torch.nn.functional.mse_loss
+    out: dict[str, Any] = {
+        mode: save_costs(mode, build(), batches, loss_fn, saves, os.path.join(root, f"durable-{kind}-{mode}"))
+        for mode in MODES
+    }
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    Trainer(model, opt, loss_fn).run(batches, max_steps=1)  # the optimizer has its state
+
+    def user_like() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def flattened() -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, opt, options=_OPTIONS)
+        return {"model": model_sd, "optim": optim_sd}
+
+    for name, state in (("dcp.save", user_like), ("dcp.save, flattened", flattened)):
+        times = []
+        for i in range(saves + 1):
+            path = os.path.join(root, f"plain-{kind}-{i}")
+            start = time.perf_counter()
+            dcp.save(state(), checkpoint_id=path)
+            times.append(time.perf_counter() - start)
+            size = tree_bytes(path)
+            shutil.rmtree(path)
+        seconds = statistics.median(times[1:])
+        out[name] = {"blocked": seconds, "durable": seconds, "bytes": size}
+    out["disk_bytes_per_s"] = disk_bandwidth(root, out["sync"]["bytes"])
+    out["fsync_s"] = fsync_latency(root)
+    return out
+
+
+def print_durable(kind: str, costs: dict[str, Any]) -> None:
+    bw = costs["disk_bytes_per_s"]
+    mb = costs["sync"]["bytes"] / 1e6
+    label = "tiny Llama" if kind == "llama" else f"4 x Linear({kind}, {kind}) + AdamW"
+    print(
+        f"\ndurable-save cost, {label} ({mb:.1f} MB a checkpoint): disk {bw / 1e6:.0f} MB/s "
+        f"(write + fsync of that size), a small file's write + fsync {costs['fsync_s'] * 1e3:.1f} ms"
+    )
+    print(f"{'how':24s}{'blocked':>10s}{'durable':>10s}{'MB':>8s}{'disk time':>11s}{'durable/disk':>14s}")
+    for name in ("dcp.save", "dcp.save, flattened", *MODES):
+        row = costs[name]
+        disk = row["bytes"] / bw
+        print(
+            f"{name:24s}{row['blocked'] * 1e3:7.0f} ms{row['durable'] * 1e3:7.0f} ms{row['bytes'] / 1e6:8.1f}"
+            f"{disk * 1e3:8.0f} ms{row['durable'] / disk:14.2f}"
+        )
+
+
+# ------------------------------------------------------------------------------ torchrun
+def torchrun_worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    root = args.dir
+    try:
+        result = throughput(args.rounds, args.timed, args.every, root, args.quick)
+        if rank() == 0:
+            Path(args.worker).write_text(json.dumps(result))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # a gloo process group's interpreter shutdown can abort now and then
+
+
+def under_torchrun(args: argparse.Namespace, root: str) -> dict[str, Any] | None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(root, "torchrun.json")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        __file__,
+        "--worker",
+        out,
+        "--dir",
+        os.path.join(root, "torchrun"),
+        "--rounds",
+        str(args.rounds),
+        "--timed",
+        str(args.timed),
+        "--every",
+        str(args.every),
+    ] + (["--quick"] if args.quick else [])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's own default
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.torchrun_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        print(f"  (torchrun run timed out after {args.torchrun_timeout:.0f} s)")
+        return None
+    if proc.returncode != 0 or not os.path.exists(out):
+        print(f"  (torchrun run failed, exit code {proc.returncode}: {proc.stderr[-1500:]})")
+        return None
+    return json.loads(Path(out).read_text(), object_hook=_none_keys)
+
+
+def _none_keys(d: dict) -> dict:
+    return {None if k == "null" else k: v for k, v in d.items()}
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds, a 50 MB large state")
+    parser.add_argument("--rounds", type=int, default=None, help="counted rounds (default 3, --quick 1)")
+    parser.add_argument("--timed", type=int, default=None, help="timed steps (default 40, --quick 10)")
+    parser.add_argument("--every", type=int, default=None, help="save every this many steps (default 10)")
+    parser.add_argument("--no-torchrun", action="store_true", help="one process only")
+    parser.add_argument("--torchrun-timeout", type=float, default=420.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.timed = args.timed or (10 if args.quick else 40)
+    args.every = args.every or (5 if args.quick else 10)
+    if args.every < 3 or args.timed < 2 * args.every:
+        parser.error(
+            "--every must be >= 3 and --timed at least twice --every (steps between saves are compared)"
+        )
+    if args.worker:
+        torchrun_worker(args)
+        return
+    root = tempfile.mkdtemp(prefix="hookloop-ckpt-throughput-")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads in one process (torch's default: "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
+    )
+    print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    try:
+        single = throughput(args.rounds, args.timed, args.every, root, args.quick)
+        rows = summarize(single)
+        print_rows(f"one process, {torch.get_num_threads()} threads", rows, args.timed, args.every)
+        ranks = None
+        if not args.no_torchrun:
+            distributed = under_torchrun(args, root)
+            if distributed is not None:
+                ranks = summarize(distributed)
+                print_rows("torchrun, 2 processes (DDP, gloo), 1 thread each", ranks, args.timed, args.every)
+        sizes = ("llama", "1024" if args.quick else "2048")
+        costs = {kind: durable_costs(kind, 3 if args.quick else 5, root) for kind in sizes}
+        for kind in sizes:
+            print_durable(kind, costs[kind])
+        print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    write_result(args.json, result_json(rows, ranks, costs, args))
+
+
+def result_json(
+    rows: dict[str, Any], ranks: dict[str, Any] | None, costs: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    figures = []
+    for where, table in (("1 process", rows), ("torchrun 2x1", ranks or {})):
+        for name, row in table.items():
+            default = name == "hookloop [async]"
+            figures.append(
+                {
+                    "figure": f"throughput kept saving every {args.every} steps, {where}, {name}",
+                    "hookloop": row["saves_s"],
+                    "reference": row["no_saves_s"],
+                    "ratio": row["kept"],
+                    "target": ">= 0.9" if default else None,
+                    "met": row["kept"] >= 0.9 if default else None,
+                    "unit": "s",
+                }
+            )
+            if name.startswith("hookloop"):
+                figures.append(
+                    {
+                        "figure": f"step from the 2nd after a save / step without saves, {where}, {name}",
+                        "hookloop": row["after"],
+                        "reference": 1.0,
+                        "ratio": row["after"],
+                        "target": "<= 1.1" if default else None,
+                        "met": row["after"] <= 1.1 if default else None,
+                    }
+                )
+    for kind, cost in costs.items():
+        label = "tiny Llama" if kind == "llama" else f"{cost['sync']['bytes'] / 1e6:.0f} MB"
+        for name in ("dcp.save", *MODES):
+            disk = cost[name]["bytes"] / cost["disk_bytes_per_s"]
+            figures.append(
+                {
+                    "figure": f"durable save / disk write time, {label}, {name}",
+                    "hookloop": cost[name]["durable"] * 1e3,
+                    "reference": disk * 1e3,
+                    "ratio": cost[name]["durable"] / disk,
+                    "target": None,
+                    "met": None,
+                    "unit": "ms",
+                }
+            )
+        figures.append(
+            {
+                "figure": f"sync blocked per save / plain dcp.save of the same state, {label}",
+                "hookloop": cost["sync"]["blocked"] * 1e3,
+                "reference": cost["dcp.save, flattened"]["blocked"] * 1e3,
+                "ratio": cost["sync"]["blocked"] / cost["dcp.save, flattened"]["blocked"],
+                "target": None,
+                "met": None,
+                "unit": "ms",
+            }
+        )
+    notes = (
+        "User-like runs: torch's default thread count in one process and torchrun's (one thread per "
+        "process) under torchrun; each framework saves its own way. kept = 40 steps without saves / "
+        "with saves, same round; after = median step from the second step after each save over the "
+        "median step without saves."
+    )
+    return {"benchmark": "checkpoint_throughput", "figures": figures, "notes": notes}
+
+
+if __name__ == "__main__":
+    main()
