@@ -41,6 +41,7 @@ BENCHMARKS = {
     "logging": "logging_overhead.py",
     "nan_detector": "nan_overhead.py",
     "checkpoint": "checkpoint.py",
+    "checkpoint_pickle": "checkpoint_pickle.py",
     "data": "data.py",
     "pipeline": "pipeline.py",
     "activation_memory": "activation_memory.py",

@@ -447,7 +447,8 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
 
 def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     """A planted ``.metadata`` fails the manifest check before it is unpickled; with the manifest
-    rewritten to match, the allowlist refuses it. More payloads: tests/test_checkpoint_unpickling.py."""
+    rewritten to match, the allowlist refuses it (in verification too, so the checkpoint counts as
+    damaged). More payloads: tests/test_checkpoint_unpickling.py."""
     import json
     import zlib
 
@@ -473,9 +474,9 @@ def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     (path / io.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         io.SafeReader(path).read_metadata()
-    resumed = make_trainer()
+    resumed = make_trainer()  # verification refuses it too: damage, and nothing older to fall back to
     AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
-    with pytest.raises(CheckpointError, match="refusing"):
+    with pytest.raises(CheckpointError, match="every complete checkpoint to load from is damaged"):
         resumed.run(token_batches(2), max_steps=2)
     assert not (tmp_path / "owned").exists()
 
