@@ -708,10 +708,10 @@ class AsyncCheckpointer(Handler):
                 "manifest": io.make_manifest(files),
             }
             io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
-            if os.path.exists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
+            if os.path.lexists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{save.final}.replaced-{self._session}"
                 os.replace(save.final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                _delete_tree(trash)
             os.replace(save.partial, save.final)
             io.fsync_dir(self.directory)
             io.write_latest(self.directory, os.path.basename(save.final))
@@ -728,7 +728,9 @@ class AsyncCheckpointer(Handler):
     def _prune(self) -> None:
         """Rank 0: delete the checkpoints ``keep_last`` no longer keeps. Each is made incomplete
         (marker removed) and renamed out of the listing here; the files go on a background thread,
-        since unlinking hundreds of MB would block training about as long as a save's copy."""
+        since unlinking hundreds of MB would block training about as long as a save's copy. Nothing
+        outside the checkpoint directory is touched: a step directory that is a symbolic link
+        loses the link only (its target, marker included, stays as it was)."""
         self._wait_pruned()
         complete, torn = io.complete_checkpoints(self.directory)
         newest = complete[0][0] if complete else -1
@@ -749,6 +751,9 @@ class AsyncCheckpointer(Handler):
                 keep.add(known_good)
         for _, path in complete[self.keep_last :]:
             if path in keep:
+                continue
+            if os.path.islink(path):  # a link to a checkpoint elsewhere: only the link goes
+                doomed.append(path)
                 continue
             try:
                 os.remove(os.path.join(path, io.MARKER))  # incomplete first, so a reader never loads it
@@ -1126,7 +1131,7 @@ class AsyncCheckpointer(Handler):
             if ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
                 if name.endswith(f"-{self._session}"):
                     continue
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                _delete_tree(os.path.join(self.directory, name))
 
     def _agree_failed(self, failed: bool) -> bool:
         if parallel.world_size() == 1:
@@ -1226,7 +1231,18 @@ def _wait_quietly(future: Future, timeout: float) -> None:
 
 def _delete_trees(paths: list[str]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        _delete_tree(path)
+
+
+def _delete_tree(path: str) -> None:
+    """Delete ``path`` (inside the checkpoint directory) and nothing outside it: a symbolic link is
+    removed itself, never followed (a linked step directory's target belongs to someone else), and
+    links inside a directory are removed as links."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
