@@ -97,6 +97,7 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "read_marker",
+    "resolve_checkpoint",
     "restore_rng",
     "step_dir_name",
     "verify_checkpoint",
@@ -150,6 +151,47 @@ def complete_checkpoints(directory: str | os.PathLike) -> tuple[list[tuple[int, 
         (complete.append((step, path)) if is_complete(path) else torn.append(path))
     complete.sort(reverse=True)
     return complete, sorted(torn)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, bool]:
+    """``(checkpoint, from_directory)``: the complete checkpoint a path a user gave names. A
+    complete ``step_N`` directory is itself; a directory of checkpoints (the ``checkpoints`` folder
+    of a run, holding ``step_N`` directories) names its newest complete one (``from_directory``
+    True; verifying it on load may still fall back to an older one beside it). Anything else is a
+    CheckpointError in one line saying what the path is and what to pass instead; nothing is
+    created or changed."""
+    path = os.path.abspath(path)
+    what = "pass a complete step_N directory or the directory that holds them (its newest complete one loads)"
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; {what}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is not a directory; {what}")
+    if is_complete(path):
+        return path, False
+    name = os.path.basename(path)
+    if parse_step(name) is not None or ".partial-" in name:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER} marker: it was being written when the run "
+            f"stopped, or it is being pruned); {what}"
+        )
+    try:
+        complete, torn = complete_checkpoints(path)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be listed ({e.strerror or e}); {what}") from None
+    if complete:
+        return complete[0][1], True
+    if torn:
+        raise CheckpointError(
+            f"checkpoint directory {path} holds no complete checkpoint (only incomplete ones, e.g. "
+            f"{os.path.basename(torn[-1])}); {what}"
+        )
+    hint = ""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        hint = f" (did you mean {os.path.join(path, 'checkpoints')}?)"
+    raise CheckpointError(
+        f"{path} is neither a checkpoint (no {MARKER} marker) nor a directory of checkpoints (no "
+        f"step_N directories in it){hint}; {what}"
+    )
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

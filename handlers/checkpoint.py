@@ -228,10 +228,12 @@ class AsyncCheckpointer(Handler):
             ``"async_copy"`` or ``"sync"`` (see the module docstring); ``"async_staged"`` is an old
             name of ``"async"``.
         resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
-            there is none), a checkpoint directory path (must exist and be complete), or None.
+            there is none), a checkpoint directory path (must exist and be complete; a directory
+            holding ``step_N`` checkpoints means its newest intact one), or None.
         load_optimizer: restore the optimizer state too (False: model, counters and the rest only).
         finetune_from: a checkpoint whose model weights are loaded at the start of a fresh run
-            (step 0); used only when ``resume`` finds nothing to resume from.
+            (step 0), or a directory of checkpoints (its newest intact one); used only when
+            ``resume`` finds nothing to resume from.
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
     """
 
@@ -863,7 +865,15 @@ class AsyncCheckpointer(Handler):
         verifies its share of a candidate's files and the ranks exchange what they found, so all of
         them take the same decision even when only one of them saw the damage."""
         if which != "auto":
-            _check_loadable(which, field)
+            resolved = _check_loadable(which, field)
+            if resolved != which:  # a directory of checkpoints: its newest intact one
+                if parallel.rank() == 0:
+                    logger.info(
+                        "%s %s is a directory of checkpoints: loading its newest intact checkpoint",
+                        field,
+                        which,
+                    )
+                which = resolved
         listing: list[Any] = [[], None]
         if parallel.rank() == 0:
             try:
@@ -1303,17 +1313,13 @@ def _check_writable(directory: str) -> None:
         ) from None
 
 
-def _check_loadable(path: str, field: str) -> None:
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"{field}: checkpoint {path} does not exist; pass an existing step_N directory, "
-            "'auto' to resume from the newest complete one, or None to start fresh"
-        )
-    if not io.is_complete(path):
-        raise CheckpointError(
-            f"{field}: checkpoint {path} is incomplete (no {io.MARKER} marker: it was being "
-            "written when the run stopped); pass a complete step_N directory or 'auto'"
-        )
+def _check_loadable(path: str, field: str) -> str:
+    """The complete checkpoint ``path`` names (itself, or the newest complete one in a directory of
+    checkpoints); a CheckpointError naming ``field`` otherwise."""
+    try:
+        return io.resolve_checkpoint(path)[0]
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from None
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
