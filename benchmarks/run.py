@@ -42,6 +42,7 @@ BENCHMARKS = {
     "nan_detector": "nan_overhead.py",
     "checkpoint": "checkpoint.py",
     "checkpoint_throughput": "checkpoint_throughput.py",
+    "checkpoint_pickle": "checkpoint_pickle.py",
     "data": "data.py",
     "pipeline": "pipeline.py",
     "activation_memory": "activation_memory.py",

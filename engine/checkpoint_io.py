@@ -35,18 +35,19 @@ Nothing here unpickles arbitrary objects: DCP's ``.metadata`` is checked against
 then read with an unpickler that resolves only an exact list of DCP's metadata classes and a few
 torch values (no module prefixes, no attribute walks, no builtins), non-tensor DCP entries are
 loaded with ``weights_only=True``, and the per-rank state is JSON (tensors and RNG states are
-base64 inside it).
+base64 inside it). Both pickles are also read within stated bounds (size, nesting, values per
+call, keys per hash value: :mod:`engine.checkpoint_pickle`), so a crafted one is refused in time
+linear in its size instead of crashing or stalling the reader; verification already checks them,
+so a crafted checkpoint is skipped like a damaged one.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 import json
 import mmap
 import os
-import pathlib
 import pickle
 import random
 import re
@@ -65,6 +66,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 from torch.distributed.checkpoint.planner import ReadItem
 
+from hookloop.engine import checkpoint_pickle
+from hookloop.engine.checkpoint_pickle import PickleRefused
 from hookloop.engine.errors import ConfigError, HookloopError
 from hookloop.engine.intra_op import use_one_intra_op_thread
 
@@ -77,6 +80,8 @@ __all__ = [
     "SafeLoadPlanner",
     "SafeReader",
     "capture_rng",
+    "check_entry",
+    "check_loadable",
     "checksum_files",
     "complete_checkpoints",
     "data_generators",
@@ -93,6 +98,7 @@ __all__ = [
     "read_latest",
     "read_manifest",
     "read_marker",
+    "resolve_checkpoint",
     "restore_rng",
     "step_dir_name",
     "verify_checkpoint",
@@ -146,6 +152,47 @@ def complete_checkpoints(directory: str | os.PathLike) -> tuple[list[tuple[int, 
         (complete.append((step, path)) if is_complete(path) else torn.append(path))
     complete.sort(reverse=True)
     return complete, sorted(torn)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[str, bool]:
+    """``(checkpoint, from_directory)``: the complete checkpoint a path a user gave names. A
+    complete ``step_N`` directory is itself; a directory of checkpoints (the ``checkpoints`` folder
+    of a run, holding ``step_N`` directories) names its newest complete one (``from_directory``
+    True; verifying it on load may still fall back to an older one beside it). Anything else is a
+    CheckpointError in one line saying what the path is and what to pass instead; nothing is
+    created or changed."""
+    path = os.path.abspath(path)
+    what = "pass a complete step_N directory or the directory that holds them (its newest complete one loads)"
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; {what}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is not a directory; {what}")
+    if is_complete(path):
+        return path, False
+    name = os.path.basename(path)
+    if parse_step(name) is not None or ".partial-" in name:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER} marker: it was being written when the run "
+            f"stopped, or it is being pruned); {what}"
+        )
+    try:
+        complete, torn = complete_checkpoints(path)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be listed ({e.strerror or e}); {what}") from None
+    if complete:
+        return complete[0][1], True
+    if torn:
+        raise CheckpointError(
+            f"checkpoint directory {path} holds no complete checkpoint (only incomplete ones, e.g. "
+            f"{os.path.basename(torn[-1])}); {what}"
+        )
+    hint = ""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        hint = f" (did you mean {os.path.join(path, 'checkpoints')}?)"
+    raise CheckpointError(
+        f"{path} is neither a checkpoint (no {MARKER} marker) nor a directory of checkpoints (no "
+        f"step_N directories in it){hint}; {what}"
+    )
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -447,13 +494,15 @@ def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 
     (``writer % world_size == rank``), so every file is read once across the ranks, and each rank
     mostly reads what it wrote; the ranks combine their problems before choosing (see the
     checkpointer). Files the manifest does not list are ignored; a listed file that is missing,
-    has another size or another checksum is damage, and so is an unreadable marker or manifest."""
+    has another size or another checksum is damage, and so is an unreadable marker or manifest. The
+    rank that checks ``.metadata`` then also checks that it and every non-tensor entry are safe to
+    load (:func:`check_loadable`): a crafted index is damage too, so the loader falls back."""
     try:
         files = read_manifest(path)
     except CheckpointError as e:
         return [str(e)], True
     if files is None:
-        return [], False
+        return (check_loadable(path) if rank == 0 else []), False
     problems = []
     for name, entry in files.items():
         if entry.get("rank", 0) % world_size != rank:
@@ -461,6 +510,8 @@ def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 
         problem = verify_file(path, name, entry)
         if problem is not None:
             problems.append(problem)
+        elif name == ".metadata":  # intact as written: now whether it is safe to load
+            problems.extend(check_loadable(path))
     return problems, True
 
 
@@ -529,146 +580,12 @@ class RecordingWriter(_FileSystemWriter):
 
 
 # ------------------------------------------------------------------------------- safe DCP reading
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """Everything a DCP ``.metadata`` pickle of this project may name, by exact module and name.
-
-    Found by reading the globals of real checkpoints the AsyncCheckpointer wrote (one process,
-    DDP, FSDP2 with DTensor shards, pipeline stages; model plus flattened AdamW state): DCP's
-    metadata dataclasses and memory-format enum, the storage-info record of its file writer,
-    ``torch.Size``, the torch dtypes, torch's layout lookup and ``pathlib.PosixPath`` (the
-    checkpoint id). Each is a class or lookup whose construction has no side effect, so it does
-    not matter what arguments a pickle calls it with."""
-    from torch.distributed.checkpoint import filesystem as dcp_filesystem
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = dcp_filesystem._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
-    allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-    for name, value in vars(torch).items():  # torch.float32 etc.: values, not callables
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
-    return allowed
-
-
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {}
-_CALLABLE: dict[int, Any] = {}  # id -> what REDUCE, NEWOBJ, INST and OBJ may call
-_BUILDABLE: set[type] = set()  # the classes whose instances BUILD may fill in
-
-
-def _tables() -> dict[tuple[str, str], Any]:
-    if not _ALLOWED_GLOBALS:
-        allowed = _allowed_globals()
-        _CALLABLE.update({id(v): v for v in allowed.values() if callable(v)})  # dtypes are values
-        _BUILDABLE.update(
-            v
-            for (module, _), v in allowed.items()
-            if module.startswith("torch.distributed.checkpoint.") and dataclasses.is_dataclass(v)
-        )
-        _ALLOWED_GLOBALS.update(allowed)
-    return _ALLOWED_GLOBALS
-
-
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-def _show(obj: Any) -> str:
-    text = getattr(obj, "__qualname__", None) or type(obj).__name__
-    return f"{getattr(obj, '__module__', '?')}.{text}"[:200]
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """Resolves exactly the names of :func:`_allowed_globals`, and checks every opcode that calls
-    or mutates something.
-
-    ``find_class`` looks ``(module, name)`` up in a fixed table: no import, no attribute walk
-    (``a.b.c`` names), no prefix match, so ``operator.attrgetter``, ``builtins.eval``/``getattr``,
-    ``os.system`` and ``torch.distributed.checkpoint.planner.operator.attrgetter`` are refused.
-    Every callable on a pickle's stack comes from there (no opcode builds anything else callable;
-    persistent ids and extension codes are refused outright), and on top of that REDUCE, NEWOBJ,
-    NEWOBJ_EX, INST and OBJ check that what they call is in the table, and BUILD only fills in an
-    *instance* of one of DCP's dataclasses with plain field names: BUILD on a class would otherwise
-    rewrite that class for the whole process (``Metadata.__eq__ = ...``). This is the pure-Python
-    unpickler (the C one cannot be checked per opcode); ``.metadata`` is small (about 20 ms for
-    120 kB here)."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _tables()[(module, name)]
-        except (KeyError, TypeError):
-            where = f"{str(module)[:100]}.{str(name)[:100]}"
-            raise _Refused(f"refers to {where}, which is not part of a DCP checkpoint index") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _Refused(f"holds a persistent id ({str(pid)[:100]!r})")
-
-    def get_extension(self, code: int) -> None:
-        raise _Refused(f"uses extension code {code}")
-
-    def _check_call(self, opcode: str, fn: Any) -> None:
-        _tables()
-        if _CALLABLE.get(id(fn)) is not fn:
-            raise _Refused(f"uses {opcode} on {_show(fn)}, which is not one of DCP's metadata classes")
-
-    def load_reduce(self) -> None:
-        self._check_call("REDUCE", self.stack[-2])
-        pickle._Unpickler.load_reduce(self)
-
-    def load_newobj(self) -> None:
-        self._check_call("NEWOBJ", self.stack[-2])
-        pickle._Unpickler.load_newobj(self)
-
-    def load_newobj_ex(self) -> None:
-        self._check_call("NEWOBJ_EX", self.stack[-3])
-        pickle._Unpickler.load_newobj_ex(self)
-
-    def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ
-        self._check_call("INST/OBJ", klass)
-        pickle._Unpickler._instantiate(self, klass, args)
-
-    def load_build(self) -> None:
-        state, inst = self.stack[-1], self.stack[-2]
-        _tables()
-        if isinstance(inst, type) or type(inst) not in _BUILDABLE:
-            raise _Refused(f"uses BUILD on {_show(inst)}, which is not an instance of DCP's metadata classes")
-        if not hasattr(inst, "__setstate__"):  # the dataclasses without one take a dict of fields
-            fields = state[0] if isinstance(state, tuple) and len(state) == 2 and state[1] is None else state
-            if not isinstance(fields, dict) or not all(
-                isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in fields
-            ):
-                raise _Refused(f"uses BUILD on a {_show(type(inst))} with state that is not its fields")
-        pickle._Unpickler.load_build(self)
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.BUILD[0]] = load_build
-
-
 def load_metadata(data: bytes, where: str | os.PathLike) -> Any:
-    """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist; ``where`` names the file."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+    """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist and the bounds of
+    :mod:`engine.checkpoint_pickle`; ``where`` names the file in the CheckpointError."""
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except _Refused as e:
+        return checkpoint_pickle.load_index(data)
+    except PickleRefused as e:
         raise CheckpointError(
             f"{where} {e}; refusing to unpickle it (only checkpoints written by "
             "torch.distributed.checkpoint load). Delete this checkpoint directory; resume='auto' "
@@ -679,9 +596,79 @@ def load_metadata(data: bytes, where: str | os.PathLike) -> Any:
             f"{where} is not a readable DCP checkpoint index ({type(e).__name__}: {str(e)[:200]}); "
             "the checkpoint is damaged: delete it or resume from an older one"
         ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{where} holds a {type(metadata).__name__}, not a DCP checkpoint index")
-    return metadata
+
+
+def check_entry(data: bytes, where: str) -> None:
+    """Refuse (CheckpointError naming ``where``) the bytes of a non-tensor entry that
+    ``torch.load(weights_only=True)`` should not be given: see :func:`checkpoint_pickle.check_entry`."""
+    try:
+        checkpoint_pickle.check_entry(data)
+    except PickleRefused as e:
+        raise CheckpointError(
+            f"{where} {e}; refusing to load it: the checkpoint is damaged or crafted"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a pickle the checker cannot even read
+        raise CheckpointError(
+            f"{where} is not a readable pickle ({type(e).__name__}: {str(e)[:200]}): "
+            "the checkpoint is damaged"
+        ) from None
+
+
+def _read_bounded(path: str, limit: int) -> bytes:
+    """The bytes of ``path``, or CheckpointError when it has more than ``limit``."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise CheckpointError(
+                    f"{path} has {size} bytes, more than the {limit} a DCP checkpoint index may have "
+                    "(engine.checkpoint_pickle.METADATA_MAX_BYTES); the checkpoint is damaged or crafted: "
+                    "resume from an older one"
+                )
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot read {path} ({e.strerror}): the checkpoint is damaged or incomplete; resume "
+            "from an older one (resume='auto' falls back by itself)"
+        ) from None
+    if len(data) > limit:
+        raise CheckpointError(f"{path} grew past {limit} bytes while it was read; the checkpoint is damaged")
+    return data
+
+
+def check_loadable(path: str | os.PathLike) -> list[str]:
+    """What makes checkpoint ``path`` unsafe to load beyond its manifest: its ``.metadata`` must
+    unpickle within the bounds and every non-tensor entry must pass :func:`check_entry` (read from
+    the data files at the byte ranges the index gives). Empty: loadable."""
+    directory = os.fspath(path)
+    where = os.path.join(directory, ".metadata")
+    try:
+        metadata = load_metadata(_read_bounded(where, checkpoint_pickle.METADATA_MAX_BYTES), where)
+    except CheckpointError as e:
+        return [str(e)]
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    problems = []
+    byte_entries = {k for k, v in metadata.state_dict_metadata.items() if type(v) is BytesStorageMetadata}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_entries or info.transform_descriptors:
+            continue  # transformed bytes are checked when they are loaded
+        name = os.path.join(directory, info.relative_path)
+        try:
+            with open(name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(min(info.offset, size))
+                data = f.read(max(0, min(info.length, size - info.offset)))
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror})")
+            continue
+        try:
+            check_entry(data, f"checkpoint entry {index.fqn[:200]!r} (in {name})")
+        except CheckpointError as e:
+            problems.append(str(e))
+            if len(problems) >= 3:
+                break
+    return problems
 
 
 class SafeReader(FileSystemReader):
@@ -704,14 +691,7 @@ class SafeReader(FileSystemReader):
                         f"{path} is not listed in the manifest of {os.path.join(directory, MARKER)}: "
                         "the checkpoint is damaged; resume from an older one"
                     )
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot read {path} ({e.strerror}): the checkpoint is damaged or incomplete; resume "
-                "from an older one (resume='auto' falls back by itself)"
-            ) from None
+        data = _read_bounded(path, checkpoint_pickle.METADATA_MAX_BYTES)
         if entry is not None:
             checksum = f"{zlib.crc32(data):08x}"
             if len(data) != entry["size"] or checksum != entry["checksum"]:
@@ -734,6 +714,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        check_entry(value.getvalue(), f"checkpoint entry {fqn!r}")
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:

@@ -77,9 +77,9 @@ validation results and runs before loggers record the step::
                            DEFAULT           0               user handlers
                            LOG_JSONL .. LOG_CONSOLE -1e3..   loggers record the step
                            LOG               -1.5e3          a user's MetricLogger subclass
-                           ROLLBACK_REQUEST  -2e3            NaNDetector: ROLLBACK once logged
+                           ROLLBACK_REQUEST  -2e3            NaNDetector: ask for ROLLBACK (runs at step end)
                            PROFILE_END       -1e12           ProfilerWindow
-                           ENGINE_LAST (-inf)                trainer: agree on stop, end the run
+                           ENGINE_LAST (-inf)                trainer: deferred actions (ROLLBACK), stop, end
     ROLLBACK               RESUME            1e9             AsyncCheckpointer: restore
                            ALIGN_AFTER_RESTORE -1e6          PhaseCurriculum: re-align to the restored step
     EPOCH_START/END        SCHEDULE          1e3             StepScheduler

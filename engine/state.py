@@ -18,11 +18,11 @@ hold_checkpoints   a detector while steps are bad         set/cleared by its own
 What handlers tell each other about checkpoints (none imports another):
 
 - ``known_good_step``: the newest step a detector judged good (None: none yet). A checkpointer
-  never prunes the newest checkpoint at or before it.
+  never prunes the newest checkpoint at or before it whose saved state is finite.
 - ``hold_checkpoints``: while true, a checkpointer starts and publishes no save (the state may be
   poisoned).
 - ``rollback_target_step``: set by whoever fires ROLLBACK: restore the newest intact checkpoint
-  at or before this step (None: the newest).
+  at or before this step (None: the newest) whose saved parameters and optimizer state are finite.
 - ``initial_checkpoint_requested``: a handler that may roll back asks for a step-0 checkpoint
   when a run starts fresh, so there is always something to roll back to.
 - ``last_checkpoint``: the newest published checkpoint (a path), for ``exit_status.json``.

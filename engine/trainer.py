@@ -209,6 +209,7 @@ class Trainer(IgniteAdapter):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._loss_checked = False
         self._in_step = False
+        self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
         self._failed: set[int] = set()
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -557,12 +558,28 @@ class Trainer(IgniteAdapter):
     def _enter_step(self) -> None:
         self._in_step = True
 
+    def at_step_end(self, action: Callable[[], Any]) -> None:
+        """Run ``action()`` once this step's STEP_END handlers have all run (at the trainer's own
+        end of the step, ``Priority.ENGINE_LAST``, before its stop decision); outside a step, now.
+
+        For what changes the state the step's handlers report on: a rollback asked for at STEP_END
+        runs here, so every handler of that STEP_END firing, whatever its priority, sees the step
+        that triggered it (its number, its loss), and the ROLLBACK handlers then see the restored
+        state. Actions run in the order they were given; one that raises ends the run through the
+        usual error path."""
+        if not self._in_step:
+            action()
+            return
+        self._at_step_end.append(action)
+
     def _end_step(self) -> None:
-        """After the step's handlers: stop when every rank agreed to. A stop asked for after the
-        step's agreement is agreed here with a second small collective, run only when some rank
-        has handlers that could ask (the agreement said so); a checkpoint asked for that late is
-        carried to the next step."""
+        """After the step's handlers: run what they deferred to the step's end (:meth:`at_step_end`),
+        then stop when every rank agreed to. A stop asked for after the step's agreement is agreed
+        here with a second small collective, run only when some rank has handlers that could ask
+        (the agreement said so); a checkpoint asked for that late is carried to the next step."""
         state = self.state
+        while self._at_step_end:
+            self._at_step_end.pop(0)()
         self._in_step = False
         reached = self._run_max_steps is not None and state.iteration >= self._run_max_steps
         stop = self.decisions.stop
@@ -589,6 +606,7 @@ class Trainer(IgniteAdapter):
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
         self._in_step = False
+        self._at_step_end.clear()
         entries = self.events.entries(Events.EXCEPTION)
         handled = bool(entries)
         for entry in entries:

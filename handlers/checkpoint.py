@@ -166,11 +166,15 @@ class _Save:
         writer: io.RecordingWriter | None = None,
         rank_file: Future | None = None,
         metrics: dict[str, float] | None = None,
+        finite: dict[str, bool] | None = None,
     ) -> None:
         self.step, self.partial, self.final = step, partial, final
         self.done, self.staged = done, staged
         self.writer, self.rank_file = writer, rank_file
         self.metrics = dict(metrics or {})
+        # {"finite": bool} once known: this rank's parameters and optimizer state as saved hold no
+        # NaN/Inf (filled in where the state is copied: on the writer thread for an async save)
+        self.finite = finite if finite is not None else {}
 
     @property
     def entries(self) -> dict[str, Any]:
@@ -229,10 +233,12 @@ class AsyncCheckpointer(Handler):
             ``"async_copy"`` or ``"sync"`` (see the module docstring); ``"async_staged"`` is an old
             name of ``"async"``.
         resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
-            there is none), a checkpoint directory path (must exist and be complete), or None.
+            there is none), a checkpoint directory path (must exist and be complete; a directory
+            holding ``step_N`` checkpoints means its newest intact one), or None.
         load_optimizer: restore the optimizer state too (False: model, counters and the rest only).
         finetune_from: a checkpoint whose model weights are loaded at the start of a fresh run
-            (step 0); used only when ``resume`` finds nothing to resume from.
+            (step 0), or a directory of checkpoints (its newest intact one); used only when
+            ``resume`` finds nothing to resume from.
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
     """
 
@@ -479,16 +485,19 @@ class AsyncCheckpointer(Handler):
         return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
 
     def restore_latest(self, keep_data_position: bool = False, at_or_before: int | None = None) -> int:
-        """Restore the newest intact complete checkpoint (at or before step ``at_or_before``, when
-        given) into the running trainer (model, optimizer, LR scheduler, counters, stateful handlers
-        unless their ``restore_on_rollback`` is False, RNG) and return its step; damaged newer ones
-        are skipped with a warning. ``keep_data_position``: the data continues from where it is now
-        instead of going back. Collective: every rank calls it (ROLLBACK is agreed)."""
+        """Restore the newest intact complete checkpoint whose saved parameters and optimizer state
+        are finite (at or before step ``at_or_before``, when given) into the running trainer (model,
+        optimizer, LR scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is
+        False, RNG) and return its step; damaged newer ones are skipped with a warning.
+        ``keep_data_position``: the data continues from where it is now instead of going back.
+        Collective: every rank calls it (ROLLBACK is agreed)."""
         self.wait()
-        path = self._agreed_checkpoint("auto", at_or_before=at_or_before)
+        path = self._agreed_checkpoint("auto", at_or_before=at_or_before, finite_only=True)
         if path is None:
             limit = "" if at_or_before is None else f" at or before step {at_or_before}"
-            raise CheckpointError(f"no complete checkpoint{limit} in {self.directory} to roll back to")
+            raise CheckpointError(
+                f"no complete checkpoint{limit} with finite weights in {self.directory} to roll back to"
+            )
         self._load(path, rollback=True, keep_data_position=keep_data_position)
         return self.trainer.state.iteration
 
@@ -545,9 +554,11 @@ class AsyncCheckpointer(Handler):
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
+        checked = _trained_entries(model_sd, optim_sd, self.trainer.model)
         if self.mode == "async":  # staged later, while the next forward may change buffers
             model_sd = _copy_buffers(model_sd, self.trainer.model)
         state_dict = {"model": model_sd, "optim": optim_sd}
+        finite: dict[str, bool] = {}
         writer = io.RecordingWriter(
             partial, parallel.rank()
         )  # checksums the DCP files as it makes them durable
@@ -561,15 +572,19 @@ class AsyncCheckpointer(Handler):
         try:
             with _quiet_single_process():
                 if self.mode == "sync":
+                    finite["finite"] = _all_finite(state_dict, checked)  # a sync save waits anyway
                     with self._long_wait():
                         dcp.save(state_dict, **kwargs)
                     done = _done_future()
-                elif self.mode == "async_copy":
+                elif self.mode == "async_copy":  # the call copies the whole state: the check is cheap
+                    finite["finite"] = _all_finite(state_dict, checked)
                     done = dcp.async_save(state_dict, **kwargs)
-                else:  # the copy and the write both on the writer thread: the call returns at once
+                else:  # the copy, its check and the write on the writer thread: the call returns at once
                     staged = Future()
                     stager = self._get_stager()
-                    done = self._writer().submit(_stage_then_write, stager, state_dict, staged, kwargs)
+                    done = self._writer().submit(
+                        _stage_then_write, stager, state_dict, staged, kwargs, checked, finite
+                    )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
             _reraise_interrupt(e)
@@ -589,6 +604,7 @@ class AsyncCheckpointer(Handler):
             writer=writer,
             rank_file=rank_file,
             metrics=self._ranking_metric(),
+            finite=finite,
         )
         self.last_saved_step = step
         if self.mode == "sync":
@@ -671,10 +687,10 @@ class AsyncCheckpointer(Handler):
                 f"complete checkpoint and `latest` are unchanged; free space or fix permissions of "
                 f"checkpoint.directory ({self.directory})"
             ) from error
-        files = self._collect_entries(entries)
+        files, finite = self._collect_entries(entries, save.finite.get("finite"))
         ok = True
         if parallel.rank() == 0:
-            ok = self._publish(save, files)
+            ok = self._publish(save, files, finite)
         if parallel.world_size() > 1:
             ok = not self._agree_failed(not ok)
         if not ok:
@@ -686,23 +702,28 @@ class AsyncCheckpointer(Handler):
         self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
 
-    def _collect_entries(self, entries: dict[str, Any]) -> dict[str, Any] | None:
-        """Rank 0 gets every rank's manifest entries (one gather on the checkpoint group, which no
-        write uses any more: every rank's save is done); the other ranks get None."""
+    def _collect_entries(
+        self, entries: dict[str, Any], finite: bool | None
+    ) -> tuple[dict[str, Any] | None, bool | None]:
+        """Rank 0 gets every rank's manifest entries and whether all ranks' saved state is finite
+        (None: a rank could not tell) in one gather on the checkpoint group, which no write uses any
+        more (every rank's save is done); the other ranks get ``(None, None)``."""
         if self._group is None:
-            return dict(entries)
+            return dict(entries), finite
         parts: list[Any] | None = [None] * parallel.world_size() if parallel.rank() == 0 else None
-        dist.gather_object(entries, parts, dst=0, group=self._group)
+        dist.gather_object((entries, finite), parts, dst=0, group=self._group)
         if parts is None:
-            return None
+            return None, None
         merged: dict[str, Any] = {}
-        for part in parts:
+        for part, _ in parts:
             merged.update(part)
-        return merged
+        verdicts = [verdict for _, verdict in parts]
+        return merged, (None if None in verdicts else all(verdicts))
 
-    def _publish(self, save: _Save, files: dict[str, Any]) -> bool:
-        """Rank 0: marker (with the manifest of every rank's files), rename to ``step_N``, move
-        ``latest``, prune. Every rank's data is durable and checksummed."""
+    def _publish(self, save: _Save, files: dict[str, Any], finite: bool | None = None) -> bool:
+        """Rank 0: marker (with the manifest of every rank's files and whether the saved parameters
+        and optimizer state are finite), rename to ``step_N``, move ``latest``, prune. Every rank's
+        data is durable and checksummed."""
         try:
             marker = {
                 "step": save.step,
@@ -712,11 +733,13 @@ class AsyncCheckpointer(Handler):
                 "metrics": save.metrics,
                 "manifest": io.make_manifest(files),
             }
+            if finite is not None:
+                marker["finite"] = finite
             io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
-            if os.path.exists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
+            if os.path.lexists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{save.final}.replaced-{self._session}"
                 os.replace(save.final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                _delete_tree(trash)
             os.replace(save.partial, save.final)
             io.fsync_dir(self.directory)
             io.write_latest(self.directory, os.path.basename(save.final))
@@ -733,7 +756,9 @@ class AsyncCheckpointer(Handler):
     def _prune(self) -> None:
         """Rank 0: delete the checkpoints ``keep_last`` no longer keeps. Each is made incomplete
         (marker removed) and renamed out of the listing here; the files go on a background thread,
-        since unlinking hundreds of MB would block training about as long as a save's copy."""
+        since unlinking hundreds of MB would block training about as long as a save's copy. Nothing
+        outside the checkpoint directory is touched: a step directory that is a symbolic link
+        loses the link only (its target, marker included, stays as it was)."""
         self._wait_pruned()
         complete, torn = io.complete_checkpoints(self.directory)
         newest = complete[0][0] if complete else -1
@@ -749,11 +774,16 @@ class AsyncCheckpointer(Handler):
             keep.add(os.path.join(self.directory, latest))
         good = self.trainer.state.known_good_step if self.trainer is not None else None
         if good is not None:  # a rollback may need it: never prune the newest known-good checkpoint
-            known_good = next((path for step, path in complete if step <= good), None)
+            known_good = next(
+                (path for step, path in complete if step <= good and not _not_finite(path)), None
+            )
             if known_good is not None:
                 keep.add(known_good)
         for _, path in complete[self.keep_last :]:
             if path in keep:
+                continue
+            if os.path.islink(path):  # a link to a checkpoint elsewhere: only the link goes
+                doomed.append(path)
                 continue
             try:
                 os.remove(os.path.join(path, io.MARKER))  # incomplete first, so a reader never loads it
@@ -854,7 +884,11 @@ class AsyncCheckpointer(Handler):
 
     # ------------------------------------------------------------------------------ loading
     def _agreed_checkpoint(
-        self, which: str, field: str = "checkpoint.resume", at_or_before: int | None = None
+        self,
+        which: str,
+        field: str = "checkpoint.resume",
+        at_or_before: int | None = None,
+        finite_only: bool = False,
     ) -> str | None:
         """The checkpoint every rank loads, after verifying its manifest (collective).
 
@@ -863,9 +897,19 @@ class AsyncCheckpointer(Handler):
         one beside it. A damaged checkpoint is named in a warning and the next older one is tried;
         CheckpointError when every candidate is damaged. Rank 0 lists the candidates; each rank
         verifies its share of a candidate's files and the ranks exchange what they found, so all of
-        them take the same decision even when only one of them saw the damage."""
+        them take the same decision even when only one of them saw the damage. ``finite_only``
+        (a rollback): checkpoints whose marker records NaN/Inf in the saved parameters or optimizer
+        state are skipped too."""
         if which != "auto":
-            _check_loadable(which, field)
+            resolved = _check_loadable(which, field)
+            if resolved != which:  # a directory of checkpoints: its newest intact one
+                if parallel.rank() == 0:
+                    logger.info(
+                        "%s %s is a directory of checkpoints: loading its newest intact checkpoint",
+                        field,
+                        which,
+                    )
+                which = resolved
         listing: list[Any] = [[], None]
         if parallel.rank() == 0:
             try:
@@ -874,6 +918,14 @@ class AsyncCheckpointer(Handler):
                     for path in self._candidates(which)
                     if at_or_before is None or (io.parse_step(os.path.basename(path)) or 0) <= at_or_before
                 ]
+                if finite_only:
+                    for path in [path for path in listing[0] if _not_finite(path)]:
+                        logger.warning(
+                            "not rolling back to %s: its parameters or optimizer state held NaN/Inf "
+                            "when it was saved",
+                            path,
+                        )
+                        listing[0].remove(path)
             except OSError as e:
                 listing[1] = f"cannot list the checkpoints in {which}: {e}"
         if self._group is not None:
@@ -1133,7 +1185,7 @@ class AsyncCheckpointer(Handler):
             if ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
                 if name.endswith(f"-{self._session}"):
                     continue
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                _delete_tree(os.path.join(self.directory, name))
 
     def _agree_failed(self, failed: bool) -> bool:
         if parallel.world_size() == 1:
@@ -1211,10 +1263,16 @@ def describe_layout_difference(stored: dict[str, tuple], wanted: dict[str, tuple
 
 
 def _stage_then_write(
-    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+    stager: Any,
+    state_dict: dict[str, Any],
+    staged: Future,
+    kwargs: dict[str, Any],
+    checked: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    finite: dict[str, bool] | None = None,
 ) -> None:
     """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
-    training may change the state), then write the copy with DCP."""
+    training may change the state), check the copy for NaN/Inf (into ``finite``), then write it
+    with DCP."""
     try:
         with torch.no_grad():
             host = stager.stage(state_dict)
@@ -1222,8 +1280,40 @@ def _stage_then_write(
         staged.set_exception(e)
         raise
     staged.set_result(None)
+    if finite is not None:
+        finite["finite"] = _all_finite(host, checked)
     with _quiet_single_process():
         dcp.save(host, **kwargs)
+
+
+def _trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> list:
+    """The entries whose values decide whether a saved state is known-good: the parameters and the
+    optimizer's floating-point state, as ``("model", key)`` / ``("optim", key)``. Buffers are left
+    out: a mask buffer may hold -inf on purpose."""
+    params = {_local(p).data_ptr() for p in model.parameters()}
+    entries = [
+        ("model", key)
+        for key, value in model_sd.items()
+        if isinstance(value, torch.Tensor) and _local(value).data_ptr() in params
+    ]
+    entries += [
+        ("optim", key)
+        for key, value in optim_sd.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    ]
+    return entries
+
+
+def _all_finite(state_dict: dict[str, Any], entries: list[tuple[str, str]]) -> bool:
+    """Whether every tensor of ``entries`` in ``state_dict`` holds only finite values (this rank's
+    shard of a sharded one): one reduction per tensor, one read per device."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for part, key in entries:
+        value = state_dict[part].get(key)
+        if isinstance(value, torch.Tensor):
+            local = _local(value)
+            flags.setdefault(local.device, []).append(torch.isfinite(local).all())
+    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
 
 
 def _wait_quietly(future: Future, timeout: float) -> None:
@@ -1233,7 +1323,18 @@ def _wait_quietly(future: Future, timeout: float) -> None:
 
 def _delete_trees(paths: list[str]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        _delete_tree(path)
+
+
+def _delete_tree(path: str) -> None:
+    """Delete ``path`` (inside the checkpoint directory) and nothing outside it: a symbolic link is
+    removed itself, never followed (a linked step directory's target belongs to someone else), and
+    links inside a directory are removed as links."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
@@ -1294,17 +1395,22 @@ def _check_writable(directory: str) -> None:
         ) from None
 
 
-def _check_loadable(path: str, field: str) -> None:
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"{field}: checkpoint {path} does not exist; pass an existing step_N directory, "
-            "'auto' to resume from the newest complete one, or None to start fresh"
-        )
-    if not io.is_complete(path):
-        raise CheckpointError(
-            f"{field}: checkpoint {path} is incomplete (no {io.MARKER} marker: it was being "
-            "written when the run stopped); pass a complete step_N directory or 'auto'"
-        )
+def _check_loadable(path: str, field: str) -> str:
+    """The complete checkpoint ``path`` names (itself, or the newest complete one in a directory of
+    checkpoints); a CheckpointError naming ``field`` otherwise."""
+    try:
+        return io.resolve_checkpoint(path)[0]
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from None
+
+
+def _not_finite(path: str) -> bool:
+    """Whether checkpoint ``path``'s marker records NaN/Inf in its saved parameters or optimizer
+    state (markers of earlier versions record nothing: they count as finite)."""
+    try:
+        return io.read_marker(path).get("finite", True) is False
+    except CheckpointError:
+        return False  # verification reports the damaged marker
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:

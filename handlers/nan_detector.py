@@ -13,13 +13,16 @@ skipped step of its own, not a NaN.
 - ``"raise"``: stop at the first bad step with :class:`~engine.TrainingAborted` (exit code
   ``ExitCode.NAN_ABORT``), naming the step.
 - ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, fire ``Events.ROLLBACK`` at
-  the end of that step. A checkpointer answers it by restoring the newest intact checkpoint at or
-  before the last step known good (model, optimizer, LR scheduler, handlers, RNG, trainer
-  counters); with ``skip_data_on_rollback`` the data position is *not* restored, so training
-  continues past the window that went bad instead of re-feeding it. If the restored state goes
-  bad again before any good step, the next rollback goes to an older checkpoint: a bad update can
-  leave finite losses for a step or two, so the newest "good" checkpoint may hold poisoned weights.
-  After ``max_rollbacks`` rollbacks, or with no checkpoint old enough, the run stops with
+  the end of that step, once every STEP_END handler has seen it (``trainer.at_step_end``: the whole
+  STEP_END firing sees the step that triggered the rollback, with its own number and loss; the
+  ROLLBACK handlers and the next step see the restored state). A checkpointer answers it by
+  restoring the newest intact checkpoint at or before the last step known good whose saved state
+  is finite (model, optimizer, LR scheduler, handlers, RNG, trainer counters); with
+  ``skip_data_on_rollback`` the data position is *not* restored, so training continues past the
+  window that went bad instead of re-feeding it. If the restored state goes bad again before any
+  good step, the next rollback goes to an older checkpoint: a bad update can leave finite losses
+  for a step or two, so the newest "good" checkpoint may hold poisoned weights. After
+  ``max_rollbacks`` rollbacks, or with no checkpoint old enough, the run stops with
   ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
 
   While steps are bad the detector holds checkpoints (``state.hold_checkpoints``): nothing is
@@ -251,6 +254,8 @@ class NaNDetector(Handler):
         return self._last_good_loss
 
     def _maybe_roll_back(self, trainer: Trainer) -> None:
+        """Late at STEP_END (every logger has recorded the bad step): give up, or ask for the
+        rollback, which runs once every STEP_END handler of this step has seen the bad step."""
         if not self._rollback_pending:
             return
         self._rollback_pending = False
@@ -261,6 +266,10 @@ class NaNDetector(Handler):
                 f"(nan.max_rollbacks={self.max_rollbacks}); giving up, checkpoints left as they are",
                 ExitCode.NAN_ABORT,
             )
+        trainer.at_step_end(lambda: self._roll_back(trainer))
+
+    def _roll_back(self, trainer: Trainer) -> None:
+        state = trainer.state
         self.rollbacks += 1
         self.consecutive = 0
         target = self._rollback_target()

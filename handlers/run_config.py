@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
+from hookloop.engine.checkpoint_io import CheckpointError, resolve_checkpoint
 from hookloop.engine.config import (
     DataConfig,
     DistributedConfig,
@@ -193,7 +194,8 @@ class RunConfig:
 def check_run_paths(cfg: Any) -> None:
     """What the file system must offer before a run starts (call it before building a process
     group or a model): writable ``train.run_dir``, ``checkpoint.directory`` and ``data.cache_dir``;
-    an existing ``checkpoint.resume`` path (unless ``auto`` or null) and ``checkpoint.finetune_from``.
+    ``checkpoint.resume`` (unless ``auto`` or null) and ``checkpoint.finetune_from`` naming a complete
+    checkpoint or a directory of checkpoints.
     Raises :class:`ConfigError` naming the field; nothing already saved is touched."""
     run_dir = run_dir_of(cfg)
     _check_writable_dir("train.run_dir", run_dir)
@@ -202,16 +204,12 @@ def check_run_paths(cfg: Any) -> None:
         _check_writable_dir("checkpoint.directory", ckpt.directory or os.path.join(run_dir, "checkpoints"))
         for name in ("resume", "finetune_from"):
             path = getattr(ckpt, name)
-            if path not in (None, "auto") and not os.path.isdir(path):
-                raise ConfigError(
-                    f"checkpoint.{name}",
-                    f"{path} does not exist; pass an existing step_N directory"
-                    + (
-                        ", 'auto' (the newest complete one) or null to start fresh"
-                        if name == "resume"
-                        else ""
-                    ),
-                )
+            if path in (None, "auto"):
+                continue
+            try:  # a complete checkpoint, or a directory of them (its newest one loads)
+                resolve_checkpoint(path)
+            except CheckpointError as e:
+                raise ConfigError(f"checkpoint.{name}", str(e)) from None
     data = getattr(cfg, "data", None)
     if data is not None:
         _check_writable_dir("data.cache_dir", data.cache_dir)

@@ -219,6 +219,45 @@ def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_
     assert_bitwise(snapshot(again), snapshot(trainer))
 
 
+def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind(tmp_path):
+    """Step directories that are symbolic links to checkpoints elsewhere (complete ones the run
+    resumes past, a torn one, one a new save of the same step replaces) and stale ``.pruned-`` /
+    ``.partial-`` links a crash left: pruning, publishing and the start-up sweep remove the links,
+    never what they point to."""
+    outside = tmp_path / "elsewhere"
+    source = make_trainer()
+    AsyncCheckpointer(outside, mode="sync", every_steps=1, keep_last=10).attach(source)
+    source.run(token_batches(4), max_steps=3)
+    torn = outside / "torn"
+    torn.mkdir()
+    (torn / "keep.txt").write_text("not the checkpointer's")
+    before = tree_bytes(outside)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for step in (1, 2):  # complete: the run resumes from step 2, then keep_last=1 prunes both
+        (directory / io.step_dir_name(step)).symlink_to(outside / io.step_dir_name(step))
+    (directory / io.step_dir_name(0)).symlink_to(torn)  # torn and older than the newest: pruned
+    (directory / f"{io.step_dir_name(9)}.pruned-0000abcd").symlink_to(outside / io.step_dir_name(3))
+    (directory / f"{io.step_dir_name(9)}.partial-0000abcd").symlink_to(torn)
+    (directory / io.step_dir_name(3)).symlink_to(outside / io.step_dir_name(3) / "nothing")  # dangling
+    trainer = make_trainer(seed=1)
+    checkpointer = AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1).attach(trainer)
+    trainer.run(token_batches(8), max_steps=5)
+    checkpointer.close()
+    assert checkpointer.resumed_from == str(directory / io.step_dir_name(2))
+    assert tree_bytes(outside) == before  # every marker and data file outside is where it was
+    assert sorted(os.listdir(directory)) == ["latest", io.step_dir_name(5)]
+    # a save of a step whose directory is a link replaces the link, not its target
+    (directory / io.step_dir_name(5)).rename(directory / "real")
+    (directory / io.step_dir_name(5)).symlink_to(outside / io.step_dir_name(3))
+    again = make_trainer(seed=1)
+    AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1, resume=None).attach(again)
+    again.run(token_batches(10), max_steps=5)
+    assert tree_bytes(outside) == before
+    assert sorted(os.listdir(directory)) == ["latest", "real", io.step_dir_name(5)]
+    assert not (directory / io.step_dir_name(5)).is_symlink()
+
+
 def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
@@ -447,7 +486,8 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
 
 def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     """A planted ``.metadata`` fails the manifest check before it is unpickled; with the manifest
-    rewritten to match, the allowlist refuses it. More payloads: tests/test_checkpoint_unpickling.py."""
+    rewritten to match, the allowlist refuses it (in verification too, so the checkpoint counts as
+    damaged). More payloads: tests/test_checkpoint_unpickling.py."""
     import json
     import zlib
 
@@ -473,9 +513,9 @@ def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     (path / io.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         io.SafeReader(path).read_metadata()
-    resumed = make_trainer()
+    resumed = make_trainer()  # verification refuses it too: damage, and nothing older to fall back to
     AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
-    with pytest.raises(CheckpointError, match="refusing"):
+    with pytest.raises(CheckpointError, match="every complete checkpoint to load from is damaged"):
         resumed.run(token_batches(2), max_steps=2)
     assert not (tmp_path / "owned").exists()
 

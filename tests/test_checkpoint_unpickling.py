@@ -12,17 +12,21 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import struct
+import sys
 import zlib
 
 import pytest
 import torch
 
-from hookloop.engine import Trainer
+from hookloop.engine import Trainer, checkpoint_pickle
 from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_pickle import MetadataUnpickler
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
+from tests.dist_utils import run_process
 
 
 # ------------------------------------------------------------------------------ pickle programs
@@ -188,20 +192,25 @@ def test_crafted_metadata_is_refused_by_the_unpickler_and_runs_nothing(tmp_path,
 
 
 @pytest.mark.parametrize("name", sorted(PAYLOADS))
-def test_crafted_metadata_with_a_matching_manifest_errors_cleanly_on_resume(tmp_path, name):
-    """Verification passes (the manifest was rewritten to match): the unpickler refuses, on the
-    direct reader and through the checkpointer's resume path, and nothing runs."""
+def test_crafted_metadata_with_a_matching_manifest_is_refused_and_the_run_falls_back(tmp_path, name, caplog):
+    """The manifest was rewritten to match, so the checksums pass: the unpickler refuses, on the
+    direct reader (CheckpointError naming the file), in verification (the checkpoint counts as
+    damaged) and through the checkpointer's resume path, which loads the previous checkpoint.
+    Nothing runs."""
     marker = tmp_path / "owned"
     _write_checkpoints(tmp_path / "ckpt")
     newest = tmp_path / "ckpt" / io.step_dir_name(4)
     _plant(newest, PAYLOADS[name](marker), update_manifest=True)
-    assert io.verify_checkpoint(newest) == ([], True)
     with pytest.raises(CheckpointError, match=str(newest / ".metadata")):
         io.SafeReader(newest).read_metadata()
+    problems, verified = io.verify_checkpoint(newest)
+    assert verified and len(problems) == 1 and str(newest / ".metadata") in problems[0]
     resumed = _trainer(seed=3)
-    AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(resumed)
-    with pytest.raises(CheckpointError, match="metadata"):
+    checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(resumed)
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8, seed=1), max_steps=6)
+    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
+    assert any(str(newest / ".metadata") in r.getMessage() for r in caplog.records)
     assert not marker.exists()
 
 
@@ -245,7 +254,7 @@ def test_real_metadata_of_every_kind_uses_only_allowlisted_globals(tmp_path):
 
 def test_allowed_names_cannot_reach_anything_else():
     """Only exact (module, name) pairs resolve: nothing is imported or walked for a name."""
-    unpickler = io._MetadataUnpickler(__import__("io").BytesIO(b""))
+    unpickler = MetadataUnpickler(b"")
     assert unpickler.find_class("torch", "Size") is torch.Size
     assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
     for module, name in [
@@ -269,3 +278,203 @@ def test_valid_pickle_that_is_not_an_index_is_refused(tmp_path):
         io.load_metadata(pickle.dumps({"state_dict_metadata": {}}), tmp_path / ".metadata")
     with pytest.raises(CheckpointError, match="not a readable DCP checkpoint index"):
         io.load_metadata(pickle.dumps([1, 2, 3])[:-3], tmp_path / ".metadata")
+
+
+# ------------------------------------------------------------------------------ resources
+# A crafted pickle that runs no code may still crash the reader (hashing a deeply nested tuple
+# recurses in C) or stall it (keys crafted to share one hash make a dictionary quadratic). Each of
+# these is refused at the first value that breaks a stated bound.
+_P61 = (1 << 61) - 1  # every multiple of this int hashes to 0
+
+
+def deep_key_pickle(depth: int, protocol: int = 4) -> bytes:
+    """``{((...(1,)...),): None}``: a dict whose key is a tuple nested ``depth`` deep."""
+    body = pickle.EMPTY_DICT + pickle.BININT1 + b"\x01" + pickle.TUPLE1 * depth + pickle.NONE + pickle.SETITEM
+    return pickle.PROTO + bytes([protocol]) + body + pickle.STOP
+
+
+def int_flood_pickle(n: int, protocol: int = 4) -> bytes:
+    """A dict of ``n`` distinct int keys that all hash to 0."""
+    keys = b"".join(
+        pickle.LONG1 + bytes([10]) + (k * _P61).to_bytes(10, "little", signed=True) + pickle.NONE
+        for k in range(1, n + 1)
+    )
+    body = pickle.EMPTY_DICT + pickle.MARK + keys + pickle.SETITEMS
+    return pickle.PROTO + bytes([protocol]) + body + pickle.STOP
+
+
+def torch_save_raw(payload: bytes) -> bytes:
+    """What ``torch.save`` writes, with ``payload`` as its pickle (``data.pkl``)."""
+
+    class Raw:
+        def __init__(self, f, protocol=2):
+            self.f = f
+
+        def dump(self, obj):
+            self.f.write(payload)
+
+    buffer = __import__("io").BytesIO()
+    torch.save(None, buffer, pickle_module=type("raw", (), {"__name__": "raw", "Pickler": Raw}))
+    return buffer.getvalue()
+
+
+def _index(checkpoint):
+    return checkpoint_pickle.load_index((checkpoint / ".metadata").read_bytes())
+
+
+def _rewrite_index(checkpoint, metadata) -> None:
+    """Write ``metadata`` as the checkpoint's ``.metadata`` the way DCP does (a plain pickle), with
+    the manifest updated to match."""
+    _plant(checkpoint, pickle.dumps(metadata), update_manifest=True)
+
+
+def _plant_entry(checkpoint, entry: bytes) -> str:
+    """Point the checkpoint's first non-tensor entry at ``entry`` (in a new data file); its name."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = _index(checkpoint)
+    fqn = next(k for k, v in metadata.state_dict_metadata.items() if type(v) is BytesStorageMetadata)
+    key = next(k for k in metadata.storage_data if k.fqn == fqn)
+    (checkpoint / "__planted.distcp").write_bytes(entry)
+    metadata.storage_data[key] = _StorageInfo("__planted.distcp", 0, len(entry))
+    _rewrite_index(checkpoint, metadata)
+    return fqn
+
+
+def test_a_deeply_nested_tuple_is_refused_at_the_depth_bound(tmp_path):
+    where = tmp_path / ".metadata"
+    bound = checkpoint_pickle.MAX_DEPTH
+    with pytest.raises(CheckpointError, match=rf"{where} nests tuples more than {bound} levels deep"):
+        io.load_metadata(deep_key_pickle(checkpoint_pickle.MAX_DEPTH + 1), where)
+    with pytest.raises(CheckpointError, match="nests tuples"):  # the million-deep one: no SIGSEGV
+        io.load_metadata(deep_key_pickle(1_000_000), where)
+    # a tuple as deep as the bound is no problem of nesting (it is no index either)
+    with pytest.raises(CheckpointError, match="dictionary key"):
+        io.load_metadata(deep_key_pickle(checkpoint_pickle.MAX_DEPTH - 1), where)
+
+
+def test_dictionary_keys_that_share_a_hash_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    where = tmp_path / ".metadata"
+    with pytest.raises(CheckpointError, match="uses a builtins.int as a dictionary key"):
+        io.load_metadata(int_flood_pickle(20_000), where)
+    # DCP's own keys can be crafted to collide too: offsets 0, +-P, +-2P, ... all hash alike.
+    colliding = [MetadataIndex("w", torch.Size([k * _P61])) for k in (0, 1, -1, 2, -2, 3, -3, 4, -4)]
+    assert len({hash(k) for k in colliding}) == 1 and len(set(colliding)) == 9
+    allowed = dict.fromkeys(colliding[: checkpoint_pickle.MAX_SAME_HASH])
+    with pytest.raises(CheckpointError, match="is not a DCP checkpoint index"):  # within the bound
+        io.load_metadata(pickle.dumps(allowed), where)
+    bound = checkpoint_pickle.MAX_SAME_HASH
+    with pytest.raises(CheckpointError, match=f"more than {bound} keys with one hash"):
+        io.load_metadata(pickle.dumps(dict.fromkeys(colliding)), where)
+
+
+def test_calls_sizes_and_file_references_are_bounded(tmp_path, monkeypatch):
+    _write_checkpoints(tmp_path / "ckpt")
+    checkpoint = tmp_path / "ckpt" / io.step_dir_name(4)
+    where = checkpoint / ".metadata"
+    with pytest.raises(CheckpointError, match="passes more than 128 values to REDUCE of torch.Size"):
+        io.load_metadata(pickle.dumps(torch.Size([1] * 200)), where)
+    # an index that points the reader at a file outside the checkpoint
+    metadata = _index(checkpoint)
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key].relative_path = "/etc/passwd"
+    _rewrite_index(checkpoint, metadata)
+    with pytest.raises(CheckpointError, match="'/etc/passwd', not a file of the checkpoint"):
+        io.SafeReader(checkpoint).read_metadata()
+    # a file larger than an index may be is refused before a byte of it is unpickled
+    _write_checkpoints(tmp_path / "other")
+    intact = tmp_path / "other" / io.step_dir_name(4)
+    monkeypatch.setattr(checkpoint_pickle, "METADATA_MAX_BYTES", 1000)
+    with pytest.raises(CheckpointError, match=r"more than the 1000 a DCP checkpoint index may have"):
+        io.SafeReader(intact).read_metadata()
+    assert io.verify_checkpoint(intact)[0], "verification must report it too"
+
+
+def test_non_tensor_entries_are_checked_before_torch_loads_them():
+    """Every non-tensor entry passes the same bounds before ``torch.load(weights_only=True)`` sees
+    it (torch's own reader crashes on the deep key and takes minutes on the flood)."""
+    ok = __import__("io").BytesIO()
+    torch.save((0.9, 0.999), ok)
+    io.check_entry(ok.getvalue(), "entry 'betas'")
+    for payload, match in [
+        (deep_key_pickle(1_000_000, protocol=2), "entry 'x' nests tuples"),
+        (int_flood_pickle(20_000, protocol=2), "entry 'x' has more than 8 keys with one hash"),
+    ]:
+        with pytest.raises(CheckpointError, match=match):
+            io.check_entry(torch_save_raw(payload), "entry 'x'")
+    with pytest.raises(CheckpointError, match="not in torch.save's format"):
+        io.check_entry(pickle.dumps(0.9), "entry 'x'")
+    big = torch_save_raw(pickle.dumps(b"x" * (checkpoint_pickle.ENTRY_MAX_BYTES + 10), protocol=2))
+    with pytest.raises(CheckpointError, match="pickle, more than the"):
+        io.check_entry(big, "entry 'x'")
+
+
+# ------------------------------------------------------------------------------ a real resume
+_MODEL = """
+import torch
+
+def build(dim: int = 16):
+    return torch.nn.Sequential(torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256))
+"""
+_CONFIG = """
+model: {target: tiny.py:build}
+train: {seq_len: 8, local_batch_size: 2}
+step_scheduler: {global_batch_size: 2, max_steps: 8, ckpt_every_steps: 4}
+lr: {warmup_steps: 0}
+data: {cache_dir: data}
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_project(tmp_path_factory):
+    """A ``hookloop train`` run with checkpoints of steps 0, 4 and 8 (trained once per module)."""
+    project = tmp_path_factory.mktemp("project")
+    (project / "tiny.py").write_text(_MODEL)
+    (project / "run.yaml").write_text(_CONFIG)
+    first = run_process([sys.executable, "-m", "hookloop", "train", "run.yaml"], cwd=project, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return project
+
+
+def _plant_deep_index(checkpoint) -> str:
+    _plant(checkpoint, deep_key_pickle(1_000_000), update_manifest=True)
+    return str(checkpoint / ".metadata")
+
+
+def _plant_flood_index(checkpoint) -> str:
+    _plant(checkpoint, int_flood_pickle(80_000), update_manifest=True)
+    return str(checkpoint / ".metadata")
+
+
+def _plant_deep_entry(checkpoint) -> str:
+    fqn = _plant_entry(checkpoint, torch_save_raw(deep_key_pickle(1_000_000, protocol=2)))
+    return f"checkpoint entry {fqn!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "plant", [_plant_deep_index, _plant_flood_index, _plant_deep_entry], ids=lambda f: f.__name__
+)
+def test_a_crafted_pickle_in_the_newest_checkpoint_is_skipped_on_resume(trained_project, tmp_path, plant):
+    """A 1 MB pickle whose key nests a million deep (the reader crashed with SIGSEGV), one of 80000
+    int keys with one hash (minutes), or a non-tensor entry with the deep key, each with a
+    manifest that matches: the resume names the file, skips the checkpoint and trains on from the
+    previous one, well within the run's timeout."""
+    project = tmp_path / "project"
+    shutil.copytree(trained_project, project)
+    checkpoints = project / "runs" / "run" / "checkpoints"
+    named = plant(checkpoints / io.step_dir_name(8))
+    resumed = run_process(
+        [sys.executable, "-m", "hookloop", "train", "run.yaml", "step_scheduler.max_steps=10"],
+        cwd=project,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint {checkpoints / io.step_dir_name(8)} is damaged" in resumed.stderr
+    assert named in resumed.stderr, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / io.step_dir_name(4)} (step 4)" in resumed.stderr
+    status = json.loads((project / "runs" / "run" / "exit_status.json").read_text())
+    assert status["code"] == 0 and status["step"] == 10

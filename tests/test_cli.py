@@ -142,7 +142,56 @@ def test_check_and_train_reject_unreadable_configs_in_one_line(project):
         assert proc.returncode == 2, (args, proc.stderr)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("config error: config: "), (args, proc.stderr)
+    # an example script's --config naming a directory: the same one line
+    script = run_process(
+        [sys.executable, str(REPO / "examples" / "train_gpt.py"), "--config", "."], cwd=project
+    )
+    assert script.returncode == 2, script.stderr
+    lines = script.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and lines[0] == "config error: config: . is a directory; pass the path of a .yaml or .toml file"
+    ), script.stderr
     assert not (project / "runs").exists()
+
+
+def test_resume_and_finetune_paths_resolve_a_directory_of_checkpoints_or_fail_in_one_line(project):
+    """``checkpoint.resume`` / ``checkpoint.finetune_from`` naming the run's ``checkpoints`` folder
+    mean its newest intact checkpoint (said in a lifecycle line); a torn step directory or a folder
+    without checkpoints is one ``config error`` line, exit 2, before any directory or token cache
+    of the new run exists."""
+    first = hookloop("train", "my_run.yaml", cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = project / "runs" / "my_run" / "checkpoints"
+    (checkpoints / "step_00000004" / ".complete").unlink()  # torn, as if killed while writing
+    fresh = ["train.run_dir=runs/second", "data.cache_dir=cache2"]
+    for field, path, says in [
+        ("resume", checkpoints / "step_00000004", "is incomplete (no .complete marker"),
+        ("finetune_from", checkpoints / "step_00000004", "is incomplete (no .complete marker"),
+        ("resume", project / "runs" / "my_run", f"(did you mean {checkpoints}?)"),
+        ("resume", project / "my_models.py", "is not a directory"),
+    ]:
+        proc = hookloop("train", "my_run.yaml", *fresh, f"checkpoint.{field}={path}", cwd=project)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"config error: checkpoint.{field}: "), proc.stderr
+        assert str(path) in lines[0] and says in lines[0], lines[0]
+        assert not (project / "runs" / "second").exists() and not (project / "cache2").exists()
+    # the folder of checkpoints: its newest intact one (step 8), in a new run directory
+    resumed = hookloop(
+        "train", "my_run.yaml", *fresh, f"checkpoint.resume={checkpoints}", "step_scheduler.max_steps=10",
+        cwd=project,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint.resume {checkpoints} is a directory of checkpoints" in resumed.stderr
+    assert f"resumed from {checkpoints / 'step_00000008'} (step 8)" in resumed.stderr
+    assert "done: step 10, loss " in resumed.stdout
+    tuned = hookloop(
+        "train", "my_run.yaml", "train.run_dir=runs/third", f"checkpoint.finetune_from={checkpoints}",
+        "step_scheduler.max_steps=2", cwd=project,
+    )  # fmt: skip
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert f"fine-tuning from the model weights of {checkpoints / 'step_00000008'}" in tuned.stderr
 
 
 def test_config_prints_the_resolved_config_that_loads_back(project):

@@ -200,6 +200,41 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path
     assert state.exit_code == 0
 
 
+def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp_path):
+    """Step 11 triggers the rollback to step 8 during its STEP_END. Every STEP_END handler of that
+    firing, also those below the detector's priority down to the lowest a handler may take, sees
+    step 11 with its NaN loss; ROLLBACK handlers see the restored step 8; the next step is 9 and no
+    handler ever sees step 8 (or 9) with a NaN loss."""
+    from hookloop.engine import Priority
+
+    trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10})
+    seen: list = []
+    for name, priority in [("early", Priority.DEFAULT), ("late", Priority.ROLLBACK_REQUEST - 1),
+                           ("last", Priority.PROFILE_END - 1)]:  # fmt: skip
+        trainer.add_event_handler(
+            Events.STEP_END,
+            lambda e, name=name: seen.append(("STEP_END", name, e.state.step, e.state.loss)),
+            priority=priority,
+        )
+    trainer.add_event_handler(
+        Events.ROLLBACK, lambda e: seen.append(("ROLLBACK", "", e.state.step, None)), priority=-1
+    )
+    trainer.add_event_handler(
+        Events.STEP_START, lambda e: seen.append(("STEP_START", "", e.state.step, None))
+    )
+    state = trainer.run(data, max_steps=12)
+    assert state.rollbacks == 1 and state.step == 12
+    at = seen.index(("ROLLBACK", "", 8, None))
+    firing = seen[at - 3 : at]
+    assert [(event, name, step) for event, name, step, _ in firing] == [
+        ("STEP_END", "early", 11), ("STEP_END", "late", 11), ("STEP_END", "last", 11)
+    ]  # fmt: skip
+    assert all(math.isnan(loss) for *_, loss in firing)
+    assert seen[at + 1] == ("STEP_START", "", 9, None)
+    step_ends = [(step, loss) for event, _, step, loss in seen if event == "STEP_END"]
+    assert all(math.isfinite(loss) for step, loss in step_ends if step not in (10, 11))
+
+
 def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path):
     from hookloop.engine.checkpoint_io import read_latest
 

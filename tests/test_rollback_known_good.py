@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.engine import Events, ExitCode, Priority, Trainer
+from hookloop.engine import checkpoint_io as io
 from hookloop.handlers import attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
@@ -172,3 +173,56 @@ def test_no_checkpoint_old_enough_stops_with_76_and_keeps_checkpoints(tmp_path, 
     assert info.value.exit_code == ExitCode.NAN_ABORT
     assert "cannot roll back" in str(info.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000013"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_copy"])
+def test_a_checkpoint_of_nan_weights_with_a_finite_loss_is_never_a_rollback_target(tmp_path, mode):
+    """Step 8's update leaves NaN weights, but its own loss (taken before the update) is finite, so
+    step 8 counts as good and its checkpoint is written. The marker records that the saved weights
+    are not finite (checked where the state is copied, no extra sync per step): pruning keeps the
+    newest finite checkpoint beside it, and the one rollback allowed goes straight to step 7."""
+    cfg, trainer, data, _ = build(
+        tmp_path,
+        [f"checkpoint.mode={mode}", "step_scheduler.ckpt_every_steps=1", "checkpoint.keep_last=1",
+         "nan.max_consecutive=2", "nan.max_rollbacks=1"],
+        steps=14,
+    )  # fmt: skip
+    trainer.model.register_buffer("mask", torch.full((2,), float("-inf")))  # -inf on purpose: fine
+    restored = []
+    trainer.add_event_handler(Events.ROLLBACK, lambda e: restored.append(e.state.step), priority=-10)
+
+    done = []
+
+    @trainer.on(Events.STEP_END(once=8), priority=Priority.CHECKPOINT + 1)  # before step 8's save
+    def nan_update(engine):
+        if not done:  # once: step 8 comes again after the rollback
+            done.append(True)
+            engine.model.gpt.head.weight.data[0, 0] = float("nan")
+
+    state = trainer.run(data)
+    assert state.exit_code == ExitCode.SUCCESS and state.step == 14, state.stop_reason
+    assert restored == [7]
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    markers = {
+        io.parse_step(p.name): json.loads((p / io.MARKER).read_text())
+        for p in (tmp_path / "checkpoints").glob("step_*")
+    }
+    assert all(m["finite"] is True for m in markers.values()), markers.keys()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_copy"])
+def test_the_marker_records_whether_the_saved_state_is_finite(tmp_path, mode):
+    """Parameters and floating optimizer state are checked (here an Adam moment), buffers are not."""
+    model = tiny_gpt(0)
+    model.register_buffer("mask", torch.full((2,), float("-inf")))
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=1, keep_last=5).attach(trainer)
+
+    @trainer.on(Events.STEP_END(once=2), priority=Priority.CHECKPOINT + 1)
+    def inf_moment(engine):
+        next(iter(engine.optimizer.state.values()))["exp_avg"].view(-1)[0] = float("inf")
+
+    trainer.run(token_batches(4), max_steps=2)
+    checkpointer.close()
+    finite = {s: io.read_marker(p)["finite"] for s, p in io.complete_checkpoints(tmp_path)[0]}
+    assert finite == {1: True, 2: False}
