@@ -23,9 +23,12 @@ rollback adds before loading.
 ``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
 
 Training uses one intra-op thread by default (``--threads``): on this 2-core machine two OpenMP
-threads stall at every parallel region whenever any other thread (the checkpoint writer, or another
-process) takes a core, which made identical runs 3 to 15 times slower at random and swamped the
-effect being measured. With one training thread the writer has the other core.
+threads stall at every parallel region whenever another process takes a core, which made identical
+runs 3 to 15 times slower at random and swamped the effect being measured; with one training thread
+the writer has the other core. (Before the checkpointer's threads ran torch on one intra-op thread,
+the writer's own OpenMP team also slowed every step after the first save with torch's default
+thread count; see ``hookloop.engine.intra_op``.) ``benchmarks/checkpoint_throughput.py`` measures
+throughput with torch's default thread count, as users run, beside HF Trainer and Lightning.
 """
 
 from __future__ import annotations

@@ -261,9 +261,13 @@ def lightning_trainer(save: str | None, steps: int, every: int, directory: str) 
     return stamps
 
 
-def contenders() -> dict[str, tuple[Callable, tuple]]:
-    """name -> (function, the save variants to run besides None); the optional ones if installed."""
+def contenders(frameworks: bool = True) -> dict[str, tuple[Callable, tuple]]:
+    """name -> (function, the save variants to run besides None); HF Trainer and Lightning if
+    installed and ``frameworks``."""
     found: dict[str, tuple[Callable, tuple]] = {"hand-written loop + dcp.save": (hand_written, ("dcp",))}
+    if not frameworks:
+        found["hookloop"] = (hookloop, MODES)
+        return found
     try:
         import accelerate  # noqa: F401  (HF Trainer needs it)
         import transformers  # noqa: F401
@@ -287,7 +291,8 @@ def throughput(rounds: int, timed: int, every: int, root: str, quick: bool) -> d
     """Every contender with and without saves, ``rounds`` interleaved rounds after a warm-up round
     (none with ``quick``); the stamps of each."""
     steps = WARMUP + timed + 1
-    found = contenders()
+    # --quick under torchrun: the frameworks' imports in both processes would take most of its time
+    found = contenders(frameworks=not (quick and world() > 1))
     runs = {name: {v: [] for v in (None, *variants)} for name, (_, variants) in found.items()}
     fns = {name: fn for name, (fn, _) in found.items()}
     first = 0 if quick else 1
@@ -591,20 +596,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     try:
+        began = time.perf_counter()
         single = throughput(args.rounds, args.timed, args.every, root, args.quick)
+        phases = {"one process": time.perf_counter() - began}
         rows = summarize(single)
         print_rows(f"one process, {torch.get_num_threads()} threads", rows, args.timed, args.every)
         ranks = None
         if not args.no_torchrun:
+            began = time.perf_counter()
             distributed = under_torchrun(args, root)
+            phases["torchrun"] = time.perf_counter() - began
             if distributed is not None:
                 ranks = summarize(distributed)
                 print_rows("torchrun, 2 processes (DDP, gloo), 1 thread each", ranks, args.timed, args.every)
+                if args.quick:
+                    print("  (--quick: HF Trainer and Lightning run in the one-process part only)")
         sizes = ("llama", "1024" if args.quick else "2048")
+        began = time.perf_counter()
         costs = {kind: durable_costs(kind, 3 if args.quick else 5, root) for kind in sizes}
+        phases["durable-save costs"] = time.perf_counter() - began
         for kind in sizes:
             print_durable(kind, costs[kind])
         print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+        print("# " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in phases.items()))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     write_result(args.json, result_json(rows, ranks, costs, args))
