@@ -27,6 +27,7 @@ __all__ = [
     "destroy_distributed",
     "exit_process",
     "init_distributed",
+    "process_group_store",
     "rank",
     "world_size",
     "wrap_data_parallel",
@@ -125,6 +126,20 @@ def exit_process(code: int) -> None:
     if _used_process_group:
         os._exit(int(code))
     sys.exit(int(code))
+
+
+def process_group_store() -> Any:
+    """The key-value store the default process group was set up with (TCPStore, or the one
+    torchrun's agent hosts), or None without a process group: a channel between ranks that no
+    collective uses. Its operations wait at most the process group's timeout."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a torch without it, or a group without one
+        return None
 
 
 def destroy_distributed() -> None:

@@ -50,7 +50,7 @@ from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches, data_length
-from hookloop.engine.watchdog import ProgressWatchdog
+from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
 
@@ -457,6 +457,10 @@ class Trainer(IgniteAdapter):
     def _run_guarded(self, data: Iterable, **limits: Any) -> TrainState:
         """ignite's run under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
+            if self.watchdog.heartbeats is None and parallel.world_size() > 1:
+                store = parallel.process_group_store()
+                if store is not None:  # a long wait on one rank is progress to the others
+                    self.watchdog.heartbeats = PeerHeartbeats(store, parallel.rank(), parallel.world_size())
             self.watchdog.start()
         previous_sigint = self._install_sigint()
         try:

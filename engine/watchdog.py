@@ -10,13 +10,25 @@ callbacks (no collectives there: the peer is gone) and ends the process with exi
 while the main thread is stuck in C++.
 
 Several bounds may be active at once (the trainer's ``hang_timeout_s``, a HealthCheck's tighter
-``timeout_s``); the smallest wins. ``suspended()`` lifts them around waits that are long by nature
-and bounded elsewhere.
+``timeout_s``); the smallest wins.
+
+Slow is not hung. ``suspended()`` lifts the bound around a *local* wait that is long by nature and
+bounded by its own timeout (a checkpoint write still on disk, verifying a checkpoint on slow
+storage); the collectives before and after it stay under the bound. With several ranks the
+watchdogs also look at each other through the process group's store (:class:`PeerHeartbeats`):
+each beats a counter every quarter bound (at most every 5 s) saying whether its rank is in such a
+long wait. A rank held in a collective past the bound looks twice, 1.5 beats apart: when a peer in
+a long wait beat meanwhile (and no peer stopped beating), that peer is slow but alive and the bound
+starts over. A rank in a long wait looks once a bound: when a peer stopped beating (SIGSTOP, a
+dead process, or a store that no longer answers), the wait may hold a collective with it (an
+async checkpoint write does), so it ends the process with 77 all the same. So a stopped peer ends
+the survivor with 77 about one bound after its last beat, whatever the survivor was waiting in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -25,10 +37,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from hookloop.engine.exit_codes import ExitCode
 
-__all__ = ["ProgressWatchdog", "dump_stacks"]
+__all__ = ["PeerHeartbeats", "PeerLook", "ProgressWatchdog", "dump_stacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +71,15 @@ class ProgressWatchdog:
         self._poll_s = poll_s
         self._last = time.monotonic()
         self._suspended = 0
+        self._suspended_since = self._last
+        self._last_look = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_expire: list[Callable[[str], None]] = []
         self.expired_path: Path | None = None
+        #: With several ranks: how this rank's long waits show as progress to its peers, and how
+        #: theirs show to it (None: one process, or no store).
+        self.heartbeats: PeerHeartbeats | None = None
 
     # ------------------------------------------------------------------ bounds
     @property
@@ -84,25 +102,41 @@ class ProgressWatchdog:
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """No bound inside (a wait that has its own timeout); fed again on the way out."""
+        """No bound inside (a local wait that has its own timeout), except that a peer which stops
+        beating still ends the process; fed again on the way out. The peers see this rank as
+        busy meanwhile (:class:`PeerHeartbeats`)."""
         self._suspended += 1
+        heartbeats = self.heartbeats
+        if self._suspended == 1:
+            self._suspended_since = time.monotonic()
+            if heartbeats is not None:
+                heartbeats.set_busy(True)
         try:
             yield
         finally:
             self._suspended -= 1
+            if self._suspended == 0 and heartbeats is not None:
+                heartbeats.set_busy(False)
             self.feed()
+
+    def _beat_interval(self) -> float:
+        return min(5.0, self.timeout_s / 4)
 
     # ------------------------------------------------------------------ thread
     def start(self) -> ProgressWatchdog:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self.feed()
+            if self.heartbeats is not None:
+                self.heartbeats.start(self._beat_interval())
             self._thread = threading.Thread(target=self._watch, name="hookloop-watchdog", daemon=True)
             self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
@@ -113,18 +147,36 @@ class ProgressWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s or min(1.0, self.timeout_s / 10)):
+            heartbeats = self.heartbeats
+            now = time.monotonic()
             if self._suspended:
+                # a long local wait: only a peer that stopped beating ends it (once a bound)
+                if heartbeats is None or now - max(self._suspended_since, self._last_look) <= self.timeout_s:
+                    continue
+                self._last_look = now
+                look = heartbeats.look(self._beat_interval())
+                if look.stopped and self._suspended:
+                    self._expire(time.monotonic() - self._suspended_since, look.describe())
+                    return
                 continue
-            idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
-                self._expire(idle)
-                return
+            idle = now - self._last
+            if idle <= self.timeout_s:
+                continue
+            look = heartbeats.look(self._beat_interval()) if heartbeats is not None else None
+            if look is not None and look.busy and not look.stopped:
+                self.feed()  # a peer's long wait holds this rank in a collective: slow, not hung
+                continue
+            idle = time.monotonic() - self._last  # the loop may have moved on meanwhile
+            if self._suspended or idle <= self.timeout_s:
+                continue
+            self._expire(idle, look.describe() if look is not None else "")
+            return
 
-    def _expire(self, idle: float) -> None:
+    def _expire(self, idle: float, peers: str = "") -> None:
         reason = (
             f"no progress for {idle:.1f}s (bound {self.timeout_s:g}s) on rank {self.rank}: "
             "a peer is hung or gone, or a step blocked"
-        )
+        ) + (f" ({peers})" if peers else "")
         path = self._dump(reason)
         where = f"; stacks of every thread in {path}" if path else ""
         logger.critical("%s%s; exiting with code %d", reason, where, self.exit_code)
@@ -143,6 +195,110 @@ class ProgressWatchdog:
         if path is not None:
             self.expired_path = path
         return path
+
+
+@dataclasses.dataclass
+class PeerLook:
+    """What :meth:`PeerHeartbeats.look` saw: peers in a long wait that beat (``busy``), peers that
+    did not beat at all (``stopped``), and whether the store answered."""
+
+    busy: list[int]
+    stopped: list[int]
+    answered: bool = True
+
+    def describe(self) -> str:
+        if not self.answered:
+            return "the process group's store does not answer: the rank hosting it is stopped or gone"
+        if self.stopped:
+            return f"no heartbeat from rank {', '.join(map(str, self.stopped))}"
+        return "no peer is in a long wait"
+
+
+class PeerHeartbeats:
+    """Each rank's watchdog beats a counter under ``hookloop/heartbeat/<rank>`` in a store no
+    collective uses (the process group's): ``busy:<n>`` while the rank is in a long local wait,
+    ``idle:<n>`` otherwise, ``n`` advancing every beat (a thread of its own, so a rank blocked in a
+    collective still beats, and a stopped or dead one does not). :meth:`look` reads the peers
+    twice, 1.5 beats apart, each read bounded (a store hosted by a stopped process does not
+    answer)."""
+
+    PREFIX = "hookloop/heartbeat/"
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self._busy = False
+        self._wake = threading.Event()
+        self._stop: threading.Event | None = None
+
+    def _key(self, rank: int) -> str:
+        return f"{self.PREFIX}{rank}"
+
+    def start(self, interval_s: float) -> None:
+        """Beat every ``interval_s`` seconds until :meth:`stop`."""
+        self.stop()
+        stop = self._stop = threading.Event()
+        thread = threading.Thread(
+            target=self._beat, args=(stop, interval_s), name="hookloop-heartbeat", daemon=True
+        )
+        thread.start()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._wake.set()
+            self._stop = None
+
+    def set_busy(self, busy: bool) -> None:
+        """Say (at the next beat, which comes at once) whether this rank is in a long local wait."""
+        self._busy = busy
+        self._wake.set()
+
+    def _beat(self, stop: threading.Event, interval_s: float) -> None:
+        count = 0
+        try:
+            while not stop.is_set():
+                count += 1
+                self.store.set(self._key(self.rank), f"{'busy' if self._busy else 'idle'}:{count}")
+                self._wake.wait(interval_s)
+                self._wake.clear()
+        except Exception as e:  # noqa: BLE001 - a store gone (the run is ending): beat no more
+            logger.debug("heartbeat stopped: %r", e)
+
+    def _read(self) -> dict[int, bytes]:
+        values = {}
+        for peer in range(self.world_size):
+            key = self._key(peer)
+            if peer != self.rank and self.store.check([key]):
+                values[peer] = self.store.get(key)
+        return values
+
+    def _read_bounded(self, timeout_s: float) -> dict[int, bytes] | None:
+        result: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                result["values"] = self._read()
+            except Exception as e:  # noqa: BLE001 - no answer is no evidence of progress
+                result["error"] = e
+
+        reader = threading.Thread(target=read, name="hookloop-heartbeat-read", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        return result.get("values")
+
+    def look(self, interval_s: float) -> PeerLook:
+        """Read the peers' beats twice, 1.5 beats apart (blocks about that long)."""
+        timeout = max(1.0, 2 * interval_s)
+        before = self._read_bounded(timeout)
+        if before is not None:
+            time.sleep(1.5 * interval_s)
+        after = self._read_bounded(timeout) if before is not None else None
+        if after is None:
+            return PeerLook([], [], answered=False)
+        beat = {peer for peer, value in after.items() if before.get(peer) != value}
+        stopped = sorted(peer for peer in after if peer not in beat)  # a peer not started yet is no evidence
+        busy = sorted(peer for peer in beat if after[peer].startswith(b"busy"))
+        return PeerLook(busy, stopped)
 
 
 def dump_stacks(dump_dir: str | os.PathLike | None, rank: int, reason: str) -> Path | None:

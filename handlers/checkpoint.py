@@ -474,13 +474,16 @@ class AsyncCheckpointer(Handler):
         """Drain the save in flight: wait until it is durable on every rank, then publish it
         (marker, ``latest``, pruning, CHECKPOINT_SAVED). Collective: call it on every rank."""
         if self._inflight is not None:
-            with self._long_wait():
-                self._finish(wait=True)
+            self._finish(wait=True)
         self._wait_pruned()
 
     def _long_wait(self) -> Any:
-        """Lift the trainer's progress watchdog around a wait that is long by nature and bounded
-        by its own timeout (``wait_timeout_s``, the process group's timeout)."""
+        """Lift the trainer's progress watchdog around a *local* wait that is long by nature and
+        bounded by its own timeout (``wait_timeout_s``, the process group's timeout): a write still
+        on disk, verifying or publishing on slow storage, staging. The collectives around such a
+        wait stay under the watchdog's bound; a peer waiting in one of them meanwhile sees this
+        rank's heartbeat (:class:`engine.watchdog.PeerHeartbeats`), so slow is not taken for hung,
+        while a stopped peer still ends the run with 77 within the bound."""
         watchdog = getattr(self.trainer, "watchdog", None) if self.trainer is not None else None
         return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
 
@@ -533,8 +536,7 @@ class AsyncCheckpointer(Handler):
 
     def _start_save(self, step: int) -> None:
         if self._inflight is not None:  # one save in flight: its staging buffers are reused
-            with self._long_wait():
-                self._finish(wait=True)
+            self._finish(wait=True)
         name = io.step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session}")
         own_state = f"rank_{parallel.rank():05d}.json"
@@ -545,7 +547,8 @@ class AsyncCheckpointer(Handler):
         try:
             os.makedirs(partial, exist_ok=True)
             if self.mode == "sync":
-                rank_file = _done_future(_write_rank_file(partial, own_state, extra))
+                with self._long_wait():
+                    rank_file = _done_future(_write_rank_file(partial, own_state, extra))
             else:  # two fsyncs that training need not wait for: beside the DCP write
                 rank_file = self._io().submit(_write_rank_file, partial, own_state, extra)
         except OSError as e:
@@ -672,7 +675,11 @@ class AsyncCheckpointer(Handler):
         error: BaseException | None = None
         entries: dict[str, Any] = {}
         try:  # without ``wait`` every rank reported its save done: no waiting here
-            save.done.result(timeout=self.wait_timeout_s if wait else 0)
+            if wait:
+                with self._long_wait():
+                    save.done.result(timeout=self.wait_timeout_s)
+            else:
+                save.done.result(timeout=0)
             entries = save.entries
         except FutureTimeout:
             error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
@@ -690,7 +697,8 @@ class AsyncCheckpointer(Handler):
         files, finite = self._collect_entries(entries, save.finite.get("finite"))
         ok = True
         if parallel.rank() == 0:
-            ok = self._publish(save, files, finite)
+            with self._long_wait():  # file system work only: marker, renames, fsyncs, pruning
+                ok = self._publish(save, files, finite)
         if parallel.world_size() > 1:
             ok = not self._agree_failed(not ok)
         if not ok:
@@ -812,10 +820,21 @@ class AsyncCheckpointer(Handler):
         return self._executor
 
     def _wait_pruned(self) -> None:
-        """Wait until the old checkpoints the last publish pruned are deleted."""
+        """Wait (locally, at most ``wait_timeout_s``) until the old checkpoints the last publish
+        pruned are deleted; a deletion still running then is logged and left to finish."""
         pruning, self._pruning = self._pruning, None
-        if pruning is not None:
-            pruning.result()
+        if pruning is None:
+            return
+        try:
+            with self._long_wait():
+                pruning.result(timeout=self.wait_timeout_s)
+        except FutureTimeout:
+            logger.warning(
+                "deleting old checkpoints in %s takes longer than %.0fs (wait_timeout_s); it goes on "
+                "in the background",
+                self.directory,
+                self.wait_timeout_s,
+            )
 
     def _ranking_metric(self) -> dict[str, float]:
         """``{metric: value}`` to store with the save being started ({} when keep_best is off or
@@ -862,7 +881,8 @@ class AsyncCheckpointer(Handler):
         if save is None:
             return
         try:
-            save.done.result(timeout=self.wait_timeout_s)
+            with self._long_wait():
+                save.done.result(timeout=self.wait_timeout_s)
         except FutureTimeout:
             logger.error(
                 "checkpoint of step %d did not finish writing within %.0fs", save.step, self.wait_timeout_s
@@ -982,7 +1002,8 @@ class AsyncCheckpointer(Handler):
         it has a manifest at all; identical on every rank."""
         rank, world = (parallel.rank(), parallel.world_size()) if self._group is not None else (0, 1)
         try:
-            problems, verified = io.verify_checkpoint(path, rank, world)
+            with self._long_wait():  # reading the checkpoint back: local, long on slow storage
+                problems, verified = io.verify_checkpoint(path, rank, world)
         except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
             problems, verified = [f"verifying it failed: {type(e).__name__}: {e}"], True
         if self._group is None:

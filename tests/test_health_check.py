@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -77,3 +78,31 @@ def test_from_config():
 
     health = HealthCheck.from_config(HealthConfig(enabled=True, every_steps=7, timeout_s=5))
     assert (health.every_steps, health.timeout_s) == (7, 5.0)
+
+
+def test_peer_heartbeats_tell_a_slow_peer_from_a_stopped_one():
+    """Two ranks' heartbeats on a real store: a peer in a long wait that beats is busy and alive; a
+    peer whose beat thread stopped (as SIGSTOP stops it) is reported stopped, so a watchdog in a
+    long wait of its own still expires."""
+    from torch.distributed import HashStore
+
+    from hookloop.engine.watchdog import PeerHeartbeats
+
+    store = HashStore()
+    zero, one = PeerHeartbeats(store, 0, 2), PeerHeartbeats(store, 1, 2)
+    assert zero.look(0.05).stopped == [] and zero.look(0.05).busy == []  # no peer started yet
+    zero.start(0.05)
+    one.start(0.05)
+    try:
+        look = zero.look(0.05)
+        assert look.busy == [] and look.stopped == [] and look.answered
+        one.set_busy(True)
+        look = zero.look(0.05)
+        assert look.busy == [1] and look.stopped == []
+        one.stop()  # a stopped process beats no more
+        time.sleep(0.2)  # a beat already under way lands first
+        look = zero.look(0.05)
+        assert look.stopped == [1] and "no heartbeat from rank 1" in look.describe()
+    finally:
+        zero.stop()
+        one.stop()
