@@ -1,7 +1,9 @@
 """Where ignite defines a behaviour, the Trainer keeps it: continuing runs, resuming after
 ``load_state_dict``, ``set_data``, ``state.dataloader``, one-shot iterators, EXCEPTION handlers
-that handle the error, ``terminate()``, and ignite metrics and handlers on validation."""
+that handle the error (and runs that end although every step raises), ``terminate()``, and ignite
+metrics and handlers on validation."""
 
+import json
 import warnings
 
 import pytest
@@ -202,3 +204,79 @@ def test_terminate_on_one_rank_stops_every_rank_at_the_same_step():
     assert [step for step, _ in results] == [3, 3]
     assert results[0][1] == "stop requested on another rank"
     assert results[1][1].startswith("terminate() called by")
+
+
+def _always_failing(trainer: Trainer, errors: list) -> None:
+    """Every step raises in its first microbatch; an EXCEPTION handler handles (swallows) it. A
+    runaway run is cut off at its 60th epoch so that a regression fails instead of hanging."""
+    trainer.prepare_batch = lambda microbatch, device: 1 / 0
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: errors.append(type(err).__name__))
+    trainer.add_event_handler(Events.EPOCH_START(once=60), lambda e: e.terminate())
+
+
+@pytest.mark.parametrize(
+    "limits, epochs, steps, limit",
+    [
+        ({}, 1, 1, "max_epochs=1"),  # ignite's default: one epoch
+        ({"max_epochs": 3}, 3, 3, "max_epochs=3"),
+        ({"max_steps": 5}, 5, 5, "max_steps=5"),
+        ({"max_iters": 5}, 5, 5, "max_steps=5"),
+        ({"max_steps": 40, "max_epochs": 2}, 2, 2, "max_epochs=2"),
+    ],
+)
+def test_a_run_whose_every_step_raises_into_a_handling_exception_handler_ends(
+    tmp_path, limits, epochs, steps, limit
+):
+    # As in ignite, a handled error ends its epoch and the loop goes on with the next: the failed
+    # step counts, so the run ends at its epoch or step limit, and the state says why.
+    trainer = make_trainer(run_dir=tmp_path)
+    errors = []
+    _always_failing(trainer, errors)
+    ended = []
+    trainer.add_event_handler(Events.TRAIN_END, lambda e: ended.append(e.state.stop_reason))
+    state = trainer.run(token_batches(4), **limits)
+    assert (state.epoch, state.step) == (epochs, steps)
+    assert errors == ["ZeroDivisionError"] * steps
+    assert state.exit_code == 0
+    assert state.stop_reason.startswith(f"the run ended at {limit} on a handled error: step {steps}")
+    assert "ZeroDivisionError: division by zero" in state.stop_reason
+    assert ended == [state.stop_reason]  # TRAIN_END handlers (loggers) see the reason
+    status = json.loads((tmp_path / "exit_status.json").read_text())
+    assert status["code"] == 0 and status["reason"] == state.stop_reason
+
+
+def test_a_step_that_raised_and_was_handled_leaves_no_gradients_for_the_next():
+    trainer = make_trainer(accum=2)
+    calls = []
+
+    def prepare(microbatch, device):
+        calls.append(1)
+        if len(calls) == 2:  # the second microbatch of step 1: after the first one's backward
+            raise RuntimeError("bad sample")
+        return microbatch
+
+    trainer.prepare_batch = prepare
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: None)
+    grads_at_step_2 = []
+    trainer.add_event_handler(
+        Events.STEP_START(once=2),
+        lambda e: grads_at_step_2.append([p.grad for p in e.model.parameters() if p.grad is not None]),
+    )
+    state = trainer.run(token_batches(4), max_epochs=2)
+    assert state.step == 3  # step 1 failed (ends epoch 1), epoch 2 ran steps 2 and 3
+    assert grads_at_step_2 == [[]]
+
+
+def test_a_step_limited_run_over_used_up_data_with_handled_errors_ends():
+    # One-shot data, every step raising into a handling EXCEPTION handler and only max_steps as a
+    # limit: each epoch takes one microbatch until the data is used up; then epochs start no step
+    # (ignite would repeat them without end), so the run stops and says why.
+    trainer = make_trainer()
+    errors = []
+    _always_failing(trainer, errors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ignite's "Data iterator can not provide data anymore"
+        state = trainer.run(iter(token_batches(3)), max_steps=10)
+    assert state.step == 3 and state.epoch < 10
+    assert errors[:3] == ["ZeroDivisionError"] * 3
+    assert "started no step and only max_steps=10 limits the run" in state.stop_reason
