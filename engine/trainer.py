@@ -214,6 +214,7 @@ class Trainer(IgniteAdapter):
         self._last_handled: tuple[int, str] | None = None
         self._epoch_start_step = 0
         self._empty_epochs = 0
+        self._epoch_limit: int | None = None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
@@ -399,6 +400,11 @@ class Trainer(IgniteAdapter):
         data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
         epochs without end: after two in a row it stops, saying so."""
         state = self.state
+        if self._epoch_limit is not None and state.epoch_length is not None:
+            # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
+            # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
+            state.max_epochs = min(state.max_epochs or self._epoch_limit, self._epoch_limit)
+            self._epoch_limit = None
         if state.iteration != self._epoch_start_step or state.max_epochs is not None:
             self._empty_epochs = 0
         else:
@@ -431,19 +437,26 @@ class Trainer(IgniteAdapter):
     ) -> TrainState:
         """Train on ``data`` (an iterable of microbatches); ignite's ``run`` with steps.
 
-        ``max_steps`` (keyword; ``max_iters`` is ignite's name for it) and ``max_epochs`` limit the
-        run, whichever comes first; unset, they default to the trainer's ``max_steps`` /
-        ``max_epochs`` (a StepScheduler sets those), else one epoch. They are the state's
-        ``max_iters`` and ``max_epochs``. As in ignite, a run that is not finished (after
-        ``load_state_dict``, or a larger limit than the last run's) continues; a finished one starts
-        afresh. Returns the state; ``state.exit_code`` tells how it ended.
+        ``max_steps`` (keyword) and ``max_epochs`` limit the run, whichever comes first; unset, they
+        default to the trainer's ``max_steps`` / ``max_epochs`` (a StepScheduler sets those), else one
+        epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's ``max_iters`` is
+        ``max_steps`` under ignite's rules (not together with ``max_epochs``). As in ignite, a run
+        that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
+        continues with its epoch length; a finished one starts afresh. Returns the state;
+        ``state.exit_code`` tells how it ended.
         """
+        if max_epochs is not None and max_iters is not None:
+            raise ValueError(
+                "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
+                "or max_iters. (To end at whichever comes first, pass max_steps=N with max_epochs=M.)"
+            )
+        steps_name = "max_steps"
         if max_iters is not None:
             if max_steps is not None and max_steps != max_iters:
                 raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
-            max_steps = max_iters
+            max_steps, steps_name = max_iters, "max_iters"
         for name, value in (
-            ("max_steps", max_steps),
+            (steps_name, max_steps),
             ("max_epochs", max_epochs),
             ("epoch_length", epoch_length),
         ):
@@ -454,17 +467,17 @@ class Trainer(IgniteAdapter):
         if data_length(data) == 0:
             raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
         state = self.state
-        if state.max_epochs is not None or state.max_iters is not None:
-            # A run exists: new limits may extend it (ignite's rule: not below what it reached).
-            if max_epochs is not None:
-                self.extend_max_epochs(max_epochs)
-            if max_steps is not None:
-                if max_steps < state.iteration:
-                    raise ValueError(
-                        f"max_steps ({max_steps}) is below the step already reached ({state.iteration}); "
-                        "set trainer.state.max_iters = None to start a new run"
-                    )
-                state.max_iters = max_steps
+        self._check_limit_kind(max_steps, max_epochs)
+        if max_epochs is not None and state.max_epochs is not None:
+            self.extend_max_epochs(max_epochs)  # ignite's check: not below the epoch reached
+        if max_steps is not None and state.max_iters is not None:
+            if max_steps < state.iteration:
+                raise ValueError(
+                    f"Argument {steps_name} should be greater than or equal to the start iteration defined "
+                    f"in the state: {max_steps} vs {state.iteration}. Please, set engine.state.max_iters = "
+                    "None before calling engine.run() in order to restart the training from the beginning."
+                )
+            state.max_iters = max_steps
         new_run = (state.max_epochs is None and state.max_iters is None) or self.run_finished
         if new_run:
             max_steps = self.max_steps if max_steps is None else max_steps
@@ -472,15 +485,44 @@ class Trainer(IgniteAdapter):
             if max_epochs is None and max_steps is None:
                 max_epochs = 1
             self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
-            if epoch_length is None:
-                epoch_length = self.step_data.steps_per_pass()
+            if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
+                epoch_length = self.step_data.steps_per_pass() or state.epoch_length
             state.iteration = state.epoch = 0
             state.max_epochs, state.max_iters, state.epoch_length = max_epochs, max_steps, epoch_length
             state.reset_counters()
             self.forget_run()
-        elif self.step_data.data is not data:
-            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+        else:
+            if self.step_data.data is not data:
+                self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+            if state.epoch_length is None:
+                state.epoch_length = epoch_length or self.step_data.steps_per_pass()
+            elif epoch_length is not None and epoch_length != state.epoch_length:
+                raise ValueError(
+                    "Argument epoch_length should be same as in the state, but given "
+                    f"{epoch_length} vs {state.epoch_length}. (A run continues with its epoch length; "
+                    "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
+                )
+        both = state.max_iters is not None and state.max_epochs is not None
+        self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
         return self._run_guarded(data, continuing=not new_run)
+
+    def _check_limit_kind(self, max_steps: int | None, max_epochs: int | None) -> None:
+        """ignite's rule: a run started with one kind of limit (epochs or steps) is not switched to
+        the other while it exists; a run started with both (``max_steps`` and ``max_epochs``) may
+        extend either."""
+        state = self.state
+        if max_steps is not None and state.max_epochs is not None and state.max_iters is None:
+            raise ValueError(
+                "To switch from max_epochs to max_iters mode during resume, you must first reset by "
+                "setting 'engine.state.max_epochs = None' before calling run(). (The run was started "
+                f"with max_epochs={state.max_epochs}; a step limit is max_steps or max_iters.)"
+            )
+        if max_epochs is not None and state.max_iters is not None and state.max_epochs is None:
+            raise ValueError(
+                "To switch from max_iters to max_epochs mode during resume, you must first reset by "
+                "setting 'engine.state.max_iters = None' before calling run(). (The run was started "
+                f"with max_steps={state.max_iters}.)"
+            )
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
         """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""

@@ -41,7 +41,9 @@ def test_a_finished_run_continues_when_given_more_steps():
     assert trainer.state.step == 4
     trainer.run(data, max_steps=7)
     assert trainer.state.step == 7
-    with pytest.raises(ValueError, match="below the step already reached"):
+    with pytest.raises(
+        ValueError, match="Argument max_steps should be greater than or equal to the start iteration"
+    ):
         trainer.run(data, max_steps=5)
 
 
@@ -280,3 +282,114 @@ def test_a_step_limited_run_over_used_up_data_with_handled_errors_ends():
     assert state.step == 3 and state.epoch < 10
     assert errors[:3] == ["ZeroDivisionError"] * 3
     assert "started no step and only max_steps=10 limits the run" in state.stop_reason
+
+
+def _steps_by_epoch(trainer: Trainer) -> list:
+    seen = []
+    trainer.add_event_handler(Events.STEP_END, lambda e: seen.append((e.state.epoch, e.state.step)))
+    return seen
+
+
+def test_max_iters_is_the_states_max_iters_and_what_state_dict_saves():
+    trainer = make_trainer()
+    state = trainer.run(token_batches(4), max_iters=6)
+    assert (state.max_iters, state.max_epochs, state.step, state.epoch) == (6, None, 6, 2)
+    assert trainer.state_dict() == {"epoch_length": 4, "iteration": 6, "max_iters": 6}
+    assert trainer.limits == (6, None)
+
+
+def test_run_after_load_state_dict_with_max_iters_stops_at_max_iters():
+    trainer = make_trainer()
+    trainer.load_state_dict({"iteration": 7, "max_iters": 11, "epoch_length": 4})
+    seen = _steps_by_epoch(trainer)
+    state = trainer.run(token_batches(4))
+    # ignite re-enters epoch 2 after its 3rd step and ends at max_iters, mid-epoch 3
+    assert seen == [(2, 8), (3, 9), (3, 10), (3, 11)]
+    assert (state.step, state.max_iters, state.max_epochs) == (11, 11, None)
+
+
+def test_a_checkpointed_max_iters_run_resumes_to_its_max_iters(tmp_path):
+    data = token_batches(4)
+    first = make_trainer()
+    saver = Checkpoint({"trainer": first}, DiskSaver(str(tmp_path), require_empty=False), n_saved=None)
+    first.add_event_handler(Events.STEP_END(once=5), saver)
+    first.run(data, max_iters=9)
+    (path,) = tmp_path.glob("*.pt")
+    second = make_trainer()
+    Checkpoint.load_objects({"trainer": second}, torch.load(path, weights_only=False))
+    seen = _steps_by_epoch(second)
+    second.add_event_handler(Events.STEP_END(once=30), lambda e: e.terminate())  # a runaway fails
+    state = second.run(data)
+    assert [step for _, step in seen] == [6, 7, 8, 9]
+    assert state.step == 9
+
+
+def test_max_iters_with_max_epochs_is_rejected_as_in_ignite_but_max_steps_combines():
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="Arguments max_iters and max_epochs are mutually exclusive"):
+        trainer.run(token_batches(4), max_epochs=2, max_iters=5)
+    assert trainer.state.max_epochs is None and trainer.state.step == 0  # nothing ran
+    state = trainer.run(token_batches(4), max_epochs=2, max_steps=5)  # whichever comes first
+    assert (state.step, state.epoch) == (5, 2)
+    state = trainer.run(token_batches(4), max_epochs=2, max_steps=50)
+    assert (state.step, state.epoch) == (8, 2)
+
+
+class _Unsized:
+    """A re-iterable data source without a length (an iterable dataset's loader)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def test_both_limits_hold_when_the_epoch_length_is_learnt_from_the_data():
+    # ignite sets max_epochs = ceil(max_iters / epoch_length) when it learns the epoch length;
+    # a run given its own, smaller max_epochs keeps it
+    trainer = make_trainer()
+    state = trainer.run(_Unsized(token_batches(3)), max_steps=100, max_epochs=2)
+    assert (state.step, state.epoch, state.epoch_length) == (6, 2, 3)
+    state = make_trainer().run(_Unsized(token_batches(3)), max_iters=7)  # ignite's own rule
+    assert (state.step, state.epoch, state.max_epochs) == (7, 3, 3)
+
+
+def test_switching_a_run_between_epoch_and_step_limits_needs_a_reset_as_in_ignite():
+    trainer = make_trainer()
+    data = token_batches(4)
+    trainer.run(data, max_epochs=1)
+    for limit in ({"max_iters": 6}, {"max_steps": 6}):
+        with pytest.raises(ValueError, match="To switch from max_epochs to max_iters mode during resume"):
+            trainer.run(data, **limit)
+    trainer.state.max_epochs = None
+    assert trainer.run(data, max_iters=6).step == 6
+    with pytest.raises(ValueError, match="To switch from max_iters to max_epochs mode during resume"):
+        trainer.run(data, max_epochs=3)
+    trainer.state.max_iters = None
+    assert trainer.run(data, max_epochs=3).step == 12
+    with pytest.raises(
+        ValueError, match="Argument max_epochs should be greater than or equal to the start epoch"
+    ):
+        trainer.run(data, max_epochs=2)
+
+
+def test_continuing_a_run_with_another_epoch_length_is_rejected_as_in_ignite():
+    trainer = make_trainer()
+    data = token_batches(4)
+    trainer.load_state_dict({"iteration": 2, "max_epochs": 3, "epoch_length": 4})
+    with pytest.raises(
+        ValueError, match="Argument epoch_length should be same as in the state, but given 3 vs 4"
+    ):
+        trainer.run(data, epoch_length=3)
+    state = trainer.run(data, epoch_length=4)  # the same length continues
+    assert (state.step, state.epoch) == (12, 3)
+    state = trainer.run(data, epoch_length=3)  # a finished run starts afresh, one epoch
+    assert (state.step, state.epoch_length) == (3, 3)
+
+
+def test_a_new_run_on_data_without_a_length_keeps_the_last_epoch_length_as_in_ignite():
+    trainer = make_trainer()
+    trainer.run(token_batches(4))
+    state = trainer.run(iter(token_batches(8)))  # finished: a new run, one epoch of 4 steps
+    assert (state.step, state.epoch, state.epoch_length) == (4, 1, 4)
