@@ -49,7 +49,7 @@ from hookloop.engine.exit_status import write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_batches import StepBatches, data_length
+from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.watchdog import ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
@@ -437,6 +437,10 @@ class Trainer(IgniteAdapter):
     ) -> TrainState:
         """Train on ``data`` (an iterable of microbatches); ignite's ``run`` with steps.
 
+        ``data=None`` is ignite's run without data: ``epoch_length`` steps an epoch, each on
+        ``grad_accum_steps`` ``None`` microbatches that ``prepare_batch`` (or a STEP_START handler
+        setting ``state.batch``) turns into the step's data.
+
         ``max_steps`` (keyword) and ``max_epochs`` limit the run, whichever comes first; unset, they
         default to the trainer's ``max_steps`` / ``max_epochs`` (a StepScheduler sets those), else one
         epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's ``max_iters`` is
@@ -462,9 +466,9 @@ class Trainer(IgniteAdapter):
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-        if data is None or not isinstance(data, Iterable):
+        if data is not None and not isinstance(data, Iterable):
             raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
-        if data_length(data) == 0:
+        if data is not None and data_length(data) == 0:
             raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
         state = self.state
         self._check_limit_kind(max_steps, max_epochs)
@@ -480,11 +484,17 @@ class Trainer(IgniteAdapter):
             state.max_iters = max_steps
         new_run = (state.max_epochs is None and state.max_iters is None) or self.run_finished
         if new_run:
+            if data is None and epoch_length is None and state.epoch_length is None:
+                raise ValueError(
+                    "epoch_length should be provided if data is None: run(None, epoch_length=N) runs N "
+                    "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
+                    "into (inputs, targets)"
+                )
             max_steps = self.max_steps if max_steps is None else max_steps
             max_epochs = self.max_epochs if max_epochs is None else max_epochs
             if max_epochs is None and max_steps is None:
                 max_epochs = 1
-            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+            self.step_data = StepBatches(NO_DATA if data is None else data, lambda: self.grad_accum_steps)
             if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
                 epoch_length = self.step_data.steps_per_pass() or state.epoch_length
             state.iteration = state.epoch = 0
@@ -492,8 +502,11 @@ class Trainer(IgniteAdapter):
             state.reset_counters()
             self.forget_run()
         else:
-            if self.step_data.data is not data:
-                self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
+            source = NO_DATA if data is None else data
+            if self.step_data.data is not source:
+                self.step_data = StepBatches(source, lambda: self.grad_accum_steps)
+            if state.epoch_length is None and data is None and epoch_length is None:
+                raise ValueError("epoch_length should be provided if data is None")
             if state.epoch_length is None:
                 state.epoch_length = epoch_length or self.step_data.steps_per_pass()
             elif epoch_length is not None and epoch_length != state.epoch_length:
@@ -595,8 +608,8 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _step_iterator(self, data: Any) -> Iterator[list]:
-        if data is None:
-            raise ValueError("the trainer needs data: run(data) with an iterable of microbatches")
+        if data is None:  # run(None, epoch_length=N): None microbatches, as ignite's data=None
+            data = NO_DATA
         if self.step_data.data is not data:
             self.step_data.data = data
         return iter(self.step_data)

@@ -3,6 +3,7 @@
 that handle the error (and runs that end although every step raises), ``terminate()``, and ignite
 metrics and handlers on validation."""
 
+import itertools
 import json
 import warnings
 
@@ -393,3 +394,41 @@ def test_a_new_run_on_data_without_a_length_keeps_the_last_epoch_length_as_in_ig
     trainer.run(token_batches(4))
     state = trainer.run(iter(token_batches(8)))  # finished: a new run, one epoch of 4 steps
     assert (state.step, state.epoch, state.epoch_length) == (4, 1, 4)
+
+
+def test_run_without_data_steps_over_none_microbatches_that_prepare_batch_fills():
+    # ignite's run(None, epoch_length=N): the step makes its own data
+    made = itertools.cycle(token_batches(5))
+    trainer = make_trainer(accum=2, prepare_batch=lambda microbatch, device: next(made))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    fetched, microbatches = [], []
+    trainer.add_event_handler(IgniteEvents.GET_BATCH_STARTED, lambda: fetched.append(1))
+    trainer.add_event_handler(Events.MICROBATCH, lambda e: microbatches.append(e.state.microbatch))
+    state = trainer.run(None, epoch_length=3, max_epochs=2)
+    assert (state.step, state.epoch, state.epoch_length) == (6, 2, 3)
+    assert state.batch == [None, None] and state.dataloader is None
+    assert microbatches == [0, 1] * 6 and fetched == []  # as in ignite: no GET_BATCH events
+    assert all(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert state.loss == state.loss  # a real, finite loss
+    # continuing, as ignite does, needs no epoch_length: the state has it
+    trainer.load_state_dict({"iteration": 4, "max_epochs": 3, "epoch_length": 3})
+    assert trainer.run(None).step == 9
+
+
+def test_run_without_data_with_a_step_start_handler_setting_the_batch():
+    trainer = make_trainer()
+    made = iter(token_batches(4))
+
+    @trainer.on(Events.STEP_START)
+    def make_batch(engine):
+        engine.state.batch = [next(made)]  # ignite's idiom: the process function gets state.batch
+
+    assert trainer.run(None, epoch_length=4).step == 4
+
+
+def test_run_without_data_needs_an_epoch_length_and_a_way_to_make_the_batch():
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="epoch_length should be provided if data is None"):
+        trainer.run(None)
+    with pytest.raises(TypeError, match=r"a microbatch is None.*Trainer\(prepare_batch=fn\)"):
+        trainer.run(None, epoch_length=2)
