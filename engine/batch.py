@@ -36,6 +36,12 @@ def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, A
     labels or None)``; everything moved to ``device``."""
     if isinstance(microbatch, (list, tuple)) and len(microbatch) >= 2:
         return to_device(microbatch[0], device), to_device(microbatch[1], device)
+    if microbatch is None:
+        raise TypeError(
+            "a microbatch is None: run(None, epoch_length=N) (ignite's data=None) gives the step None "
+            "microbatches; pass Trainer(prepare_batch=fn) where fn(None, device) makes (inputs, targets), "
+            "or set state.batch to the step's microbatches in a STEP_START handler"
+        )
     if isinstance(microbatch, Mapping):
         if "input_ids" not in microbatch and "inputs_embeds" not in microbatch:
             raise TypeError(

@@ -13,6 +13,9 @@ these private hooks of ``ignite.engine.Engine``:
 - ``_allowed_events``: the events registered with ``register_events``.
 - ``_is_done``, ``_internal_run_generator``, ``_check_and_set_max_epochs``: whether a run is
   finished, and extending one (``run()`` continues an unfinished run, as ignite does).
+- ``_internal_run`` / ``_internal_run_legacy``: ignite's loop over the current state. The trainer's
+  ``run()`` sets the state up itself (ignite's rules plus a step and an epoch limit together) and
+  starts the loop here.
 - ``every_event_filter``'s closure: a plain ``every=N`` filter is read as the number N so the
   registry can skip whole runs of filtered-out handlers with one modulo.
 
@@ -116,9 +119,30 @@ class IgniteAdapter(Engine):
         """Restart the live data iterator now (from ``state.dataloader`` and the data position)."""
         self._setup_dataloader_iter()
 
+    def start_loop(self, data: Any, continuing: bool) -> Any:
+        """ignite's ``run`` after its state set-up: the loop over the current state (a new run, or
+        one to continue, or an interrupted run's generator). Returns the state."""
+        if continuing and self.should_terminate:  # a terminated run restarts its epoch's count
+            self._init_iter = 0
+        if self._dataloader_iter is None:
+            self.state.dataloader = data
+        return self._internal_run() if self.interrupt_resume_enabled else self._internal_run_legacy()
+
+    def forget_run(self) -> None:
+        """Drop an interrupted run's generator: the next loop starts from the state as set."""
+        self._internal_run_generator = None
+
     def extend_max_epochs(self, max_epochs: int) -> None:
         """Raise the epoch limit of the current run (ignite's check: not below the epoch reached)."""
         self._check_and_set_max_epochs(max_epochs)
+
+    def extend_max_iters(self, max_iters: int) -> None:
+        """Raise the step limit of the current run (ignite's check: not below the step reached)."""
+        self._check_and_set_max_iters(max_iters)
+
+    def limits_reached(self) -> bool:
+        """Whether the state is at its step or epoch limit (ignite's rule)."""
+        return self._is_done(self.state)
 
     @property
     def run_finished(self) -> bool:

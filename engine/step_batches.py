@@ -17,13 +17,14 @@ generator wrapping one) draws its base seed from the global RNG at the first ``n
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hookloop.engine import checkpoint_io
 
-__all__ = ["StepBatches", "data_length", "iter_groups"]
+__all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups"]
 
 _END = object()
 
@@ -34,6 +35,21 @@ def data_length(data: Any) -> int | None:
         return len(data)
     except (TypeError, NotImplementedError):
         return None
+
+
+class NoData:
+    """What a run without data (ignite's ``run(None, epoch_length=N)``) steps over: ``None``
+    microbatches without end; the step's ``prepare_batch`` (or a STEP_START handler setting
+    ``state.batch``) makes the data, and the epoch length ends each epoch."""
+
+    def __iter__(self) -> Iterator[None]:
+        return itertools.repeat(None)
+
+    def __repr__(self) -> str:
+        return "NO_DATA"
+
+
+NO_DATA = NoData()
 
 
 def iter_groups(microbatches: Iterable, size: int) -> Iterator[list]:

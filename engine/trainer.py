@@ -49,7 +49,7 @@ from hookloop.engine.exit_status import write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_batches import StepBatches, data_length
+from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
@@ -202,7 +202,6 @@ class Trainer(IgniteAdapter):
         # Limits a StepScheduler (or the user) configures; run() arguments override them per run.
         self.max_steps: int | None = None
         self.max_epochs: int | None = None
-        self._run_max_steps: int | None = None
         self.step_data = StepBatches(None, lambda: self.grad_accum_steps)
         self._validation: tuple[Iterable, int | None, int | None] | None = None
         self._evaluator: Engine | None = None
@@ -212,6 +211,11 @@ class Trainer(IgniteAdapter):
         self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
         self._failed: set[int] = set()
+        self._handled_errors = 0
+        self._last_handled: tuple[int, str] | None = None
+        self._epoch_start_step = 0
+        self._empty_epochs = 0
+        self._epoch_limit: int | None = None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
@@ -233,11 +237,11 @@ class Trainer(IgniteAdapter):
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_stop, priority=Priority.ENGINE_LAST)
-        self.add_event_handler(Events.EPOCH_START, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
-        self.add_event_handler(Events.EPOCH_END, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
         #: What every rank agreed on in the current step (skip, stop, checkpoint, exit code).
@@ -388,6 +392,33 @@ class Trainer(IgniteAdapter):
             self._mark_stopped()
             self._stop_now()
 
+    def _start_epoch(self) -> None:
+        self._epoch_start_step = self.state.iteration
+        self._agree_stop()
+
+    def _end_epoch(self) -> None:
+        """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
+        data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
+        epochs without end: after two in a row it stops, saying so."""
+        state = self.state
+        if self._epoch_limit is not None and state.epoch_length is not None:
+            # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
+            # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
+            state.max_epochs = min(state.max_epochs or self._epoch_limit, self._epoch_limit)
+            self._epoch_limit = None
+        if state.iteration != self._epoch_start_step or state.max_epochs is not None:
+            self._empty_epochs = 0
+        else:
+            self._empty_epochs += 1
+            if self._empty_epochs >= 2:
+                state.request_stop(
+                    f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
+                    f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
+                    "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
+                    f"run ends at step {state.iteration} instead of repeating empty epochs"
+                )
+        self._agree_stop()
+
     def _mark_stopped(self) -> None:
         state = self.state
         state.should_stop = True
@@ -398,7 +429,7 @@ class Trainer(IgniteAdapter):
     # ------------------------------------------------------------------ running
     def run(  # type: ignore[override]
         self,
-        data: Iterable,
+        data: Iterable | None = None,
         max_epochs: int | None = None,
         max_iters: int | None = None,
         epoch_length: int | None = None,
@@ -407,55 +438,108 @@ class Trainer(IgniteAdapter):
     ) -> TrainState:
         """Train on ``data`` (an iterable of microbatches); ignite's ``run`` with steps.
 
-        ``max_steps`` (keyword; ``max_iters`` is ignite's name for it) and ``max_epochs`` limit the
-        run, whichever comes first; unset, they default to the trainer's ``max_steps`` /
-        ``max_epochs`` (a StepScheduler sets those), else one epoch. As in ignite, a run that is
-        not finished (after ``load_state_dict``, or a larger limit than the last run's) continues;
-        a finished one starts afresh. Returns the state; ``state.exit_code`` tells how it ended.
+        ``data=None`` is ignite's run without data: ``epoch_length`` steps an epoch, each on
+        ``grad_accum_steps`` ``None`` microbatches that ``prepare_batch`` (or a STEP_START handler
+        setting ``state.batch``) turns into the step's data.
+
+        ``max_steps`` (keyword) and ``max_epochs`` limit the run, whichever comes first; unset, they
+        default to the trainer's ``max_steps`` / ``max_epochs`` (a StepScheduler sets those), else one
+        epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's ``max_iters`` is
+        ``max_steps`` under ignite's rules (not together with ``max_epochs``). As in ignite, a run
+        that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
+        continues with its epoch length; a finished one starts afresh. Returns the state;
+        ``state.exit_code`` tells how it ended.
         """
+        if max_epochs is not None and max_iters is not None:
+            raise ValueError(
+                "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
+                "or max_iters. (To end at whichever comes first, pass max_steps=N with max_epochs=M.)"
+            )
+        steps_name = "max_steps"
         if max_iters is not None:
             if max_steps is not None and max_steps != max_iters:
                 raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
-            max_steps = max_iters
+            max_steps, steps_name = max_iters, "max_iters"
         for name, value in (
-            ("max_steps", max_steps),
+            (steps_name, max_steps),
             ("max_epochs", max_epochs),
             ("epoch_length", epoch_length),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-        if data is None or not isinstance(data, Iterable):
+        if data is not None and not isinstance(data, Iterable):
             raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
-        if data_length(data) == 0:
+        if data is not None and data_length(data) == 0:
             raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
         state = self.state
-        if state.max_epochs is not None:  # a run exists: new limits may extend it (ignite's rule)
-            if max_steps is not None:
-                if max_steps < state.iteration:
-                    raise ValueError(
-                        f"max_steps ({max_steps}) is below the step already reached ({state.iteration}); "
-                        "set trainer.state.max_epochs = None to start a new run"
-                    )
-                self._run_max_steps = max_steps
-            if max_epochs is not None:
-                self.extend_max_epochs(max_epochs)
-        if state.max_epochs is None or self.finished:
-            self._run_max_steps = self.max_steps if max_steps is None else max_steps
+        self._check_limit_kind(max_steps, max_epochs)
+        if max_epochs is not None and state.max_epochs is not None:
+            self.extend_max_epochs(max_epochs)  # ignite's check: not below the epoch reached
+        if max_steps is not None and state.max_iters is not None:
+            if max_steps < state.iteration:
+                raise ValueError(
+                    f"Argument {steps_name} should be greater than or equal to the start iteration defined "
+                    f"in the state: {max_steps} vs {state.iteration}. Please, set engine.state.max_iters = "
+                    "None before calling engine.run() in order to restart the training from the beginning."
+                )
+            state.max_iters = max_steps
+        new_run = (state.max_epochs is None and state.max_iters is None) or self.run_finished
+        if new_run:
+            if data is None and epoch_length is None and state.epoch_length is None:
+                raise ValueError(
+                    "epoch_length should be provided if data is None: run(None, epoch_length=N) runs N "
+                    "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
+                    "into (inputs, targets)"
+                )
+            max_steps = self.max_steps if max_steps is None else max_steps
             max_epochs = self.max_epochs if max_epochs is None else max_epochs
-            if max_epochs is None:
-                max_epochs = 1 if self._run_max_steps is None else 2**62
-            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
-            if epoch_length is None:
-                epoch_length = self.step_data.steps_per_pass()
-            state.max_epochs = state.max_iters = None  # ignite builds a new state
+            if max_epochs is None and max_steps is None:
+                max_epochs = 1
+            self.step_data = StepBatches(NO_DATA if data is None else data, lambda: self.grad_accum_steps)
+            if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
+                epoch_length = self.step_data.steps_per_pass() or state.epoch_length
+            state.iteration = state.epoch = 0
+            state.max_epochs, state.max_iters, state.epoch_length = max_epochs, max_steps, epoch_length
             state.reset_counters()
-            return self._run_guarded(data, max_epochs=max_epochs, epoch_length=epoch_length)
-        if self.step_data.data is not data:
-            self.step_data = StepBatches(data, lambda: self.grad_accum_steps)
-        return self._run_guarded(data)
+            self.forget_run()
+        else:
+            source = NO_DATA if data is None else data
+            if self.step_data.data is not source:
+                self.step_data = StepBatches(source, lambda: self.grad_accum_steps)
+            if state.epoch_length is None and data is None and epoch_length is None:
+                raise ValueError("epoch_length should be provided if data is None")
+            if state.epoch_length is None:
+                state.epoch_length = epoch_length or self.step_data.steps_per_pass()
+            elif epoch_length is not None and epoch_length != state.epoch_length:
+                raise ValueError(
+                    "Argument epoch_length should be same as in the state, but given "
+                    f"{epoch_length} vs {state.epoch_length}. (A run continues with its epoch length; "
+                    "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
+                )
+        both = state.max_iters is not None and state.max_epochs is not None
+        self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
+        return self._run_guarded(data, continuing=not new_run)
 
-    def _run_guarded(self, data: Iterable, **limits: Any) -> TrainState:
-        """ignite's run under the watchdog; ``exit_status.json`` written however it ends."""
+    def _check_limit_kind(self, max_steps: int | None, max_epochs: int | None) -> None:
+        """ignite's rule: a run started with one kind of limit (epochs or steps) is not switched to
+        the other while it exists; a run started with both (``max_steps`` and ``max_epochs``) may
+        extend either."""
+        state = self.state
+        if max_steps is not None and state.max_epochs is not None and state.max_iters is None:
+            raise ValueError(
+                "To switch from max_epochs to max_iters mode during resume, you must first reset by "
+                "setting 'engine.state.max_epochs = None' before calling run(). (The run was started "
+                f"with max_epochs={state.max_epochs}; a step limit is max_steps or max_iters.)"
+            )
+        if max_epochs is not None and state.max_iters is not None and state.max_epochs is None:
+            raise ValueError(
+                "To switch from max_iters to max_epochs mode during resume, you must first reset by "
+                "setting 'engine.state.max_iters = None' before calling run(). (The run was started "
+                f"with max_steps={state.max_iters}.)"
+            )
+
+    def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
+        """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
             if self.watchdog.heartbeats is None and parallel.world_size() > 1:
                 store = parallel.process_group_store()
@@ -464,7 +548,7 @@ class Trainer(IgniteAdapter):
             self.watchdog.start()
         previous_sigint = self._install_sigint()
         try:
-            state = super().run(data, **limits)
+            state = self.start_loop(data, continuing)
         except BaseException as e:
             self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}")
             raise
@@ -473,6 +557,7 @@ class Trainer(IgniteAdapter):
                 signal.signal(signal.SIGINT, previous_sigint)
             if self.watchdog is not None:
                 self.watchdog.stop()
+        self._explain_handled_end()
         self.write_exit_status(int(state.exit_code), state.stop_reason or "finished")
         return state
 
@@ -510,14 +595,14 @@ class Trainer(IgniteAdapter):
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
-        """``(max_steps, max_epochs)`` of the current run (None: no such limit)."""
-        return self._run_max_steps, self.state.max_epochs
+        """``(max_steps, max_epochs)`` of the current run: the state's ``max_iters`` and
+        ``max_epochs`` (None: no such limit)."""
+        return self.state.max_iters, self.state.max_epochs
 
     @property
     def finished(self) -> bool:
         """Whether the last run reached its end (its step or epoch limit)."""
-        reached = self._run_max_steps is not None and self.state.iteration >= self._run_max_steps
-        return reached or self.run_finished
+        return self.run_finished
 
     def set_data(self, data: Iterable) -> None:
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
@@ -528,8 +613,8 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _step_iterator(self, data: Any) -> Iterator[list]:
-        if data is None:
-            raise ValueError("the trainer needs data: run(data) with an iterable of microbatches")
+        if data is None:  # run(None, epoch_length=N): None microbatches, as ignite's data=None
+            data = NO_DATA
         if self.step_data.data is not data:
             self.step_data.data = data
         return iter(self.step_data)
@@ -558,6 +643,10 @@ class Trainer(IgniteAdapter):
         self._late_agreement = False
         self._skip_completed = False
         self._failed.clear()
+        self._handled_errors = 0
+        self._last_handled: tuple[int, str] | None = None
+        self._epoch_start_step = 0
+        self._empty_epochs = 0
 
     def _enter_step(self) -> None:
         self._in_step = True
@@ -585,7 +674,8 @@ class Trainer(IgniteAdapter):
         while self._at_step_end:
             self._at_step_end.pop(0)()
         self._in_step = False
-        reached = self._run_max_steps is not None and state.iteration >= self._run_max_steps
+        # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
+        beyond = state.max_iters is not None and state.iteration > state.max_iters
         stop = self.decisions.stop
         if self._late_agreement:
             code = int(state.exit_code) if state.should_stop else 0
@@ -599,7 +689,7 @@ class Trainer(IgniteAdapter):
         self.decisions = StepDecisions(stop=stop, exit_code=int(state.exit_code) if stop else 0)
         if stop:
             self._mark_stopped()
-        if stop or reached:
+        if stop or beyond:
             self._stop_now()
 
     def _on_error(self, e: BaseException) -> None:
@@ -621,6 +711,7 @@ class Trainer(IgniteAdapter):
                 if raised is not e:
                     logger.error("EXCEPTION handler %r failed: %r", entry.original, raised)
         if handled:
+            self._handled(e)
             return
         if parallel.is_peer_failure(e):
             lost = PeerFailure(
@@ -631,6 +722,50 @@ class Trainer(IgniteAdapter):
             raise lost from e
         self._fail(e)
         raise e
+
+    def _handled(self, e: BaseException) -> None:
+        """An EXCEPTION handler handled ``e``. As in ignite, the loop goes on after the error's
+        epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
+        whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
+        raised leaves no gradients or step flags behind for the next one. When the run is at its
+        limit, ``state.stop_reason`` says that it ended on a handled error."""
+        state = self.state
+        self.optimizer.zero_grad(set_to_none=True)
+        state.clear_step_flags()
+        self._handled_errors += 1
+        message = str(e).splitlines()[0][:200] if str(e) else ""
+        what = f"{type(e).__name__}: {message}" if message else type(e).__name__
+        self._last_handled = (state.iteration, what)
+        if self._handled_errors == 1:
+            logger.warning(
+                "step %d (epoch %d) raised %s; an EXCEPTION handler handled it, so the epoch ends here "
+                "and the run goes on with the next epoch up to its limits (as in ignite)",
+                state.iteration, state.epoch, what,
+            )  # fmt: skip
+        if self.limits_reached():
+            self._explain_handled_end()
+
+    def _explain_handled_end(self) -> None:
+        """Set ``state.stop_reason`` (unless a stop already gave one) when the run ends right after an
+        error an EXCEPTION handler handled."""
+        state = self.state
+        if state.stop_reason is not None or self._last_handled is None:
+            return
+        step, what = self._last_handled
+        if step != state.iteration:  # a step completed after it: the run ended normally
+            return
+        max_steps, max_epochs = self.limits
+        if max_steps is not None and state.iteration >= max_steps:
+            limit = f"at max_steps={max_steps}"
+        elif max_epochs is not None and state.epoch >= max_epochs:
+            limit = f"at max_epochs={max_epochs}"
+        else:
+            limit = "there (an error outside an epoch's steps ends the run)"
+        state.stop_reason = (
+            f"the run ended {limit} on a handled error: step {step} (epoch {state.epoch}) raised {what} "
+            f"and an EXCEPTION handler handled it, which ends the epoch as in ignite "
+            f"({self._handled_errors} handled in this run)"
+        )
 
     def _fail(self, e: BaseException) -> None:
         if id(e) in self._failed:

@@ -11,9 +11,6 @@ from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["ConsoleLogger"]
 
-# ignite's max_epochs when only max_steps limits a run (2**62): not a real epoch count
-_NO_EPOCH_LIMIT = 2**61
-
 
 def _fmt(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else str(value)
@@ -76,7 +73,7 @@ class ConsoleLogger(MetricLogger):
         if max_steps is not None:
             return max_steps
         epoch_length = getattr(trainer.state, "epoch_length", None)
-        if max_epochs is not None and max_epochs < _NO_EPOCH_LIMIT and epoch_length:
+        if max_epochs is not None and epoch_length:
             return max_epochs * epoch_length
         return None
 

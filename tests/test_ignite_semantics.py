@@ -1,7 +1,10 @@
 """Where ignite defines a behaviour, the Trainer keeps it: continuing runs, resuming after
 ``load_state_dict``, ``set_data``, ``state.dataloader``, one-shot iterators, EXCEPTION handlers
-that handle the error, ``terminate()``, and ignite metrics and handlers on validation."""
+that handle the error (and runs that end although every step raises), ``terminate()``, and ignite
+metrics and handlers on validation."""
 
+import itertools
+import json
 import warnings
 
 import pytest
@@ -39,7 +42,9 @@ def test_a_finished_run_continues_when_given_more_steps():
     assert trainer.state.step == 4
     trainer.run(data, max_steps=7)
     assert trainer.state.step == 7
-    with pytest.raises(ValueError, match="below the step already reached"):
+    with pytest.raises(
+        ValueError, match="Argument max_steps should be greater than or equal to the start iteration"
+    ):
         trainer.run(data, max_steps=5)
 
 
@@ -202,3 +207,228 @@ def test_terminate_on_one_rank_stops_every_rank_at_the_same_step():
     assert [step for step, _ in results] == [3, 3]
     assert results[0][1] == "stop requested on another rank"
     assert results[1][1].startswith("terminate() called by")
+
+
+def _always_failing(trainer: Trainer, errors: list) -> None:
+    """Every step raises in its first microbatch; an EXCEPTION handler handles (swallows) it. A
+    runaway run is cut off at its 60th epoch so that a regression fails instead of hanging."""
+    trainer.prepare_batch = lambda microbatch, device: 1 / 0
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: errors.append(type(err).__name__))
+    trainer.add_event_handler(Events.EPOCH_START(once=60), lambda e: e.terminate())
+
+
+@pytest.mark.parametrize(
+    "limits, epochs, steps, limit",
+    [
+        ({}, 1, 1, "max_epochs=1"),  # ignite's default: one epoch
+        ({"max_epochs": 3}, 3, 3, "max_epochs=3"),
+        ({"max_steps": 5}, 5, 5, "max_steps=5"),
+        ({"max_iters": 5}, 5, 5, "max_steps=5"),
+        ({"max_steps": 40, "max_epochs": 2}, 2, 2, "max_epochs=2"),
+    ],
+)
+def test_a_run_whose_every_step_raises_into_a_handling_exception_handler_ends(
+    tmp_path, limits, epochs, steps, limit
+):
+    # As in ignite, a handled error ends its epoch and the loop goes on with the next: the failed
+    # step counts, so the run ends at its epoch or step limit, and the state says why.
+    trainer = make_trainer(run_dir=tmp_path)
+    errors = []
+    _always_failing(trainer, errors)
+    ended = []
+    trainer.add_event_handler(Events.TRAIN_END, lambda e: ended.append(e.state.stop_reason))
+    state = trainer.run(token_batches(4), **limits)
+    assert (state.epoch, state.step) == (epochs, steps)
+    assert errors == ["ZeroDivisionError"] * steps
+    assert state.exit_code == 0
+    assert state.stop_reason.startswith(f"the run ended at {limit} on a handled error: step {steps}")
+    assert "ZeroDivisionError: division by zero" in state.stop_reason
+    assert ended == [state.stop_reason]  # TRAIN_END handlers (loggers) see the reason
+    status = json.loads((tmp_path / "exit_status.json").read_text())
+    assert status["code"] == 0 and status["reason"] == state.stop_reason
+
+
+def test_a_step_that_raised_and_was_handled_leaves_no_gradients_for_the_next():
+    trainer = make_trainer(accum=2)
+    calls = []
+
+    def prepare(microbatch, device):
+        calls.append(1)
+        if len(calls) == 2:  # the second microbatch of step 1: after the first one's backward
+            raise RuntimeError("bad sample")
+        return microbatch
+
+    trainer.prepare_batch = prepare
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: None)
+    grads_at_step_2 = []
+    trainer.add_event_handler(
+        Events.STEP_START(once=2),
+        lambda e: grads_at_step_2.append([p.grad for p in e.model.parameters() if p.grad is not None]),
+    )
+    state = trainer.run(token_batches(4), max_epochs=2)
+    assert state.step == 3  # step 1 failed (ends epoch 1), epoch 2 ran steps 2 and 3
+    assert grads_at_step_2 == [[]]
+
+
+def test_a_step_limited_run_over_used_up_data_with_handled_errors_ends():
+    # One-shot data, every step raising into a handling EXCEPTION handler and only max_steps as a
+    # limit: each epoch takes one microbatch until the data is used up; then epochs start no step
+    # (ignite would repeat them without end), so the run stops and says why.
+    trainer = make_trainer()
+    errors = []
+    _always_failing(trainer, errors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ignite's "Data iterator can not provide data anymore"
+        state = trainer.run(iter(token_batches(3)), max_steps=10)
+    assert state.step == 3 and state.epoch < 10
+    assert errors[:3] == ["ZeroDivisionError"] * 3
+    assert "started no step and only max_steps=10 limits the run" in state.stop_reason
+
+
+def _steps_by_epoch(trainer: Trainer) -> list:
+    seen = []
+    trainer.add_event_handler(Events.STEP_END, lambda e: seen.append((e.state.epoch, e.state.step)))
+    return seen
+
+
+def test_max_iters_is_the_states_max_iters_and_what_state_dict_saves():
+    trainer = make_trainer()
+    state = trainer.run(token_batches(4), max_iters=6)
+    assert (state.max_iters, state.max_epochs, state.step, state.epoch) == (6, None, 6, 2)
+    assert trainer.state_dict() == {"epoch_length": 4, "iteration": 6, "max_iters": 6}
+    assert trainer.limits == (6, None)
+
+
+def test_run_after_load_state_dict_with_max_iters_stops_at_max_iters():
+    trainer = make_trainer()
+    trainer.load_state_dict({"iteration": 7, "max_iters": 11, "epoch_length": 4})
+    seen = _steps_by_epoch(trainer)
+    state = trainer.run(token_batches(4))
+    # ignite re-enters epoch 2 after its 3rd step and ends at max_iters, mid-epoch 3
+    assert seen == [(2, 8), (3, 9), (3, 10), (3, 11)]
+    assert (state.step, state.max_iters, state.max_epochs) == (11, 11, None)
+
+
+def test_a_checkpointed_max_iters_run_resumes_to_its_max_iters(tmp_path):
+    data = token_batches(4)
+    first = make_trainer()
+    saver = Checkpoint({"trainer": first}, DiskSaver(str(tmp_path), require_empty=False), n_saved=None)
+    first.add_event_handler(Events.STEP_END(once=5), saver)
+    first.run(data, max_iters=9)
+    (path,) = tmp_path.glob("*.pt")
+    second = make_trainer()
+    Checkpoint.load_objects({"trainer": second}, torch.load(path, weights_only=False))
+    seen = _steps_by_epoch(second)
+    second.add_event_handler(Events.STEP_END(once=30), lambda e: e.terminate())  # a runaway fails
+    state = second.run(data)
+    assert [step for _, step in seen] == [6, 7, 8, 9]
+    assert state.step == 9
+
+
+def test_max_iters_with_max_epochs_is_rejected_as_in_ignite_but_max_steps_combines():
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="Arguments max_iters and max_epochs are mutually exclusive"):
+        trainer.run(token_batches(4), max_epochs=2, max_iters=5)
+    assert trainer.state.max_epochs is None and trainer.state.step == 0  # nothing ran
+    state = trainer.run(token_batches(4), max_epochs=2, max_steps=5)  # whichever comes first
+    assert (state.step, state.epoch) == (5, 2)
+    state = trainer.run(token_batches(4), max_epochs=2, max_steps=50)
+    assert (state.step, state.epoch) == (8, 2)
+
+
+class _Unsized:
+    """A re-iterable data source without a length (an iterable dataset's loader)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def test_both_limits_hold_when_the_epoch_length_is_learnt_from_the_data():
+    # ignite sets max_epochs = ceil(max_iters / epoch_length) when it learns the epoch length;
+    # a run given its own, smaller max_epochs keeps it
+    trainer = make_trainer()
+    state = trainer.run(_Unsized(token_batches(3)), max_steps=100, max_epochs=2)
+    assert (state.step, state.epoch, state.epoch_length) == (6, 2, 3)
+    state = make_trainer().run(_Unsized(token_batches(3)), max_iters=7)  # ignite's own rule
+    assert (state.step, state.epoch, state.max_epochs) == (7, 3, 3)
+
+
+def test_switching_a_run_between_epoch_and_step_limits_needs_a_reset_as_in_ignite():
+    trainer = make_trainer()
+    data = token_batches(4)
+    trainer.run(data, max_epochs=1)
+    for limit in ({"max_iters": 6}, {"max_steps": 6}):
+        with pytest.raises(ValueError, match="To switch from max_epochs to max_iters mode during resume"):
+            trainer.run(data, **limit)
+    trainer.state.max_epochs = None
+    assert trainer.run(data, max_iters=6).step == 6
+    with pytest.raises(ValueError, match="To switch from max_iters to max_epochs mode during resume"):
+        trainer.run(data, max_epochs=3)
+    trainer.state.max_iters = None
+    assert trainer.run(data, max_epochs=3).step == 12
+    with pytest.raises(
+        ValueError, match="Argument max_epochs should be greater than or equal to the start epoch"
+    ):
+        trainer.run(data, max_epochs=2)
+
+
+def test_continuing_a_run_with_another_epoch_length_is_rejected_as_in_ignite():
+    trainer = make_trainer()
+    data = token_batches(4)
+    trainer.load_state_dict({"iteration": 2, "max_epochs": 3, "epoch_length": 4})
+    with pytest.raises(
+        ValueError, match="Argument epoch_length should be same as in the state, but given 3 vs 4"
+    ):
+        trainer.run(data, epoch_length=3)
+    state = trainer.run(data, epoch_length=4)  # the same length continues
+    assert (state.step, state.epoch) == (12, 3)
+    state = trainer.run(data, epoch_length=3)  # a finished run starts afresh, one epoch
+    assert (state.step, state.epoch_length) == (3, 3)
+
+
+def test_a_new_run_on_data_without_a_length_keeps_the_last_epoch_length_as_in_ignite():
+    trainer = make_trainer()
+    trainer.run(token_batches(4))
+    state = trainer.run(iter(token_batches(8)))  # finished: a new run, one epoch of 4 steps
+    assert (state.step, state.epoch, state.epoch_length) == (4, 1, 4)
+
+
+def test_run_without_data_steps_over_none_microbatches_that_prepare_batch_fills():
+    # ignite's run(None, epoch_length=N): the step makes its own data
+    made = itertools.cycle(token_batches(5))
+    trainer = make_trainer(accum=2, prepare_batch=lambda microbatch, device: next(made))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    fetched, microbatches = [], []
+    trainer.add_event_handler(IgniteEvents.GET_BATCH_STARTED, lambda: fetched.append(1))
+    trainer.add_event_handler(Events.MICROBATCH, lambda e: microbatches.append(e.state.microbatch))
+    state = trainer.run(None, epoch_length=3, max_epochs=2)
+    assert (state.step, state.epoch, state.epoch_length) == (6, 2, 3)
+    assert state.batch == [None, None] and state.dataloader is None
+    assert microbatches == [0, 1] * 6 and fetched == []  # as in ignite: no GET_BATCH events
+    assert all(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert state.loss == state.loss  # a real, finite loss
+    # continuing, as ignite does, needs no epoch_length: the state has it
+    trainer.load_state_dict({"iteration": 4, "max_epochs": 3, "epoch_length": 3})
+    assert trainer.run(None).step == 9
+
+
+def test_run_without_data_with_a_step_start_handler_setting_the_batch():
+    trainer = make_trainer()
+    made = iter(token_batches(4))
+
+    @trainer.on(Events.STEP_START)
+    def make_batch(engine):
+        engine.state.batch = [next(made)]  # ignite's idiom: the process function gets state.batch
+
+    assert trainer.run(None, epoch_length=4).step == 4
+
+
+def test_run_without_data_needs_an_epoch_length_and_a_way_to_make_the_batch():
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="epoch_length should be provided if data is None"):
+        trainer.run(None)
+    with pytest.raises(TypeError, match=r"a microbatch is None.*Trainer\(prepare_batch=fn\)"):
+        trainer.run(None, epoch_length=2)
