@@ -108,6 +108,11 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
     @trainer.on(Events.STEP_START)
     def _hold(engine: Trainer) -> None:  # asked before the step's agreement: this step's save stalls
         if engine.state.step == at and "staging_at_save" not in out:
+            # The gate holds this step's save only: the copy of an earlier save (step 2's, slow on a
+            # loaded machine) finishes first, or it would wait behind the gate with everything else.
+            deadline = time.monotonic() + 120
+            while checkpointer.staging and time.monotonic() < deadline:
+                time.sleep(0.01)
             engine.state.should_checkpoint = True
             stager.gate.clear()
 
