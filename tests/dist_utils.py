@@ -32,15 +32,18 @@ def run_torchrun(
     timeout: float = 180.0,
     env: dict | None = None,
     cwd: str | Path | None = None,
+    module: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` under ``torchrun --nproc-per-node nproc``; kill the whole process group on
-    timeout. Returns the completed process (check ``returncode``, ``stdout``, ``stderr``)."""
+    """Run ``script`` (with ``module``: the module of that name, ``-m script``) under ``torchrun
+    --nproc-per-node nproc``; kill the whole process group on timeout. Returns the completed
+    process (check ``returncode``, ``stdout``, ``stderr``)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}",
+        *(["-m"] if module else []),
         str(script),
         *args,
     ]

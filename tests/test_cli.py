@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hookloop.train import load_training_config
-from tests.dist_utils import REPO, free_port, run_process
+from tests.dist_utils import REPO, run_process, run_torchrun
 
 MY_MODEL = """
 import torch
@@ -219,16 +219,9 @@ def test_config_markdown_is_the_committed_reference(tmp_path):
 @pytest.mark.distributed
 def test_torchrun_module_trains_fsdp_and_resumes(project):
     def torchrun() -> subprocess.CompletedProcess:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-        ]
         args = ["train", "my_run.yaml", "distributed.dp_mode=fsdp", "train.run_dir=runs/fsdp"]
         args.append("train.local_batch_size=2")
-        return run_process([*launcher, "-m", "hookloop", *args], cwd=project, timeout=240)
+        return run_torchrun("hookloop", 2, args, module=True, cwd=project, timeout=240)
 
     proc = torchrun()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -294,15 +287,8 @@ def test_the_wheel_holds_only_hookloop(tmp_path):
 
 @pytest.mark.distributed
 def test_a_config_error_under_torchrun_is_said_once(project):
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    ]
     args = ["train", "my_run.yaml", "train.local_batch_size=2", "model.dimm=3"]
-    proc = run_process([*launcher, "-m", "hookloop", *args], cwd=project)
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=project)
     assert proc.returncode != 0
     assert proc.stderr.count("config error: model.dimm: is not an argument") == 1, proc.stderr
     assert not (project / "runs").exists()
