@@ -104,11 +104,12 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ignite.engine import Events as IgniteEvents
-from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList
+from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList, RemovableEventHandle
 
 from hookloop.engine import ignite_adapter
 
@@ -208,6 +209,7 @@ class _Entry:
         "attr",
         "pass_engine",
         "removed",
+        "__weakref__",
     )
 
     def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
@@ -221,27 +223,51 @@ class _Entry:
         self.removed = False
 
 
-class EventHandle:
-    """What ``add_event_handler`` returns: ``remove()`` detaches exactly that registration (also as a
-    context manager, like ignite's ``RemovableEventHandle``)."""
+class EventHandle(RemovableEventHandle):
+    """What ``add_event_handler`` returns: ignite's ``RemovableEventHandle`` (``event_name``, the weak
+    references ``handler()`` and ``engine()``, ``remove()``, a context manager) whose ``remove()``
+    detaches exactly the registrations it made, even when the same handler is attached twice.
 
-    def __init__(self, registry: EventRegistry, entries: list[_Entry]) -> None:
-        self._registry = registry
-        self._entries = entries
+    Like ignite's, it holds the engine, the handler and its registrations weakly: a handle does not
+    keep a trainer alive, and once the trainer is gone ``remove()`` does nothing."""
+
+    def __init__(self, event_name: Any, handler: Callable, engine: Any, entries: list[_Entry]) -> None:
+        self.event_name = event_name
+        self.handler = _weak(handler)
+        self.engine = weakref.ref(engine)
+        self._entries = [weakref.ref(entry) for entry in entries]
+
+    def entries(self) -> list[_Entry]:
+        """The registrations still attached."""
+        return [
+            entry for entry in (ref() for ref in self._entries) if entry is not None and not entry.removed
+        ]
 
     @property
     def priority(self) -> float:
-        return self._entries[0].priority if self._entries else Priority.DEFAULT
+        entries = self.entries()
+        return entries[0].priority if entries else Priority.DEFAULT
 
     def remove(self) -> None:
-        for entry in self._entries:
-            self._registry.remove_entry(entry)
+        engine = self.engine()
+        if engine is None:
+            return
+        for entry in self.entries():
+            engine.events.remove_entry(entry)
 
     def __enter__(self) -> EventHandle:
         return self
 
     def __exit__(self, *args: Any) -> None:
         self.remove()
+
+
+def _weak(handler: Callable) -> Callable[[], Callable | None]:
+    """A weak reference to ``handler``; a callable that cannot be referenced weakly is held."""
+    try:
+        return weakref.ref(handler)
+    except TypeError:
+        return lambda: handler
 
 
 class EventRegistry:
@@ -262,9 +288,8 @@ class EventRegistry:
     # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
         if isinstance(event, EventsList):
-            return EventHandle(
-                self, [e for ev in event for e in self.add(ev, handler, args, kwargs, priority)._entries]
-            )
+            entries = [e for ev in event for e in self.add(ev, handler, args, kwargs, priority).entries()]
+            return EventHandle(event, handler, self._engine, entries)
         if not callable(handler):
             raise TypeError(f"handler must be callable, got {type(handler).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
@@ -292,7 +317,7 @@ class EventRegistry:
         entries.append(entry)
         entries.sort(key=lambda e: (-e.priority, e.seq))
         self._changed(base)
-        return EventHandle(self, [entry])
+        return EventHandle(event, handler, self._engine, [entry])
 
     # -------------------------------------------------------------------------------- removing
     def remove_entry(self, entry: _Entry) -> None:

@@ -5,8 +5,10 @@ gates in dicts keyed by ``id()`` of ignite's handler entries: each fails on that
 """
 
 import gc
+import weakref
 
 import torch
+from ignite.engine.events import RemovableEventHandle
 
 from hookloop.engine import Events, Priority, Trainer
 from hookloop.models.gpt import cross_entropy_loss
@@ -129,6 +131,41 @@ def test_handles_remove_exactly_their_registration_and_keep_the_rest_in_order():
     order.clear()
     trainer.run(token_batches(2), max_steps=2)
     assert order == ["b", "b"]
+
+
+def test_handles_are_ignites_removable_handles():
+    trainer = make_trainer()
+    both = Events.STEP_START | Events.STEP_END
+
+    def handler():
+        pass
+
+    for event in (Events.STEP_END, Events.STEP_END(every=2), both):
+        handle = trainer.add_event_handler(event, handler, priority=5)
+        assert isinstance(handle, RemovableEventHandle)
+        assert handle.event_name is event
+        assert handle.engine() is trainer and handle.handler() is handler
+        assert handle.priority == 5
+        handle.remove()
+        assert not trainer.has_event_handler(handler)
+        handle.remove()  # again: nothing left to remove, no error
+
+
+def test_handles_do_not_keep_the_trainer_or_the_handler_alive():
+    def attach() -> tuple:
+        trainer = make_trainer()
+        return (
+            trainer.add_event_handler(Events.STEP_END, lambda: None),
+            trainer.add_event_handler(Events.STEP_START | Events.STEP_END(every=2), lambda e: None),
+            weakref.ref(trainer),
+        )
+
+    plain, listed, trainer = attach()
+    gc.collect()
+    assert trainer() is None
+    for handle in (plain, listed):
+        assert handle.engine() is None and handle.handler() is None
+        handle.remove()  # the trainer is gone: nothing to do, no error
 
 
 def test_every_filter_groups_and_custom_filters_all_hold():
