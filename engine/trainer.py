@@ -68,6 +68,15 @@ DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
 
 
+class _StateAttribute:
+    """``trainer.state``: assigning an ignite ``State`` (as ignite's docs and tests do) makes it a
+    :class:`TrainState` in place. Only assignment is intercepted (no ``__get__``), so reading
+    ``trainer.state`` costs what reading a plain attribute costs."""
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        trainer.__dict__["state"] = TrainState.adopt(value)
+
+
 class Trainer(IgniteAdapter):
     """A hook-based training loop on ignite: one ignite iteration is one optimizer step.
 
@@ -99,6 +108,8 @@ class Trainer(IgniteAdapter):
             ``torch.amp.GradScaler``, checkpointed as ``"grad_scaler"``: an overflow skips the step
             on every rank and sets ``state.grad_scaler_overflow``).
     """
+
+    state = _StateAttribute()  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -195,7 +206,6 @@ class Trainer(IgniteAdapter):
         self.precision = precision
         self._autocast_dtype = _AUTOCAST_DTYPES[precision]
         self.grad_scaler: torch.amp.GradScaler | None = None
-        self.state.grad_scaler_overflow = False
         if precision == "fp16-mixed":
             self.grad_scaler = torch.amp.GradScaler(self.device.type)
             self.register_stateful("grad_scaler", self.grad_scaler)

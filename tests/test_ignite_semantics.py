@@ -10,10 +10,11 @@ import warnings
 import pytest
 import torch
 from ignite.engine import Events as IgniteEvents
+from ignite.engine import State
 from ignite.handlers import Checkpoint, DiskSaver, EarlyStopping
 from ignite.metrics import Loss
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import Events, Trainer, TrainState
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
@@ -432,3 +433,32 @@ def test_run_without_data_needs_an_epoch_length_and_a_way_to_make_the_batch():
         trainer.run(None)
     with pytest.raises(TypeError, match=r"a microbatch is None.*Trainer\(prepare_batch=fn\)"):
         trainer.run(None, epoch_length=2)
+
+
+def test_assigning_ignites_plain_state_then_running_works():
+    trainer = make_trainer()
+    plain = State(alpha=0.5)
+    trainer.state = plain
+    assert trainer.state is plain and isinstance(plain, TrainState) and plain.alpha == 0.5
+    state = trainer.run(token_batches(3))
+    assert state is plain and (state.step, state.epoch, state.exit_code) == (3, 1, 0)
+    assert state.alpha == 0.5 and state.loss == state.loss
+
+    # a state positioned inside a run, as ignite's docs build one, continues that run
+    trainer.state = State(iteration=2, epoch_length=4, max_epochs=2)
+    seen = _steps_by_epoch(trainer)
+    assert trainer.run(token_batches(4)).step == 8
+    assert seen[0] == (1, 3)
+
+
+def test_assigning_a_state_subclass_keeps_its_class_and_other_values_are_refused():
+    class MyState(State):
+        def twice(self) -> int:
+            return 2 * self.iteration
+
+    trainer = make_trainer()
+    trainer.state = MyState()
+    assert isinstance(trainer.state, MyState) and isinstance(trainer.state, TrainState)
+    assert trainer.run(token_batches(2)).twice() == 4
+    with pytest.raises(TypeError, match="engine.state must be an ignite State"):
+        trainer.state = {"iteration": 0}
