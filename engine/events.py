@@ -319,6 +319,40 @@ class EventRegistry:
         self._changed(base)
         return EventHandle(event, handler, self._engine, [entry])
 
+    def insert_at(
+        self, event: Any, index: int, func: Callable, args: tuple, kwargs: dict, pass_engine: bool
+    ) -> _Entry:
+        """Attach ``func`` so that it runs at ``index`` in ``event``'s current order (what
+        ``list.insert`` would do to ignite's handler list): its priority and place among equal
+        priorities are taken from its new neighbours."""
+        entries = self._entries.setdefault(event, [])
+        index = max(0, len(entries) + index) if index < 0 else min(index, len(entries))
+        before = entries[index - 1] if index > 0 else None
+        after = entries[index] if index < len(entries) else None
+        if after is None:
+            priority, seq = (before.priority if before else Priority.DEFAULT), next(self._seq)
+        elif before is None or before.priority != after.priority:
+            priority, seq = after.priority, after.seq - 1  # the first of its priority: any seq below it
+        else:
+            priority, seq = after.priority, (before.seq + after.seq) / 2
+        entry = _Entry(
+            event, func, func, tuple(args), dict(kwargs), priority, seq, None, None, None, pass_engine
+        )
+        entries.insert(index, entry)
+        self._changed(event)
+        return entry
+
+    def replace_entry(
+        self, entry: _Entry, func: Callable, args: tuple, kwargs: dict, pass_engine: bool
+    ) -> None:
+        """Call ``func`` in ``entry``'s place (same priority and filter), e.g. a timing wrapper. A
+        wrapper of the attached handler (``functools.wraps``) still counts as that handler for
+        ``has_event_handler`` and ``remove_event_handler``."""
+        if getattr(func, "__wrapped__", None) is not entry.original:
+            entry.original = func
+        entry.func, entry.args, entry.kwargs, entry.pass_engine = func, tuple(args), dict(kwargs), pass_engine
+        self._changed(entry.event)
+
     # -------------------------------------------------------------------------------- removing
     def remove_entry(self, entry: _Entry) -> None:
         entries = self._entries.get(entry.event, [])
@@ -345,6 +379,10 @@ class EventRegistry:
 
     def any_for(self, event: Any) -> bool:
         return bool(self._entries.get(event))
+
+    def events(self) -> list[Any]:
+        """The events that have handlers attached."""
+        return [event for event, entries in self._entries.items() if entries]
 
     def entries(self, event: Any) -> list[_Entry]:
         """The entries of ``event`` in firing order (a copy)."""

@@ -8,7 +8,7 @@ import gc
 import weakref
 
 import torch
-from ignite.engine.events import RemovableEventHandle
+from ignite.engine.events import EventEnum, RemovableEventHandle
 
 from hookloop.engine import Events, Priority, Trainer
 from hookloop.models.gpt import cross_entropy_loss
@@ -166,6 +166,34 @@ def test_handles_do_not_keep_the_trainer_or_the_handler_alive():
     for handle in (plain, listed):
         assert handle.engine() is None and handle.handler() is None
         handle.remove()  # the trainer is gone: nothing to do, no error
+
+
+def test_inserting_by_position_runs_there_whatever_the_neighbours_priorities():
+    # what ignite's time profilers do to ignite's handler lists: insert first (before +inf too),
+    # append last, insert between equal or different priorities, wrap one in place
+    class Custom(EventEnum):
+        PING = "ping"
+
+    trainer = make_trainer()
+    trainer.register_events(*Custom)
+    registry, order = trainer.events, []
+
+    def mark(name):
+        return lambda: order.append(name)
+
+    trainer.add_event_handler(Custom.PING, mark("top"), priority=Priority.ENGINE_FIRST)
+    trainer.add_event_handler(Custom.PING, mark("high"), priority=5)
+    trainer.add_event_handler(Custom.PING, mark("a"))
+    trainer.add_event_handler(Custom.PING, mark("b"))
+    registry.insert_at(Custom.PING, 0, mark("first"), (), {}, False)
+    registry.insert_at(Custom.PING, 5, mark("last"), (), {}, False)
+    # now: first, top, high, a, b, last
+    registry.insert_at(Custom.PING, 4, mark("a<x<b"), (), {}, False)
+    registry.insert_at(Custom.PING, 3, mark("high<y<a"), (), {}, False)
+    registry.insert_at(Custom.PING, -1, mark("b<z<last"), (), {}, False)
+    registry.replace_entry(registry.entries(Custom.PING)[2], mark("high, wrapped"), (), {}, False)
+    trainer.fire(Custom.PING)
+    assert order == ["first", "top", "high, wrapped", "high<y<a", "a", "a<x<b", "b", "b<z<last", "last"]
 
 
 def test_every_filter_groups_and_custom_filters_all_hold():

@@ -5,13 +5,14 @@ metrics and handlers on validation."""
 
 import itertools
 import json
+import time
 import warnings
 
 import pytest
 import torch
 from ignite.engine import Events as IgniteEvents
 from ignite.engine import State
-from ignite.handlers import Checkpoint, DiskSaver, EarlyStopping
+from ignite.handlers import BasicTimeProfiler, Checkpoint, DiskSaver, EarlyStopping, HandlersTimeProfiler
 from ignite.metrics import Loss
 
 from hookloop.engine import Events, Trainer, TrainState
@@ -462,3 +463,54 @@ def test_assigning_a_state_subclass_keeps_its_class_and_other_values_are_refused
     assert trainer.run(token_batches(2)).twice() == 4
     with pytest.raises(TypeError, match="engine.state must be an ignite State"):
         trainer.state = {"iteration": 0}
+
+
+def _slow(seconds: float):
+    def slow_handler():
+        time.sleep(seconds)
+
+    return slow_handler
+
+
+def test_ignites_basic_time_profiler_times_the_trainers_steps_and_handlers():
+    trainer = make_trainer(accum=2)
+    slow = _slow(0.01)
+    trainer.add_event_handler(Events.STEP_END, slow)
+    profiler = BasicTimeProfiler()
+    profiler.attach(trainer)
+    trainer.run(token_batches(8), max_epochs=2)  # 2 epochs x 4 steps
+    results = profiler.get_results()
+    processing = results["processing_stats"]
+    assert processing["total"] > 0 and processing["min/index"][0] > 0  # every step timed
+    assert results["dataflow_stats"]["total"] > 0
+    step_end = results["event_handlers_stats"]["ITERATION_COMPLETED"]
+    assert step_end["total"] >= 8 * 0.01 and step_end["min/index"][0] >= 0.01
+    names = results["event_handlers_names"]["ITERATION_COMPLETED_names"]
+    assert any(name.endswith("slow_handler") for name in names)
+    # the profiler's own handlers are gone after the run; the trainer's and the user's stay
+    assert not trainer.has_event_handler(profiler._as_first_iter_completed)
+    assert trainer.has_event_handler(slow, Events.STEP_END)
+
+
+def test_ignites_handlers_time_profiler_times_each_handler_and_restores_them():
+    trainer = make_trainer(accum=2)
+    slow, every_second = _slow(0.01), _slow(0.005)
+    trainer.add_event_handler(Events.STEP_END, slow)
+    trainer.add_event_handler(Events.MICROBATCH(every=2), every_second)  # a custom event, filtered
+    profiler = HandlersTimeProfiler()
+    profiler.attach(trainer)
+    trainer.run(token_batches(8))
+    rows = {(row[0], row[1]): row for row in profiler.get_results()}
+    (slow_row,) = [
+        r for (name, ev), r in rows.items() if name.endswith("slow_handler") and ev == "ITERATION_COMPLETED"
+    ]
+    assert slow_row[2] >= 4 * 0.01 and slow_row[3][0] >= 0.01  # 4 steps, each timed
+    assert any(event == "MICROBATCH" and row[2] >= 4 * 0.005 for (_, event), row in rows.items())
+    assert rows[("Processing", "None")][2] > 0 and rows[("Dataflow", "None")][2] > 0
+    # after the run every handler is the one attached again: a second run calls them unwrapped
+    calls = []
+    trainer.add_event_handler(Events.STEP_END, lambda: calls.append(1))
+    for entry in trainer.events.entries(Events.STEP_END):
+        assert not hasattr(entry.func, "_profiler_original")
+    trainer.run(token_batches(8))
+    assert calls == [1] * 4 and trainer.has_event_handler(slow, Events.STEP_END)
