@@ -290,16 +290,16 @@ class EventRegistry:
         if isinstance(event, EventsList):
             entries = [e for ev in event for e in self.add(ev, handler, args, kwargs, priority).entries()]
             return EventHandle(event, handler, self._engine, entries)
-        if not callable(handler):
-            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
-            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
         base, event_filter = _split_filter(event)
         if not self._engine.is_registered_event(base):
             raise ValueError(
-                f"{base!r} is not a valid event of this trainer; register custom events with "
-                "trainer.register_events(...)"
+                f"Event {event} is not a valid event for this {type(self._engine).__name__}. (Register a "
+                "custom event with trainer.register_events(...) before attaching handlers to it.)"
             )
+        if not callable(handler):
+            raise TypeError(f"{handler!r} is not a callable object: the handler must be callable")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
+            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
         every = ignite_adapter.every_of(event_filter) if event_filter is not None else None
         attr = None
         if event_filter is not None:
@@ -363,9 +363,14 @@ class EventRegistry:
 
     def remove(self, handler: Callable, event: Any) -> None:
         base, _ = _split_filter(event)
-        matches = [e for e in self._entries.get(base, []) if _same_handler(e.original, handler)]
+        entries = self._entries.get(base)
+        if not entries:
+            raise ValueError(f"Input event name '{event}' does not exist (no handler is attached to it)")
+        matches = [e for e in entries if _same_handler(e.original, handler)]
         if not matches:
-            raise ValueError(f"handler {handler!r} is not attached to {base!r}")
+            raise ValueError(
+                f"Input handler '{handler}' is not found among registered event handlers of {base}"
+            )
         for entry in matches:
             self.remove_entry(entry)
 
@@ -493,8 +498,10 @@ def _accepts_engine(handler: Callable, event: Any, args: tuple, kwargs: dict, en
     try:
         signature.bind(*event_args, *args, **kwargs)
     except TypeError as e:
+        passed = [*event_args, *args, *kwargs]
         raise ValueError(
-            f"handler {getattr(handler, '__qualname__', handler)!r} cannot be called for {event!r} "
-            f"with (engine, {', '.join(map(repr, event_args + tuple(args)))}) or without the engine: {e}"
+            f"Error adding {handler} 'handler': takes parameters {list(signature.parameters)} but will be "
+            f"called with {passed}({e}). (On {event} a handler is called with the trainer first if its "
+            "signature takes it, then the event's arguments and the args given to add_event_handler.)"
         ) from None
     return False

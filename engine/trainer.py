@@ -459,6 +459,12 @@ class Trainer(IgniteAdapter):
         continues with its epoch length; a finished one starts afresh. Returns the state;
         ``state.exit_code`` tells how it ended.
         """
+        # ignite's argument checks, in ignite's order and words (with what to do in hookloop)
+        if data is not None and not isinstance(data, Iterable):
+            raise TypeError(
+                f"Argument data should be iterable: an iterable of microbatches (or None with epoch_length), "
+                f"got {type(data).__name__}"
+            )
         if max_epochs is not None and max_iters is not None:
             raise ValueError(
                 "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
@@ -474,12 +480,23 @@ class Trainer(IgniteAdapter):
             ("max_epochs", max_epochs),
             ("epoch_length", epoch_length),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-        if data is not None and not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
+            if value < 1 and name == "epoch_length":
+                raise ConfigError(
+                    name, f"Input data has zero size. Please provide non-empty data (epoch_length={value})"
+                )
+            if value < 1:
+                raise ConfigError(
+                    name, f"Argument {name} is invalid. Please, set a correct {name} positive value"
+                )
         if data is not None and data_length(data) == 0:
-            raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
+            raise ValueError(
+                "Input data has zero size. Please provide non-empty data (len(data) == 0: pass a non-empty "
+                "dataset or loader)"
+            )
         state = self.state
         self._check_limit_kind(max_steps, max_epochs)
         if max_epochs is not None and state.max_epochs is not None:
@@ -613,7 +630,9 @@ class Trainer(IgniteAdapter):
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
         from ``data``, grouped as before; the epoch length is unchanged."""
         if data is None or not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
+            raise TypeError(
+                f"Argument data should be iterable: an iterable of microbatches, got {type(data).__name__}"
+            )
         self.state.dataloader = data
         self.restart_data()
 

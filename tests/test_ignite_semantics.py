@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 import torch
+from ignite.engine import Engine, State
 from ignite.engine import Events as IgniteEvents
-from ignite.engine import State
 from ignite.handlers import BasicTimeProfiler, Checkpoint, DiskSaver, EarlyStopping, HandlersTimeProfiler
 from ignite.metrics import Loss
 
@@ -514,3 +514,78 @@ def test_ignites_handlers_time_profiler_times_each_handler_and_restores_them():
         assert not hasattr(entry.func, "_profiler_original")
     trainer.run(token_batches(8))
     assert calls == [1] * 4 and trainer.has_event_handler(slow, Events.STEP_END)
+
+
+def _no_handler():
+    pass
+
+
+def _three_args(a, b, c):
+    pass
+
+
+def _load(engine):
+    engine.load_state_dict({"iteration": 2, "max_epochs": 3, "epoch_length": 4})
+
+
+def _finished_epochs(engine):
+    engine.run(engine.test_data, max_epochs=2)
+
+
+def _finished_iters(engine):
+    engine.run(engine.test_data, max_iters=3)
+
+
+def _attached(engine):
+    engine.add_event_handler(IgniteEvents.STARTED, _no_handler)
+
+
+# (what, set-up, the call that fails); each runs on a plain ignite Engine and on a Trainer
+ARGUMENT_ERRORS = [
+    ("data not iterable", None, lambda e: e.run(42)),
+    ("empty data", None, lambda e: e.run([])),
+    ("no data, no epoch_length", None, lambda e: e.run(None)),
+    ("zero epoch_length", None, lambda e: e.run(e.test_data, epoch_length=0)),
+    ("max_iters with max_epochs", None, lambda e: e.run(e.test_data, max_epochs=2, max_iters=3)),
+    ("max_epochs below the epoch reached", _finished_epochs, lambda e: e.run(e.test_data, max_epochs=1)),
+    ("max_iters below the step reached", _finished_iters, lambda e: e.run(e.test_data, max_iters=2)),
+    ("max_epochs of 0 when continuing", _load, lambda e: e.run(e.test_data, max_epochs=0)),
+    ("from epochs to iters", _finished_epochs, lambda e: e.run(e.test_data, max_iters=9)),
+    ("from iters to epochs", _finished_iters, lambda e: e.run(e.test_data, max_epochs=9)),
+    ("another epoch_length", _load, lambda e: e.run(e.test_data, epoch_length=3)),
+    ("unknown event", None, lambda e: e.add_event_handler("no_such_event", _no_handler)),
+    ("not callable", None, lambda e: e.add_event_handler(IgniteEvents.STARTED, 42)),
+    ("wrong signature", None, lambda e: e.add_event_handler(IgniteEvents.STARTED, _three_args)),
+    (
+        "wrong signature, exception",
+        None,
+        lambda e: e.add_event_handler(IgniteEvents.EXCEPTION_RAISED, _no_handler),
+    ),
+    (
+        "remove from an unused event",
+        None,
+        lambda e: e.remove_event_handler(_no_handler, IgniteEvents.COMPLETED),
+    ),
+    ("remove a stranger", _attached, lambda e: e.remove_event_handler(print, IgniteEvents.STARTED)),
+]
+
+
+def _error_of(engine, setup, call) -> BaseException:
+    if setup is not None:
+        setup(engine)
+    with pytest.raises(Exception) as caught:
+        call(engine)
+    return caught.value
+
+
+@pytest.mark.parametrize("what, setup, call", ARGUMENT_ERRORS, ids=[case[0] for case in ARGUMENT_ERRORS])
+def test_wrong_arguments_raise_ignites_error_types_with_ignites_messages(what, setup, call):
+    ignite_engine = Engine(lambda e, b: None)
+    ignite_engine.test_data = [0, 1, 2, 3]
+    theirs = _error_of(ignite_engine, setup, call)
+    trainer = make_trainer()
+    trainer.test_data = token_batches(4)
+    ours = _error_of(trainer, setup, call)
+    assert isinstance(ours, type(theirs)), (what, ours, theirs)
+    # ignite's words first or whole; hookloop may add what to do about it
+    assert str(theirs).replace("this Engine", "this Trainer") in str(ours), (what, str(ours))
