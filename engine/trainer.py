@@ -745,9 +745,9 @@ class Trainer(IgniteAdapter):
         self._last_handled = (state.iteration, what)
         if self._handled_errors == 1:
             logger.warning(
-                "step %d (epoch %d) raised %s; an EXCEPTION handler handled it, so the epoch ends here "
-                "and the run goes on with the next epoch up to its limits (as in ignite)",
-                state.iteration, state.epoch, what,
+                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so the epoch ends here and "
+                "the run goes on with the next epoch up to its limits (as in ignite)",
+                what, state.iteration, state.epoch,
             )  # fmt: skip
         if self.limits_reached():
             self._explain_handled_end()
@@ -769,8 +769,8 @@ class Trainer(IgniteAdapter):
         else:
             limit = "there (an error outside an epoch's steps ends the run)"
         state.stop_reason = (
-            f"the run ended {limit} on a handled error: step {step} (epoch {state.epoch}) raised {what} "
-            f"and an EXCEPTION handler handled it, which ends the epoch as in ignite "
+            f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
+            "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
             f"({self._handled_errors} handled in this run)"
         )
 

@@ -243,8 +243,9 @@ def test_a_run_whose_every_step_raises_into_a_handling_exception_handler_ends(
     assert (state.epoch, state.step) == (epochs, steps)
     assert errors == ["ZeroDivisionError"] * steps
     assert state.exit_code == 0
-    assert state.stop_reason.startswith(f"the run ended at {limit} on a handled error: step {steps}")
-    assert "ZeroDivisionError: division by zero" in state.stop_reason
+    assert state.stop_reason.startswith(
+        f"the run ended at {limit} on a handled error: ZeroDivisionError: division by zero at step {steps} "
+    )
     assert ended == [state.stop_reason]  # TRAIN_END handlers (loggers) see the reason
     status = json.loads((tmp_path / "exit_status.json").read_text())
     assert status["code"] == 0 and status["reason"] == state.stop_reason
@@ -589,3 +590,17 @@ def test_wrong_arguments_raise_ignites_error_types_with_ignites_messages(what, s
     assert isinstance(ours, type(theirs)), (what, ours, theirs)
     # ignite's words first or whole; hookloop may add what to do about it
     assert str(theirs).replace("this Engine", "this Trainer") in str(ours), (what, str(ours))
+
+
+def test_a_handled_error_outside_the_steps_ends_the_run_as_in_ignite():
+    trainer = make_trainer()
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: None)
+    trainer.add_event_handler(Events.EPOCH_END(once=2), lambda: {}["missing"])
+    ended = []
+    trainer.add_event_handler(Events.TRAIN_END, lambda: ended.append(1))
+    state = trainer.run(token_batches(2), max_epochs=5)
+    assert (state.epoch, state.step, ended) == (2, 4, [])  # ignite returns at once: no TRAIN_END
+    assert state.stop_reason.startswith(
+        "the run ended there (an error outside an epoch's steps ends the run)"
+    )
+    assert "KeyError: 'missing' at step 4 (epoch 2)" in state.stop_reason
