@@ -213,7 +213,7 @@ class _Entry:
     )
 
     def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
-                 priority: float, seq: int, every: int | None, event_filter: Callable | None,
+                 priority: float, seq: float, every: int | None, event_filter: Callable | None,
                  attr: str | None, pass_engine: bool) -> None:  # fmt: skip
         self.event, self.func, self.original = event, func, original
         self.args, self.kwargs = args, kwargs

@@ -668,7 +668,7 @@ class Trainer(IgniteAdapter):
         self._skip_completed = False
         self._failed.clear()
         self._handled_errors = 0
-        self._last_handled: tuple[int, str] | None = None
+        self._last_handled = None
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
@@ -745,8 +745,8 @@ class Trainer(IgniteAdapter):
         self._last_handled = (state.iteration, what)
         if self._handled_errors == 1:
             logger.warning(
-                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so the epoch ends here and "
-                "the run goes on with the next epoch up to its limits (as in ignite)",
+                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
+                "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
                 what, state.iteration, state.epoch,
             )  # fmt: skip
         if self.limits_reached():
