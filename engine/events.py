@@ -104,11 +104,12 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ignite.engine import Events as IgniteEvents
-from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList
+from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList, RemovableEventHandle
 
 from hookloop.engine import ignite_adapter
 
@@ -208,10 +209,11 @@ class _Entry:
         "attr",
         "pass_engine",
         "removed",
+        "__weakref__",
     )
 
     def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
-                 priority: float, seq: int, every: int | None, event_filter: Callable | None,
+                 priority: float, seq: float, every: int | None, event_filter: Callable | None,
                  attr: str | None, pass_engine: bool) -> None:  # fmt: skip
         self.event, self.func, self.original = event, func, original
         self.args, self.kwargs = args, kwargs
@@ -221,27 +223,51 @@ class _Entry:
         self.removed = False
 
 
-class EventHandle:
-    """What ``add_event_handler`` returns: ``remove()`` detaches exactly that registration (also as a
-    context manager, like ignite's ``RemovableEventHandle``)."""
+class EventHandle(RemovableEventHandle):
+    """What ``add_event_handler`` returns: ignite's ``RemovableEventHandle`` (``event_name``, the weak
+    references ``handler()`` and ``engine()``, ``remove()``, a context manager) whose ``remove()``
+    detaches exactly the registrations it made, even when the same handler is attached twice.
 
-    def __init__(self, registry: EventRegistry, entries: list[_Entry]) -> None:
-        self._registry = registry
-        self._entries = entries
+    Like ignite's, it holds the engine, the handler and its registrations weakly: a handle does not
+    keep a trainer alive, and once the trainer is gone ``remove()`` does nothing."""
+
+    def __init__(self, event_name: Any, handler: Callable, engine: Any, entries: list[_Entry]) -> None:
+        self.event_name = event_name
+        self.handler = _weak(handler)
+        self.engine = weakref.ref(engine)
+        self._entries = [weakref.ref(entry) for entry in entries]
+
+    def entries(self) -> list[_Entry]:
+        """The registrations still attached."""
+        return [
+            entry for entry in (ref() for ref in self._entries) if entry is not None and not entry.removed
+        ]
 
     @property
     def priority(self) -> float:
-        return self._entries[0].priority if self._entries else Priority.DEFAULT
+        entries = self.entries()
+        return entries[0].priority if entries else Priority.DEFAULT
 
     def remove(self) -> None:
-        for entry in self._entries:
-            self._registry.remove_entry(entry)
+        engine = self.engine()
+        if engine is None:
+            return
+        for entry in self.entries():
+            engine.events.remove_entry(entry)
 
     def __enter__(self) -> EventHandle:
         return self
 
     def __exit__(self, *args: Any) -> None:
         self.remove()
+
+
+def _weak(handler: Callable) -> Callable[[], Callable | None]:
+    """A weak reference to ``handler``; a callable that cannot be referenced weakly is held."""
+    try:
+        return weakref.ref(handler)
+    except TypeError:
+        return lambda: handler
 
 
 class EventRegistry:
@@ -262,19 +288,18 @@ class EventRegistry:
     # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
         if isinstance(event, EventsList):
-            return EventHandle(
-                self, [e for ev in event for e in self.add(ev, handler, args, kwargs, priority)._entries]
-            )
-        if not callable(handler):
-            raise TypeError(f"handler must be callable, got {type(handler).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
-            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
+            entries = [e for ev in event for e in self.add(ev, handler, args, kwargs, priority).entries()]
+            return EventHandle(event, handler, self._engine, entries)
         base, event_filter = _split_filter(event)
         if not self._engine.is_registered_event(base):
             raise ValueError(
-                f"{base!r} is not a valid event of this trainer; register custom events with "
-                "trainer.register_events(...)"
+                f"Event {event} is not a valid event for this {type(self._engine).__name__}. (Register a "
+                "custom event with trainer.register_events(...) before attaching handlers to it.)"
             )
+        if not callable(handler):
+            raise TypeError(f"{handler!r} is not a callable object: the handler must be callable")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
+            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
         every = ignite_adapter.every_of(event_filter) if event_filter is not None else None
         attr = None
         if event_filter is not None:
@@ -292,7 +317,41 @@ class EventRegistry:
         entries.append(entry)
         entries.sort(key=lambda e: (-e.priority, e.seq))
         self._changed(base)
-        return EventHandle(self, [entry])
+        return EventHandle(event, handler, self._engine, [entry])
+
+    def insert_at(
+        self, event: Any, index: int, func: Callable, args: tuple, kwargs: dict, pass_engine: bool
+    ) -> _Entry:
+        """Attach ``func`` so that it runs at ``index`` in ``event``'s current order (what
+        ``list.insert`` would do to ignite's handler list): its priority and place among equal
+        priorities are taken from its new neighbours."""
+        entries = self._entries.setdefault(event, [])
+        index = max(0, len(entries) + index) if index < 0 else min(index, len(entries))
+        before = entries[index - 1] if index > 0 else None
+        after = entries[index] if index < len(entries) else None
+        if after is None:
+            priority, seq = (before.priority if before else Priority.DEFAULT), next(self._seq)
+        elif before is None or before.priority != after.priority:
+            priority, seq = after.priority, after.seq - 1  # the first of its priority: any seq below it
+        else:
+            priority, seq = after.priority, (before.seq + after.seq) / 2
+        entry = _Entry(
+            event, func, func, tuple(args), dict(kwargs), priority, seq, None, None, None, pass_engine
+        )
+        entries.insert(index, entry)
+        self._changed(event)
+        return entry
+
+    def replace_entry(
+        self, entry: _Entry, func: Callable, args: tuple, kwargs: dict, pass_engine: bool
+    ) -> None:
+        """Call ``func`` in ``entry``'s place (same priority and filter), e.g. a timing wrapper. A
+        wrapper of the attached handler (``functools.wraps``) still counts as that handler for
+        ``has_event_handler`` and ``remove_event_handler``."""
+        if getattr(func, "__wrapped__", None) is not entry.original:
+            entry.original = func
+        entry.func, entry.args, entry.kwargs, entry.pass_engine = func, tuple(args), dict(kwargs), pass_engine
+        self._changed(entry.event)
 
     # -------------------------------------------------------------------------------- removing
     def remove_entry(self, entry: _Entry) -> None:
@@ -304,9 +363,14 @@ class EventRegistry:
 
     def remove(self, handler: Callable, event: Any) -> None:
         base, _ = _split_filter(event)
-        matches = [e for e in self._entries.get(base, []) if _same_handler(e.original, handler)]
+        entries = self._entries.get(base)
+        if not entries:
+            raise ValueError(f"Input event name '{event}' does not exist (no handler is attached to it)")
+        matches = [e for e in entries if _same_handler(e.original, handler)]
         if not matches:
-            raise ValueError(f"handler {handler!r} is not attached to {base!r}")
+            raise ValueError(
+                f"Input handler '{handler}' is not found among registered event handlers of {base}"
+            )
         for entry in matches:
             self.remove_entry(entry)
 
@@ -320,6 +384,10 @@ class EventRegistry:
 
     def any_for(self, event: Any) -> bool:
         return bool(self._entries.get(event))
+
+    def events(self) -> list[Any]:
+        """The events that have handlers attached."""
+        return [event for event, entries in self._entries.items() if entries]
 
     def entries(self, event: Any) -> list[_Entry]:
         """The entries of ``event`` in firing order (a copy)."""
@@ -430,8 +498,10 @@ def _accepts_engine(handler: Callable, event: Any, args: tuple, kwargs: dict, en
     try:
         signature.bind(*event_args, *args, **kwargs)
     except TypeError as e:
+        passed = [*event_args, *args, *kwargs]
         raise ValueError(
-            f"handler {getattr(handler, '__qualname__', handler)!r} cannot be called for {event!r} "
-            f"with (engine, {', '.join(map(repr, event_args + tuple(args)))}) or without the engine: {e}"
+            f"Error adding {handler} 'handler': takes parameters {list(signature.parameters)} but will be "
+            f"called with {passed}({e}). (On {event} a handler is called with the trainer first if its "
+            "signature takes it, then the event's arguments and the args given to add_event_handler.)"
         ) from None
     return False

@@ -11,6 +11,9 @@ these private hooks of ``ignite.engine.Engine``:
 - ``_init_iter`` / ``_dataloader_iter``: the loop's position inside an epoch, set when a checkpoint
   puts the run back at a saved step.
 - ``_allowed_events``: the events registered with ``register_events``.
+- ``_event_handlers``: ignite's table of ``(handler, args, kwargs)`` lists by event, which ignite's
+  time profilers read and edit (insert first/last, wrap in place). Here it is a live view of the
+  registry, so what they do takes effect in hookloop's dispatch.
 - ``_is_done``, ``_internal_run_generator``, ``_check_and_set_max_epochs``: whether a run is
   finished, and extending one (``run()`` continues an unfinished run, as ignite does).
 - ``_internal_run`` / ``_internal_run_legacy``: ignite's loop over the current state. The trainer's
@@ -25,7 +28,8 @@ pytorch-ignite to the versions that test passes on (:data:`SUPPORTED_IGNITE`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, MutableMapping, MutableSequence
 from typing import Any
 
 from ignite.engine import Engine, Events
@@ -66,6 +70,88 @@ def remember_events(*events: Any) -> None:
 remember_events(*Events)
 
 
+class HandlerList(MutableSequence):
+    """One event's handlers as ignite lists them: ``(handler, args, kwargs)`` in firing order, where
+    ``args`` starts with a weak reference to the engine when the handler takes it. Reading, editing
+    in place, inserting and deleting act on the registry."""
+
+    def __init__(self, engine: Any, event: Any) -> None:
+        self._engine = engine
+        self._event = base_event(event) if isinstance(event, CallableEventWithFilter) else event
+
+    def _entries(self) -> list:
+        return self._engine.events.entries(self._event)
+
+    def _as_tuple(self, entry: Any) -> tuple:
+        args = (weakref.ref(self._engine), *entry.args) if entry.pass_engine else entry.args
+        return entry.func, args, entry.kwargs
+
+    def _unpack(self, item: tuple) -> tuple:
+        func, args, kwargs = item
+        args = tuple(args)
+        if args and isinstance(args[0], weakref.ref):  # ignite's mark of a handler given the engine
+            return func, args[1:], kwargs, True
+        return func, args, kwargs, False
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __getitem__(self, index: Any) -> Any:
+        entries = self._entries()
+        if isinstance(index, slice):
+            return [self._as_tuple(e) for e in entries[index]]
+        return self._as_tuple(entries[index])
+
+    def __setitem__(self, index: Any, item: Any) -> None:
+        if isinstance(index, slice):
+            raise TypeError("assign ignite handler entries one index at a time")
+        self._engine.events.replace_entry(self._entries()[index], *self._unpack(item))
+
+    def __delitem__(self, index: Any) -> None:
+        entries = self._entries()
+        for entry in entries[index] if isinstance(index, slice) else [entries[index]]:
+            self._engine.events.remove_entry(entry)
+
+    def insert(self, index: int, item: Any) -> None:
+        self._engine.events.insert_at(self._event, index, *self._unpack(item))
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, HandlerList)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class HandlerTable(MutableMapping):
+    """ignite's ``engine._event_handlers`` (a ``defaultdict(list)``) over the registry: any event
+    gives its :class:`HandlerList`; iterating lists the events that have handlers."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getitem__(self, event: Any) -> HandlerList:
+        return HandlerList(self._engine, event)
+
+    def __setitem__(self, event: Any, handlers: Any) -> None:
+        items = list(handlers)
+        view = HandlerList(self._engine, event)
+        del view[:]
+        for item in items:
+            view.append(item)
+
+    def __delitem__(self, event: Any) -> None:
+        del HandlerList(self._engine, event)[:]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._engine.events.events())
+
+    def __len__(self) -> int:
+        return len(self._engine.events.events())
+
+    def __contains__(self, event: object) -> bool:
+        return bool(self._engine.events.any_for(event))
+
+
 class IgniteAdapter(Engine):
     """ignite's ``Engine`` with hookloop's dispatch, data grouping and error path plugged in.
 
@@ -75,6 +161,14 @@ class IgniteAdapter(Engine):
 
     events: Any
     watchdog: Any = None
+
+    @property  # type: ignore[override]
+    def _event_handlers(self) -> HandlerTable:
+        return HandlerTable(self)
+
+    @_event_handlers.setter
+    def _event_handlers(self, _value: Any) -> None:
+        pass  # ignite's constructor sets its own table; the registry holds the handlers
 
     def register_events(self, *event_names: Any, event_to_attr: dict | None = None) -> None:
         super().register_events(*event_names, event_to_attr=event_to_attr)

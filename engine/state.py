@@ -33,6 +33,7 @@ rank asks, every rank does it), so no rank steps or stops alone.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -62,6 +63,12 @@ class _StepValue:
 
     def __set__(self, state: Any, value: Any) -> None:
         state.__dict__[self.key] = value
+
+
+@functools.cache
+def _with_train_state(train_state: type, user_state: type) -> type:
+    """A class that is both a TrainState and the user's own ``State`` subclass."""
+    return type(user_state.__name__, (train_state, user_state), {"__module__": user_state.__module__})
 
 
 class TrainState(State):
@@ -94,8 +101,26 @@ class TrainState(State):
         self.hold_checkpoints = False
         self.initial_checkpoint_requested = False
         self.last_checkpoint: str | None = None
+        self.grad_scaler_overflow = False
         self.clear_step_flags()
         super().__init__(**kwargs)
+
+    @classmethod
+    def adopt(cls, state: Any) -> TrainState:
+        """``state`` as a TrainState: a TrainState as it is; an ignite ``State`` (what ignite's docs
+        and tests assign to ``engine.state``) becomes one in place, keeping its identity and its
+        attributes, with the ones a trainer adds set to their defaults."""
+        if isinstance(state, cls):
+            return state
+        if not isinstance(state, State):
+            raise TypeError(
+                f"engine.state must be an ignite State (or a hookloop TrainState), got {type(state).__name__}"
+            )
+        defaults = cls().__dict__
+        state.__class__ = cls if type(state) is State else _with_train_state(cls, type(state))
+        for key, value in defaults.items():
+            state.__dict__.setdefault(key, value)
+        return state
 
     def reset_counters(self) -> None:
         """Zero what a fresh run counts (ignite resets ``iteration`` and ``epoch`` itself)."""

@@ -68,6 +68,15 @@ DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
 
 
+class _StateAttribute:
+    """``trainer.state``: assigning an ignite ``State`` (as ignite's docs and tests do) makes it a
+    :class:`TrainState` in place. Only assignment is intercepted (no ``__get__``), so reading
+    ``trainer.state`` costs what reading a plain attribute costs."""
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        trainer.__dict__["state"] = TrainState.adopt(value)
+
+
 class Trainer(IgniteAdapter):
     """A hook-based training loop on ignite: one ignite iteration is one optimizer step.
 
@@ -99,6 +108,8 @@ class Trainer(IgniteAdapter):
             ``torch.amp.GradScaler``, checkpointed as ``"grad_scaler"``: an overflow skips the step
             on every rank and sets ``state.grad_scaler_overflow``).
     """
+
+    state = _StateAttribute()  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -195,7 +206,6 @@ class Trainer(IgniteAdapter):
         self.precision = precision
         self._autocast_dtype = _AUTOCAST_DTYPES[precision]
         self.grad_scaler: torch.amp.GradScaler | None = None
-        self.state.grad_scaler_overflow = False
         if precision == "fp16-mixed":
             self.grad_scaler = torch.amp.GradScaler(self.device.type)
             self.register_stateful("grad_scaler", self.grad_scaler)
@@ -450,6 +460,12 @@ class Trainer(IgniteAdapter):
         continues with its epoch length; a finished one starts afresh. Returns the state;
         ``state.exit_code`` tells how it ended.
         """
+        # ignite's argument checks, in ignite's order and words (with what to do in hookloop)
+        if data is not None and not isinstance(data, Iterable):
+            raise TypeError(
+                f"Argument data should be iterable: an iterable of microbatches (or None with epoch_length), "
+                f"got {type(data).__name__}"
+            )
         if max_epochs is not None and max_iters is not None:
             raise ValueError(
                 "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
@@ -465,12 +481,23 @@ class Trainer(IgniteAdapter):
             ("max_epochs", max_epochs),
             ("epoch_length", epoch_length),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-        if data is not None and not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
+            if value < 1 and name == "epoch_length":
+                raise ConfigError(
+                    name, f"Input data has zero size. Please provide non-empty data (epoch_length={value})"
+                )
+            if value < 1:
+                raise ConfigError(
+                    name, f"Argument {name} is invalid. Please, set a correct {name} positive value"
+                )
         if data is not None and data_length(data) == 0:
-            raise ValueError("data is empty (len(data) == 0): pass a non-empty dataset or loader")
+            raise ValueError(
+                "Input data has zero size. Please provide non-empty data (len(data) == 0: pass a non-empty "
+                "dataset or loader)"
+            )
         state = self.state
         self._check_limit_kind(max_steps, max_epochs)
         if max_epochs is not None and state.max_epochs is not None:
@@ -608,7 +635,9 @@ class Trainer(IgniteAdapter):
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
         from ``data``, grouped as before; the epoch length is unchanged."""
         if data is None or not isinstance(data, Iterable):
-            raise TypeError(f"data must be an iterable of microbatches, got {type(data).__name__}")
+            raise TypeError(
+                f"Argument data should be iterable: an iterable of microbatches, got {type(data).__name__}"
+            )
         self.state.dataloader = data
         self.restart_data()
 
@@ -644,7 +673,7 @@ class Trainer(IgniteAdapter):
         self._skip_completed = False
         self._failed.clear()
         self._handled_errors = 0
-        self._last_handled: tuple[int, str] | None = None
+        self._last_handled = None
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
@@ -738,9 +767,9 @@ class Trainer(IgniteAdapter):
         self._last_handled = (state.iteration, what)
         if self._handled_errors == 1:
             logger.warning(
-                "step %d (epoch %d) raised %s; an EXCEPTION handler handled it, so the epoch ends here "
-                "and the run goes on with the next epoch up to its limits (as in ignite)",
-                state.iteration, state.epoch, what,
+                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
+                "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
+                what, state.iteration, state.epoch,
             )  # fmt: skip
         if self.limits_reached():
             self._explain_handled_end()
@@ -762,8 +791,8 @@ class Trainer(IgniteAdapter):
         else:
             limit = "there (an error outside an epoch's steps ends the run)"
         state.stop_reason = (
-            f"the run ended {limit} on a handled error: step {step} (epoch {state.epoch}) raised {what} "
-            f"and an EXCEPTION handler handled it, which ends the epoch as in ignite "
+            f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
+            "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
             f"({self._handled_errors} handled in this run)"
         )
 

@@ -5,8 +5,10 @@ gates in dicts keyed by ``id()`` of ignite's handler entries: each fails on that
 """
 
 import gc
+import weakref
 
 import torch
+from ignite.engine.events import EventEnum, RemovableEventHandle
 
 from hookloop.engine import Events, Priority, Trainer
 from hookloop.models.gpt import cross_entropy_loss
@@ -131,6 +133,69 @@ def test_handles_remove_exactly_their_registration_and_keep_the_rest_in_order():
     assert order == ["b", "b"]
 
 
+def test_handles_are_ignites_removable_handles():
+    trainer = make_trainer()
+    both = Events.STEP_START | Events.STEP_END
+
+    def handler():
+        pass
+
+    for event in (Events.STEP_END, Events.STEP_END(every=2), both):
+        handle = trainer.add_event_handler(event, handler, priority=5)
+        assert isinstance(handle, RemovableEventHandle)
+        assert handle.event_name is event
+        assert handle.engine() is trainer and handle.handler() is handler
+        assert handle.priority == 5
+        handle.remove()
+        assert not trainer.has_event_handler(handler)
+        handle.remove()  # again: nothing left to remove, no error
+
+
+def test_handles_do_not_keep_the_trainer_or_the_handler_alive():
+    def attach() -> tuple:
+        trainer = make_trainer()
+        return (
+            trainer.add_event_handler(Events.STEP_END, lambda: None),
+            trainer.add_event_handler(Events.STEP_START | Events.STEP_END(every=2), lambda e: None),
+            weakref.ref(trainer),
+        )
+
+    plain, listed, trainer = attach()
+    gc.collect()
+    assert trainer() is None
+    for handle in (plain, listed):
+        assert handle.engine() is None and handle.handler() is None
+        handle.remove()  # the trainer is gone: nothing to do, no error
+
+
+def test_inserting_by_position_runs_there_whatever_the_neighbours_priorities():
+    # what ignite's time profilers do to ignite's handler lists: insert first (before +inf too),
+    # append last, insert between equal or different priorities, wrap one in place
+    class Custom(EventEnum):
+        PING = "ping"
+
+    trainer = make_trainer()
+    trainer.register_events(*Custom)
+    registry, order = trainer.events, []
+
+    def mark(name):
+        return lambda: order.append(name)
+
+    trainer.add_event_handler(Custom.PING, mark("top"), priority=Priority.ENGINE_FIRST)
+    trainer.add_event_handler(Custom.PING, mark("high"), priority=5)
+    trainer.add_event_handler(Custom.PING, mark("a"))
+    trainer.add_event_handler(Custom.PING, mark("b"))
+    registry.insert_at(Custom.PING, 0, mark("first"), (), {}, False)
+    registry.insert_at(Custom.PING, 5, mark("last"), (), {}, False)
+    # now: first, top, high, a, b, last
+    registry.insert_at(Custom.PING, 4, mark("a<x<b"), (), {}, False)
+    registry.insert_at(Custom.PING, 3, mark("high<y<a"), (), {}, False)
+    registry.insert_at(Custom.PING, -1, mark("b<z<last"), (), {}, False)
+    registry.replace_entry(registry.entries(Custom.PING)[2], mark("high, wrapped"), (), {}, False)
+    trainer.fire(Custom.PING)
+    assert order == ["first", "top", "high, wrapped", "high<y<a", "a", "a<x<b", "b", "b<z<last", "last"]
+
+
 def test_every_filter_groups_and_custom_filters_all_hold():
     trainer = make_trainer(accum=2)
     log = []
@@ -172,5 +237,5 @@ def test_bad_priorities_and_handlers_are_refused():
         trainer.add_event_handler(Events.STEP_END, lambda: None, priority="high")
     with pytest.raises(TypeError, match="callable"):
         trainer.add_event_handler(Events.STEP_END, 42)
-    with pytest.raises(ValueError, match="cannot be called"):
+    with pytest.raises(ValueError, match=r"Error adding .+ takes parameters .+ but will be called with"):
         trainer.add_event_handler(Events.STEP_END, lambda a, b, c: None)

@@ -6,6 +6,7 @@ own class. If an ignite release changes one, this file fails first and names wha
 """
 
 import configparser
+import weakref
 from pathlib import Path
 
 import ignite
@@ -118,3 +119,44 @@ def test_check_and_set_max_epochs_extends_a_run_and_refuses_to_go_below_it():
     assert engine.state.max_epochs == 3
     with pytest.raises(ValueError):
         engine._check_and_set_max_epochs(1)
+
+
+def test_internal_run_runs_the_loop_over_the_state_as_set():
+    # Trainer.run sets the state up itself (ignite's rules plus both limits) and starts this loop
+    seen = []
+    engine = Engine(lambda e, b: seen.append((e.state.epoch, e.state.iteration, b)))
+    engine.state.iteration = engine.state.epoch = 0
+    engine.state.max_epochs, engine.state.max_iters, engine.state.epoch_length = 2, 3, 2
+    engine.state.dataloader = [1, 2]
+    state = engine._internal_run()
+    assert seen == [(1, 1, 1), (1, 2, 2), (2, 3, 1)]  # max_iters ends the run inside epoch 2
+    assert state is engine.state and engine._internal_run_generator is None
+
+
+def test_event_handlers_hold_ignites_tuples_that_its_time_profilers_edit():
+    from ignite.handlers import BasicTimeProfiler
+
+    engine = Engine(lambda e, b: None)
+
+    def takes_engine(engine):
+        pass
+
+    engine.add_event_handler(Events.ITERATION_COMPLETED, takes_engine)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, lambda: None)
+    (func, args, kwargs), (_, no_args, _) = engine._event_handlers[Events.ITERATION_COMPLETED]
+    assert func is takes_engine and isinstance(args[0], weakref.ref) and args[0]() is engine
+    assert no_args == () and kwargs == {}
+    profiler = BasicTimeProfiler()
+    profiler.attach(engine)
+    assert engine._event_handlers[Events.STARTED][0][0] == profiler._as_first_started
+
+
+def test_check_and_set_max_iters_refuses_to_go_below_the_iteration_reached():
+    import pytest
+
+    engine = Engine(lambda e, b: None)
+    engine.run([1, 2, 3], max_iters=3)
+    engine._check_and_set_max_iters(5)
+    assert engine.state.max_iters == 5
+    with pytest.raises(ValueError, match="Argument max_iters should be greater than or equal"):
+        engine._check_and_set_max_iters(2)

@@ -5,15 +5,17 @@ metrics and handlers on validation."""
 
 import itertools
 import json
+import time
 import warnings
 
 import pytest
 import torch
+from ignite.engine import Engine, State
 from ignite.engine import Events as IgniteEvents
-from ignite.handlers import Checkpoint, DiskSaver, EarlyStopping
+from ignite.handlers import BasicTimeProfiler, Checkpoint, DiskSaver, EarlyStopping, HandlersTimeProfiler
 from ignite.metrics import Loss
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import Events, Trainer, TrainState
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
@@ -241,8 +243,9 @@ def test_a_run_whose_every_step_raises_into_a_handling_exception_handler_ends(
     assert (state.epoch, state.step) == (epochs, steps)
     assert errors == ["ZeroDivisionError"] * steps
     assert state.exit_code == 0
-    assert state.stop_reason.startswith(f"the run ended at {limit} on a handled error: step {steps}")
-    assert "ZeroDivisionError: division by zero" in state.stop_reason
+    assert state.stop_reason.startswith(
+        f"the run ended at {limit} on a handled error: ZeroDivisionError: division by zero at step {steps} "
+    )
     assert ended == [state.stop_reason]  # TRAIN_END handlers (loggers) see the reason
     status = json.loads((tmp_path / "exit_status.json").read_text())
     assert status["code"] == 0 and status["reason"] == state.stop_reason
@@ -432,3 +435,172 @@ def test_run_without_data_needs_an_epoch_length_and_a_way_to_make_the_batch():
         trainer.run(None)
     with pytest.raises(TypeError, match=r"a microbatch is None.*Trainer\(prepare_batch=fn\)"):
         trainer.run(None, epoch_length=2)
+
+
+def test_assigning_ignites_plain_state_then_running_works():
+    trainer = make_trainer()
+    plain = State(alpha=0.5)
+    trainer.state = plain
+    assert trainer.state is plain and isinstance(plain, TrainState) and plain.alpha == 0.5
+    state = trainer.run(token_batches(3))
+    assert state is plain and (state.step, state.epoch, state.exit_code) == (3, 1, 0)
+    assert state.alpha == 0.5 and state.loss == state.loss
+
+    # a state positioned inside a run, as ignite's docs build one, continues that run
+    trainer.state = State(iteration=2, epoch_length=4, max_epochs=2)
+    seen = _steps_by_epoch(trainer)
+    assert trainer.run(token_batches(4)).step == 8
+    assert seen[0] == (1, 3)
+
+
+def test_assigning_a_state_subclass_keeps_its_class_and_other_values_are_refused():
+    class MyState(State):
+        def twice(self) -> int:
+            return 2 * self.iteration
+
+    trainer = make_trainer()
+    trainer.state = MyState()
+    assert isinstance(trainer.state, MyState) and isinstance(trainer.state, TrainState)
+    assert trainer.run(token_batches(2)).twice() == 4
+    with pytest.raises(TypeError, match="engine.state must be an ignite State"):
+        trainer.state = {"iteration": 0}
+
+
+def _slow(seconds: float):
+    def slow_handler():
+        time.sleep(seconds)
+
+    return slow_handler
+
+
+def test_ignites_basic_time_profiler_times_the_trainers_steps_and_handlers():
+    trainer = make_trainer(accum=2)
+    slow = _slow(0.01)
+    trainer.add_event_handler(Events.STEP_END, slow)
+    profiler = BasicTimeProfiler()
+    profiler.attach(trainer)
+    trainer.run(token_batches(8), max_epochs=2)  # 2 epochs x 4 steps
+    results = profiler.get_results()
+    processing = results["processing_stats"]
+    assert processing["total"] > 0 and processing["min/index"][0] > 0  # every step timed
+    assert results["dataflow_stats"]["total"] > 0
+    step_end = results["event_handlers_stats"]["ITERATION_COMPLETED"]
+    assert step_end["total"] >= 8 * 0.01 and step_end["min/index"][0] >= 0.01
+    names = results["event_handlers_names"]["ITERATION_COMPLETED_names"]
+    assert any(name.endswith("slow_handler") for name in names)
+    # the profiler's own handlers are gone after the run; the trainer's and the user's stay
+    assert not trainer.has_event_handler(profiler._as_first_iter_completed)
+    assert trainer.has_event_handler(slow, Events.STEP_END)
+
+
+def test_ignites_handlers_time_profiler_times_each_handler_and_restores_them():
+    trainer = make_trainer(accum=2)
+    slow, every_second = _slow(0.01), _slow(0.005)
+    trainer.add_event_handler(Events.STEP_END, slow)
+    trainer.add_event_handler(Events.MICROBATCH(every=2), every_second)  # a custom event, filtered
+    profiler = HandlersTimeProfiler()
+    profiler.attach(trainer)
+    trainer.run(token_batches(8))
+    rows = {(row[0], row[1]): row for row in profiler.get_results()}
+    (slow_row,) = [
+        r for (name, ev), r in rows.items() if name.endswith("slow_handler") and ev == "ITERATION_COMPLETED"
+    ]
+    assert slow_row[2] >= 4 * 0.01 and slow_row[3][0] >= 0.01  # 4 steps, each timed
+    assert any(event == "MICROBATCH" and row[2] >= 4 * 0.005 for (_, event), row in rows.items())
+    assert rows[("Processing", "None")][2] > 0 and rows[("Dataflow", "None")][2] > 0
+    # after the run every handler is the one attached again: a second run calls them unwrapped
+    calls = []
+    trainer.add_event_handler(Events.STEP_END, lambda: calls.append(1))
+    for entry in trainer.events.entries(Events.STEP_END):
+        assert not hasattr(entry.func, "_profiler_original")
+    trainer.run(token_batches(8))
+    assert calls == [1] * 4 and trainer.has_event_handler(slow, Events.STEP_END)
+
+
+def _no_handler():
+    pass
+
+
+def _three_args(a, b, c):
+    pass
+
+
+def _load(engine):
+    engine.load_state_dict({"iteration": 2, "max_epochs": 3, "epoch_length": 4})
+
+
+def _finished_epochs(engine):
+    engine.run(engine.test_data, max_epochs=2)
+
+
+def _finished_iters(engine):
+    engine.run(engine.test_data, max_iters=3)
+
+
+def _attached(engine):
+    engine.add_event_handler(IgniteEvents.STARTED, _no_handler)
+
+
+# (what, set-up, the call that fails); each runs on a plain ignite Engine and on a Trainer
+ARGUMENT_ERRORS = [
+    ("data not iterable", None, lambda e: e.run(42)),
+    ("empty data", None, lambda e: e.run([])),
+    ("no data, no epoch_length", None, lambda e: e.run(None)),
+    ("zero epoch_length", None, lambda e: e.run(e.test_data, epoch_length=0)),
+    ("max_iters with max_epochs", None, lambda e: e.run(e.test_data, max_epochs=2, max_iters=3)),
+    ("max_epochs below the epoch reached", _finished_epochs, lambda e: e.run(e.test_data, max_epochs=1)),
+    ("max_iters below the step reached", _finished_iters, lambda e: e.run(e.test_data, max_iters=2)),
+    ("max_epochs of 0 when continuing", _load, lambda e: e.run(e.test_data, max_epochs=0)),
+    ("from epochs to iters", _finished_epochs, lambda e: e.run(e.test_data, max_iters=9)),
+    ("from iters to epochs", _finished_iters, lambda e: e.run(e.test_data, max_epochs=9)),
+    ("another epoch_length", _load, lambda e: e.run(e.test_data, epoch_length=3)),
+    ("unknown event", None, lambda e: e.add_event_handler("no_such_event", _no_handler)),
+    ("not callable", None, lambda e: e.add_event_handler(IgniteEvents.STARTED, 42)),
+    ("wrong signature", None, lambda e: e.add_event_handler(IgniteEvents.STARTED, _three_args)),
+    (
+        "wrong signature, exception",
+        None,
+        lambda e: e.add_event_handler(IgniteEvents.EXCEPTION_RAISED, _no_handler),
+    ),
+    (
+        "remove from an unused event",
+        None,
+        lambda e: e.remove_event_handler(_no_handler, IgniteEvents.COMPLETED),
+    ),
+    ("remove a stranger", _attached, lambda e: e.remove_event_handler(print, IgniteEvents.STARTED)),
+]
+
+
+def _error_of(engine, setup, call) -> BaseException:
+    if setup is not None:
+        setup(engine)
+    with pytest.raises(Exception) as caught:
+        call(engine)
+    return caught.value
+
+
+@pytest.mark.parametrize("what, setup, call", ARGUMENT_ERRORS, ids=[case[0] for case in ARGUMENT_ERRORS])
+def test_wrong_arguments_raise_ignites_error_types_with_ignites_messages(what, setup, call):
+    ignite_engine = Engine(lambda e, b: None)
+    ignite_engine.test_data = [0, 1, 2, 3]
+    theirs = _error_of(ignite_engine, setup, call)
+    trainer = make_trainer()
+    trainer.test_data = token_batches(4)
+    ours = _error_of(trainer, setup, call)
+    assert isinstance(ours, type(theirs)), (what, ours, theirs)
+    # ignite's words first or whole; hookloop may add what to do about it
+    assert str(theirs).replace("this Engine", "this Trainer") in str(ours), (what, str(ours))
+
+
+def test_a_handled_error_outside_the_steps_ends_the_run_as_in_ignite():
+    trainer = make_trainer()
+    trainer.add_event_handler(Events.EXCEPTION, lambda err: None)
+    trainer.add_event_handler(Events.EPOCH_END(once=2), lambda: {}["missing"])
+    ended = []
+    trainer.add_event_handler(Events.TRAIN_END, lambda: ended.append(1))
+    state = trainer.run(token_batches(2), max_epochs=5)
+    assert (state.epoch, state.step, ended) == (2, 4, [])  # ignite returns at once: no TRAIN_END
+    assert state.stop_reason.startswith(
+        "the run ended there (an error outside an epoch's steps ends the run)"
+    )
+    assert "KeyError: 'missing' at step 4 (epoch 2)" in state.stop_reason
