@@ -306,6 +306,8 @@ def throughput(rounds: int, timed: int, every: int, root: str, quick: bool) -> d
                     dist.barrier()
                     os.makedirs(directory, exist_ok=True)
                 stamps = fns[name](variant, steps, every, directory)
+                if len(stamps) != steps:  # e.g. a SIGTERM: hookloop's StepScheduler stops gracefully
+                    raise RuntimeError(f"{name} [{variant}] stopped after {len(stamps)} of {steps} steps")
                 if world() > 1:
                     dist.barrier()
                 if rank() == 0:
