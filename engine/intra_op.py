@@ -8,7 +8,7 @@ thread's count, and its team's worker threads live as long as the thread does. T
 writer, copying the state to host memory, left such a team behind at its first save. From then on
 GNU OpenMP counted more threads than cores and stopped spinning in the training thread's barriers:
 its worker slept and was woken at every parallel region (about 1000 context switches per step of a
-small model), and every later training step took 1.7-2.5 times as long on 2 cores.
+small model), and every later training step took 1.5-2.5 times as long on 2 cores.
 
 :func:`use_one_intra_op_thread` makes the calling thread run its torch ops on itself alone, so it
 never starts a team. Only this thread's OpenMP setting changes: ``torch.set_num_threads(1)`` would
