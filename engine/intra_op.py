@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["openmp_backend", "use_one_intra_op_thread"]
+__all__ = ["openmp_backend", "prepare", "use_one_intra_op_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,15 @@ def _omp_set_num_threads() -> Any:
     else:
         logger.debug("no omp_set_num_threads found: background threads keep torch's thread count")
     return _SETTER
+
+
+def prepare() -> None:
+    """Find the OpenMP runtime now (once per process; it reads torch's build information), so that
+    :func:`use_one_intra_op_thread` on a thread starting beside training takes microseconds."""
+    try:
+        _omp_set_num_threads()
+    except Exception as e:  # noqa: BLE001 - use_one_intra_op_thread reports it
+        logger.debug("no OpenMP runtime found: %s", e)
 
 
 def use_one_intra_op_thread() -> bool:

@@ -109,6 +109,9 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
     def _hold(engine: Trainer) -> None:  # asked before the step's agreement: this step's save stalls
         if engine.state.step == at and "staging_at_save" not in out:
             engine.state.should_checkpoint = True
+            deadline = time.monotonic() + 60
+            while checkpointer.staging and time.monotonic() < deadline:  # the previous save's copy
+                time.sleep(0.001)  # must not meet the closed gate
             stager.gate.clear()
 
     @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT - 1)
