@@ -8,7 +8,7 @@ thread's count, and its team's worker threads live as long as the thread does. T
 writer, copying the state to host memory, left such a team behind at its first save. From then on
 GNU OpenMP counted more threads than cores and stopped spinning in the training thread's barriers:
 its worker slept and was woken at every parallel region (about 1000 context switches per step of a
-small model), and every later training step took 1.7-2.5 times as long on 2 cores.
+small model), and every later training step took 1.5-2.5 times as long on 2 cores.
 
 :func:`use_one_intra_op_thread` makes the calling thread run its torch ops on itself alone, so it
 never starts a team. Only this thread's OpenMP setting changes: ``torch.set_num_threads(1)`` would
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["openmp_backend", "use_one_intra_op_thread"]
+__all__ = ["openmp_backend", "prepare", "use_one_intra_op_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,15 @@ def _omp_set_num_threads() -> Any:
     else:
         logger.debug("no omp_set_num_threads found: background threads keep torch's thread count")
     return _SETTER
+
+
+def prepare() -> None:
+    """Find the OpenMP runtime now (once per process; it reads torch's build information), so that
+    :func:`use_one_intra_op_thread` on a thread starting beside training takes microseconds."""
+    try:
+        _omp_set_num_threads()
+    except Exception as e:  # noqa: BLE001 - use_one_intra_op_thread reports it
+        logger.debug("no OpenMP runtime found: %s", e)
 
 
 def use_one_intra_op_thread() -> bool:

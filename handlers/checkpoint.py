@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hookloop.engine import checkpoint_io as io
-from hookloop.engine import parallel
+from hookloop.engine import intra_op, parallel
 from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str, dotted
 from hookloop.engine.errors import ConfigError
@@ -664,6 +664,7 @@ class AsyncCheckpointer(Handler):
         It runs its torch ops on one intra-op thread: a team of its own would slow every later
         training step (see :mod:`hookloop.engine.intra_op`)."""
         if self._write_executor is None:
+            intra_op.prepare()  # here, so that the thread starts as fast as it did before
             self._write_executor = ThreadPoolExecutor(
                 1, thread_name_prefix="hookloop-checkpoint-write", initializer=use_one_intra_op_thread
             )
@@ -814,6 +815,7 @@ class AsyncCheckpointer(Handler):
     def _io(self) -> ThreadPoolExecutor:
         """The thread for the file work training need not wait for (rank state files, pruning)."""
         if self._executor is None:
+            intra_op.prepare()
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix="hookloop-checkpoint-io", initializer=use_one_intra_op_thread
             )

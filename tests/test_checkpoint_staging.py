@@ -114,6 +114,9 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
             while checkpointer.staging and time.monotonic() < deadline:
                 time.sleep(0.01)
             engine.state.should_checkpoint = True
+            deadline = time.monotonic() + 60
+            while checkpointer.staging and time.monotonic() < deadline:  # the previous save's copy
+                time.sleep(0.001)  # must not meet the closed gate
             stager.gate.clear()
 
     @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT - 1)
