@@ -24,7 +24,8 @@ object, then loaded by torch only if it passed):
   entry: numbers, strings, bytes, None and small tuples of these) and at most
   :data:`MAX_SAME_HASH` keys of one dictionary with the same hash value (keys crafted to share a
   hash make building a dictionary quadratic: tens of thousands of them take minutes);
-* no sets, memo indices below 2**32, and in the index no persistent ids or extension codes.
+* no set opcodes (a protocol-2 ``set(...)`` is a call, bounded as above), memo indices below
+  2**32, and in the index no persistent ids or extension codes.
 
 Under these bounds every opcode does a bounded amount of work, so accepting or refusing a pickle
 takes time linear in its size: the largest index allowed is decided in seconds, and the crafted

@@ -396,9 +396,10 @@ def test_calls_sizes_and_file_references_are_bounded(tmp_path, monkeypatch):
 def test_non_tensor_entries_are_checked_before_torch_loads_them():
     """Every non-tensor entry passes the same bounds before ``torch.load(weights_only=True)`` sees
     it (torch's own reader crashes on the deep key and takes minutes on the flood)."""
-    ok = __import__("io").BytesIO()
-    torch.save((0.9, 0.999), ok)
-    io.check_entry(ok.getvalue(), "entry 'betas'")
+    for value in [(0.9, 0.999), {"extra": torch.ones(2, 3), "ids": [1, 2, (3, 4)], 5: None, "s": {"x"}}]:
+        ok = __import__("io").BytesIO()
+        torch.save(value, ok)
+        io.check_entry(ok.getvalue(), "entry 'betas'")  # what torch.save writes passes
     for payload, match in [
         (deep_key_pickle(1_000_000, protocol=2), "entry 'x' nests tuples"),
         (int_flood_pickle(20_000, protocol=2), "entry 'x' has more than 8 keys with one hash"),
