@@ -233,9 +233,10 @@ def _check_writable_dir(field_name: str, directory: str) -> None:
         problem = f"{path} is not writable by this user"
     if problem is None:  # access() says yes to root and on read-only file systems: try it
         try:
-            if missing:
-                os.mkdir(missing[-1])
-                os.rmdir(missing[-1])
+            if missing:  # a name of this process's own: ranks checking at once do not collide
+                probe = os.path.join(path, f".hookloop-mkdir-test-{os.getpid()}")
+                os.mkdir(probe)
+                os.rmdir(probe)
             else:
                 probe = os.path.join(path, f".hookloop-write-test-{os.getpid()}")
                 with open(probe, "w") as f:
