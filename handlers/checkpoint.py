@@ -166,15 +166,17 @@ class _Save:
         writer: io.RecordingWriter | None = None,
         rank_file: Future | None = None,
         metrics: dict[str, float] | None = None,
-        finite: dict[str, bool] | None = None,
     ) -> None:
         self.step, self.partial, self.final = step, partial, final
         self.done, self.staged = done, staged
         self.writer, self.rank_file = writer, rank_file
         self.metrics = dict(metrics or {})
-        # {"finite": bool} once known: this rank's parameters and optimizer state as saved hold no
-        # NaN/Inf (filled in where the state is copied: on the writer thread for an async save)
-        self.finite = finite if finite is not None else {}
+
+    @property
+    def finite(self) -> bool | None:
+        """Whether this rank's saved parameters and optimizer state hold no NaN/Inf (checked by its
+        DCP writer, beside the write); only once ``done`` has resolved without error."""
+        return self.writer.finite if self.writer is not None else None
 
     @property
     def entries(self) -> dict[str, Any]:
@@ -557,14 +559,12 @@ class AsyncCheckpointer(Handler):
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
         model_sd, optim_sd = get_state_dict(self.trainer.model, self.trainer.optimizer, options=_OPTIONS)
-        checked = _trained_entries(model_sd, optim_sd, self.trainer.model)
+        checked = _trained_entries(model_sd, optim_sd, self.trainer.model)  # finite or not: the writer says
         if self.mode == "async":  # staged later, while the next forward may change buffers
             model_sd = _copy_buffers(model_sd, self.trainer.model)
         state_dict = {"model": model_sd, "optim": optim_sd}
-        finite: dict[str, bool] = {}
-        writer = io.RecordingWriter(
-            partial, parallel.rank()
-        )  # checksums the DCP files as it makes them durable
+        # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
+        writer = io.RecordingWriter(partial, parallel.rank(), checked=checked)
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,
             "storage_writer": writer,
@@ -575,19 +575,15 @@ class AsyncCheckpointer(Handler):
         try:
             with _quiet_single_process():
                 if self.mode == "sync":
-                    finite["finite"] = _all_finite(state_dict, checked)  # a sync save waits anyway
                     with self._long_wait():
                         dcp.save(state_dict, **kwargs)
                     done = _done_future()
-                elif self.mode == "async_copy":  # the call copies the whole state: the check is cheap
-                    finite["finite"] = _all_finite(state_dict, checked)
+                elif self.mode == "async_copy":
                     done = dcp.async_save(state_dict, **kwargs)
-                else:  # the copy, its check and the write on the writer thread: the call returns at once
+                else:  # the copy and the write both on the writer thread: the call returns at once
                     staged = Future()
                     stager = self._get_stager()
-                    done = self._writer().submit(
-                        _stage_then_write, stager, state_dict, staged, kwargs, checked, finite
-                    )
+                    done = self._writer().submit(_stage_then_write, stager, state_dict, staged, kwargs)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
             _reraise_interrupt(e)
@@ -607,7 +603,6 @@ class AsyncCheckpointer(Handler):
             writer=writer,
             rank_file=rank_file,
             metrics=self._ranking_metric(),
-            finite=finite,
         )
         self.last_saved_step = step
         if self.mode == "sync":
@@ -695,7 +690,7 @@ class AsyncCheckpointer(Handler):
                 f"complete checkpoint and `latest` are unchanged; free space or fix permissions of "
                 f"checkpoint.directory ({self.directory})"
             ) from error
-        files, finite = self._collect_entries(entries, save.finite.get("finite"))
+        files, finite = self._collect_entries(entries, save.finite if error is None else None)
         ok = True
         if parallel.rank() == 0:
             with self._long_wait():  # file system work only: marker, renames, fsyncs, pruning
@@ -1286,16 +1281,10 @@ def describe_layout_difference(stored: dict[str, tuple], wanted: dict[str, tuple
 
 
 def _stage_then_write(
-    stager: Any,
-    state_dict: dict[str, Any],
-    staged: Future,
-    kwargs: dict[str, Any],
-    checked: list[tuple[str, str]] = (),  # type: ignore[assignment]
-    finite: dict[str, bool] | None = None,
+    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
 ) -> None:
     """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
-    training may change the state), check the copy for NaN/Inf (into ``finite``), then write it
-    with DCP."""
+    training may change the state), then write the copy with DCP."""
     try:
         with torch.no_grad():
             host = stager.stage(state_dict)
@@ -1303,40 +1292,26 @@ def _stage_then_write(
         staged.set_exception(e)
         raise
     staged.set_result(None)
-    if finite is not None:
-        finite["finite"] = _all_finite(host, checked)
     with _quiet_single_process():
         dcp.save(host, **kwargs)
 
 
-def _trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> list:
-    """The entries whose values decide whether a saved state is known-good: the parameters and the
-    optimizer's floating-point state, as ``("model", key)`` / ``("optim", key)``. Buffers are left
-    out: a mask buffer may hold -inf on purpose."""
+def _trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> set[str]:
+    """The entries whose values decide whether a saved state is known-good, by the names DCP gives
+    them (``model.<param>``, ``optim.<key>``): the parameters and the optimizer's floating-point
+    state. Buffers are left out: a mask buffer may hold -inf on purpose."""
     params = {_local(p).data_ptr() for p in model.parameters()}
-    entries = [
-        ("model", key)
+    entries = {
+        f"model.{key}"
         for key, value in model_sd.items()
         if isinstance(value, torch.Tensor) and _local(value).data_ptr() in params
-    ]
-    entries += [
-        ("optim", key)
+    }
+    entries.update(
+        f"optim.{key}"
         for key, value in optim_sd.items()
         if isinstance(value, torch.Tensor) and value.is_floating_point()
-    ]
+    )
     return entries
-
-
-def _all_finite(state_dict: dict[str, Any], entries: list[tuple[str, str]]) -> bool:
-    """Whether every tensor of ``entries`` in ``state_dict`` holds only finite values (this rank's
-    shard of a sharded one): one reduction per tensor, one read per device."""
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for part, key in entries:
-        value = state_dict[part].get(key)
-        if isinstance(value, torch.Tensor):
-            local = _local(value)
-            flags.setdefault(local.device, []).append(torch.isfinite(local).all())
-    return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
 
 
 def _wait_quietly(future: Future, timeout: float) -> None:
