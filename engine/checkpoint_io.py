@@ -47,6 +47,7 @@ import base64
 import io
 import json
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -93,6 +94,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "is_complete",
+    "index_mb",
     "load_metadata",
     "make_manifest",
     "parse_step",
@@ -489,7 +491,9 @@ def verify_file(directory: str | os.PathLike, name: str, entry: dict[str, Any]) 
     return None
 
 
-def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> tuple[list[str], bool]:
+def verify_checkpoint(
+    path: str | os.PathLike, rank: int = 0, world_size: int = 1, index_limit: int | None = None
+) -> tuple[list[str], bool]:
     """Check this rank's share of checkpoint ``path`` against its manifest.
 
     Returns ``(problems, verified)``: ``problems`` lists what is damaged (empty: intact as far as this
@@ -506,7 +510,7 @@ def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 
     except CheckpointError as e:
         return [str(e)], True
     if files is None:
-        return (check_loadable(path) if rank == 0 else []), False
+        return (check_loadable(path, index_limit) if rank == 0 else []), False
     problems = []
     for name, entry in files.items():
         if entry.get("rank", 0) % world_size != rank:
@@ -515,7 +519,7 @@ def verify_checkpoint(path: str | os.PathLike, rank: int = 0, world_size: int = 
         if problem is not None:
             problems.append(problem)
         elif name == ".metadata":  # intact as written: now whether it is safe to load
-            problems.extend(check_loadable(path))
+            problems.extend(check_loadable(path, index_limit))
     return problems, True
 
 
@@ -622,11 +626,12 @@ def all_finite(state_dict: dict[str, Any], names: Iterable[str]) -> bool:
 
 
 # ------------------------------------------------------------------------------- safe DCP reading
-def load_metadata(data: bytes, where: str | os.PathLike) -> Any:
+def load_metadata(data: bytes, where: str | os.PathLike, index_limit: int | None = None) -> Any:
     """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist and the bounds of
-    :mod:`engine.checkpoint_pickle`; ``where`` names the file in the CheckpointError."""
+    :mod:`engine.checkpoint_pickle` (an index at most ``index_limit`` bytes, its
+    ``METADATA_MAX_BYTES`` by default); ``where`` names the file in the CheckpointError."""
     try:
-        return checkpoint_pickle.load_index(data)
+        return checkpoint_pickle.load_index(data, index_limit)
     except PickleRefused as e:
         raise CheckpointError(
             f"{where} {e}; refusing to unpickle it (only checkpoints written by "
@@ -656,16 +661,25 @@ def check_entry(data: bytes, where: str) -> None:
         ) from None
 
 
-def _read_bounded(path: str, limit: int) -> bytes:
-    """The bytes of ``path``, or CheckpointError when it has more than ``limit``."""
+def index_mb(size: int) -> float:
+    """The smallest ``checkpoint.max_index_mb`` (in tenths of a MiB) that lets an index of ``size``
+    bytes be read."""
+    return math.ceil(size / 2**20 * 10) / 10
+
+
+def _read_index(path: str, limit: int | None) -> bytes:
+    """The bytes of the ``.metadata`` at ``path``, or CheckpointError when it has more than ``limit``
+    (:data:`checkpoint_pickle.METADATA_MAX_BYTES` when None)."""
+    limit = checkpoint_pickle.METADATA_MAX_BYTES if limit is None else limit
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > limit:
                 raise CheckpointError(
-                    f"{path} has {size} bytes, more than the {limit} a DCP checkpoint index may have "
-                    "(engine.checkpoint_pickle.METADATA_MAX_BYTES); the checkpoint is damaged or crafted: "
-                    "resume from an older one"
+                    f"{path} has {size} bytes, more than the {limit} ({limit / 2**20:.3g} MiB) a DCP "
+                    "checkpoint index may have (checkpoint.max_index_mb): if this run wrote it, set "
+                    f"checkpoint.max_index_mb to at least {index_mb(size):g}; otherwise the checkpoint "
+                    "is damaged or crafted: resume from an older one"
                 )
             data = f.read(limit + 1)
     except OSError as e:
@@ -678,14 +692,14 @@ def _read_bounded(path: str, limit: int) -> bytes:
     return data
 
 
-def check_loadable(path: str | os.PathLike) -> list[str]:
+def check_loadable(path: str | os.PathLike, index_limit: int | None = None) -> list[str]:
     """What makes checkpoint ``path`` unsafe to load beyond its manifest: its ``.metadata`` must
     unpickle within the bounds and every non-tensor entry must pass :func:`check_entry` (read from
     the data files at the byte ranges the index gives). Empty: loadable."""
     directory = os.fspath(path)
     where = os.path.join(directory, ".metadata")
     try:
-        metadata = load_metadata(_read_bounded(where, checkpoint_pickle.METADATA_MAX_BYTES), where)
+        metadata = load_metadata(_read_index(where, index_limit), where, index_limit)
     except CheckpointError as e:
         return [str(e)]
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -716,7 +730,11 @@ def check_loadable(path: str | os.PathLike) -> list[str]:
 class SafeReader(FileSystemReader):
     """DCP's file reader, but its ``.metadata`` index is checked against the checkpoint's manifest
     (when the directory has one) before any byte of it is unpickled, and then unpickled with an
-    exact allowlist."""
+    exact allowlist (an index at most ``index_limit`` bytes: :func:`load_metadata`)."""
+
+    def __init__(self, path: str | os.PathLike, *, index_limit: int | None = None) -> None:
+        super().__init__(path)
+        self.index_limit = index_limit
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
@@ -733,7 +751,7 @@ class SafeReader(FileSystemReader):
                         f"{path} is not listed in the manifest of {os.path.join(directory, MARKER)}: "
                         "the checkpoint is damaged; resume from an older one"
                     )
-        data = _read_bounded(path, checkpoint_pickle.METADATA_MAX_BYTES)
+        data = _read_index(path, self.index_limit)
         if entry is not None:
             checksum = f"{zlib.crc32(data):08x}"
             if len(data) != entry["size"] or checksum != entry["checksum"]:
@@ -742,7 +760,7 @@ class SafeReader(FileSystemReader):
                     f"{checksum}; recorded {entry['size']} bytes, {entry['checksum']}): the checkpoint "
                     "is damaged; resume from an older one"
                 )
-        metadata = load_metadata(data, path)
+        metadata = load_metadata(data, path, self.index_limit)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:

@@ -122,6 +122,7 @@ class CheckpointConfig:
     load_optimizer: bool = True
     finetune_from: Optional[str] = None
     wait_timeout_s: float = 600.0
+    max_index_mb: float = 8.0
 
     def validate(self, prefix: str = "checkpoint") -> None:
         """The only copy of the checkpointer's rules (its constructor calls this too)."""
@@ -149,6 +150,12 @@ class CheckpointConfig:
                 f"cannot be combined with an explicit {dotted(p, 'resume')} path; set resume to auto or null",
             )
         check_number(dotted(p, "wait_timeout_s"), self.wait_timeout_s, positive=True, hint="seconds")
+        check_number(
+            dotted(p, "max_index_mb"),
+            self.max_index_mb,
+            positive=True,
+            hint="the largest .metadata a resume reads, in MiB",
+        )
 
 
 class _Save:
@@ -242,6 +249,9 @@ class AsyncCheckpointer(Handler):
             (step 0), or a directory of checkpoints (its newest intact one); used only when
             ``resume`` finds nothing to resume from.
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
+        max_index_mb: the largest DCP index (``.metadata``) a resume reads, in MiB; a larger one is
+            refused as damaged (reading it is bounded, linear in its size). A save whose index is
+            larger logs an error naming the value to set.
     """
 
     asks_after_agreement = False  # late decisions only from values every rank shares
@@ -263,6 +273,7 @@ class AsyncCheckpointer(Handler):
         load_optimizer: bool = True,
         finetune_from: str | os.PathLike | None = None,
         wait_timeout_s: float = 600.0,
+        max_index_mb: float = 8.0,
     ) -> None:
         if directory is None or str(directory) == "":
             raise ConfigError("checkpoint.directory", "is required: the directory checkpoints are written to")
@@ -278,15 +289,18 @@ class AsyncCheckpointer(Handler):
             load_optimizer=load_optimizer,
             finetune_from=finetune_from,  # type: ignore[arg-type]
             wait_timeout_s=wait_timeout_s,
+            max_index_mb=max_index_mb,
         ).validate("checkpoint")
         self.directory = os.path.abspath(directory)
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
         self._metric_missing_warned = False
+        self._index_warned = False
         self.mode = MODE_ALIASES.get(mode, mode)
         self.load_optimizer = load_optimizer
         self.wait_timeout_s = wait_timeout_s
+        self.index_limit = int(max_index_mb * 2**20)
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
         self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
         _check_writable(self.directory)
@@ -334,6 +348,7 @@ class AsyncCheckpointer(Handler):
             load_optimizer=cfg.load_optimizer,
             finetune_from=cfg.finetune_from,
             wait_timeout_s=cfg.wait_timeout_s,
+            max_index_mb=cfg.max_index_mb,
         )
 
     # ------------------------------------------------------------------------------ attaching
@@ -739,6 +754,18 @@ class AsyncCheckpointer(Handler):
             }
             if finite is not None:
                 marker["finite"] = finite
+            index = files.get(".metadata", {}).get("size", 0)
+            if index > self.index_limit and not self._index_warned:
+                self._index_warned = True
+                logger.error(
+                    "the index (.metadata) of checkpoint %s has %d bytes, more than checkpoint.max_index_mb "
+                    "(%.3g MiB): resuming would refuse it as damaged; set checkpoint.max_index_mb to at "
+                    "least %g for this run and its resumes",
+                    save.final,
+                    index,
+                    self.index_limit / 2**20,
+                    io.index_mb(index),
+                )
             io.write_json_atomic(os.path.join(save.partial, io.MARKER), marker)
             if os.path.lexists(save.final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{save.final}.replaced-{self._session}"
@@ -1000,7 +1027,7 @@ class AsyncCheckpointer(Handler):
         rank, world = (parallel.rank(), parallel.world_size()) if self._group is not None else (0, 1)
         try:
             with self._long_wait():  # reading the checkpoint back: local, long on slow storage
-                problems, verified = io.verify_checkpoint(path, rank, world)
+                problems, verified = io.verify_checkpoint(path, rank, world, self.index_limit)
         except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
             problems, verified = [f"verifying it failed: {type(e).__name__}: {e}"], True
         if self._group is None:
@@ -1014,9 +1041,10 @@ class AsyncCheckpointer(Handler):
         """Refuse, before anything is read into the model, a checkpoint whose model parameters are
         not this model's (other layers or widths, or another pipeline split). The verdict is taken
         on every rank from the union of the ranks' parameters, so all ranks raise together."""
+        index = io.SafeReader(path, index_limit=self.index_limit).read_metadata()
         stored = {
             k.removeprefix("model."): tuple(getattr(v, "size", ()))
-            for k, v in io.SafeReader(path).read_metadata().state_dict_metadata.items()
+            for k, v in index.state_dict_metadata.items()
             if k.startswith("model.")
         }
         wanted = {k: tuple(v.shape) for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
@@ -1042,7 +1070,7 @@ class AsyncCheckpointer(Handler):
             try:
                 dcp.load(
                     state_dict,
-                    storage_reader=io.SafeReader(path),
+                    storage_reader=io.SafeReader(path, index_limit=self.index_limit),
                     planner=io.SafeLoadPlanner(),
                     process_group=self._group,
                     no_dist=self._group is None,
