@@ -3,7 +3,9 @@ c10d`` started twice, each launcher its own node of one rendezvous, running ``-m
 What a job script relies on: a stop signal to one node stops every rank after the same step with a
 complete checkpoint and 75 in ``exit_status.json``, the next launch of both nodes resumes at that
 step, and a node whose workers are killed ends the other node's workers with 77 (recorded even when
-the lost node held rank 0) within the health check's bound instead of a hang."""
+the lost node held rank 0) within the health check's bound instead of a hang. Files that workers
+of several nodes write side by side in a shared directory do not collide when two of them have the
+same pid (separate pid namespaces, as in containers, hand out the same small pids on every node)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import TorchrunNodes
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HARD_TIMEOUT_S = 150  # a whole launch: rendezvous, start-up of 4 workers on 2 cores, training
 
@@ -67,6 +67,8 @@ def _complete(root: Path) -> list[int]:
     return [step for step, _ in complete_checkpoints(root / "run" / "checkpoints")[0]]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["launcher", "worker"])
 def test_sigterm_on_one_node_stops_both_with_75_and_the_next_launch_resumes(tmp_path, target):
     """SIGTERM to node 1's torchrun (what Slurm sends before the time limit) or to one worker of
@@ -74,7 +76,8 @@ def test_sigterm_on_one_node_stops_both_with_75_and_the_next_launch_resumes(tmp_
     worker exited non-zero) and exit_status.json says 75; a second launch of both nodes resumes at
     that step and finishes."""
     started = time.time()
-    with _launch(tmp_path, "first", "step_scheduler.max_steps=100000", "step_scheduler.ckpt_every_steps=1000") as nodes:
+    endless = ("step_scheduler.max_steps=100000", "step_scheduler.ckpt_every_steps=1000")
+    with _launch(tmp_path, "first", *endless) as nodes:
         _await_steps(nodes, tmp_path / "run" / "metrics.jsonl", 3)
         if target == "launcher":
             os.kill(nodes.procs[1].pid, signal.SIGTERM)
@@ -82,7 +85,9 @@ def test_sigterm_on_one_node_stops_both_with_75_and_the_next_launch_resumes(tmp_
             os.kill(nodes.workers(1)[0], signal.SIGTERM)
         codes = nodes.wait(HARD_TIMEOUT_S)
         report = nodes.output()
-        workers_seen = _worker_codes(nodes.err(0)) + (_worker_codes(nodes.err(1)) if target == "worker" else [])
+        workers_seen = _worker_codes(nodes.err(0))
+        if target == "worker":
+            workers_seen += _worker_codes(nodes.err(1))
     assert codes == [1, 1], report
     # torchrun reports its workers' codes unless it was signalled itself: 2 or 4 workers, all 75
     assert workers_seen and set(workers_seen) == {75}, report
@@ -101,10 +106,13 @@ def test_sigterm_on_one_node_stops_both_with_75_and_the_next_launch_resumes(tmp_
     assert f"resuming from {status['checkpoint']} (step {step})" in report, report
     resumed = _status(tmp_path)
     assert resumed["code"] == 0 and resumed["step"] == step + 2, resumed
-    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in metrics]
     assert logged[-3:] == [step, step + 1, step + 2], logged  # no step trained twice or skipped
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("lost", ["rank 0", "no rank 0"])
 def test_a_node_whose_workers_are_killed_ends_the_other_nodes_workers_with_77(tmp_path, lost):
     """SIGKILL both workers of one node: the launcher of that node exits 1, the other node's workers
@@ -133,4 +141,79 @@ def test_a_node_whose_workers_are_killed_ends_the_other_nodes_workers_with_77(tm
     assert status["code"] == 77 and status["meaning"] == "HEALTH_CHECK_FAILED", status
     assert _written_since(status, started), (status, started)  # by this run, not left from before
     # a requeued job resumes from the checkpoint the record names: a complete one
-    assert status["checkpoint"] is not None and int(Path(status["checkpoint"]).name[5:]) in _complete(tmp_path)
+    assert status["checkpoint"] is not None
+    assert int(Path(status["checkpoint"]).name[5:]) in _complete(tmp_path)
+
+
+# ---------------------------------------------------------- the same pid on two nodes, one shared dir
+def _same_pid_at_once(monkeypatch, work, rounds: int = 300) -> list[BaseException]:
+    """Run ``work()`` ``rounds`` times in each of two threads at once, both seeing the same pid: two
+    workers on two nodes writing into one shared directory. Returns what they raised."""
+    import threading
+
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def loop() -> None:
+        start.wait()
+        for _ in range(rounds):
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 -- reported by the test
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return errors
+
+
+def test_startup_checks_of_two_nodes_with_the_same_pid_do_not_collide(tmp_path, monkeypatch):
+    """Every rank checks the run and data directories before the process group exists; two of them
+    with one pid on two nodes must not refuse a good shared directory (exit 2 for nothing)."""
+    from hookloop.handlers.run_config import _check_writable_dir
+
+    (tmp_path / "run").mkdir()
+    errors = _same_pid_at_once(
+        monkeypatch,
+        lambda: (_check_writable_dir("train.run_dir", str(tmp_path / "run")),
+                 _check_writable_dir("data.cache_dir", str(tmp_path / "cache"))),
+    )  # fmt: skip
+    assert not errors, errors[0]
+    assert not (tmp_path / "cache").exists()  # checked, not created
+    assert os.listdir(tmp_path / "run") == []  # no probe left behind
+
+
+def test_exit_status_written_by_two_nodes_with_the_same_pid_stays_whole(tmp_path, monkeypatch):
+    """On a lost node the first worker of every other node records 77: the writes race, and each
+    must still leave one whole file."""
+    from hookloop.engine.exit_status import read_exit_status, write_exit_status
+
+    errors = _same_pid_at_once(
+        monkeypatch, lambda: write_exit_status(tmp_path, code=77, reason="peer lost", step=3), rounds=200
+    )
+    assert not errors, errors[0]
+    assert read_exit_status(tmp_path)["code"] == 77
+    assert [p.name for p in tmp_path.iterdir()] == ["exit_status.json"]
+
+
+def test_a_corpus_tokenized_by_two_nodes_with_the_same_pid_into_one_cache_is_whole(tmp_path, monkeypatch):
+    """Every rank that finds a built-in corpus missing from ``data.cache_dir`` tokenizes it; a cache
+    shared by two nodes gets two writers at once."""
+    from hookloop.engine.data.prepare import prepare_tokens
+
+    text = "a shared cache on two nodes " * 2000
+    out = tmp_path / "docs.u8"
+
+    def prepare() -> None:
+        prepare_tokens([text], out)
+        assert out.stat().st_size == len(text)
+
+    errors = _same_pid_at_once(monkeypatch, prepare, rounds=100)
+    assert not errors, errors[0]
+    assert out.read_bytes() == text.encode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.u8", "docs.u8.json"]
