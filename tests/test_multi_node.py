@@ -217,3 +217,47 @@ def test_a_corpus_tokenized_by_two_nodes_with_the_same_pid_into_one_cache_is_who
     assert not errors, errors[0]
     assert out.read_bytes() == text.encode()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.u8", "docs.u8.json"]
+
+
+# ---------------------------------------------------------------- who records a lost peer's 77
+@pytest.mark.parametrize(
+    ("local_rank", "rank0_recorded", "expected"),
+    [
+        ("0", False, 77),  # the first worker of a node: rank 0 may be on the node that was lost
+        ("0", True, 1),  # rank 0 recorded the run's end (the crash that took it down): left alone
+        ("1", False, None),  # other workers of the node: one record per node is enough
+    ],
+)
+def test_who_records_a_lost_peer_on_a_rank_other_than_0(
+    tmp_path, monkeypatch, local_rank, rank0_recorded, expected
+):
+    """Rank 2 of a run (the first worker of the second node when LOCAL_RANK is 0) loses a peer at
+    step 3: what exit_status.json then holds."""
+    import torch
+
+    from hookloop import Events, Trainer
+    from hookloop.engine import parallel
+    from hookloop.engine.errors import PeerFailure
+    from hookloop.engine.exit_status import read_exit_status, write_exit_status
+
+    monkeypatch.setattr(parallel, "rank", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    write_exit_status(tmp_path, code=75, reason="the previous job's stop", step=0)  # older than the run
+    model = torch.nn.Linear(2, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                      run_dir=tmp_path, hang_timeout_s=None)  # fmt: skip
+
+    @trainer.on(Events.STEP_START(once=3))
+    def lose_a_peer(engine) -> None:
+        if rank0_recorded:
+            write_exit_status(tmp_path, code=1, reason="RuntimeError: rank 0 crashed", step=3)
+        raise PeerFailure("a collective failed because a peer is gone")
+
+    data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(8)]
+    with pytest.raises(PeerFailure):
+        trainer.run(data, max_steps=6)
+    status = read_exit_status(tmp_path)
+    if expected is None:
+        assert status["code"] == 75 and status["step"] == 0  # untouched
+    else:
+        assert status["code"] == expected and status["step"] == 3, status
