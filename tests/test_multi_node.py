@@ -85,10 +85,14 @@ def test_sigterm_on_one_node_stops_both_with_75_and_the_next_launch_resumes(tmp_
             os.kill(nodes.workers(1)[0], signal.SIGTERM)
         codes = nodes.wait(HARD_TIMEOUT_S)
         report = nodes.output()
+        both_logs = nodes.err(0) + nodes.err(1)
         workers_seen = _worker_codes(nodes.err(0))
         if target == "worker":
             workers_seen += _worker_codes(nodes.err(1))
     assert codes == [1, 1], report
+    # the start-up summary and the stop are logged by rank 0 only, wherever it runs
+    assert both_logs.count("[hookloop] run directory:") == 1, report
+    assert both_logs.count("stopping after step") == 1, report
     # torchrun reports its workers' codes unless it was signalled itself: 2 or 4 workers, all 75
     assert workers_seen and set(workers_seen) == {75}, report
     status = _status(tmp_path)
