@@ -2,7 +2,9 @@
 
 Under torchrun the launcher exits 1 whenever a worker exits non-zero, so a resumable stop (75)
 never reaches the job script through the exit status. Rank 0 therefore writes
-``<run_dir>/exit_status.json`` atomically on every exit path::
+``<run_dir>/exit_status.json`` atomically on every exit path (and on a lost peer or a hang, 77,
+the first rank of every other node too, unless rank 0 has recorded the run's end already: the
+node that is lost may be the one that holds rank 0)::
 
     {"code": 75, "meaning": "STOPPED", "reason": "SIGTERM received", "step": 1200,
      "checkpoint": "runs/gpt/checkpoints/step_00001200", "time": "2026-11-23T10:01:02+00:00"}
@@ -15,12 +17,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 from hookloop.engine.exit_codes import ExitCode
 
-__all__ = ["EXIT_STATUS_FILE", "read_exit_status", "write_exit_status"]
+__all__ = ["EXIT_STATUS_FILE", "exit_status_identity", "read_exit_status", "write_exit_status"]
 
 EXIT_STATUS_FILE = "exit_status.json"
 
@@ -49,7 +52,8 @@ def write_exit_status(
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     path = directory / EXIT_STATUS_FILE
-    tmp = directory / f".{EXIT_STATUS_FILE}.{os.getpid()}.tmp"
+    # A name of its own per writer: writers on several nodes may share a pid, not a uuid.
+    tmp = directory / f".{EXIT_STATUS_FILE}.{uuid.uuid4().hex}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
@@ -57,6 +61,17 @@ def write_exit_status(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def exit_status_identity(run_dir: str | os.PathLike) -> tuple[int, int, int] | None:
+    """Which version of ``run_dir/exit_status.json`` is there now (each write renames a new file
+    into place, so any write changes it), or None without one: lets a rank tell whether another
+    rank has recorded the end of this run since it looked, without comparing clocks of nodes."""
+    try:
+        st = os.stat(Path(run_dir) / EXIT_STATUS_FILE)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def read_exit_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

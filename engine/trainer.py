@@ -45,7 +45,7 @@ from hookloop.engine.events import (
     StepEvents,
 )
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.exit_status import write_exit_status
+from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.state import TrainState
@@ -66,6 +66,13 @@ _AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SA
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
+
+
+def _first_on_node() -> bool:
+    """Whether this process is its node's first worker: torchrun's ``LOCAL_RANK`` 0 (``RANK`` and
+    ``LOCAL_RANK`` differ on every node but the first). Without ``LOCAL_RANK``, only rank 0 is."""
+    local = os.environ.get("LOCAL_RANK")
+    return local == "0" if local is not None else parallel.rank() == 0
 
 
 class _StateAttribute:
@@ -227,6 +234,7 @@ class Trainer(IgniteAdapter):
         self._empty_epochs = 0
         self._epoch_limit: int | None = None
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._status_seen: tuple[int, int, int] | None = None  # exit_status.json when the run started
         self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
@@ -574,6 +582,8 @@ class Trainer(IgniteAdapter):
                     self.watchdog.heartbeats = PeerHeartbeats(store, parallel.rank(), parallel.world_size())
             self.watchdog.start()
         previous_sigint = self._install_sigint()
+        if self.run_dir is not None:
+            self._status_seen = exit_status_identity(self.run_dir)
         try:
             state = self.start_loop(data, continuing)
         except BaseException as e:
@@ -611,11 +621,22 @@ class Trainer(IgniteAdapter):
 
     def write_exit_status(self, code: int, reason: str) -> None:
         """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
-        script can requeue on 75 even when the launcher reports only failure or success."""
-        if self.run_dir is None or parallel.rank() != 0:
+        script can requeue on 75 even when the launcher reports only failure or success.
+
+        A lost peer or a hang (77) is also recorded by the first rank of every other node (torchrun's
+        ``LOCAL_RANK`` 0), unless the file changed since this run started (rank 0 has recorded the
+        end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
+        nothing else would tell the job script to requeue."""
+        if self.run_dir is None:
             return
+        if parallel.rank() != 0:
+            if code != ExitCode.HEALTH_CHECK_FAILED or not _first_on_node():
+                return
+            if exit_status_identity(self.run_dir) != self._status_seen:
+                return
         write_exit_status(self.run_dir, code=code, reason=reason, step=self.state.iteration,
                           checkpoint=getattr(self.state, "last_checkpoint", None))  # fmt: skip
+        self._status_seen = exit_status_identity(self.run_dir)  # this rank's own record may be refined
 
     def _on_watchdog_expired(self, reason: str) -> None:
         self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)

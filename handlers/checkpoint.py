@@ -1409,7 +1409,7 @@ def _reraise_interrupt(error: BaseException) -> None:
 def _check_writable(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")  # unique across nodes too
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

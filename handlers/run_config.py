@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import keyword
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict
@@ -233,12 +234,14 @@ def _check_writable_dir(field_name: str, directory: str) -> None:
         problem = f"{path} is not writable by this user"
     if problem is None:  # access() says yes to root and on read-only file systems: try it
         try:
-            if missing:  # a name of this process's own: ranks checking at once do not collide
-                probe = os.path.join(path, f".hookloop-mkdir-test-{os.getpid()}")
+            # A name of its own per check: ranks checking at once, on several nodes whose pids may be
+            # the same (containers), do not collide.
+            if missing:
+                probe = os.path.join(path, f".hookloop-mkdir-test-{uuid.uuid4().hex}")
                 os.mkdir(probe)
                 os.rmdir(probe)
             else:
-                probe = os.path.join(path, f".hookloop-write-test-{os.getpid()}")
+                probe = os.path.join(path, f".hookloop-write-test-{uuid.uuid4().hex}")
                 with open(probe, "w") as f:
                     f.write("ok")
                 os.remove(probe)

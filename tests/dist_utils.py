@@ -129,3 +129,160 @@ def kill_ranks(procs: Sequence[subprocess.Popen]) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), read from ``/proc``."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and, first, the session of each of its descendants (torchrun
+    starts every worker in a session of its own, out of reach of a kill of the launcher's group)."""
+    for child in descendants(pid):
+        for kill, target in ((os.killpg, child), (os.kill, child)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_NODES_MARK = "HOOKLOOP_TEST_NODES"
+
+
+def marked_processes(name: str, value: str) -> list[int]:
+    """Every process whose environment holds ``name=value``."""
+    mark = f"{name}={value}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+class TorchrunNodes:
+    """``nnodes`` torchrun launchers on this machine, each a simulated node of one c10d rendezvous
+    (a free port, a rendezvous id of its own): ``torchrun --nnodes N --nproc-per-node P
+    --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID``. Node 0 hosts the rendezvous
+    store (``is_host``), as the first node of a real job does. Each launcher runs in a session of its
+    own and writes ``node<i>.out`` / ``node<i>.err`` in ``log_dir`` (no pipe to fill up). Use it as a
+    context manager: on the way out every launcher and every worker is killed, whatever happened."""
+
+    def __init__(
+        self,
+        script: str | Path,
+        nnodes: int,
+        nproc: int,
+        args: Sequence[str] = (),
+        *,
+        log_dir: str | Path,
+        module: bool = False,
+        env: dict | None = None,
+        launcher_args: Sequence[str] = (),
+    ) -> None:
+        import uuid
+
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.rdzv_id = f"test-{uuid.uuid4().hex[:12]}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+        full_env[_NODES_MARK] = self.rdzv_id  # inherited by every worker: how close() finds them all
+        self.procs: list[subprocess.Popen] = []
+        self._files = []
+        try:
+            for node in range(nnodes):
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                    f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id={self.rdzv_id}", f"--rdzv-conf=is_host={int(node == 0)}", *launcher_args,
+                    *(["-m"] if module else []), str(script), *args,
+                ]  # fmt: skip
+                out = open(self.log_dir / f"node{node}.out", "w")  # noqa: SIM115 -- closed in close()
+                err = open(self.log_dir / f"node{node}.err", "w")  # noqa: SIM115
+                self._files += [out, err]
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=full_env, stdout=out, stderr=err, start_new_session=True
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TorchrunNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def workers(self, node: int) -> list[int]:
+        """The worker processes node ``node``'s launcher runs now."""
+        return descendants(self.procs[node].pid)
+
+    def ranks(self, node: int) -> list[int]:
+        """The global ranks (``RANK``) of node ``node``'s workers, read from their environment."""
+        found = []
+        for pid in self.workers(node):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            found += [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+        return sorted(found)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Every launcher's exit status; TimeoutError (after killing everything) when one is still
+        running ``timeout`` seconds from now."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.close()
+                raise TimeoutError(f"a node did not finish within {timeout}s\n{self.output()}") from None
+        return [p.returncode for p in self.procs]
+
+    def err(self, node: int) -> str:
+        return (self.log_dir / f"node{node}.err").read_text(errors="replace")
+
+    def out(self, node: int) -> str:
+        return (self.log_dir / f"node{node}.out").read_text(errors="replace")
+
+    def output(self, tail: int = 3000) -> str:
+        """The end of every node's stderr, for assertion messages."""
+        return "\n".join(f"--- node {n} stderr:\n{self.err(n)[-tail:]}" for n in range(len(self.procs)))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+        for pid in marked_processes(_NODES_MARK, self.rdzv_id):  # workers whose launcher is gone
+            kill_tree(pid)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in self._files:
+            f.close()

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sysconfig
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,10 @@ def prepare_tokens(
         sources = [sources]
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # A name of its own per writer: several ranks may prepare the same file at once.
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    # A name of its own per writer: several ranks, on several nodes whose pids may be the same
+    # (containers), may prepare the same file in a shared directory at once.
+    tag = uuid.uuid4().hex
+    tmp = out.with_name(f"{out.name}.{tag}.tmp")
     sep = np.array([separator], dtype=np_dtype)
     num_tokens = 0
     num_documents = 0
@@ -115,7 +118,7 @@ def prepare_tokens(
         # The sidecar lands first and the token file last, so a reader that sees the token file
         # always finds its sidecar.
         side = sidecar_path(out)
-        side_tmp = side.with_name(f"{side.name}.{os.getpid()}.tmp")
+        side_tmp = side.with_name(f"{side.name}.{tag}.tmp")
         side_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         os.replace(side_tmp, side)
         os.replace(tmp, out)
