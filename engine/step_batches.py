@@ -120,6 +120,7 @@ class StepBatches:
         state: dict[str, Any] = {
             "microbatches": self.consumed,
             "steps": self.steps,
+            "grad_accum_steps": self.grad_accum_steps,
             "pass_start_rng": self._pass_start_rng,
         }
         source = self.stateful_source()
@@ -143,6 +144,11 @@ class StepBatches:
         self.consumed = self.steps = 0
         resumed_at = resume.get("microbatches", 0) if resume is not None else 0
         replay = resumed_at > 0 and "source" not in resume
+        saved_accum = resume.get("grad_accum_steps") if resume is not None else None
+        if replay and saved_accum not in (None, accum) and resumed_at == resume["steps"] * saved_accum:
+            # Another accumulation (a resume on another number of data-parallel ranks with the same
+            # global batch): the steps done are what counts, in this run's microbatches.
+            resumed_at = resume["steps"] * accum
         if resume is not None and "source" in resume:
             self.stateful_source().load_state_dict(resume["source"])
         if replay and resume.get("pass_start_rng") is not None:

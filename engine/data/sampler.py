@@ -51,6 +51,7 @@ The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -174,6 +175,7 @@ class MixtureSampler(Sampler[int]):
         self._chunk: _Chunk | None = None
         self._chunk_draws = _MIN_CHUNK_DRAWS
         self._iter_token: object | None = None
+        self._index_log: collections.deque[int] | None = None  # indices yielded, while logging
         self._block_cache: dict[int, np.ndarray] = {}
         self._group_cache: list[dict[int, np.ndarray]] = [{} for _ in self._names]
 
@@ -336,6 +338,29 @@ class MixtureSampler(Sampler[int]):
         counts = taken if all_ranks else yielded
         return {name: int(c) for name, c in zip(self._names, counts)}
 
+    def log_indices(self) -> None:
+        """From now on keep every index this sampler yields, in order, until :meth:`take_logged`
+        takes it (what ``data.trace_samples`` reads). A :meth:`load_state_dict` (a jump) drops the
+        indices not yet taken. Logging changes nothing in the stream."""
+        if self._index_log is None:
+            self._index_log = collections.deque()
+            self._invalidate()  # the next index comes from a chunk that logs
+
+    def take_logged(self, count: int | None = None) -> list[int]:
+        """The oldest ``count`` logged indices (all of them when None), removed from the log."""
+        log = self._index_log
+        if log is None:
+            raise RuntimeError("this sampler does not log its indices: call log_indices() first")
+        if count is None:
+            out = list(log)
+            log.clear()
+            return out
+        if count > len(log):
+            raise RuntimeError(
+                f"{count} logged indices asked for, {len(log)} were yielded since the last take"
+            )
+        return [log.popleft() for _ in range(count)]
+
     def update_weights(self, weights: Mapping[str, float], temperature: float | None = None) -> None:
         """Set new weights (and optionally temperature), effective from the very next index yielded.
 
@@ -380,8 +405,11 @@ class MixtureSampler(Sampler[int]):
         while self._iter_token is token:
             chunk = self._build_chunk()
             self._chunk = chunk
+            log = self._index_log
             for consumed, index in enumerate(chunk.indices, 1):
                 chunk.consumed = consumed
+                if log is not None:  # checked per chunk too: the fast path stays a bare yield
+                    log.append(index)
                 yield index
                 if self._chunk is not chunk:  # weights changed, state loaded or a new iterator started
                     break
@@ -518,6 +546,8 @@ class MixtureSampler(Sampler[int]):
         self._seed = seed
         self._segments = [first, *later]
         self._loads += 1
+        if self._index_log is not None:  # indices yielded before the jump are not the new position's
+            self._index_log.clear()
         self._draws = draws
         self._taken = taken
         self._yielded = yielded
