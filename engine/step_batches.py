@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hookloop.engine import checkpoint_io
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups"]
 
@@ -115,12 +116,29 @@ class StepBatches:
                     return candidate
         return None
 
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step over all data-parallel ranks, when the data tells: a loader's
+        ``batch_size`` x its sampler's ranks (``world_size`` of a ``MixtureSampler``, ``num_replicas``
+        of a ``DistributedSampler``) x ``grad_accum_steps``; else None."""
+        data = self.data
+        batch_size = getattr(data, "batch_size", None)
+        sampler = getattr(data, "mixture_sampler", None)  # (an endless sampler has no truth value)
+        if sampler is None:
+            sampler = getattr(data, "sampler", None)
+        ranks = getattr(sampler, "world_size", None)
+        if ranks is None:
+            ranks = getattr(sampler, "num_replicas", None)
+        if not isinstance(batch_size, int) or not isinstance(ranks, int):
+            return None
+        return batch_size * ranks * self.grad_accum_steps
+
     def state_dict(self) -> dict[str, Any]:
         """The data position after the microbatches handed out so far in this pass."""
         state: dict[str, Any] = {
             "microbatches": self.consumed,
             "steps": self.steps,
             "grad_accum_steps": self.grad_accum_steps,
+            "global_batch": self.global_batch(),
             "pass_start_rng": self._pass_start_rng,
         }
         source = self.stateful_source()
@@ -138,6 +156,23 @@ class StepBatches:
         accum = self.grad_accum_steps
         generators = checkpoint_io.data_generators(self.data)
         resume, self._resume = self._resume, None
+        if (
+            resume is not None
+            and resume.get("global_batch")
+            and self.global_batch()
+            not in (
+                None,
+                resume["global_batch"],
+            )
+        ):
+            raise ConfigError(
+                "grad_accum_steps",
+                f"the checkpoint's data position was taken with {resume['global_batch']} samples per "
+                f"optimizer step over all data-parallel ranks, this run takes {self.global_batch()} "
+                "(batch_size x data-parallel ranks x grad_accum_steps); keep the global batch "
+                "(step_scheduler.global_batch_size) so that each step takes the samples it would have "
+                "taken without the restart",
+            )
         skip, self.skip_next = self.skip_next, 0
         first_pass = self.passes == 0
         self.passes += 1

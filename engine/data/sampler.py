@@ -175,7 +175,10 @@ class MixtureSampler(Sampler[int]):
         self._chunk: _Chunk | None = None
         self._chunk_draws = _MIN_CHUNK_DRAWS
         self._iter_token: object | None = None
-        self._index_log: collections.deque[int] | None = None  # indices yielded, while logging
+        # while logging: the chunks whose yielded indices are not all taken yet, and how many of the
+        # first one's were taken
+        self._index_log: collections.deque[_Chunk] | None = None
+        self._log_taken = 0
         self._block_cache: dict[int, np.ndarray] = {}
         self._group_cache: list[dict[int, np.ndarray]] = [{} for _ in self._names]
 
@@ -351,15 +354,23 @@ class MixtureSampler(Sampler[int]):
         log = self._index_log
         if log is None:
             raise RuntimeError("this sampler does not log its indices: call log_indices() first")
+        available = sum(chunk.consumed for chunk in log) - self._log_taken
         if count is None:
-            out = list(log)
-            log.clear()
-            return out
-        if count > len(log):
+            count = available
+        elif count > available:
             raise RuntimeError(
-                f"{count} logged indices asked for, {len(log)} were yielded since the last take"
+                f"{count} logged indices asked for, {available} were yielded since the last take"
             )
-        return [log.popleft() for _ in range(count)]
+        out: list[int] = []
+        while len(out) < count:
+            chunk = log[0]
+            take = min(chunk.consumed - self._log_taken, count - len(out))
+            out.extend(chunk.indices[self._log_taken : self._log_taken + take])
+            self._log_taken += take
+            if self._log_taken == chunk.consumed and chunk is not self._chunk:  # done yielding
+                log.popleft()
+                self._log_taken = 0
+        return out
 
     def update_weights(self, weights: Mapping[str, float], temperature: float | None = None) -> None:
         """Set new weights (and optionally temperature), effective from the very next index yielded.
@@ -405,11 +416,10 @@ class MixtureSampler(Sampler[int]):
         while self._iter_token is token:
             chunk = self._build_chunk()
             self._chunk = chunk
-            log = self._index_log
+            if self._index_log is not None:  # logged by chunk: no cost per index
+                self._index_log.append(chunk)
             for consumed, index in enumerate(chunk.indices, 1):
                 chunk.consumed = consumed
-                if log is not None:  # checked per chunk too: the fast path stays a bare yield
-                    log.append(index)
                 yield index
                 if self._chunk is not chunk:  # weights changed, state loaded or a new iterator started
                     break
@@ -548,6 +558,7 @@ class MixtureSampler(Sampler[int]):
         self._loads += 1
         if self._index_log is not None:  # indices yielded before the jump are not the new position's
             self._index_log.clear()
+            self._log_taken = 0
         self._draws = draws
         self._taken = taken
         self._yielded = yielded
