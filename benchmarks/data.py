@@ -10,8 +10,8 @@ Figures (medians over repeats):
   since generating 1e8 draws just to snapshot them would dominate the benchmark.
 * ``elastic_*`` -- the same restore for a resume on another data-parallel size: a snapshot of rank 0
   of a 2-rank run loaded into a 1-rank sampler (``2to1``) against one loaded into rank 0 of 2 ranks
-  again (``2to2``), at draws 1e3 and 1e8 (load plus the first index): the position is global, so a
-  change of size costs what a same-size resume costs, whatever the depth.
+  again (``2to2``), at draws 1e3 and 1e8 (load alone, and load plus the first index): the position
+  is global, so a change of size costs what a same-size resume costs, whatever the depth.
 
 Usage: ``python benchmarks/data.py [--quick]``. Only index generation is measured; no items are read.
 """
@@ -133,7 +133,9 @@ def main() -> None:
     two_shallow, two_mid = snapshot_at(1_000, 2), snapshot_at(1_000_000, 2)
     for label, state in (("1e3", two_shallow), ("1e8", scaled(two_mid, 100))):
         for target, world in (("2to1", 1), ("2to2", 2)):
-            figures[f"elastic_{target}_at_{label}_first_index_s"] = restore_times(state, repeats, world)[1]
+            load, first = restore_times(state, repeats, world)
+            figures[f"elastic_{target}_at_{label}_load_s"] = load
+            figures[f"elastic_{target}_at_{label}_first_index_s"] = first
     for name, value in figures.items():
         unit = "indices/s" if name.startswith("throughput") else "s"
         print(f"{name}: {value:.4g} {unit}")
@@ -167,7 +169,10 @@ def main() -> None:
             figures["elastic_2to1_at_1e8_first_index_s"],
             figures["elastic_2to2_at_1e8_first_index_s"],
         )
-        other_shallow = figures["elastic_2to1_at_1e3_first_index_s"]
+        deep_other, shallow_other = (
+            figures["elastic_2to1_at_1e8_load_s"],
+            figures["elastic_2to1_at_1e3_load_s"],
+        )
         table += [
             {
                 "figure": "resume on other dp size (2 -> 1) vs same (2 -> 2), draw 1e8 (load + 1st index)",
@@ -179,13 +184,13 @@ def main() -> None:
                 "unit": "ms",
             },
             {
-                "figure": "resume on another dp size (2 -> 1) at draw 1e8 vs at 1e3 (load + first index)",
-                "hookloop": other * 1e3,
-                "reference": other_shallow * 1e3,
-                "ratio": other / other_shallow,
+                "figure": "resume on another dp size (2 -> 1) at draw 1e8 vs at 1e3 (load_state_dict)",
+                "hookloop": deep_other * 1e6,
+                "reference": shallow_other * 1e6,
+                "ratio": deep_other / shallow_other,
                 "target": "independent of depth (<= 2)",
-                "met": other / other_shallow <= 2,
-                "unit": "ms",
+                "met": deep_other / shallow_other <= 2,
+                "unit": "us",
             },
         ]
         args.json.write_text(json.dumps({"benchmark": "data", "figures": table, "raw": figures}, indent=2))
