@@ -21,7 +21,10 @@ Resume
     sampler's read-ahead position) plus that step, so loading it with the trainer counters continues
     with exactly the batches the uninterrupted run would have had, in O(1). The active phase follows
     from the step. Use :class:`engine.data.MixtureLoader` as the training loader so that a
-    checkpointer saving the loader position gets the same exact position with workers.
+    checkpointer saving the loader position gets the same exact position with workers. The position
+    is a global draw count, so a run may resume on another number of data-parallel ranks (logged):
+    with the same global batch ``D`` every step draws what it would have drawn; a different ``D`` is
+    a ``ConfigError`` at TRAIN_START.
 
 Learning rate
     Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, where ``scheduler_lr`` is what the

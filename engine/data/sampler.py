@@ -496,8 +496,9 @@ class MixtureSampler(Sampler[int]):
 
         The seed, weights, temperature, scheduled changes and position come from ``state_dict``;
         ``rank`` and ``world_size`` stay this sampler's, so a run may resume on a different number of
-        ranks (all ranks must load the same ``draws``). Raises ``ConfigError`` when the state does not
-        belong to this mixture.
+        ranks (all ranks must load the same ``draws``; the per-rank ``yielded`` counts of
+        :meth:`consumed_per_source` then continue from the loaded state's rank's). Raises
+        ``ConfigError`` when the state does not belong to this mixture.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
