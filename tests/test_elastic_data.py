@@ -189,3 +189,15 @@ def test_map_style_loader_killed_at_dp2_resumes_at_dp1_then_dp2(tmp_path):
     ok(run_torchrun(SCRIPT, 2, [str(run), "--steps", str(total)], timeout=180))
     assert global_batches(run) == ref2
     shutil.rmtree(run / "checkpoints")
+
+
+def test_a_rollback_cuts_the_lines_of_the_steps_it_undoes(project):
+    if not (project / "runs/ref1").exists():
+        ok(train(project, 1, "ref1"))
+    # microbatch 10 is in step 3 (4 microbatches per step at dp=1): NaN, roll back to step 2, rewind
+    # the data and train step 3 again on the same samples
+    args = ["fault.nan_microbatches=[10]", "nan.max_consecutive=1", "nan.skip_data_on_rollback=false"]
+    proc = train(project, 1, "rollback", *args)
+    ok(proc)
+    assert "rolled back to" in proc.stderr
+    assert global_batches(project / "runs/rollback") == global_batches(project / "runs/ref1")
