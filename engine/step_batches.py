@@ -156,19 +156,13 @@ class StepBatches:
         accum = self.grad_accum_steps
         generators = checkpoint_io.data_generators(self.data)
         resume, self._resume = self._resume, None
-        if (
-            resume is not None
-            and resume.get("global_batch")
-            and self.global_batch()
-            not in (
-                None,
-                resume["global_batch"],
-            )
-        ):
+        saved_batch = resume.get("global_batch") if resume is not None else None
+        current_batch = self.global_batch()
+        if saved_batch and current_batch and saved_batch != current_batch:
             raise ConfigError(
                 "grad_accum_steps",
-                f"the checkpoint's data position was taken with {resume['global_batch']} samples per "
-                f"optimizer step over all data-parallel ranks, this run takes {self.global_batch()} "
+                f"the checkpoint's data position was taken with {saved_batch} samples per "
+                f"optimizer step over all data-parallel ranks, this run takes {current_batch} "
                 "(batch_size x data-parallel ranks x grad_accum_steps); keep the global batch "
                 "(step_scheduler.global_batch_size) so that each step takes the samples it would have "
                 "taken without the restart",
