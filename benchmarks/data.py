@@ -8,6 +8,10 @@ Figures (medians over repeats):
   run, and to get the first index after it. The snapshots at 1e3 and 1e6 come from real runs; the
   one at 1e8 is the 1e6 snapshot with every counter scaled by 100 (an equally valid position),
   since generating 1e8 draws just to snapshot them would dominate the benchmark.
+* ``elastic_*`` -- the same restore for a resume on another data-parallel size: a snapshot of rank 0
+  of a 2-rank run loaded into a 1-rank sampler (``2to1``) against one loaded into rank 0 of 2 ranks
+  again (``2to2``), at draws 1e3 and 1e8 (load alone, and load plus the first index): the position
+  is global, so a change of size costs what a same-size resume costs, whatever the depth.
 
 Usage: ``python benchmarks/data.py [--quick]``. Only index generation is measured; no items are read.
 """
@@ -75,9 +79,9 @@ def throughput(n: int, repeats: int, *, rank: int = 0, world_size: int = 1, upda
     return statistics.median(rates)
 
 
-def snapshot_at(draws: int) -> dict:
-    sampler = MixtureSampler(mixture(), WEIGHTS, seed=0)
-    consume(iter(sampler), draws)
+def snapshot_at(draws: int, world_size: int = 1) -> dict:
+    sampler = MixtureSampler(mixture(), WEIGHTS, seed=0, world_size=world_size)
+    consume(iter(sampler), draws // world_size)
     return sampler.state_dict()
 
 
@@ -91,11 +95,12 @@ def scaled(state: dict, factor: int) -> dict:
     return deep
 
 
-def restore_times(state: dict, repeats: int) -> tuple[float, float]:
-    """Median seconds for load_state_dict alone, and for load plus the first index."""
+def restore_times(state: dict, repeats: int, world_size: int = 1) -> tuple[float, float]:
+    """Median seconds for load_state_dict alone, and for load plus the first index, into rank 0 of
+    ``world_size`` ranks."""
     load, first = [], []
     for _ in range(repeats):
-        sampler = MixtureSampler(mixture(), WEIGHTS, seed=0)
+        sampler = MixtureSampler(mixture(), WEIGHTS, seed=0, world_size=world_size)
         start = time.perf_counter()
         sampler.load_state_dict(state)
         loaded = time.perf_counter()
@@ -125,6 +130,12 @@ def main() -> None:
         load, first = restore_times(state, repeats)
         figures[f"restore_at_{label}_load_s"] = load
         figures[f"restore_at_{label}_first_index_s"] = first
+    two_shallow, two_mid = snapshot_at(1_000, 2), snapshot_at(1_000_000, 2)
+    for label, state in (("1e3", two_shallow), ("1e8", scaled(two_mid, 100))):
+        for target, world in (("2to1", 1), ("2to2", 2)):
+            load, first = restore_times(state, repeats, world)
+            figures[f"elastic_{target}_at_{label}_load_s"] = load
+            figures[f"elastic_{target}_at_{label}_first_index_s"] = first
     for name, value in figures.items():
         unit = "indices/s" if name.startswith("throughput") else "s"
         print(f"{name}: {value:.4g} {unit}")
@@ -151,6 +162,34 @@ def main() -> None:
                 "ratio": deep_load / shallow_load,
                 "target": "independent of depth (<= 2)",
                 "met": deep_load / shallow_load <= 2,
+                "unit": "us",
+            },
+        ]
+        other, same = (
+            figures["elastic_2to1_at_1e8_first_index_s"],
+            figures["elastic_2to2_at_1e8_first_index_s"],
+        )
+        deep_other, shallow_other = (
+            figures["elastic_2to1_at_1e8_load_s"],
+            figures["elastic_2to1_at_1e3_load_s"],
+        )
+        table += [
+            {
+                "figure": "resume on other dp size (2 -> 1) vs same (2 -> 2), draw 1e8 (load + 1st index)",
+                "hookloop": other * 1e3,
+                "reference": same * 1e3,
+                "ratio": other / same,
+                "target": "no dearer than a same-size resume (<= 2)",
+                "met": other / same <= 2,
+                "unit": "ms",
+            },
+            {
+                "figure": "resume on another dp size (2 -> 1) at draw 1e8 vs at 1e3 (load_state_dict)",
+                "hookloop": deep_other * 1e6,
+                "reference": shallow_other * 1e6,
+                "ratio": deep_other / shallow_other,
+                "target": "independent of depth (<= 2)",
+                "met": deep_other / shallow_other <= 2,
                 "unit": "us",
             },
         ]

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hookloop.engine import checkpoint_io
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups"]
 
@@ -115,11 +116,29 @@ class StepBatches:
                     return candidate
         return None
 
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step over all data-parallel ranks, when the data tells: a loader's
+        ``batch_size`` x its sampler's ranks (``world_size`` of a ``MixtureSampler``, ``num_replicas``
+        of a ``DistributedSampler``) x ``grad_accum_steps``; else None."""
+        data = self.data
+        batch_size = getattr(data, "batch_size", None)
+        sampler = getattr(data, "mixture_sampler", None)  # (an endless sampler has no truth value)
+        if sampler is None:
+            sampler = getattr(data, "sampler", None)
+        ranks = getattr(sampler, "world_size", None)
+        if ranks is None:
+            ranks = getattr(sampler, "num_replicas", None)
+        if not isinstance(batch_size, int) or not isinstance(ranks, int):
+            return None
+        return batch_size * ranks * self.grad_accum_steps
+
     def state_dict(self) -> dict[str, Any]:
         """The data position after the microbatches handed out so far in this pass."""
         state: dict[str, Any] = {
             "microbatches": self.consumed,
             "steps": self.steps,
+            "grad_accum_steps": self.grad_accum_steps,
+            "global_batch": self.global_batch(),
             "pass_start_rng": self._pass_start_rng,
         }
         source = self.stateful_source()
@@ -137,12 +156,28 @@ class StepBatches:
         accum = self.grad_accum_steps
         generators = checkpoint_io.data_generators(self.data)
         resume, self._resume = self._resume, None
+        saved_batch = resume.get("global_batch") if resume is not None else None
+        current_batch = self.global_batch()
+        if saved_batch and current_batch and saved_batch != current_batch:
+            raise ConfigError(
+                "grad_accum_steps",
+                f"the checkpoint's data position was taken with {saved_batch} samples per "
+                f"optimizer step over all data-parallel ranks, this run takes {current_batch} "
+                "(batch_size x data-parallel ranks x grad_accum_steps); keep the global batch "
+                "(step_scheduler.global_batch_size) so that each step takes the samples it would have "
+                "taken without the restart",
+            )
         skip, self.skip_next = self.skip_next, 0
         first_pass = self.passes == 0
         self.passes += 1
         self.consumed = self.steps = 0
         resumed_at = resume.get("microbatches", 0) if resume is not None else 0
         replay = resumed_at > 0 and "source" not in resume
+        saved_accum = resume.get("grad_accum_steps") if resume is not None else None
+        if replay and saved_accum not in (None, accum) and resumed_at == resume["steps"] * saved_accum:
+            # Another accumulation (a resume on another number of data-parallel ranks with the same
+            # global batch): the steps done are what counts, in this run's microbatches.
+            resumed_at = resume["steps"] * accum
         if resume is not None and "source" in resume:
             self.stateful_source().load_state_dict(resume["source"])
         if replay and resume.get("pass_start_rng") is not None:

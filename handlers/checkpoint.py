@@ -1198,7 +1198,8 @@ class AsyncCheckpointer(Handler):
             own = os.path.join(path, "rank_00000.json")
             logger.warning(
                 "%s was written by a different number of ranks: rank %d takes rank 0's data position "
-                "and RNG states",
+                "and RNG states (a MixtureLoader or MixtureSampler position is global, so the data "
+                "continues exactly; a replayed loader skips the steps done)",
                 path,
                 parallel.rank(),
             )

@@ -21,7 +21,10 @@ Resume
     sampler's read-ahead position) plus that step, so loading it with the trainer counters continues
     with exactly the batches the uninterrupted run would have had, in O(1). The active phase follows
     from the step. Use :class:`engine.data.MixtureLoader` as the training loader so that a
-    checkpointer saving the loader position gets the same exact position with workers.
+    checkpointer saving the loader position gets the same exact position with workers. The position
+    is a global draw count, so a run may resume on another number of data-parallel ranks (logged):
+    with the same global batch ``D`` every step draws what it would have drawn; a different ``D`` is
+    a ``ConfigError`` at TRAIN_START.
 
 Learning rate
     Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, where ``scheduler_lr`` is what the
@@ -142,6 +145,7 @@ class PhaseCurriculum(Handler):
         self._draws_per_step: int | None = None
         self._fixed_lrs: list[float] | None = None  # unscaled rates when there is no LR scheduler
         self._last_phase: int | None = None
+        self._loaded: tuple[int, int] | None = None  # (draws per step, data-parallel ranks) of a loaded state
 
     @classmethod
     def from_config(
@@ -249,6 +253,8 @@ class PhaseCurriculum(Handler):
     def _on_train_start(self) -> None:
         trainer, state, sampler = self.trainer, self.trainer.state, self.sampler
         draws_per_step = self._infer_samples_per_step() * sampler.world_size
+        if self._loaded is not None:
+            self._check_global_batch(draws_per_step)
         if self._anchor is not None and self._completed is not None:
             consumed = self._draws_after(self._completed)  # after the last step that trained
         else:
@@ -265,6 +271,32 @@ class PhaseCurriculum(Handler):
         self._last_phase = None
         self._apply_lr(state.step + 1)
         state.lr = trainer.optimizer.param_groups[0]["lr"]
+
+    def _check_global_batch(self, draws_per_step: int) -> None:
+        """A resumed run must take the checkpoint's global batch per step, whatever its number of
+        data-parallel ranks: then step ``k`` draws the same global samples as in an unbroken run."""
+        (saved, saved_ranks), self._loaded = self._loaded, None  # type: ignore[misc]
+        sampler = self.sampler
+        per_rank = draws_per_step // sampler.world_size
+        if saved and saved != draws_per_step:
+            raise ConfigError(
+                "step_scheduler.global_batch_size",
+                f"the checkpoint at step {self._completed} was trained with {saved} samples per optimizer "
+                f"step over all data-parallel ranks, this run takes {draws_per_step} ({per_rank} per rank x "
+                f"{sampler.world_size} ranks); resume with global_batch_size={saved} (local_batch_size x "
+                "grad_accum_steps x data-parallel size) so that every step takes the samples it would have "
+                "taken without the restart",
+            )
+        if saved_ranks and saved_ranks != sampler.world_size:
+            logger.info(
+                "elastic resume at step %s: data written by %d data-parallel ranks continues on %d; "
+                "global batch %d samples per step kept (%d per rank per step)",
+                self._completed,
+                saved_ranks,
+                sampler.world_size,
+                draws_per_step,
+                per_rank,
+            )
 
     def _schedule(self) -> list[tuple[int, dict[str, float], float]]:
         s0, d0 = self._anchor  # type: ignore[misc]
@@ -384,6 +416,7 @@ class PhaseCurriculum(Handler):
             self._draws_per_step = int(state_dict["draws_per_step"])
         else:
             self._draws_per_step = 0
+        self._loaded = (self._draws_per_step, int(state_dict["sampler"].get("world_size") or 0))
         if state_dict.get("unscaled_lrs") is not None:
             self._fixed_lrs = [float(lr) for lr in state_dict["unscaled_lrs"]]
         if state_dict.get("phase") != self.phase_index(step):

@@ -14,6 +14,7 @@ from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.prepare import DOC_SEPARATOR, prepare_tokens, stdlib_docs_text, stdlib_source_files
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, TokenDataset, read_token_metadata
+from hookloop.engine.data.trace import SampleTrace, read_sample_traces
 
 __all__ = [
     "DOC_SEPARATOR",
@@ -21,8 +22,10 @@ __all__ = [
     "MixtureDataset",
     "MixtureLoader",
     "MixtureSampler",
+    "SampleTrace",
     "TokenDataset",
     "prepare_tokens",
+    "read_sample_traces",
     "read_token_metadata",
     "stdlib_docs_text",
     "stdlib_source_files",

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-from hookloop.engine.checks import check_int, check_number, check_str
+from hookloop.engine.checks import check_bool, check_int, check_number, check_str
 from hookloop.engine.errors import ConfigError
 
 __all__ = ["DataConfig", "Phase", "PhaseConfig", "check_phases"]
@@ -116,6 +116,9 @@ class DataConfig:
     #: ranks, so the validation loss is the same whatever the world size (0: no validation)
     val_samples: int = 64
     num_workers: int = 0  # DataLoader worker processes (0: load in the training process)
+    #: write ``samples-rank<R>.jsonl`` into the run directory: per optimizer step, the ids
+    #: (``"<dataset>:<index>"``) of the samples data-parallel rank R trained on (docs/data.md)
+    trace_samples: bool = False
 
     def validate(self, prefix: str = "data") -> None:
         p = prefix
@@ -139,3 +142,4 @@ class DataConfig:
         check_number(f"{p}.val_fraction", self.val_fraction, low=0, below=1)
         check_int(f"{p}.val_samples", self.val_samples, low=0)
         check_int(f"{p}.num_workers", self.num_workers, low=0)
+        check_bool(f"{p}.trace_samples", self.trace_samples)

@@ -45,6 +45,7 @@ class MixtureLoader(DataLoader):
         self.mixture_sampler = sampler
         self._position: int | None = None  # global draws after the last batch returned
         self._loads = sampler._loads
+        self._returned: list[list[int]] | None = None  # indices of the batches returned, while logging
 
     @property
     def draws_per_batch(self) -> int:
@@ -72,14 +73,33 @@ class MixtureLoader(DataLoader):
             sampler.load_state_dict(sampler.state_dict_at(self._position))
             self._loads = sampler._loads
         step = self.draws_per_batch
+        logging = self._returned is not None
+        if logging:
+            sampler.take_logged()  # whatever an earlier iterator read ahead is back in the stream
         iterator = super().__iter__()
         try:
             for batch in iterator:
                 self._sync()
                 self._position += step
+                if logging:  # batches come back in the order their indices were drawn
+                    self._returned.append(sampler.take_logged(self.batch_size))
                 yield batch
         finally:
             del iterator  # shut the workers down now, not at garbage collection
+
+    def log_batches(self) -> None:
+        """From now on keep the sampler indices of every batch this loader returns, until
+        :meth:`take_returned` takes them (exact with workers too: only returned batches count)."""
+        if self._returned is None:
+            self.mixture_sampler.log_indices()
+            self._returned = []
+
+    def take_returned(self) -> list[list[int]]:
+        """The indices of each batch returned since the last call (oldest first), removed."""
+        if self._returned is None:
+            raise RuntimeError("this loader does not log its batches: call log_batches() first")
+        out, self._returned = self._returned, []
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler state right after the last batch returned (JSON-safe)."""

@@ -51,6 +51,7 @@ The stream is infinite: ``len()`` raises ``TypeError``; bound the run by steps (
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -174,6 +175,10 @@ class MixtureSampler(Sampler[int]):
         self._chunk: _Chunk | None = None
         self._chunk_draws = _MIN_CHUNK_DRAWS
         self._iter_token: object | None = None
+        # while logging: the chunks whose yielded indices are not all taken yet, and how many of the
+        # first one's were taken
+        self._index_log: collections.deque[_Chunk] | None = None
+        self._log_taken = 0
         self._block_cache: dict[int, np.ndarray] = {}
         self._group_cache: list[dict[int, np.ndarray]] = [{} for _ in self._names]
 
@@ -336,6 +341,37 @@ class MixtureSampler(Sampler[int]):
         counts = taken if all_ranks else yielded
         return {name: int(c) for name, c in zip(self._names, counts)}
 
+    def log_indices(self) -> None:
+        """From now on keep every index this sampler yields, in order, until :meth:`take_logged`
+        takes it (what ``data.trace_samples`` reads). A :meth:`load_state_dict` (a jump) drops the
+        indices not yet taken. Logging changes nothing in the stream."""
+        if self._index_log is None:
+            self._index_log = collections.deque()
+            self._invalidate()  # the next index comes from a chunk that logs
+
+    def take_logged(self, count: int | None = None) -> list[int]:
+        """The oldest ``count`` logged indices (all of them when None), removed from the log."""
+        log = self._index_log
+        if log is None:
+            raise RuntimeError("this sampler does not log its indices: call log_indices() first")
+        available = sum(chunk.consumed for chunk in log) - self._log_taken
+        if count is None:
+            count = available
+        elif count > available:
+            raise RuntimeError(
+                f"{count} logged indices asked for, {available} were yielded since the last take"
+            )
+        out: list[int] = []
+        while len(out) < count:
+            chunk = log[0]
+            take = min(chunk.consumed - self._log_taken, count - len(out))
+            out.extend(chunk.indices[self._log_taken : self._log_taken + take])
+            self._log_taken += take
+            if self._log_taken == chunk.consumed and chunk is not self._chunk:  # done yielding
+                log.popleft()
+                self._log_taken = 0
+        return out
+
     def update_weights(self, weights: Mapping[str, float], temperature: float | None = None) -> None:
         """Set new weights (and optionally temperature), effective from the very next index yielded.
 
@@ -380,6 +416,8 @@ class MixtureSampler(Sampler[int]):
         while self._iter_token is token:
             chunk = self._build_chunk()
             self._chunk = chunk
+            if self._index_log is not None:  # logged by chunk: no cost per index
+                self._index_log.append(chunk)
             for consumed, index in enumerate(chunk.indices, 1):
                 chunk.consumed = consumed
                 yield index
@@ -458,8 +496,9 @@ class MixtureSampler(Sampler[int]):
 
         The seed, weights, temperature, scheduled changes and position come from ``state_dict``;
         ``rank`` and ``world_size`` stay this sampler's, so a run may resume on a different number of
-        ranks (all ranks must load the same ``draws``). Raises ``ConfigError`` when the state does not
-        belong to this mixture.
+        ranks (all ranks must load the same ``draws``; the per-rank ``yielded`` counts of
+        :meth:`consumed_per_source` then continue from the loaded state's rank's). Raises
+        ``ConfigError`` when the state does not belong to this mixture.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
@@ -518,6 +557,9 @@ class MixtureSampler(Sampler[int]):
         self._seed = seed
         self._segments = [first, *later]
         self._loads += 1
+        if self._index_log is not None:  # indices yielded before the jump are not the new position's
+            self._index_log.clear()
+            self._log_taken = 0
         self._draws = draws
         self._taken = taken
         self._yielded = yielded

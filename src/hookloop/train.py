@@ -46,6 +46,7 @@ from hookloop.engine.data import (
     MixtureDataset,
     MixtureLoader,
     MixtureSampler,
+    SampleTrace,
     TokenDataset,
     prepare_tokens,
     stdlib_docs_text,
@@ -391,6 +392,10 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
         run_dir=run_dir,
         flops_per_token=flops_per_token,
     )
+    if cfg.data.trace_samples:  # one file per data-parallel rank, written by its first pipeline stage
+        SampleTrace(run_dir, train_loader, rank=dp_rank, world_size=dp, write=info.rank % pp == 0).attach(
+            trainer
+        )
     if val_loader is not None:
         trainer.set_validation(val_loader)
     start = [0]  # the step this process starts at, once the checkpointer has resumed

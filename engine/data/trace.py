@@ -1,0 +1,167 @@
+"""The samples each optimizer step trained on, one JSON line per step and data-parallel rank.
+
+:class:`SampleTrace` writes ``samples-rank<R>.jsonl`` into the run directory (``R`` is the
+data-parallel rank), one line per optimizer step this rank trained::
+
+    {"step": 12, "ids": ["docs:1234", "code:77", ...]}
+
+An id is ``"<dataset name>:<index within that dataset>"``, in the order the rank consumed the
+samples (microbatch by microbatch). The union of every rank's ``ids`` for a step is that step's
+global batch.
+
+Resume rule: at TRAIN_START (after a checkpoint was restored) every trace file in the run
+directory is cut to the lines of steps ``<=`` the step the run starts from, and a rollback cuts this
+rank's file to the step restored. Lines of steps that trained after the last checkpoint of a killed
+run are therefore gone before the resumed run trains those steps again, so each file holds each step
+at most once and the files together describe exactly the run's surviving history, also when the
+number of ranks changed (rank 0 cuts the files of ranks the new run no longer has).
+
+Sources it reads: a :class:`MixtureLoader` (exact with worker processes: only returned batches
+count), or a ``DataLoader`` without workers drawing from a :class:`MixtureSampler` (the map-style
+path: ``DataLoader(mixture, batch_size, sampler=MixtureSampler(...))``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hookloop.engine.data.loader import MixtureLoader
+from hookloop.engine.data.mixture import MixtureDataset
+from hookloop.engine.data.sampler import MixtureSampler
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+
+__all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
+
+_FILE = re.compile(r"^samples-rank(\d+)\.jsonl$")
+
+
+def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    """``<run_dir>/samples-rank<rank>.jsonl``."""
+    return Path(run_dir) / f"samples-rank{rank}.jsonl"
+
+
+def read_sample_traces(run_dir: str | os.PathLike) -> dict[int, dict[int, list[str]]]:
+    """``{rank: {step: ids}}`` from every trace file in ``run_dir``. A step twice in one file is an
+    error (the resume rule guarantees it never is)."""
+    out: dict[int, dict[int, list[str]]] = {}
+    for path in sorted(Path(run_dir).iterdir()):
+        match = _FILE.match(path.name)
+        if not match:
+            continue
+        steps: dict[int, list[str]] = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["step"] in steps:
+                raise ValueError(f"{path} holds step {row['step']} twice")
+            steps[row["step"]] = row["ids"]
+        out[int(match.group(1))] = steps
+    return out
+
+
+def _cut(path: Path, last_step: int) -> None:
+    """Keep the lines of steps ``<= last_step`` (atomically: a reader sees the old or the new file)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+class SampleTrace:
+    """Write the ids of the samples each step consumed on this rank (see the module docs).
+
+    Args:
+        run_dir: where ``samples-rank<rank>.jsonl`` goes.
+        data: the training loader: a :class:`MixtureLoader`, or a ``DataLoader`` with
+            ``num_workers=0`` whose sampler is a :class:`MixtureSampler`.
+        rank, world_size: this process's data-parallel rank and the number of data-parallel ranks.
+        write: False on processes that share a data-parallel rank's data without owning its file
+            (pipeline stages after the first); they still cut nothing and write nothing.
+    """
+
+    def __init__(
+        self, run_dir: str | os.PathLike, data: Any, *, rank: int = 0, world_size: int = 1, write: bool = True
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank, self.world_size, self.write = int(rank), int(world_size), bool(write)
+        self.path = trace_path(run_dir, rank)
+        self._take, self.mixture = self._source(data)
+        self._pending: list[int] = []
+        self.trainer: Any = None
+
+    @staticmethod
+    def _source(data: Any) -> tuple[Callable[[], list[int]], MixtureDataset]:
+        if isinstance(data, MixtureLoader):
+            data.log_batches()
+            return (
+                lambda: [i for batch in data.take_returned() for i in batch]
+            ), data.mixture_sampler.mixture
+        sampler = getattr(getattr(data, "batch_sampler", None), "sampler", None)
+        if isinstance(sampler, MixtureSampler) and getattr(data, "num_workers", None) == 0:
+            sampler.log_indices()
+            return sampler.take_logged, sampler.mixture
+        raise ConfigError(
+            "data.trace_samples",
+            f"needs a MixtureLoader or a DataLoader with num_workers=0 over a MixtureSampler, got "
+            f"{type(data).__name__}; use MixtureLoader (exact with workers too)",
+        )
+
+    def ids(self, indices: list[int]) -> list[str]:
+        """``"<name>:<index>"`` of each global mixture index."""
+        names, locate = self.mixture.names, self.mixture.locate
+        out = []
+        for index in indices:
+            source, local = locate(index)
+            out.append(f"{names[source]}:{local}")
+        return out
+
+    def attach(self, trainer: Any) -> SampleTrace:
+        self.trainer = trainer
+        # After the checkpointer restored the step (Priority.RESUME), before any step draws data.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ALIGN_PHASE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PHASE)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PHASE)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.ALIGN_AFTER_RESTORE)
+        return self
+
+    def _on_train_start(self) -> None:
+        self._take()  # nothing trained on yet: anything logged belongs to no step
+        self._pending = []
+        if not self.write:
+            return
+        step = self.trainer.state.step
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _cut(self.path, step)
+        if self.rank == 0:  # the files of ranks this run no longer has
+            for path in self.run_dir.glob("samples-rank*.jsonl"):
+                match = _FILE.match(path.name)
+                if match and int(match.group(1)) >= self.world_size:
+                    _cut(path, step)
+
+    def _on_step_start(self) -> None:
+        # The step's microbatches are fetched: everything returned since the last step is this step's.
+        self._pending = self._take()
+
+    def _on_step_end(self) -> None:
+        ids, self._pending = self.ids(self._pending), []
+        if self.write:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": int(self.trainer.state.step), "ids": ids}) + "\n")
+
+    def _on_rollback(self) -> None:
+        self._pending = []
+        if self.write:
+            _cut(self.path, self.trainer.state.step)
+
+    def __repr__(self) -> str:
+        return f"SampleTrace({self.path})"
