@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from ignite.engine import Engine
 
-from hookloop.engine import parallel
+from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
@@ -107,6 +107,10 @@ class Trainer(IgniteAdapter):
             bfloat16, in training and validation); ``"fp16-mixed"`` (autocast to float16 plus a
             ``torch.amp.GradScaler``, checkpointed as ``"grad_scaler"``: an overflow skips the step
             on every rank and sets ``state.grad_scaler_overflow``).
+        tp_mesh: the tensor-parallel mesh dimension when ``model`` is tensor-parallel
+            (:func:`engine.tensor_parallel.apply_tensor_parallel`): the ranks of one ``tp`` group
+            see the same samples, so only its first rank counts them (tokens, samples, MFU). None:
+            found from the parameters (a DTensor mesh dimension named ``"tp"``), else no TP.
     """
 
     state = _StateAttribute()  # type: ignore[assignment]
@@ -127,6 +131,7 @@ class Trainer(IgniteAdapter):
         hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
         graceful_sigint: bool = True,
         precision: str = "fp32",
+        tp_mesh: Any | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -216,6 +221,9 @@ class Trainer(IgniteAdapter):
         self._validation: tuple[Iterable, int | None, int | None] | None = None
         self._evaluator: Engine | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
+        #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
+        self.count_share = 1 if self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0 else 0
         self._loss_checked = False
         self._in_step = False
         self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
@@ -837,8 +845,9 @@ class Trainer(IgniteAdapter):
             loss = loss.detach()
             loss_sum = loss_sum + loss
             mb_samples, mb_tokens = count_batch(inputs)
-            samples += mb_samples
-            tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
+            if self.count_share:  # one rank of a tensor-parallel group counts its samples
+                samples += mb_samples
+                tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
             state.microbatch = i
             if watchdog is not None:
                 watchdog.feed()
@@ -969,9 +978,12 @@ class Trainer(IgniteAdapter):
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return 0.0
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
-            norm = norm.full_tensor()
+        if self.tp_mesh is not None:  # DTensor and plain gradients, several placements
+            norm = tensor_parallel.grad_norm(grads)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
+                norm = norm.full_tensor()
         if self.pipeline is not None:  # this rank holds only some stages: the norm over all of them
             norm = self.pipeline.reduce_grad_norm(norm)
         return norm
@@ -984,7 +996,12 @@ class Trainer(IgniteAdapter):
             state.skipped_steps += 1
         else:
             if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
+                if self.tp_mesh is not None:
+                    tensor_parallel.clip_grads_with_norm(self._params, self.grad_clip_norm, norm)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(
+                        self._params, self.grad_clip_norm, norm, foreach=True
+                    )
             if scaler is None:
                 self.optimizer.step()
             else:

@@ -51,8 +51,9 @@ from hookloop.engine.data import (
     stdlib_docs_text,
     stdlib_source_files,
 )
-from hookloop.engine.parallel import destroy_distributed
+from hookloop.engine.parallel import destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+from hookloop.engine.tensor_parallel import NO_PLAN_HINT, apply_tensor_parallel
 from hookloop.handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config
 from hookloop.recipe import ResolvedModel, resolve_model
 
@@ -168,6 +169,16 @@ def check(cfg: Any) -> ResolvedModel:
         raise ConfigError(
             "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
         )
+    if cfg.distributed.tp_size > 1:
+        if model.recipe.tp_plan is None:
+            raise ConfigError(
+                "distributed.tp_size",
+                f"model.target {model.target} has no tensor-parallel plan: {NO_PLAN_HINT}",
+            )
+        if cfg.train.compile is not False:
+            raise ConfigError(
+                "train.compile", "is not supported with distributed.tp_size > 1 yet; set train.compile=false"
+            )
     return model
 
 
@@ -276,7 +287,7 @@ def save_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
 
 
 def log_summary(
-    trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str
+    trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str, tp: int = 1
 ) -> None:
     """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
     resumes (so run it at a priority below ``Priority.RESUME``)."""
@@ -287,7 +298,7 @@ def log_summary(
         start = "fresh (step 0)"
     handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
     logger.info("model: %s, %s parameters", model, f"{n_params:,}")
-    logger.info("world size %d (dp %d x pp %d), precision %s", world, dp, pp, precision)
+    logger.info("world size %d (dp %d x tp %d x pp %d), precision %s", world, dp, tp, pp, precision)
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
     logger.info("handlers: %s", handlers)
@@ -304,9 +315,9 @@ def train(cfg: Any, model: ResolvedModel | None = None) -> int:
         return 2
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    pp = cfg.distributed.pp_size
+    pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")} if pp > 1 else {}
+    mesh = parallel_mesh(world, tp, pp)
     info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **mesh)
     try:
         return _train(cfg, model, info, pp)
@@ -321,8 +332,10 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     if info.is_main:
         save_config(cfg, run_dir)
     recipe = resolved.recipe
-    # Data is sharded over data-parallel replicas; pipeline stages of one replica share it.
-    dp, dp_rank = info.world_size // pp, info.rank // pp
+    # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
+    # one replica share it.
+    tp = cfg.distributed.tp_size
+    dp, dp_rank = info.world_size // (tp * pp), info.rank // (tp * pp)
     train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp, recipe.collate_fn)
 
     device = torch.device(cfg.train.device) if cfg.train.device else info.device
@@ -330,8 +343,14 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     flops_per_token = resolved.flops_per_token(model, cfg)  # of the whole model, before any split
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    # Activation checkpointing, then compile, both in place (state-dict keys unchanged) and before
+    # Tensor parallelism (without a pipeline; each stage's part is parallelized after the split),
+    # activation checkpointing, then compile, all in place (state-dict keys unchanged) and before
     # the pipeline split or the data-parallel wrapper, as torchtitan orders them.
+    tp_mesh = info.mesh_dim("tp") if tp > 1 else None
+    if tp_mesh is not None and pp == 1:
+        apply_tensor_parallel(
+            model, tp_mesh, recipe.tp_plan, sequence_parallel=cfg.distributed.sequence_parallel
+        )
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if compile_mode(cfg.train.compile) is not None:
         compile_model(model, cfg.train.compile)
@@ -343,12 +362,15 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
             info,
             recipe.loss_fn,
             dp_mode=cfg.distributed.dp_mode,
+            tp_plan=recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
         )
         model = runtime.module
     else:
         fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
+        dp_mesh = info.mesh_dim("dp") if tp_mesh is not None else info.mesh
         model = wrap_data_parallel(
-            model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
+            model, cfg.distributed.dp_mode, mesh=dp_mesh, mixed_precision=fsdp_precision
         )
     loss_fn = recipe.loss_fn
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
@@ -375,6 +397,7 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
         precision=cfg.train.precision,
+        tp_mesh=tp_mesh,
     )
     # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the step
     # scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then
@@ -409,6 +432,7 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
                 world=info.world_size,
                 dp=dp,
                 pp=pp,
+                tp=tp,
                 precision=cfg.train.precision,
             ),
             priority=Priority.RESUME - 1,
