@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hookloop.engine.errors import ConfigError
 from tests.dist_utils import run_distributed
 
 STEPS = 20
@@ -325,3 +326,139 @@ def test_llama_tp2_matches_one_process():
         assert got["loss"] == pytest.approx(ref["loss"], rel=REL)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL)
         assert got["tokens"] == ref["tokens"]
+
+
+# ---------------------------------------------------------------------- bad input, refused early
+def _config(overrides: list[str], world: int = 4):
+    from hookloop.train import check, load_training_config
+
+    cfg = load_training_config(
+        None,
+        [
+            "model.target=hookloop.models.gpt:recipe",
+            "train.seq_len=16",
+            "step_scheduler.max_steps=10",
+            *overrides,
+        ],
+        world_size=world,
+    )
+    return check(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "field", "words"),
+    [
+        (["distributed.tp_size=3"], 4, "distributed.tp_size", "must divide the world size (4)"),
+        (["distributed.tp_size=2", "distributed.pp_size=4"], 4, "distributed.tp_size", "must divide"),
+        (["distributed.tp_size=0"], 4, "distributed.tp_size", ""),
+        (["distributed.sequence_parallel=true"], 4, "distributed.sequence_parallel", "tp_size > 1"),
+        (["distributed.tp_size=4", "model.n_heads=2"], 4, "model.n_heads", "multiple of distributed.tp_size"),
+        (["distributed.tp_size=2", "model.vocab_size=63"], 2, "model.vocab_size", "multiple"),
+        (
+            ["distributed.tp_size=2", "distributed.sequence_parallel=true", "train.seq_len=15"],
+            2,
+            "train.seq_len",
+            "sequence_parallel",
+        ),
+        (["distributed.tp_size=2", "train.compile=true"], 2, "train.compile", "tp_size > 1"),
+    ],
+)
+def test_bad_layouts_are_refused_naming_the_field(overrides, world, field, words):
+    with pytest.raises(ConfigError) as caught:
+        _config(overrides, world)
+    assert caught.value.field == field
+    assert words in str(caught.value)
+
+
+def test_a_model_without_a_plan_is_refused_naming_what_to_provide(tmp_path):
+    model_file = tmp_path / "mine.py"
+    model_file.write_text(
+        "import torch\n\n"
+        "def build(seq_len: int = 16):\n"
+        "    return torch.nn.Sequential(torch.nn.Embedding(64, 8))\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        _config([f"model.target={model_file}:build", "distributed.tp_size=2"], 2)
+    assert caught.value.field == "distributed.tp_size"
+    assert "tp_plan" in str(caught.value) and "callable(model, tp_mesh)" in str(caught.value)
+
+
+def test_hf_models_refuse_what_their_plan_cannot_do():
+    pytest.importorskip("transformers")
+    llama = ["model.target=hookloop.models.hf:recipe", "model.hidden_size=32", "model.num_attention_heads=4"]
+    with pytest.raises(ConfigError) as caught:
+        _config([*llama, "model.num_key_value_heads=1", "distributed.tp_size=2"], 2)
+    assert caught.value.field == "model.num_key_value_heads"
+    with pytest.raises(ConfigError) as caught:
+        _config([*llama, "distributed.tp_size=2", "distributed.sequence_parallel=true"], 2)
+    assert caught.value.field == "distributed.sequence_parallel"
+    with pytest.raises(ConfigError) as caught:
+        _config(
+            ["model.target=hookloop.models.hf:recipe", "model.architecture=gpt2", "distributed.tp_size=2"], 2
+        )
+    assert caught.value.field == "model.architecture"
+
+
+def test_apply_tensor_parallel_takes_dicts_and_callables_and_refuses_none():
+    from hookloop.engine.tensor_parallel import apply_tensor_parallel
+
+    class OneRank:  # a size-1 mesh: nothing to split, the plan is not run
+        def size(self) -> int:
+            return 1
+
+    model = torch.nn.Linear(2, 2)
+    assert apply_tensor_parallel(model, OneRank(), {"": object()}) is model
+    with pytest.raises(ConfigError, match="tp_plan"):
+        apply_tensor_parallel(model, OneRank(), None)
+
+
+# ---------------------------------------------------------------------- the whole run, from a config
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
+    """``torchrun -m hookloop train`` at tp=2 with sequence parallelism: the step scheduler, a NaN
+    injected at one step (vetoed, then rolled back to the last checkpoint), validation, health
+    checks, metrics with FLOP figures and checkpoints; a second run resumes and has nothing left."""
+    import json
+
+    from tests.dist_utils import REPO, run_torchrun
+
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        str(REPO / "examples" / "configs" / "gpt_tiny.yaml"),
+        f"train.run_dir={run_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.n_layers=2",
+        "model.d_model=32",
+        "train.seq_len=16",
+        "train.local_batch_size=2",
+        "step_scheduler.global_batch_size=4",
+        "step_scheduler.max_steps=10",
+        "step_scheduler.ckpt_every_steps=4",
+        "step_scheduler.val_every_steps=5",
+        "lr.warmup_steps=2",
+        "logging.log_interval=1",
+        "nan.max_consecutive=1",
+        "fault.nan_microbatches=[12]",  # step 7's first microbatch (two per step)
+        "health.enabled=true",
+        "health.every_steps=3",
+        "metrics.peak_flops_per_device=1e12",
+        "distributed.tp_size=2",
+        "distributed.sequence_parallel=true",
+    ]
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world size 2 (dp 1 x tp 2 x pp 1)" in proc.stderr
+    assert proc.stdout.count("done: step 10, loss ") == 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    assert steps and all(r["mfu"] > 0 for r in steps)
+    # every token counted once: 4 samples x 16 tokens per step, not once per tensor-parallel rank
+    last = max(steps, key=lambda r: r["step"])
+    assert last["tokens_seen"] == 64 * last["step"]
+    assert any("val_loss" in r for r in rows)
+    assert "rolled back to" in proc.stderr
+    again = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "done: step 10, no step left to train" in again.stdout
