@@ -88,16 +88,22 @@ def init_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     mesh_shape: tuple[int, ...] | None = None,
     mesh_dim_names: tuple[str, ...] | None = None,
+    tp_size: int = 1,
+    pp_size: int = 1,
 ) -> DistInfo:
     """Join the process group torchrun describes, or return single-process info without one.
 
     ``backend`` defaults to nccl with CUDA, else gloo. Every collective on the group times out
     after ``timeout_s`` instead of hanging. The mesh defaults to one ``dp`` dimension; with tensor
-    and pipeline parallelism it is ``mesh_shape=(dp, tp, pp), mesh_dim_names=("dp", "tp", "pp")``
-    (see :func:`parallel_mesh`): the ranks of a ``pp`` group are neighbours, then those of a ``tp``
-    group, so ``rank // (tp * pp)`` is the data-parallel rank.
+    and pipeline parallelism it is ``mesh_shape=(dp, pp, tp), mesh_dim_names=("dp", "pp", "tp")``
+    (see :func:`parallel_mesh`), which ``tp_size`` / ``pp_size`` ask for without spelling it out.
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (tp_size, pp_size) != (1, 1):
+        if mesh_shape is not None:
+            raise ValueError("pass either mesh_shape (and mesh_dim_names) or tp_size / pp_size, not both")
+        layout = parallel_mesh(env_world, tp_size, pp_size)
+        mesh_shape, mesh_dim_names = layout.get("mesh_shape"), layout.get("mesh_dim_names")
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ConfigError("distributed.backend", f"must be 'gloo', 'nccl' or None (auto), got {backend!r}")
     if timeout_s <= 0:
@@ -135,7 +141,10 @@ _used_process_group = False
 def parallel_mesh(world: int, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """``init_distributed`` keyword arguments for a ``dp x tp x pp`` layout of ``world`` ranks:
     none (one ``dp`` dimension) without tp and pp, ``("dp", "pp")`` with pp alone, else the 3-D
-    ``("dp", "tp", "pp")`` mesh. ``tp * pp`` must divide ``world``."""
+    ``("dp", "pp", "tp")`` mesh: the ranks of a ``tp`` group are neighbours (on one node, where
+    the links are fastest: tensor parallelism talks in every layer), a pipeline's stages are ``tp``
+    ranks apart, and ``rank // (tp * pp)`` is the data-parallel rank. ``tp * pp`` must divide
+    ``world``."""
     if tp < 1 or pp < 1 or world % (tp * pp):
         raise ConfigError(
             "distributed.tp_size", f"tp ({tp}) x pp ({pp}) must divide the world size ({world})"
@@ -144,7 +153,7 @@ def parallel_mesh(world: int, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         return {}
     if tp == 1:
         return {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")}
-    return {"mesh_shape": (world // (tp * pp), tp, pp), "mesh_dim_names": ("dp", "tp", "pp")}
+    return {"mesh_shape": (world // (tp * pp), pp, tp), "mesh_dim_names": ("dp", "pp", "tp")}
 
 
 def exit_process(code: int) -> None:
