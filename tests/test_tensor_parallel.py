@@ -177,7 +177,9 @@ def _full_state(model, optimizer) -> dict:
     return out
 
 
-def _ckpt_worker(rank: int, world: int, tp: int, dp_mode: str, directory: str, max_steps: int) -> dict:
+def _ckpt_worker(
+    rank: int, world: int, tp: int, dp_mode: str, directory: str, max_steps: int, pp: int = 1
+) -> dict:
     """Train with the checkpointer in ``directory`` (saving every ``SAVE_AT`` steps, resuming from
     the newest checkpoint there) up to ``max_steps``; return the whole state right after the resume
     (or after the run, when nothing resumed), the step training resumed at and the last step."""
@@ -188,23 +190,37 @@ def _ckpt_worker(rank: int, world: int, tp: int, dp_mode: str, directory: str, m
     from hookloop.models.gpt import cross_entropy_loss, tp_plan
     from tests.conftest import tiny_gpt, token_batches
 
-    info = init_distributed("gloo", **parallel_mesh(world, tp))
-    dp = world // tp
-    dp_rank = rank // tp
+    info = init_distributed("gloo", **parallel_mesh(world, tp, pp))
+    dp = world // (tp * pp)
+    dp_rank = rank // (tp * pp)
     full = token_batches(8 * N_MB, batch=4)  # 4 samples per global microbatch at every layout
     per = 4 // dp
     local = [
         (x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]) for x, y in full
     ]
     model = tiny_gpt(**GPT_ARGS)
-    if tp > 1:
+    runtime = None
+    if pp > 1:
+        from hookloop.engine import build_pipeline
+        from hookloop.engine.pipeline import PipelineConfig
+
+        cfg = PipelineConfig(pp_schedule="1f1b", pp_microbatch_size=per, pp_batch_size=per * N_MB)
+        runtime = build_pipeline(model, cfg, info, cross_entropy_loss, dp_mode=dp_mode, tp_plan=tp_plan)
+        model = runtime.module
+    elif tp > 1:
         apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan)
         model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp"))
     else:
         model = wrap_data_parallel(model, dp_mode, mesh=info.mesh)
     optimizer = _optimizer(model.parameters())
     trainer = Trainer(
-        model, optimizer, cross_entropy_loss, grad_accum_steps=N_MB, grad_clip_norm=CLIP, hang_timeout_s=60
+        model,
+        optimizer,
+        cross_entropy_loss,
+        grad_accum_steps=N_MB,
+        grad_clip_norm=CLIP,
+        hang_timeout_s=60,
+        pipeline=runtime,
     )
     checkpointer = AsyncCheckpointer(directory, every_steps=SAVE_AT, mode="sync").attach(trainer)
     seen: dict = {}
@@ -221,7 +237,8 @@ def _ckpt_worker(rank: int, world: int, tp: int, dp_mode: str, directory: str, m
         seen["state"] = _full_state(model, optimizer)
     seen["step"] = state.step
     seen["loss"] = float(state.loss)
-    return seen if rank == 0 else {"start": seen["start"], "step": seen["step"]}
+    # a pipeline's stages hold different parameters: every rank's part counts
+    return seen if rank == 0 or pp > 1 else {"start": seen["start"], "step": seen["step"]}
 
 
 def _same_state(got: dict, saved: dict) -> list[str]:
@@ -462,3 +479,26 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
     again = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "done: step 10, no step left to train" in again.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
+    """Pipeline checkpoints name parameters by stage, so they move between pipeline layouts: saved
+    at pp=2 x tp=2, resumed at pp=2 alone with each stage's state equal bit for bit."""
+    import shutil
+
+    def merged(per_rank: list[dict]) -> dict:
+        out: dict = {}
+        for result in per_rank:
+            out.update(result["state"])
+        return out
+
+    saved = run_distributed(_ckpt_worker, 4, 2, "ddp", str(tmp_path / "saved"), SAVE_AT, 2, timeout=240)
+    assert [r["step"] for r in saved] == [SAVE_AT] * 4
+    shutil.copytree(tmp_path / "saved", tmp_path / "pp2")
+    resumed = run_distributed(_ckpt_worker, 2, 1, "ddp", str(tmp_path / "pp2"), SAVE_AT + 1, 2, timeout=240)
+    assert [(r["start"], r["step"]) for r in resumed] == [(SAVE_AT, SAVE_AT + 1)] * 2
+    reference = merged(saved)
+    assert any("qkv.weight" in k for k in reference) and any(k.endswith("exp_avg") for k in reference)
+    assert _same_state(merged(resumed), reference) == []
