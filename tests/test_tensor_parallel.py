@@ -378,6 +378,7 @@ def _config(overrides: list[str], world: int = 4):
             "sequence_parallel",
         ),
         (["distributed.tp_size=2", "train.compile=true"], 2, "train.compile", "tp_size > 1"),
+        (["distributed.tp_size=2", "train.precision=fp16-mixed"], 2, "train.precision", "bf16-mixed"),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_field(overrides, world, field, words):

@@ -179,6 +179,12 @@ def check(cfg: Any) -> ResolvedModel:
             raise ConfigError(
                 "train.compile", "is not supported with distributed.tp_size > 1 yet; set train.compile=false"
             )
+        if cfg.train.precision == "fp16-mixed":
+            raise ConfigError(
+                "train.precision",
+                "'fp16-mixed' (loss scaling) is not supported with distributed.tp_size > 1 yet; "
+                "use 'bf16-mixed' or 'fp32'",
+            )
     return model
 
 
