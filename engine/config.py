@@ -149,6 +149,7 @@ class DistributedConfig:
     pp_size: int = 1  # pipeline stages (ranks per pipeline); must divide the world size
     tp_size: int = 1  # tensor-parallel ranks per model replica (tp_size x pp_size divides the world size)
     sequence_parallel: bool = False  # with tp_size > 1: split activations between blocks along positions
+    loss_parallel: bool = False  # with tp_size > 1: cross entropy on vocabulary-sharded logits (no gather)
     timeout_s: float = 600.0  # the process group's timeout for one collective
     hang_timeout_s: Optional[float] = 1800.0  # no progress this long: exit 77 with a stack dump
 
@@ -159,6 +160,9 @@ class DistributedConfig:
         check_int(f"{p}.pp_size", self.pp_size)
         check_int(f"{p}.tp_size", self.tp_size)
         check_bool(f"{p}.sequence_parallel", self.sequence_parallel)
+        check_bool(f"{p}.loss_parallel", self.loss_parallel)
+        if self.loss_parallel and self.tp_size == 1:
+            raise ConfigError(f"{p}.loss_parallel", "needs distributed.tp_size > 1 (it shards the logits)")
         if self.sequence_parallel and self.tp_size == 1:
             raise ConfigError(
                 f"{p}.sequence_parallel",

@@ -39,6 +39,7 @@ __all__ = [
     "grad_norm",
     "find_tp_mesh",
     "is_dtensor",
+    "local_value",
 ]
 
 #: A tensor-parallel plan: module name -> ParallelStyle, or ``plan(model, tp_mesh[, sequence_parallel=])``.
@@ -58,6 +59,12 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def local_value(t: Any) -> Any:
+    """A DTensor as a plain tensor holding its whole value (``full_tensor()``: a replicated one
+    costs nothing, a sharded one is gathered); anything else as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
 def find_tp_mesh(params: Iterable[torch.Tensor]) -> Any:
     """The 1-D ``tp`` mesh of the first DTensor parameter whose mesh has a dimension named
     ``"tp"`` (also inside a 2-D ``("dp", "tp")`` mesh FSDP2 made), else None."""
@@ -71,13 +78,21 @@ def find_tp_mesh(params: Iterable[torch.Tensor]) -> Any:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: Any, plan: TPPlan | None, *, sequence_parallel: bool = False
+    model: nn.Module,
+    tp_mesh: Any,
+    plan: TPPlan | None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``tp_mesh`` (a 1-D device mesh) with ``plan``; returns it.
 
     A mapping plan goes to ``parallelize_module`` (``sequence_parallel`` must then be built into
     the mapping's styles); a callable plan is called as ``plan(model, tp_mesh)``, with
-    ``sequence_parallel=`` when its signature takes it. With ``tp_mesh`` of size 1 nothing changes.
+    ``sequence_parallel=`` and ``loss_parallel=`` when its signature takes them (a plan asked for
+    what it does not take is a ``ConfigError``). ``loss_parallel``: the plan leaves the logits a
+    DTensor sharded over the vocabulary (train with ``Trainer(loss_parallel=True)``). With
+    ``tp_mesh`` of size 1 nothing changes.
     """
     if plan is None:
         raise ConfigError(
@@ -85,13 +100,15 @@ def apply_tensor_parallel(
         )
     if tp_mesh is None or tp_mesh.size() == 1:
         return model
+    asked = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
     if isinstance(plan, Mapping):
-        if sequence_parallel:
-            raise ConfigError(
-                "distributed.sequence_parallel",
-                "a dict plan cannot switch sequence parallelism on: put SequenceParallel() styles "
-                "(and Shard(1) layouts) in the dict itself, or give a callable plan taking sequence_parallel",
-            )
+        for name, on in asked.items():
+            if on:
+                raise ConfigError(
+                    f"distributed.{name}",
+                    f"a dict plan cannot switch {name} on: build it into the dict's styles (layouts), "
+                    f"or give a callable plan taking {name}",
+                )
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, dict(plan))
@@ -100,16 +117,17 @@ def apply_tensor_parallel(
         raise TypeError(
             f"a tensor-parallel plan is a dict or a callable(model, tp_mesh), got {type(plan).__name__}"
         )
-    if _takes_keyword(plan, "sequence_parallel"):
-        plan(model, tp_mesh, sequence_parallel=sequence_parallel)
-    else:
-        if sequence_parallel:
+    kwargs = {}
+    for name, on in asked.items():
+        if _takes_keyword(plan, name):
+            kwargs[name] = on
+        elif on:
             raise ConfigError(
-                "distributed.sequence_parallel",
-                f"the plan {getattr(plan, '__name__', plan)!r} takes no sequence_parallel argument; "
-                "give it one or set distributed.sequence_parallel=false",
+                f"distributed.{name}",
+                f"the plan {getattr(plan, '__name__', plan)!r} takes no {name} argument; "
+                f"give it one or set distributed.{name}=false",
             )
-        plan(model, tp_mesh)
+    plan(model, tp_mesh, **kwargs)
     return model
 
 

@@ -111,6 +111,10 @@ class Trainer(IgniteAdapter):
             (:func:`engine.tensor_parallel.apply_tensor_parallel`): the ranks of one ``tp`` group
             see the same samples, so only its first rank counts them (tokens, samples, MFU). None:
             found from the parameters (a DTensor mesh dimension named ``"tp"``), else no TP.
+        loss_parallel: the model's output is a DTensor sharded over the vocabulary (a plan that
+            leaves the head's logits sharded) and ``loss_fn`` computes the cross entropy on the
+            shards: forward, loss and backward run under torch's ``loss_parallel()`` context, and
+            MICROBATCH handlers and the validation see the gathered output. Not with a pipeline.
     """
 
     state = _StateAttribute()  # type: ignore[assignment]
@@ -132,6 +136,7 @@ class Trainer(IgniteAdapter):
         graceful_sigint: bool = True,
         precision: str = "fp32",
         tp_mesh: Any | None = None,
+        loss_parallel: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -183,6 +188,11 @@ class Trainer(IgniteAdapter):
                     "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
                     "build_pipeline",
                 )
+        if loss_parallel and pipeline is not None:
+            raise ConfigError(
+                "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+            )
+        self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
         self.events = EventRegistry(self)
         super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
@@ -288,6 +298,15 @@ class Trainer(IgniteAdapter):
         if self._autocast_dtype is None:
             return _NO_CONTEXT
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """The context a microbatch's forward, loss and backward run under: torch's
+        ``loss_parallel()`` with ``loss_parallel=True``, else one shared no-op context."""
+        if not self.loss_parallel:
+            return _NO_CONTEXT
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def set_validation(
         self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
@@ -833,7 +852,7 @@ class Trainer(IgniteAdapter):
             last = i == n - 1
             if fsdp:  # gradients reduce-scatter only on the step's last microbatch
                 model.set_requires_gradient_sync(last)
-            with model.no_sync() if ddp and not last else _NO_CONTEXT:
+            with model.no_sync() if ddp and not last else _NO_CONTEXT, self.loss_context():
                 with self.autocast():
                     output, loss = forward_and_loss(model, inputs, targets, self.loss_fn)
                 if not self._loss_checked:
@@ -843,6 +862,8 @@ class Trainer(IgniteAdapter):
                 else:
                     scaler.scale(loss / n).backward()
             loss = loss.detach()
+            if self.loss_parallel:  # a replicated DTensor: every rank holds the whole value
+                loss = tensor_parallel.local_value(loss)
             loss_sum = loss_sum + loss
             mb_samples, mb_tokens = count_batch(inputs)
             if self.count_share:  # one rank of a tensor-parallel group counts its samples
@@ -853,6 +874,8 @@ class Trainer(IgniteAdapter):
                 watchdog.feed()
             if fire_microbatch:
                 state.microbatch_loss = loss
+                if self.loss_parallel:
+                    output = tensor_parallel.local_value(output)
                 state.microbatch_output, state.microbatch_targets = output, targets
                 self.fire(Events.MICROBATCH)
                 state.microbatch_output = state.microbatch_targets = None
@@ -1048,8 +1071,10 @@ class Trainer(IgniteAdapter):
         if self.watchdog is not None:
             self.watchdog.feed()
         inputs, targets = self.prepare_batch(microbatch, self.device)
-        with self.autocast():
+        with self.loss_context(), self.autocast():
             output, loss = forward_and_loss(self.model, inputs, targets, self.loss_fn)
+        if self.loss_parallel:
+            output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
         # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
         # and however the samples are shared among ranks.
         samples = count_batch(inputs)[0] or 1

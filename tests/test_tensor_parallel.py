@@ -58,7 +58,7 @@ def _reference(dp: int) -> dict:
     return seen
 
 
-def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool) -> dict:
+def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool, lp: bool = False) -> dict:
     from hookloop.engine import Trainer, build_pipeline, init_distributed, wrap_data_parallel
     from hookloop.engine.parallel import parallel_mesh
     from hookloop.engine.pipeline import PipelineConfig
@@ -81,7 +81,7 @@ def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool) 
         )
         model = runtime.module
     else:
-        apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan, sequence_parallel=sp)
+        apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan, sequence_parallel=sp, loss_parallel=lp)
         model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp"))
     trainer = Trainer(
         model,
@@ -92,9 +92,22 @@ def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool) 
         pipeline=runtime,
         hang_timeout_s=60,
         graceful_sigint=False,
+        loss_parallel=lp,
     )
     seen = _record(trainer)
+    if lp:  # the logits stay sharded over the vocabulary; MICROBATCH handlers see them whole
+        from hookloop.engine import Events
+
+        shapes = seen["output_shapes"] = []
+        trainer.add_event_handler(
+            Events.MICROBATCH, lambda: shapes.append(tuple(trainer.state.microbatch_output.shape))
+        )
+        trainer.set_validation(local[:2])
     trainer.run(local, max_steps=STEPS)
+    if lp:
+        seen["val_loss"] = trainer.validate()
+        head_out = model.head(torch.zeros(1, 1, model.cfg.d_model))
+        seen["head_output"] = (type(head_out).__name__, head_out.to_local().shape[-1])
     params = {}
     for name, p in model.named_parameters():
         full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -135,10 +148,26 @@ def _check(per_rank: list[dict], ref: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_tp2_matches_one_process(sp):
-    per_rank = run_distributed(_tp_worker, 2, 2, 1, "ddp", sp, timeout=180)
-    _check(per_rank, _reference(dp=1))
+@pytest.mark.parametrize(
+    ("sp", "lp"), [(False, False), (True, False), (True, True)], ids=["tp", "tp+sp", "tp+sp+lp"]
+)
+def test_tp2_matches_one_process(sp, lp):
+    per_rank = run_distributed(_tp_worker, 2, 2, 1, "ddp", sp, lp, timeout=180)
+    ref = _reference(dp=1)
+    _check(per_rank, ref)
+    if lp:
+        from hookloop.engine import Trainer
+        from hookloop.models.gpt import cross_entropy_loss
+        from tests.conftest import tiny_gpt, token_batches
+
+        model = tiny_gpt(**GPT_ARGS)
+        model.load_state_dict(ref["params"])
+        trainer = Trainer(model, _optimizer(model.parameters()), cross_entropy_loss, hang_timeout_s=None)
+        trainer.set_validation(token_batches(STEPS * N_MB, batch=MB)[:2])
+        for got in per_rank:
+            assert got["head_output"] == ("DTensor", 32)  # 64 / 2 vocabulary entries per rank
+            assert set(got["output_shapes"]) == {(MB, 16, 64)}
+            assert got["val_loss"] == pytest.approx(trainer.validate(), rel=1e-4)
 
 
 @pytest.mark.distributed
@@ -379,6 +408,13 @@ def _config(overrides: list[str], world: int = 4):
         ),
         (["distributed.tp_size=2", "train.compile=true"], 2, "train.compile", "tp_size > 1"),
         (["distributed.tp_size=2", "train.precision=fp16-mixed"], 2, "train.precision", "bf16-mixed"),
+        (["distributed.loss_parallel=true"], 4, "distributed.loss_parallel", "tp_size > 1"),
+        (
+            ["distributed.tp_size=2", "distributed.pp_size=2", "distributed.loss_parallel=true"],
+            4,
+            "distributed.loss_parallel",
+            "pp_size > 1",
+        ),
     ],
 )
 def test_bad_layouts_are_refused_naming_the_field(overrides, world, field, words):
@@ -411,6 +447,9 @@ def test_hf_models_refuse_what_their_plan_cannot_do():
         _config([*llama, "distributed.tp_size=2", "distributed.sequence_parallel=true"], 2)
     assert caught.value.field == "distributed.sequence_parallel"
     with pytest.raises(ConfigError) as caught:
+        _config([*llama, "distributed.tp_size=2", "distributed.loss_parallel=true"], 2)
+    assert caught.value.field == "distributed.loss_parallel" and "computes its own loss" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
         _config(
             ["model.target=hookloop.models.hf:recipe", "model.architecture=gpt2", "distributed.tp_size=2"], 2
         )
@@ -434,7 +473,7 @@ def test_apply_tensor_parallel_takes_dicts_and_callables_and_refuses_none():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
-    """``torchrun -m hookloop train`` at tp=2 with sequence parallelism: the step scheduler, a NaN
+    """``torchrun -m hookloop train`` at tp=2 with sequence and loss parallelism: the step scheduler, a NaN
     injected at one step (vetoed, then rolled back to the last checkpoint), validation, health
     checks, metrics with FLOP figures and checkpoints; a second run resumes and has nothing left."""
     import json
@@ -464,6 +503,7 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
         "metrics.peak_flops_per_device=1e12",
         "distributed.tp_size=2",
         "distributed.sequence_parallel=true",
+        "distributed.loss_parallel=true",
     ]
     proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

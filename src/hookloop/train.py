@@ -179,6 +179,17 @@ def check(cfg: Any) -> ResolvedModel:
             raise ConfigError(
                 "train.compile", "is not supported with distributed.tp_size > 1 yet; set train.compile=false"
             )
+        if cfg.distributed.loss_parallel and cfg.distributed.pp_size > 1:
+            raise ConfigError(
+                "distributed.loss_parallel",
+                "is not supported with distributed.pp_size > 1 (the schedule runs backward); set it to false",
+            )
+        if cfg.distributed.loss_parallel and model.recipe.loss_fn is None:
+            raise ConfigError(
+                "distributed.loss_parallel",
+                f"needs a loss_fn (a cross entropy) to run on the sharded logits; model.target "
+                f"{model.target} computes its own loss: set it to false",
+            )
         if cfg.train.precision == "fp16-mixed":
             raise ConfigError(
                 "train.precision",
@@ -355,7 +366,11 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     tp_mesh = info.mesh_dim("tp") if tp > 1 else None
     if tp_mesh is not None and pp == 1:
         apply_tensor_parallel(
-            model, tp_mesh, recipe.tp_plan, sequence_parallel=cfg.distributed.sequence_parallel
+            model,
+            tp_mesh,
+            recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
+            loss_parallel=cfg.distributed.loss_parallel,
         )
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if compile_mode(cfg.train.compile) is not None:
@@ -404,6 +419,7 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
         hang_timeout_s=cfg.distributed.hang_timeout_s,
         precision=cfg.train.precision,
         tp_mesh=tp_mesh,
+        loss_parallel=cfg.distributed.loss_parallel,
     )
     # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the step
     # scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then

@@ -146,14 +146,16 @@ def _check(args: dict, cfg: object) -> None:
             )
 
 
-def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False) -> GPT:
+def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> GPT:
     """Tensor-parallel plan of :class:`GPT` (the whole model or one pipeline stage's part):
     token embedding row-parallel (the vocabulary sharded; the position embedding too with sequence
     parallelism, else it and the layer norms stay whole on every rank), in each block ``qkv`` and ``mlp.0``
     column-parallel (whole heads, a slice of the hidden units per rank), ``proj`` and ``mlp.2``
     row-parallel, the head column-parallel with its logits gathered (every rank computes the loss on
     the whole vocabulary). With ``sequence_parallel`` the residual stream between the parallel
-    regions is split along the positions and the layer norms run on each rank's slice."""
+    regions is split along the positions and the layer norms run on each rank's slice. With
+    ``loss_parallel`` the head's logits stay a DTensor sharded over the vocabulary, for a cross
+    entropy computed on the shards (``Trainer(loss_parallel=True)``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -190,7 +192,12 @@ def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False) -> GPT
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel()
     if model.head is not None:
-        plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+        if loss_parallel:
+            plan["head"] = ColwiseParallel(
+                input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+            )
+        else:
+            plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
     if plan:
         parallelize_module(model, tp_mesh, plan)
     return model
