@@ -4,6 +4,11 @@ Built from parts a pipeline split can remove: ``tok_emb``/``pos_emb`` (first sta
 (a ``ModuleDict`` keyed "0", "1", ... so names stay stable when a stage keeps only some),
 ``norm`` and ``head`` (last stage). ``forward`` skips whatever part is ``None``: on the first stage
 it takes token ids, elsewhere hidden states.
+
+Each block's fused ``qkv`` projection is head-major (head 0's query, key and value rows, then head
+1's, ...), so :func:`tp_plan`'s column split gives every tensor-parallel rank whole heads. (Before
+tensor parallelism it was ``[all queries | all keys | all values]``: a checkpoint of that layout
+loads, same shapes, but its heads are read differently; retrain rather than resume it.)
 """
 
 from __future__ import annotations
