@@ -4,8 +4,8 @@ A *plan* says how a model's modules are cut over the ``tp`` mesh dimension. It i
 
 - a mapping of module names to ``torch.distributed.tensor.parallel`` styles
   (``{"blocks.0.qkv": ColwiseParallel(), ...}``), handed to ``parallelize_module`` as it is; or
-- a callable ``plan(model, tp_mesh)`` that parallelizes ``model`` in place (it may take a keyword
-  ``sequence_parallel`` too, then it is told whether sequence parallelism is on).
+- a callable ``plan(model, tp_mesh)`` that parallelizes ``model`` in place (it may take the
+  keywords ``sequence_parallel`` and ``loss_parallel`` too, then it is told whether they are on).
 
 The bundled models ship plans (:func:`hookloop.models.gpt.tp_plan`,
 :func:`hookloop.models.hf.llama_tp_plan`); a config's model gets its plan from its
@@ -42,7 +42,7 @@ __all__ = [
     "local_value",
 ]
 
-#: A tensor-parallel plan: module name -> ParallelStyle, or ``plan(model, tp_mesh[, sequence_parallel=])``.
+#: A tensor-parallel plan: module name -> ParallelStyle, or ``plan(model, tp_mesh, **keywords)``.
 TPPlan = Mapping[str, Any] | Callable[..., Any]
 
 NO_PLAN_HINT = (
