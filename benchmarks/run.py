@@ -45,6 +45,7 @@ BENCHMARKS = {
     "checkpoint_pickle": "checkpoint_pickle.py",
     "data": "data.py",
     "pipeline": "pipeline.py",
+    "tensor_parallel": "tensor_parallel.py",
     "activation_memory": "activation_memory.py",
     "precision": "precision.py",
     "step_budget": "step_budget.py",
@@ -53,7 +54,7 @@ BENCHMARKS = {
 # left as the caller had it (the others run with one thread, for steadier ratios).
 DEFAULT_THREADS = {"checkpoint_throughput"}
 # Benchmarks that need longer than the default timeout: name -> (quick, full) seconds.
-TIMEOUTS = {"checkpoint_throughput": (240.0, 1200.0)}
+TIMEOUTS = {"checkpoint_throughput": (240.0, 1200.0), "tensor_parallel": (240.0, 1200.0)}
 
 
 def machine() -> dict:

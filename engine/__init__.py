@@ -19,6 +19,7 @@ from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
+from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.trainer import Trainer, default_prepare_batch
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "TrainingAborted",
     "agree_any",
     "apply_activation_checkpointing",
+    "apply_tensor_parallel",
     "available_schedules",
     "build_lr_scheduler",
     "build_pipeline",

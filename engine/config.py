@@ -147,6 +147,9 @@ class DistributedConfig:
     backend: Optional[str] = None  # gloo or nccl; null: nccl with CUDA, gloo otherwise
     dp_mode: str = "ddp"  # data parallelism over several ranks: ddp, fsdp (FSDP2) or none
     pp_size: int = 1  # pipeline stages (ranks per pipeline); must divide the world size
+    tp_size: int = 1  # tensor-parallel ranks per model replica (tp_size x pp_size divides the world size)
+    sequence_parallel: bool = False  # with tp_size > 1: split activations between blocks along positions
+    loss_parallel: bool = False  # with tp_size > 1: cross entropy on vocabulary-sharded logits (no gather)
     timeout_s: float = 600.0  # the process group's timeout for one collective
     hang_timeout_s: Optional[float] = 1800.0  # no progress this long: exit 77 with a stack dump
 
@@ -155,6 +158,16 @@ class DistributedConfig:
         check_choice(f"{p}.backend", self.backend, ("gloo", "nccl"), allow_none=True)
         check_choice(f"{p}.dp_mode", self.dp_mode, ("ddp", "fsdp", "none"))
         check_int(f"{p}.pp_size", self.pp_size)
+        check_int(f"{p}.tp_size", self.tp_size)
+        check_bool(f"{p}.sequence_parallel", self.sequence_parallel)
+        check_bool(f"{p}.loss_parallel", self.loss_parallel)
+        if self.loss_parallel and self.tp_size == 1:
+            raise ConfigError(f"{p}.loss_parallel", "needs distributed.tp_size > 1 (it shards the logits)")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ConfigError(
+                f"{p}.sequence_parallel",
+                "needs distributed.tp_size > 1 (it splits the tensor-parallel ranks' work)",
+            )
         check_number(f"{p}.timeout_s", self.timeout_s, positive=True)
         check_number(f"{p}.hang_timeout_s", self.hang_timeout_s, positive=True, allow_none=True)
 
@@ -206,7 +219,9 @@ _MOVED = {
     "train.num_epochs": "step_scheduler.num_epochs",
     "train.global_batch_size": "step_scheduler.global_batch_size",
     "train.lr": "optimizer.lr",
-    "distributed.dp_size": "the world size (torchrun --nproc-per-node) divided by distributed.pp_size",
+    "distributed.dp_size": (
+        "the world size (torchrun --nproc-per-node) divided by distributed.tp_size x distributed.pp_size"
+    ),
 }
 
 

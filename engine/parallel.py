@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "destroy_distributed",
     "exit_process",
     "init_distributed",
+    "parallel_mesh",
     "process_group_store",
     "rank",
     "world_size",
@@ -51,6 +53,22 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def mesh_dim(self, name: str) -> Any:
+        """The 1-D mesh of dimension ``name`` (``"dp"``, ``"tp"``, ``"pp"``), or None when the mesh
+        has no such dimension (or there is no mesh: one process)."""
+        names = getattr(self.mesh, "mesh_dim_names", None) or ()
+        return self.mesh[name] if name in names else None
+
+    def dim_size(self, name: str) -> int:
+        """The size of mesh dimension ``name``; 1 without it."""
+        sub = self.mesh_dim(name)
+        return sub.size() if sub is not None else 1
+
+    def dim_rank(self, name: str) -> int:
+        """This rank's coordinate along mesh dimension ``name``; 0 without it."""
+        sub = self.mesh_dim(name)
+        return sub.get_local_rank() if sub is not None else 0
+
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
@@ -70,13 +88,22 @@ def init_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     mesh_shape: tuple[int, ...] | None = None,
     mesh_dim_names: tuple[str, ...] | None = None,
+    tp_size: int = 1,
+    pp_size: int = 1,
 ) -> DistInfo:
     """Join the process group torchrun describes, or return single-process info without one.
 
     ``backend`` defaults to nccl with CUDA, else gloo. Every collective on the group times out
-    after ``timeout_s`` instead of hanging. The mesh defaults to one ``dp`` dimension.
+    after ``timeout_s`` instead of hanging. The mesh defaults to one ``dp`` dimension; with tensor
+    and pipeline parallelism it is ``mesh_shape=(dp, pp, tp), mesh_dim_names=("dp", "pp", "tp")``
+    (see :func:`parallel_mesh`), which ``tp_size`` / ``pp_size`` ask for without spelling it out.
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (tp_size, pp_size) != (1, 1):
+        if mesh_shape is not None:
+            raise ValueError("pass either mesh_shape (and mesh_dim_names) or tp_size / pp_size, not both")
+        layout = parallel_mesh(env_world, tp_size, pp_size)
+        mesh_shape, mesh_dim_names = layout.get("mesh_shape"), layout.get("mesh_dim_names")
     if backend is not None and backend not in ("gloo", "nccl"):
         raise ConfigError("distributed.backend", f"must be 'gloo', 'nccl' or None (auto), got {backend!r}")
     if timeout_s <= 0:
@@ -109,6 +136,24 @@ def init_distributed(
 
 
 _used_process_group = False
+
+
+def parallel_mesh(world: int, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """``init_distributed`` keyword arguments for a ``dp x tp x pp`` layout of ``world`` ranks:
+    none (one ``dp`` dimension) without tp and pp, ``("dp", "pp")`` with pp alone, else the 3-D
+    ``("dp", "pp", "tp")`` mesh: the ranks of a ``tp`` group are neighbours (on one node, where
+    the links are fastest: tensor parallelism talks in every layer), a pipeline's stages are ``tp``
+    ranks apart, and ``rank // (tp * pp)`` is the data-parallel rank. ``tp * pp`` must divide
+    ``world``."""
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ConfigError(
+            "distributed.tp_size", f"tp ({tp}) x pp ({pp}) must divide the world size ({world})"
+        )
+    if tp == 1 and pp == 1:
+        return {}
+    if tp == 1:
+        return {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")}
+    return {"mesh_shape": (world // (tp * pp), pp, tp), "mesh_dim_names": ("dp", "pp", "tp")}
 
 
 def exit_process(code: int) -> None:
@@ -159,6 +204,26 @@ def _repeated_blocks(model: torch.nn.Module) -> Any:
     return None
 
 
+def _has_dtensor_params(model: torch.nn.Module) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # nothing made a DTensor without it
+    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
+
+
+def _replicate(model: torch.nn.Module, dp_mesh: Any) -> torch.nn.Module:
+    """Data parallelism by replication (DDP's semantics: gradients averaged over ``dp_mesh``) for a
+    model whose parameters are DTensors: torch's FSDP2-based ``replicate``, which composes with
+    tensor parallelism where ``DistributedDataParallel`` does not. Each repeated block is its own
+    unit, as with ``fully_shard``."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    blocks = _repeated_blocks(model)
+    if blocks is not None:
+        for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
+            replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    return model
+
+
 def wrap_data_parallel(
     model: torch.nn.Module, mode: str = "ddp", *, mesh: Any = None, mixed_precision: Any = None
 ) -> torch.nn.Module:
@@ -169,7 +234,12 @@ def wrap_data_parallel(
     ``mixed_precision`` (FSDP2 only; DDP ignores it): ``"bf16-mixed"`` shards with
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (bf16 compute copies of
     the fp32 shards, gradients reduced in fp32), or pass a ``MixedPrecisionPolicy`` itself;
-    None, ``"fp32"`` and ``"fp16-mixed"`` (autocast and a GradScaler do that) keep fp32 params."""
+    None, ``"fp32"`` and ``"fp16-mixed"`` (autocast and a GradScaler do that) keep fp32 params.
+
+    A tensor-parallel model (DTensor parameters, :mod:`engine.tensor_parallel`) is wrapped over
+    ``mesh``, its data-parallel mesh dimension: ``"fsdp"`` shards it there too (2-D parameters),
+    ``"ddp"`` replicates it with torch's FSDP2-based ``replicate`` (DDP's semantics; plain
+    ``DistributedDataParallel`` cannot hold DTensors). A mesh of size 1 leaves the model as it is."""
     if mode not in ("ddp", "fsdp", "none"):
         raise ConfigError("distributed.dp_mode", f"must be 'ddp', 'fsdp' or 'none', got {mode!r}")
     if isinstance(mixed_precision, str) and mixed_precision not in ("fp32", "bf16-mixed", "fp16-mixed"):
@@ -178,8 +248,11 @@ def wrap_data_parallel(
             "must be 'fp32', 'bf16-mixed', 'fp16-mixed', a MixedPrecisionPolicy or None, "
             f"got {mixed_precision!r}",
         )
-    if mode == "none" or world_size() == 1:
+    if mode == "none" or world_size() == 1 or (mesh is not None and mesh.size() == 1):
         return model
+    if mode == "ddp" and _has_dtensor_params(model):
+        # Tensor-parallel parameters: DDP cannot hold DTensors; FSDP2's replicate is DDP for them.
+        return _replicate(model, mesh)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

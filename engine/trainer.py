@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from ignite.engine import Engine
 
-from hookloop.engine import parallel
+from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
@@ -114,6 +114,14 @@ class Trainer(IgniteAdapter):
             bfloat16, in training and validation); ``"fp16-mixed"`` (autocast to float16 plus a
             ``torch.amp.GradScaler``, checkpointed as ``"grad_scaler"``: an overflow skips the step
             on every rank and sets ``state.grad_scaler_overflow``).
+        tp_mesh: the tensor-parallel mesh dimension when ``model`` is tensor-parallel
+            (:func:`engine.tensor_parallel.apply_tensor_parallel`): the ranks of one ``tp`` group
+            see the same samples, so only its first rank counts them (tokens, samples, MFU). None:
+            found from the parameters (a DTensor mesh dimension named ``"tp"``), else no TP.
+        loss_parallel: the model's output is a DTensor sharded over the vocabulary (a plan that
+            leaves the head's logits sharded) and ``loss_fn`` computes the cross entropy on the
+            shards: forward, loss and backward run under torch's ``loss_parallel()`` context, and
+            MICROBATCH handlers and the validation see the gathered output. Not with a pipeline.
     """
 
     state = _StateAttribute()  # type: ignore[assignment]
@@ -134,6 +142,8 @@ class Trainer(IgniteAdapter):
         hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
         graceful_sigint: bool = True,
         precision: str = "fp32",
+        tp_mesh: Any | None = None,
+        loss_parallel: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -185,6 +195,11 @@ class Trainer(IgniteAdapter):
                     "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
                     "build_pipeline",
                 )
+        if loss_parallel and pipeline is not None:
+            raise ConfigError(
+                "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+            )
+        self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
         self.events = EventRegistry(self)
         super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
@@ -223,6 +238,9 @@ class Trainer(IgniteAdapter):
         self._validation: tuple[Iterable, int | None, int | None] | None = None
         self._evaluator: Engine | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
+        #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
+        self.count_share = 1 if self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0 else 0
         self._loss_checked = False
         self._in_step = False
         self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
@@ -288,6 +306,15 @@ class Trainer(IgniteAdapter):
         if self._autocast_dtype is None:
             return _NO_CONTEXT
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """The context a microbatch's forward, loss and backward run under: torch's
+        ``loss_parallel()`` with ``loss_parallel=True``, else one shared no-op context."""
+        if not self.loss_parallel:
+            return _NO_CONTEXT
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def set_validation(
         self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
@@ -846,7 +873,7 @@ class Trainer(IgniteAdapter):
             last = i == n - 1
             if fsdp:  # gradients reduce-scatter only on the step's last microbatch
                 model.set_requires_gradient_sync(last)
-            with model.no_sync() if ddp and not last else _NO_CONTEXT:
+            with model.no_sync() if ddp and not last else _NO_CONTEXT, self.loss_context():
                 with self.autocast():
                     output, loss = forward_and_loss(model, inputs, targets, self.loss_fn)
                 if not self._loss_checked:
@@ -856,15 +883,20 @@ class Trainer(IgniteAdapter):
                 else:
                     scaler.scale(loss / n).backward()
             loss = loss.detach()
+            if self.loss_parallel:  # a replicated DTensor: every rank holds the whole value
+                loss = tensor_parallel.local_value(loss)
             loss_sum = loss_sum + loss
             mb_samples, mb_tokens = count_batch(inputs)
-            samples += mb_samples
-            tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
+            if self.count_share:  # one rank of a tensor-parallel group counts its samples
+                samples += mb_samples
+                tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
             state.microbatch = i
             if watchdog is not None:
                 watchdog.feed()
             if fire_microbatch:
                 state.microbatch_loss = loss
+                if self.loss_parallel:
+                    output = tensor_parallel.local_value(output)
                 state.microbatch_output, state.microbatch_targets = output, targets
                 self.fire(Events.MICROBATCH)
                 state.microbatch_output = state.microbatch_targets = None
@@ -990,9 +1022,12 @@ class Trainer(IgniteAdapter):
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return 0.0
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
-            norm = norm.full_tensor()
+        if self.tp_mesh is not None:  # DTensor and plain gradients, several placements
+            norm = tensor_parallel.grad_norm(grads)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
+                norm = norm.full_tensor()
         if self.pipeline is not None:  # this rank holds only some stages: the norm over all of them
             norm = self.pipeline.reduce_grad_norm(norm)
         return norm
@@ -1005,7 +1040,12 @@ class Trainer(IgniteAdapter):
             state.skipped_steps += 1
         else:
             if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
+                if self.tp_mesh is not None:
+                    tensor_parallel.clip_grads_with_norm(self._params, self.grad_clip_norm, norm)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(
+                        self._params, self.grad_clip_norm, norm, foreach=True
+                    )
             if scaler is None:
                 self.optimizer.step()
             else:
@@ -1052,8 +1092,10 @@ class Trainer(IgniteAdapter):
         if self.watchdog is not None:
             self.watchdog.feed()
         inputs, targets = self.prepare_batch(microbatch, self.device)
-        with self.autocast():
+        with self.loss_context(), self.autocast():
             output, loss = forward_and_loss(self.model, inputs, targets, self.loss_fn)
+        if self.loss_parallel:
+            output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
         # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
         # and however the samples are shared among ranks.
         samples = count_batch(inputs)[0] or 1

@@ -134,6 +134,8 @@ class PerDatasetMetrics(Handler):
         logits, targets = state.microbatch_output, state.microbatch_targets
         if logits is None or targets is None:  # e.g. a pipeline stage that holds no outputs
             return
+        if not getattr(self.trainer, "count_share", 1):  # another rank of its tensor-parallel group counts
+            return
         if not isinstance(logits, torch.Tensor) and hasattr(logits, "logits"):  # a Hugging Face output
             logits = logits.logits
         if self.trainer.loss_fn is None:  # the model's own loss: labels unshifted (Hugging Face)

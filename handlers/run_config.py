@@ -106,10 +106,16 @@ class RunConfig:
         pipeline batch sizes left null. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1
         without torchrun), so batch divisibility is checked before any process group exists."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-        pp = self.distributed.pp_size
+        pp, tp = self.distributed.pp_size, self.distributed.tp_size
         if world % pp:
             raise ConfigError("distributed.pp_size", f"({pp}) must divide the world size ({world})")
-        dp = world // pp
+        if world % (tp * pp):
+            raise ConfigError(
+                "distributed.tp_size",
+                f"({tp}) x distributed.pp_size ({pp}) must divide the world size ({world}); the rest is "
+                "the data-parallel size",
+            )
+        dp = world // (tp * pp)
         sched, lbs = self.step_scheduler, self.train.local_batch_size
         if pp > 1:
             pipe = self.pipeline

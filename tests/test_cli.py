@@ -227,7 +227,7 @@ def test_torchrun_module_trains_fsdp_and_resumes(project):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("done: step 8, loss ") == 1  # rank 0 only
     assert proc.stderr.count("[hookloop] model: my_models.py:build") == 1
-    assert "world size 2 (dp 2 x pp 1)" in proc.stderr
+    assert "world size 2 (dp 2 x tp 1 x pp 1)" in proc.stderr
     again = torchrun()
     assert again.returncode == 0, again.stderr[-3000:]
     assert "done: step 8, no step left to train" in again.stdout

@@ -220,7 +220,7 @@ class PipelineRuntime:
             losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
         tokens: Any = 0
         samples = 0
-        if self.has_first:  # count each sample once per pipeline, not once per stage
+        if self.has_first and trainer.count_share:  # once per pipeline (and tensor-parallel group)
             for mb_samples, mb_tokens in counts:
                 samples += mb_samples
                 tokens = tokens + mb_tokens
@@ -321,6 +321,8 @@ def build_pipeline(
     *,
     dp_mode: str = "ddp",
     mesh: Any = None,
+    tp_plan: Any = None,
+    sequence_parallel: bool = False,
 ) -> PipelineRuntime:
     """Split ``model`` into stages for this rank and build the schedule.
 
@@ -334,6 +336,10 @@ def build_pipeline(
             Face causal LM) :func:`~engine.pipeline.hf_patches.causal_lm_loss`, else the Trainer's.
         dp_mode: ``"ddp"``, ``"fsdp"`` or ``"none"``: how each stage is replicated across ``dp``.
         mesh: a device mesh to use instead of ``dist_info.mesh``.
+        tp_plan: with a ``tp`` mesh dimension of size > 1 (``init_distributed(**parallel_mesh(world,
+            tp, pp))``), each stage's part is parallelized with this plan (see
+            :func:`engine.tensor_parallel.apply_tensor_parallel`) before its data-parallel wrapper.
+        sequence_parallel: hand the plan ``sequence_parallel=True``.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -367,6 +373,7 @@ def build_pipeline(
     device = getattr(dist_info, "device", None) or torch.device("cpu")
     dtype = cfg.torch_dtype
     dp_mesh = mesh["dp"] if "dp" in names and mesh["dp"].size() > 1 else None
+    tp_mesh = mesh["tp"] if "tp" in names and mesh["tp"].size() > 1 else None
     stages = []
     hf = hf_patches.is_hf_causal_lm(model)
     prepare = None
@@ -381,6 +388,10 @@ def build_pipeline(
             hf_patches.patch_stage_module(
                 part, patch_inner=cfg.patch_inner_model, patch_causal_lm=cfg.patch_causal_lm_model
             )
+        if tp_mesh is not None:
+            from hookloop.engine.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(part, tp_mesh, tp_plan, sequence_parallel=sequence_parallel)
         if dp_mesh is not None:
             part = wrap_data_parallel(part, dp_mode, mesh=dp_mesh)
         stage = PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group())

@@ -60,6 +60,10 @@ class ModelRecipe:
             group, data or model exists. ``args`` are the bound arguments.
         flops_per_token: ``flops_per_token(model, args, cfg)``: training FLOPs per token of the
             whole model, for MFU; default ``model.flops_per_token()`` if the model has it, else 6N.
+        tp_plan: how ``distributed.tp_size > 1`` cuts the model over the tensor-parallel ranks: a
+            dict of module name -> ``torch.distributed.tensor.parallel`` style, or a callable
+            ``tp_plan(model, tp_mesh)`` (optionally taking ``sequence_parallel=``), see
+            :mod:`engine.tensor_parallel`. None: the model cannot run tensor-parallel.
     """
 
     build: Callable[..., torch.nn.Module]
@@ -67,6 +71,7 @@ class ModelRecipe:
     collate_fn: Callable | None = None
     check: Callable[[dict[str, Any], Any], Any] | None = None
     flops_per_token: Callable[[torch.nn.Module, dict[str, Any], Any], float] | None = None
+    tp_plan: Mapping[str, Any] | Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

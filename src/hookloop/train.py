@@ -52,8 +52,9 @@ from hookloop.engine.data import (
     stdlib_docs_text,
     stdlib_source_files,
 )
-from hookloop.engine.parallel import destroy_distributed
+from hookloop.engine.parallel import destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+from hookloop.engine.tensor_parallel import NO_PLAN_HINT, apply_tensor_parallel
 from hookloop.handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config
 from hookloop.recipe import ResolvedModel, resolve_model
 
@@ -169,6 +170,33 @@ def check(cfg: Any) -> ResolvedModel:
         raise ConfigError(
             "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
         )
+    if cfg.distributed.tp_size > 1:
+        if model.recipe.tp_plan is None:
+            raise ConfigError(
+                "distributed.tp_size",
+                f"model.target {model.target} has no tensor-parallel plan: {NO_PLAN_HINT}",
+            )
+        if cfg.train.compile is not False:
+            raise ConfigError(
+                "train.compile", "is not supported with distributed.tp_size > 1 yet; set train.compile=false"
+            )
+        if cfg.distributed.loss_parallel and cfg.distributed.pp_size > 1:
+            raise ConfigError(
+                "distributed.loss_parallel",
+                "is not supported with distributed.pp_size > 1 (the schedule runs backward); set it to false",
+            )
+        if cfg.distributed.loss_parallel and model.recipe.loss_fn is None:
+            raise ConfigError(
+                "distributed.loss_parallel",
+                f"needs a loss_fn (a cross entropy) to run on the sharded logits; model.target "
+                f"{model.target} computes its own loss: set it to false",
+            )
+        if cfg.train.precision == "fp16-mixed":
+            raise ConfigError(
+                "train.precision",
+                "'fp16-mixed' (loss scaling) is not supported with distributed.tp_size > 1 yet; "
+                "use 'bf16-mixed' or 'fp32'",
+            )
     return model
 
 
@@ -277,7 +305,7 @@ def save_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
 
 
 def log_summary(
-    trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str
+    trainer: Trainer, *, model: str, n_params: int, world: int, dp: int, pp: int, precision: str, tp: int = 1
 ) -> None:
     """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
     resumes (so run it at a priority below ``Priority.RESUME``)."""
@@ -288,7 +316,7 @@ def log_summary(
         start = "fresh (step 0)"
     handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
     logger.info("model: %s, %s parameters", model, f"{n_params:,}")
-    logger.info("world size %d (dp %d x pp %d), precision %s", world, dp, pp, precision)
+    logger.info("world size %d (dp %d x tp %d x pp %d), precision %s", world, dp, tp, pp, precision)
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
     logger.info("handlers: %s", handlers)
@@ -305,9 +333,9 @@ def train(cfg: Any, model: ResolvedModel | None = None) -> int:
         return 2
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    pp = cfg.distributed.pp_size
+    pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = {"mesh_shape": (world // pp, pp), "mesh_dim_names": ("dp", "pp")} if pp > 1 else {}
+    mesh = parallel_mesh(world, tp, pp)
     info = init_distributed(cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **mesh)
     try:
         return _train(cfg, model, info, pp)
@@ -322,8 +350,10 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     if info.is_main:
         save_config(cfg, run_dir)
     recipe = resolved.recipe
-    # Data is sharded over data-parallel replicas; pipeline stages of one replica share it.
-    dp, dp_rank = info.world_size // pp, info.rank // pp
+    # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
+    # one replica share it.
+    tp = cfg.distributed.tp_size
+    dp, dp_rank = info.world_size // (tp * pp), info.rank // (tp * pp)
     train_loader, val_loader, sampler = build_data(cfg, dp_rank, dp, recipe.collate_fn)
 
     device = torch.device(cfg.train.device) if cfg.train.device else info.device
@@ -331,8 +361,18 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     flops_per_token = resolved.flops_per_token(model, cfg)  # of the whole model, before any split
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    # Activation checkpointing, then compile, both in place (state-dict keys unchanged) and before
+    # Tensor parallelism (without a pipeline; each stage's part is parallelized after the split),
+    # activation checkpointing, then compile, all in place (state-dict keys unchanged) and before
     # the pipeline split or the data-parallel wrapper, as torchtitan orders them.
+    tp_mesh = info.mesh_dim("tp") if tp > 1 else None
+    if tp_mesh is not None and pp == 1:
+        apply_tensor_parallel(
+            model,
+            tp_mesh,
+            recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
+            loss_parallel=cfg.distributed.loss_parallel,
+        )
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if compile_mode(cfg.train.compile) is not None:
         compile_model(model, cfg.train.compile)
@@ -344,12 +384,15 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
             info,
             recipe.loss_fn,
             dp_mode=cfg.distributed.dp_mode,
+            tp_plan=recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
         )
         model = runtime.module
     else:
         fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
+        dp_mesh = info.mesh_dim("dp") if tp_mesh is not None else info.mesh
         model = wrap_data_parallel(
-            model, cfg.distributed.dp_mode, mesh=info.mesh, mixed_precision=fsdp_precision
+            model, cfg.distributed.dp_mode, mesh=dp_mesh, mixed_precision=fsdp_precision
         )
     loss_fn = recipe.loss_fn
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
@@ -376,6 +419,8 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
         precision=cfg.train.precision,
+        tp_mesh=tp_mesh,
+        loss_parallel=cfg.distributed.loss_parallel,
     )
     # Every enabled handler, built from its section and attached in handlers.HANDLER_ORDER: the step
     # scheduler (accumulation, last step, validation/checkpoint cadence, stop signals), then
@@ -414,6 +459,7 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
                 world=info.world_size,
                 dp=dp,
                 pp=pp,
+                tp=tp,
                 precision=cfg.train.precision,
             ),
             priority=Priority.RESUME - 1,

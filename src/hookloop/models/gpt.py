@@ -4,19 +4,26 @@ Built from parts a pipeline split can remove: ``tok_emb``/``pos_emb`` (first sta
 (a ``ModuleDict`` keyed "0", "1", ... so names stay stable when a stage keeps only some),
 ``norm`` and ``head`` (last stage). ``forward`` skips whatever part is ``None``: on the first stage
 it takes token ids, elsewhere hidden states.
+
+Each block's fused ``qkv`` projection is head-major (head 0's query, key and value rows, then head
+1's, ...), so :func:`tp_plan`'s column split gives every tensor-parallel rank whole heads. (Before
+tensor parallelism it was ``[all queries | all keys | all values]``: a checkpoint of that layout
+loads, same shapes, but its heads are read differently; retrain rather than resume it.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookloop.engine.errors import ConfigError
 from hookloop.recipe import ModelRecipe, token_cross_entropy
 
-__all__ = ["GPT", "GPTConfig", "build", "cross_entropy_loss", "recipe"]
+__all__ = ["GPT", "GPTConfig", "build", "cross_entropy_loss", "recipe", "tp_plan"]
 
 
 @dataclasses.dataclass
@@ -40,9 +47,14 @@ class GPTConfig:
 
 
 class Block(nn.Module):
+    """Pre-norm transformer block. ``qkv`` holds each head's query, key and value rows together
+    (head-major), so a column-parallel split of ``qkv`` gives every rank whole heads; the forward
+    reads the number of heads it holds from ``qkv``'s output width."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -52,11 +64,12 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(self.ln1(x))
+        b, t, width = qkv.shape  # under tensor parallelism: this rank's heads (and all positions)
+        heads = width // (3 * self.head_dim)
+        q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, heads * self.head_dim))
         return x + self.mlp(self.ln2(x))
 
 
@@ -119,8 +132,81 @@ def build(
 
 
 def _check(args: dict, cfg: object) -> None:
-    GPTConfig(**args)  # raises ValueError naming the model field
+    config = GPTConfig(**args)  # raises ValueError naming the model field
+    distributed = getattr(cfg, "distributed", None)
+    tp = getattr(distributed, "tp_size", 1)
+    if tp > 1:
+        for name in ("n_heads", "vocab_size"):
+            if getattr(config, name) % tp:
+                raise ConfigError(
+                    f"model.{name}",
+                    f"({getattr(config, name)}) must be a multiple of distributed.tp_size ({tp}): "
+                    "each tensor-parallel rank holds an equal part",
+                )
+        if getattr(distributed, "sequence_parallel", False) and config.seq_len % tp:
+            raise ConfigError(
+                "train.seq_len",
+                f"({config.seq_len}) must be a multiple of distributed.tp_size ({tp}) with "
+                "distributed.sequence_parallel: each rank holds an equal slice of the positions",
+            )
+
+
+def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> GPT:
+    """Tensor-parallel plan of :class:`GPT` (the whole model or one pipeline stage's part):
+    token embedding row-parallel (the vocabulary sharded; the position embedding too with sequence
+    parallelism, else it and the layer norms stay whole on every rank), in each block ``qkv`` and ``mlp.0``
+    column-parallel (whole heads, a slice of the hidden units per rank), ``proj`` and ``mlp.2``
+    row-parallel, the head column-parallel with its logits gathered (every rank computes the loss on
+    the whole vocabulary). With ``sequence_parallel`` the residual stream between the parallel
+    regions is split along the positions and the layer norms run on each rank's slice. With
+    ``loss_parallel`` the head's logits stay a DTensor sharded over the vocabulary, for a cross
+    entropy computed on the shards (``Trainer(loss_parallel=True)``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    # A block may sit in an activation-checkpointing wrapper: parallelize the block it holds.
+    blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.blocks.values()]
+    for block in blocks:
+        if block.n_heads % tp:
+            raise ConfigError(
+                "distributed.tp_size", f"({tp}) must divide the number of attention heads ({block.n_heads})"
+            )
+    sp = sequence_parallel
+    stream = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
+    block_plan: dict[str, Any] = {
+        "qkv": ColwiseParallel(input_layouts=stream),
+        "proj": RowwiseParallel(output_layouts=stream),
+        "mlp.0": ColwiseParallel(input_layouts=stream),
+        "mlp.2": RowwiseParallel(output_layouts=stream),
+    }
+    if sp:
+        block_plan.update(ln1=SequenceParallel(), ln2=SequenceParallel())
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    plan: dict[str, Any] = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.pos_emb is not None and sp:  # positions [t] -> [t, d]: their dimension 0 is the sequence
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    if model.norm is not None and sp:
+        plan["norm"] = SequenceParallel()
+    if model.head is not None:
+        if loss_parallel:
+            plan["head"] = ColwiseParallel(
+                input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+            )
+        else:
+            plan["head"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    return model
 
 
 #: What ``model.target: hookloop.models.gpt:recipe`` trains.
-recipe = ModelRecipe(build=build, loss_fn=cross_entropy_loss, check=_check)
+recipe = ModelRecipe(build=build, loss_fn=cross_entropy_loss, check=_check, tp_plan=tp_plan)

@@ -23,7 +23,16 @@ from torch.utils.data import default_collate
 from hookloop.engine.errors import ConfigError
 from hookloop.recipe import ModelRecipe
 
-__all__ = ["ARCHITECTURES", "VOCAB_SIZE", "build", "hf_collate", "hf_model_config", "recipe"]
+__all__ = [
+    "ARCHITECTURES",
+    "VOCAB_SIZE",
+    "build",
+    "check_llama_tp",
+    "hf_collate",
+    "hf_model_config",
+    "llama_tp_plan",
+    "recipe",
+]
 
 VOCAB_SIZE = 256  # bytes: the token files hold one byte per token
 ARCHITECTURES = ("llama", "gpt2")
@@ -79,7 +88,87 @@ def build(architecture: str = "llama", seq_len: int = 128, **fields: Any) -> tor
 
 
 def _check(args: dict[str, Any], cfg: Any) -> None:
-    hf_model_config(**args, pp_size=cfg.distributed.pp_size)
+    config = hf_model_config(**args, pp_size=cfg.distributed.pp_size)
+    tp = getattr(cfg.distributed, "tp_size", 1)
+    if tp > 1:
+        if args.get("architecture", "llama") != "llama":
+            raise ConfigError(
+                "model.architecture",
+                "only the Llama layout ships a tensor-parallel plan (q_proj/k_proj/v_proj/o_proj, "
+                "gate_proj/up_proj/down_proj); use model.architecture=llama with distributed.tp_size > 1",
+            )
+        check_llama_tp(config, tp)
+        if getattr(cfg.distributed, "sequence_parallel", False):
+            raise ConfigError("distributed.sequence_parallel", SP_REFUSED)
+
+
+SP_REFUSED = (
+    "is not supported for Hugging Face models: their decoder derives positions and the causal mask from "
+    "the embedding output's length, which sequence parallelism splits; set it to false (tensor "
+    "parallelism alone works)"
+)
+
+
+def check_llama_tp(config: Any, tp: int) -> None:
+    """Every tensor-parallel rank must hold whole heads and an equal share of the MLP and the
+    vocabulary: ``ConfigError`` naming the model field otherwise."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, value in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", config.intermediate_size),
+        ("vocab_size", config.vocab_size),
+    ):
+        if value % tp:
+            raise ConfigError(
+                f"model.{name}",
+                f"({value}) must be a multiple of distributed.tp_size ({tp}): each tensor-parallel rank "
+                "holds an equal part",
+            )
+
+
+def llama_tp_plan(
+    model: torch.nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False
+) -> torch.nn.Module:
+    """Tensor-parallel plan of a Llama-family causal LM (Llama, Mistral, Qwen2, ...: the module
+    names ``embed_tokens``, ``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.mlp.{gate,up,down}_proj``,
+    ``lm_head``), the whole model or one pipeline stage's part: the embedding row-parallel
+    (vocabulary sharded), q/k/v and gate/up column-parallel (whole heads and a slice of the MLP per
+    rank; the attention reads its local head count from the projection's size), o and down
+    row-parallel, ``lm_head`` column-parallel with its logits gathered so the model's own loss sees
+    the whole vocabulary. The norms stay whole on every rank. Sequence parallelism is refused."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if sequence_parallel:
+        raise ConfigError("distributed.sequence_parallel", SP_REFUSED)
+    tp = tp_mesh.size()
+    config = getattr(model, "config", None)
+    if config is not None:
+        check_llama_tp(config, tp)
+    decoder = getattr(model, "model", None) or model
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ConfigError(
+            "distributed.tp_size",
+            f"{type(model).__name__} has no decoder layers (model.layers) for the Llama tensor-parallel plan",
+        )
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
+        parallelize_module(getattr(layer, "_checkpoint_wrapped_module", layer), tp_mesh, layer_plan)
+    if getattr(decoder, "embed_tokens", None) is not None:
+        parallelize_module(decoder.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if getattr(model, "lm_head", None) is not None:
+        parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    return model
 
 
 def _flops_per_token(model: torch.nn.Module, args: dict[str, Any], cfg: Any) -> float:
@@ -99,5 +188,10 @@ def hf_collate(samples: list[tuple[torch.Tensor, torch.Tensor, int]]) -> dict[st
 
 #: What ``model.target: hookloop.models.hf:recipe`` trains.
 recipe = ModelRecipe(
-    build=build, loss_fn=None, collate_fn=hf_collate, check=_check, flops_per_token=_flops_per_token
+    build=build,
+    loss_fn=None,
+    collate_fn=hf_collate,
+    check=_check,
+    flops_per_token=_flops_per_token,
+    tp_plan=llama_tp_plan,
 )
