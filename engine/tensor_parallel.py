@@ -3,7 +3,7 @@
 A *plan* says how a model's modules are cut over the ``tp`` mesh dimension. It is either
 
 - a mapping of module names to ``torch.distributed.tensor.parallel`` styles
-  (``{"blocks.0.qkv": ColwiseParallel(), ...}``), handed to ``parallelize_module`` as it is; or
+  (``{"blocks.0.qkv_heads": ColwiseParallel(), ...}``), handed to ``parallelize_module`` as it is; or
 - a callable ``plan(model, tp_mesh)`` that parallelizes ``model`` in place (it may take the
   keywords ``sequence_parallel`` and ``loss_parallel`` too, then it is told whether they are on).
 

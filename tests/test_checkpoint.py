@@ -374,6 +374,35 @@ def test_clear_errors_for_bad_directories_paths_and_models(tmp_path):
     assert tree_bytes(tmp_path / "c") == before  # nothing saved was touched
 
 
+def test_a_gpt_checkpoint_of_the_earlier_qkv_layout_is_refused_not_misread(tmp_path):
+    """The bundled GPT's fused projection was ``qkv`` ([all queries | all keys | all values]); it
+    is ``qkv_heads`` now (head-major, for tensor parallelism): same shape, other meaning. A
+    checkpoint of the earlier layout must not load into the new one (its heads would be read
+    wrongly): the layout check refuses it, naming the parameter, and nothing is loaded."""
+    from hookloop.models.gpt import Block
+
+    class EarlierBlock(Block):
+        @property
+        def qkv_heads(self) -> torch.nn.Module:  # the forward's projection, under its earlier name
+            return self.qkv
+
+    old = tiny_gpt(0)
+    for block in old.blocks.values():
+        projection = block.qkv_heads
+        del block.qkv_heads
+        block.add_module("qkv", projection)
+        block.__class__ = EarlierBlock
+    assert "blocks.0.qkv.weight" in old.state_dict()
+    trainer = Trainer(old, torch.optim.AdamW(old.parameters(), lr=1e-3), cross_entropy_loss)
+    AsyncCheckpointer(tmp_path / "c", mode="sync").attach(trainer)
+    trainer.run(token_batches(4), max_steps=2)
+    new = plain_trainer(0)
+    AsyncCheckpointer(tmp_path / "c", mode="sync").attach(new)
+    with pytest.raises(CheckpointLayoutError, match=r"another model layout.*qkv"):
+        new.run(token_batches(4), max_steps=3)
+    assert new.state.step == 0
+
+
 def tree_bytes(root) -> dict[str, bytes]:
     """Every file under ``root`` with its bytes: what "nothing was changed" compares."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -83,7 +83,8 @@ def _reference(dp_size: int = 1) -> dict:
 
 
 def _strip(name: str) -> str:
-    """``0.module.blocks.1.qkv.weight`` (ModuleList index, DDP prefix) -> ``blocks.1.qkv.weight``."""
+    """``0.module.blocks.1.qkv_heads.weight`` (ModuleList index, DDP prefix) ->
+    ``blocks.1.qkv_heads.weight``."""
     parts = name.split(".")[1:]
     return ".".join(parts[1:] if parts[0] == "module" else parts)
 

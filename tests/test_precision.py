@@ -84,7 +84,7 @@ def test_fp32_is_bitwise_identical_to_a_trainer_without_the_argument():
 def test_bf16_forward_runs_in_bf16_in_training_and_validation():
     trainer = build("bf16-mixed")
     seen: list[tuple[bool, torch.dtype]] = []
-    linear = trainer.model.blocks["0"].qkv
+    linear = trainer.model.blocks["0"].qkv_heads
     linear.register_forward_hook(lambda mod, inp, out: seen.append((trainer.model.training, out.dtype)))
     trainer.set_validation(token_batches(1, seed=9), every_steps=2)
     trainer.run(token_batches(2), max_steps=2)
@@ -235,7 +235,7 @@ def _fsdp_bf16(rank: int, world: int) -> dict:
     # fp32 trainer: any bf16 seen in the forward comes from the FSDP2 policy, not from autocast.
     trainer = Trainer(model, opt, cross_entropy_loss, grad_clip_norm=1.0, hang_timeout_s=None)
     dtypes: set = set()
-    model.blocks["0"].qkv.register_forward_hook(lambda mod, inp, out: dtypes.add(out.dtype))
+    model.blocks["0"].qkv_heads.register_forward_hook(lambda mod, inp, out: dtypes.add(out.dtype))
     losses = record_losses(trainer)
     trainer.run(repeated(24), max_steps=24)
     return {

@@ -118,8 +118,8 @@ def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool, 
 
 
 def _strip(name: str) -> str:
-    """A wrapped / staged parameter name as the plain model's: ``0.blocks.1.qkv.weight`` (stage
-    index first) or ``module.blocks...`` -> ``blocks.1.qkv.weight``."""
+    """A wrapped / staged parameter name as the plain model's: ``0.blocks.1.qkv_heads.weight`` (stage
+    index first) or ``module.blocks...`` -> ``blocks.1.qkv_heads.weight``."""
     parts = [p for p in name.split(".") if p not in ("module", "_checkpoint_wrapped_module")]
     if parts and parts[0].isdigit() and len(parts) > 1 and not parts[1].isdigit():
         parts = parts[1:]
@@ -294,7 +294,7 @@ def test_checkpoint_of_dp2_tp2_resumes_at_other_layouts(tmp_path):
     saved = run_distributed(_ckpt_worker, 4, 2, "fsdp", str(saved_dir), SAVE_AT, timeout=240)
     assert [r["step"] for r in saved] == [SAVE_AT] * 4
     reference = saved[0]["state"]
-    assert any(k.endswith("exp_avg") for k in reference) and "model.blocks.0.qkv.weight" in reference
+    assert any(k.endswith("exp_avg") for k in reference) and "model.blocks.0.qkv_heads.weight" in reference
     layouts = {"one process": (1, 1, "ddp"), "tp=2": (2, 2, "ddp"), "dp=4": (4, 1, "fsdp")}
     for name, (world, tp, mode) in layouts.items():
         directory = tmp_path / name.replace(" ", "_").replace("=", "")
@@ -541,7 +541,7 @@ def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
     resumed = run_distributed(_ckpt_worker, 2, 1, "ddp", str(tmp_path / "pp2"), SAVE_AT + 1, 2, timeout=240)
     assert [(r["start"], r["step"]) for r in resumed] == [(SAVE_AT, SAVE_AT + 1)] * 2
     reference = merged(saved)
-    assert any("qkv.weight" in k for k in reference) and any(k.endswith("exp_avg") for k in reference)
+    assert any("qkv_heads.weight" in k for k in reference) and any(k.endswith("exp_avg") for k in reference)
     assert _same_state(merged(resumed), reference) == []
 
 

@@ -5,10 +5,11 @@ Built from parts a pipeline split can remove: ``tok_emb``/``pos_emb`` (first sta
 ``norm`` and ``head`` (last stage). ``forward`` skips whatever part is ``None``: on the first stage
 it takes token ids, elsewhere hidden states.
 
-Each block's fused ``qkv`` projection is head-major (head 0's query, key and value rows, then head
-1's, ...), so :func:`tp_plan`'s column split gives every tensor-parallel rank whole heads. (Before
-tensor parallelism it was ``[all queries | all keys | all values]``: a checkpoint of that layout
-loads, same shapes, but its heads are read differently; retrain rather than resume it.)
+Each block's fused ``qkv_heads`` projection is head-major (head 0's query, key and value rows, then
+head 1's, ...), so :func:`tp_plan`'s column split gives every tensor-parallel rank whole heads. The
+fused projection of earlier versions was called ``qkv`` and held ``[all queries | all keys | all
+values]``: same shape, other meaning, so it has another name, and the checkpointer refuses such a
+checkpoint as another model layout instead of reading its heads wrongly.
 """
 
 from __future__ import annotations
@@ -47,16 +48,16 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block. ``qkv`` holds each head's query, key and value rows together
-    (head-major), so a column-parallel split of ``qkv`` gives every rank whole heads; the forward
-    reads the number of heads it holds from ``qkv``'s output width."""
+    """Pre-norm transformer block. ``qkv_heads`` holds each head's query, key and value rows
+    together (head-major), so a column-parallel split of it gives every rank whole heads; the
+    forward reads the number of heads it holds from its output width."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.qkv_heads = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(
@@ -64,7 +65,7 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(self.ln1(x))
+        qkv = self.qkv_heads(self.ln1(x))
         b, t, width = qkv.shape  # under tensor parallelism: this rank's heads (and all positions)
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(b, t, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
@@ -154,8 +155,8 @@ def _check(args: dict, cfg: object) -> None:
 def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> GPT:
     """Tensor-parallel plan of :class:`GPT` (the whole model or one pipeline stage's part):
     token embedding row-parallel (the vocabulary sharded; the position embedding too with sequence
-    parallelism, else it and the layer norms stay whole on every rank), in each block ``qkv`` and ``mlp.0``
-    column-parallel (whole heads, a slice of the hidden units per rank), ``proj`` and ``mlp.2``
+    parallelism, else it and the layer norms stay whole on every rank), in each block ``qkv_heads``
+    and ``mlp.0`` column-parallel (whole heads, a slice of the hidden units per rank), ``proj`` and ``mlp.2``
     row-parallel, the head column-parallel with its logits gathered (every rank computes the loss on
     the whole vocabulary). With ``sequence_parallel`` the residual stream between the parallel
     regions is split along the positions and the layer norms run on each rank's slice. With
@@ -180,7 +181,7 @@ def tp_plan(model: GPT, tp_mesh: Any, *, sequence_parallel: bool = False, loss_p
     sp = sequence_parallel
     stream = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
     block_plan: dict[str, Any] = {
-        "qkv": ColwiseParallel(input_layouts=stream),
+        "qkv_heads": ColwiseParallel(input_layouts=stream),
         "proj": RowwiseParallel(output_layouts=stream),
         "mlp.0": ColwiseParallel(input_layouts=stream),
         "mlp.2": RowwiseParallel(output_layouts=stream),
