@@ -111,6 +111,36 @@ def _trainer(model, data: list, warmup: int) -> float:
     return (time.perf_counter() - start[0]) / (steps - warmup)
 
 
+def _collectives_per_step(model, data: list) -> list[int]:
+    """Small ``torch.distributed`` collectives in each step of a bare Trainer (the layers' own
+    communication is DTensor's functional collectives on the tp group, not counted here)."""
+    from benchmarks.step_budget import CollectiveCounter
+    from hookloop.engine import Events, Trainer
+    from hookloop.models.gpt import cross_entropy_loss
+
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        cross_entropy_loss,
+        grad_accum_steps=ACCUM,
+        grad_clip_norm=CLIP,
+        hang_timeout_s=None,
+        graceful_sigint=False,
+    )
+    totals: list[int] = []
+
+    class Count:
+        asks_after_agreement = False  # a reader: it needs no second collective
+
+        def record(self) -> None:
+            totals.append(sum(counter.counts.values()))
+
+    with CollectiveCounter() as counter:
+        trainer.add_event_handler(Events.STEP_END, Count().record)
+        trainer.run(data, max_steps=len(data) // ACCUM)
+    return [b - a for a, b in zip(totals, totals[1:])]
+
+
 def _worker(rank: int, world: int, cfg: dict, batch: int, warmup: int, steps: int, repeats: int) -> dict:
     from hookloop.engine import init_distributed
     from hookloop.engine.parallel import parallel_mesh
@@ -125,6 +155,7 @@ def _worker(rank: int, world: int, cfg: dict, batch: int, warmup: int, steps: in
             model = _parallel_model(cfg, tp_mesh)
             run = _hand_written if name == "hand" else _trainer
             times[name].append(run(model, data, warmup))
+    times["collectives"] = _collectives_per_step(_parallel_model(cfg, tp_mesh), data)
     return times
 
 
@@ -156,7 +187,13 @@ def main() -> None:
             "target": target,
             "met": ratio <= target,
             "unit": "ms",
-        }
+        },
+        {
+            "figure": f"small collectives per step for control, bare Trainer, tp={TP} (most of any step)",
+            "hookloop": max(times["collectives"]),
+            "target": 1,
+            "met": max(times["collectives"]) <= 1,
+        },
     ]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rounds = ", ".join(f"{t / h:.3f}" for t, h in zip(times["trainer"], times["hand"]))
@@ -168,6 +205,8 @@ def main() -> None:
         f"| hookloop Trainer (no handlers) | {trainer * 1e3:.1f} |\n\n"
         f"Trainer / hand-written, median of per-round ratios: {ratio:.3f} (target <= {target}); "
         f"rounds: {rounds}.\n\n"
+        f"Small torch.distributed collectives per step (the step's agreement; DTensor's own "
+        f"communication aside): {times['collectives']}.\n\n"
         f"Machine: {platform.python_version()}, torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; "
         f"{time.perf_counter() - start:.0f} s; load average at the end {load} on {os.cpu_count()} cores.\n"
     )
