@@ -1037,10 +1037,13 @@ class AsyncCheckpointer(Handler):
         everyone = [p if world == 1 else f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
         return everyone, all(v for _, v in gathered)
 
-    def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> None:
+    def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> dict[str, str] | None:
         """Refuse, before anything is read into the model, a checkpoint whose model parameters are
-        not this model's (other layers or widths, or another pipeline split). The verdict is taken
-        on every rank from the union of the ranks' parameters, so all ranks raise together."""
+        not this model's (other layers or widths). The verdict is taken on every rank from the union
+        of the ranks' parameters, so all ranks raise together. A checkpoint of the same model
+        written with pipeline stages and loaded without them (or the reverse) is this model's
+        under other names: the map from this rank's parameter names to the checkpoint's is
+        returned (None when the names are the same)."""
         index = io.SafeReader(path, index_limit=self.index_limit).read_metadata()
         stored = {
             k.removeprefix("model."): tuple(getattr(v, "size", ()))
@@ -1055,7 +1058,10 @@ class AsyncCheckpointer(Handler):
                 wanted.update(part)
         difference = describe_layout_difference(stored, wanted)
         if difference is None:
-            return
+            return None
+        names = _names_across_split(stored, wanted)
+        if names is not None:
+            return {k: names[k] for k in state_dict["model"]}
         raise CheckpointLayoutError(
             field,
             f"checkpoint {path} holds another model layout: {difference}; resume it with the settings "
@@ -1065,11 +1071,18 @@ class AsyncCheckpointer(Handler):
         )
 
     def _dcp_load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
-        self._check_compatible(path, state_dict, field)
+        names = self._check_compatible(path, state_dict, field)
+        target = state_dict if names is None else _under_names(state_dict, names)
+        if names is not None:
+            logger.info(
+                "%s was written %s pipeline stages: loading its parameters and optimizer state by name",
+                path,
+                "without" if any(_STAGE_PREFIX.match(k) for k in names) else "with",
+            )
         with _quiet_single_process():
             try:
                 dcp.load(
-                    state_dict,
+                    target,
                     storage_reader=io.SafeReader(path, index_limit=self.index_limit),
                     planner=io.SafeLoadPlanner(),
                     process_group=self._group,
@@ -1082,6 +1095,8 @@ class AsyncCheckpointer(Handler):
                     f"loading {path} failed: {_last_line(e)}; if the optimizer changed since it was "
                     "written, resume with load_optimizer=False"
                 ) from None
+        if names is not None:  # DCP replaced the non-tensor values (hyper-parameters) in target
+            _back_to_names(target, state_dict, names)
 
     def _load_weights(self, path: str) -> None:
         model = self.trainer.model
@@ -1264,6 +1279,53 @@ class AsyncCheckpointer(Handler):
 
 _STAGE_PREFIX = re.compile(r"^\d+\.")
 _NUMBERED = re.compile(r"^(.*?[A-Za-z_]\w*)\.(\d+)\.")
+
+
+def _names_across_split(stored: dict[str, tuple], wanted: dict[str, tuple]) -> dict[str, str] | None:
+    """When one of ``stored`` (a checkpoint's model parameters, name -> shape) and ``wanted`` (a
+    model's) is split into pipeline stages (names under a stage prefix, ``0.blocks.1.w``) and the
+    other is not, and they are the same parameters with the same shapes once the prefixes are
+    dropped: the map from each of ``wanted``'s names to the checkpoint's. None otherwise."""
+    split_stored, split_wanted = (
+        bool(names) and all(_STAGE_PREFIX.match(k) for k in names) for names in (stored, wanted)
+    )
+    if split_stored == split_wanted:
+        return None
+    plain_stored = {_STAGE_PREFIX.sub("", k) if split_stored else k: k for k in stored}
+    plain_wanted = {_STAGE_PREFIX.sub("", k) if split_wanted else k: k for k in wanted}
+    if len(plain_stored) != len(stored) or len(plain_wanted) != len(wanted):
+        return None  # two stages held a parameter of one name: not one model's parameters
+    if describe_layout_difference(
+        {k: stored[v] for k, v in plain_stored.items()}, {k: wanted[v] for k, v in plain_wanted.items()}
+    ):
+        return None
+    return {name: plain_stored[plain] for plain, name in plain_wanted.items()}
+
+
+def _renamed_optim_key(key: str, names: dict[str, str]) -> str:
+    """A flattened optimizer key (``state.<param>.<stat>``, ``param_groups.<param>.<setting>``)
+    under the checkpoint's parameter name."""
+    section, _, rest = key.partition(".")
+    param, _, leaf = rest.rpartition(".")
+    return f"{section}.{names.get(param, param)}.{leaf}" if param in names else key
+
+
+def _under_names(state_dict: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``state_dict`` ({"model": ..., "optim": ...}) with its parameter names replaced by the
+    checkpoint's; the values are the same objects, so tensors load in place."""
+    out = {"model": {names[k]: v for k, v in state_dict["model"].items()}}
+    if "optim" in state_dict:
+        out["optim"] = {_renamed_optim_key(k, names): v for k, v in state_dict["optim"].items()}
+    return out
+
+
+def _back_to_names(loaded: dict[str, Any], state_dict: dict[str, Any], names: dict[str, str]) -> None:
+    """Copy what DCP loaded under the checkpoint's names back into ``state_dict``."""
+    for k in state_dict["model"]:
+        state_dict["model"][k] = loaded["model"][names[k]]
+    if "optim" in state_dict:
+        for k in state_dict["optim"]:
+            state_dict["optim"][k] = loaded["optim"][_renamed_optim_key(k, names)]
 
 
 def describe_layout_difference(stored: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:

@@ -270,6 +270,23 @@ def _ckpt_worker(
     return seen if rank == 0 or pp > 1 else {"start": seen["start"], "step": seen["step"]}
 
 
+def _without_stages(state: dict) -> dict:
+    """A pipeline run's state under the whole model's names (``model.0.blocks.1.w`` ->
+    ``model.blocks.1.w``, the optimizer's keys likewise)."""
+    import re
+
+    stage = re.compile(r"^(model|optim\.state|optim\.param_groups)\.\d+\.")
+    return {stage.sub(r"\1.", k): v for k, v in state.items()}
+
+
+def _merged(per_rank: list[dict]) -> dict:
+    """Every rank's part of a pipeline run's state (the stages hold different parameters)."""
+    out: dict = {}
+    for result in per_rank:
+        out.update(result["state"])
+    return out
+
+
 def _same_state(got: dict, saved: dict) -> list[str]:
     import numpy as np
 
@@ -285,9 +302,9 @@ def _same_state(got: dict, saved: dict) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_checkpoint_of_dp2_tp2_resumes_at_other_layouts(tmp_path):
-    """Saved at dp=2 x tp=2 (FSDP2 on dp), resumed at one process, at tp=2 and at dp=4: model and
-    optimizer state equal to what was saved, bit for bit after gathering, and training goes on
-    from the saved step."""
+    """Saved at dp=2 x tp=2 (FSDP2 on dp), resumed at one process, at tp=2, at dp=4 and at
+    pp=2 x tp=2 (the stages load their parameters by name): model and optimizer state equal to what
+    was saved, bit for bit after gathering, and training goes on from the saved step."""
     import shutil
 
     saved_dir = tmp_path / "saved"
@@ -302,6 +319,13 @@ def test_checkpoint_of_dp2_tp2_resumes_at_other_layouts(tmp_path):
         per_rank = run_distributed(_ckpt_worker, world, tp, mode, str(directory), SAVE_AT + 1, timeout=240)
         assert [(r["start"], r["step"]) for r in per_rank] == [(SAVE_AT, SAVE_AT + 1)] * world, name
         assert _same_state(per_rank[0]["state"], reference) == [], name
+    shutil.copytree(saved_dir, tmp_path / "pp2_tp2")
+    directory = str(tmp_path / "pp2_tp2")
+    staged = run_distributed(_ckpt_worker, 4, 2, "ddp", directory, SAVE_AT + 1, 2, timeout=240)
+    assert [(r["start"], r["step"]) for r in staged] == [(SAVE_AT, SAVE_AT + 1)] * 4
+    got = _merged(staged)
+    assert "model.0.blocks.0.qkv_heads.weight" in got  # loaded under the stages' own names
+    assert _same_state(_without_stages(got), reference) == []
 
 
 # ---------------------------------------------------------------------- Hugging Face Llama
@@ -526,14 +550,11 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
     """Pipeline checkpoints name parameters by stage, so they move between pipeline layouts: saved
-    at pp=2 x tp=2, resumed at pp=2 alone with each stage's state equal bit for bit."""
+    at pp=2 x tp=2, resumed at pp=2 alone with each stage's state equal bit for bit, and at tp=2
+    without stages (loaded by name) with the whole model's state equal."""
     import shutil
 
-    def merged(per_rank: list[dict]) -> dict:
-        out: dict = {}
-        for result in per_rank:
-            out.update(result["state"])
-        return out
+    merged = _merged
 
     saved = run_distributed(_ckpt_worker, 4, 2, "ddp", str(tmp_path / "saved"), SAVE_AT, 2, timeout=240)
     assert [r["step"] for r in saved] == [SAVE_AT] * 4
@@ -543,6 +564,11 @@ def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
     reference = merged(saved)
     assert any("qkv_heads.weight" in k for k in reference) and any(k.endswith("exp_avg") for k in reference)
     assert _same_state(merged(resumed), reference) == []
+    shutil.copytree(tmp_path / "saved", tmp_path / "tp2")
+    whole = run_distributed(_ckpt_worker, 2, 2, "ddp", str(tmp_path / "tp2"), SAVE_AT + 1, timeout=240)
+    assert [(r["start"], r["step"]) for r in whole] == [(SAVE_AT, SAVE_AT + 1)] * 2
+    assert "model.blocks.0.qkv_heads.weight" in whole[0]["state"]
+    assert _same_state(whole[0]["state"], _without_stages(reference)) == []
 
 
 # ---------------------------------------------------------------------- the step's agreement
