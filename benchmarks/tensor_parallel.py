@@ -111,9 +111,10 @@ def _trainer(model, data: list, warmup: int) -> float:
     return (time.perf_counter() - start[0]) / (steps - warmup)
 
 
-def _collectives_per_step(model, data: list) -> list[int]:
-    """Small ``torch.distributed`` collectives in each step of a bare Trainer (the layers' own
-    communication is DTensor's functional collectives on the tp group, not counted here)."""
+def collectives_per_step(model, data: list, clip: float = CLIP) -> tuple[list[int], list[str]]:
+    """Small ``torch.distributed`` collectives in each step of a bare Trainer over ``data``
+    (``ACCUM`` microbatches a step) and where they were called from; the layers' own communication
+    is DTensor's functional collectives on the tp group, not counted here."""
     from benchmarks.step_budget import CollectiveCounter
     from hookloop.engine import Events, Trainer
     from hookloop.models.gpt import cross_entropy_loss
@@ -123,7 +124,7 @@ def _collectives_per_step(model, data: list) -> list[int]:
         torch.optim.AdamW(model.parameters(), lr=1e-4),
         cross_entropy_loss,
         grad_accum_steps=ACCUM,
-        grad_clip_norm=CLIP,
+        grad_clip_norm=clip,
         hang_timeout_s=None,
         graceful_sigint=False,
     )
@@ -138,7 +139,7 @@ def _collectives_per_step(model, data: list) -> list[int]:
     with CollectiveCounter() as counter:
         trainer.add_event_handler(Events.STEP_END, Count().record)
         trainer.run(data, max_steps=len(data) // ACCUM)
-    return [b - a for a, b in zip(totals, totals[1:])]
+    return [b - a for a, b in zip(totals, totals[1:])], sorted(counter.sites)
 
 
 def _worker(rank: int, world: int, cfg: dict, batch: int, warmup: int, steps: int, repeats: int) -> dict:
@@ -155,7 +156,7 @@ def _worker(rank: int, world: int, cfg: dict, batch: int, warmup: int, steps: in
             model = _parallel_model(cfg, tp_mesh)
             run = _hand_written if name == "hand" else _trainer
             times[name].append(run(model, data, warmup))
-    times["collectives"] = _collectives_per_step(_parallel_model(cfg, tp_mesh), data)
+    times["collectives"] = collectives_per_step(_parallel_model(cfg, tp_mesh), data)[0]
     return times
 
 

@@ -573,37 +573,17 @@ def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
 
 # ---------------------------------------------------------------------- the step's agreement
 def _budget_worker(rank: int, world: int) -> dict:
-    from benchmarks.step_budget import CollectiveCounter
-    from hookloop.engine import Events, Trainer, init_distributed
+    from benchmarks.tensor_parallel import ACCUM, collectives_per_step
+    from hookloop.engine import init_distributed
     from hookloop.engine.tensor_parallel import apply_tensor_parallel
-    from hookloop.models.gpt import cross_entropy_loss, tp_plan
+    from hookloop.models.gpt import tp_plan
     from tests.conftest import tiny_gpt, token_batches
 
     info = init_distributed("gloo", tp_size=world)
     model = tiny_gpt(**GPT_ARGS)
     apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan, sequence_parallel=True)
-    trainer = Trainer(
-        model,
-        _optimizer(model.parameters()),
-        cross_entropy_loss,
-        grad_accum_steps=N_MB,
-        grad_clip_norm=CLIP,
-        hang_timeout_s=None,
-        graceful_sigint=False,
-    )
-    at_step_end: list[int] = []
-
-    class Count:
-        asks_after_agreement = False  # a reader: the trainer needs no second collective for it
-
-        def record(self) -> None:
-            at_step_end.append(sum(counter.counts.values()))
-
-    with CollectiveCounter() as counter:
-        trainer.add_event_handler(Events.STEP_END, Count().record)
-        trainer.run(token_batches(8 * N_MB, batch=MB), max_steps=8)
-    per_step = [b - a for a, b in zip(at_step_end, at_step_end[1:])]
-    return {"per_step": per_step, "sites": sorted(counter.sites)}
+    per_step, sites = collectives_per_step(model, token_batches(8 * ACCUM, batch=MB), clip=CLIP)
+    return {"per_step": per_step, "sites": sites}
 
 
 @pytest.mark.distributed
