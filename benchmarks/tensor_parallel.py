@@ -84,20 +84,26 @@ def _hand_written(model, data: list, warmup: int) -> float:
     return (time.perf_counter() - start) / (steps - warmup)
 
 
-def _trainer(model, data: list, warmup: int) -> float:
-    from hookloop.engine import Events, Trainer
+def _bare_trainer(model, clip: float = CLIP):
+    """A Trainer with no handlers: AdamW, ``ACCUM`` microbatches a step, clipping at ``clip``."""
+    from hookloop.engine import Trainer
     from hookloop.models.gpt import cross_entropy_loss
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    trainer = Trainer(
+    return Trainer(
         model,
-        opt,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
         cross_entropy_loss,
         grad_accum_steps=ACCUM,
-        grad_clip_norm=CLIP,
+        grad_clip_norm=clip,
         hang_timeout_s=None,
         graceful_sigint=False,
     )
+
+
+def _trainer(model, data: list, warmup: int) -> float:
+    from hookloop.engine import Events
+
+    trainer = _bare_trainer(model)
     start = [0.0]
 
     def mark() -> None:
@@ -116,18 +122,9 @@ def collectives_per_step(model, data: list, clip: float = CLIP) -> tuple[list[in
     (``ACCUM`` microbatches a step) and where they were called from; the layers' own communication
     is DTensor's functional collectives on the tp group, not counted here."""
     from benchmarks.step_budget import CollectiveCounter
-    from hookloop.engine import Events, Trainer
-    from hookloop.models.gpt import cross_entropy_loss
+    from hookloop.engine import Events
 
-    trainer = Trainer(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-4),
-        cross_entropy_loss,
-        grad_accum_steps=ACCUM,
-        grad_clip_norm=clip,
-        hang_timeout_s=None,
-        graceful_sigint=False,
-    )
+    trainer = _bare_trainer(model, clip)
     totals: list[int] = []
 
     class Count:

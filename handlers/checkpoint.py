@@ -1056,12 +1056,14 @@ class AsyncCheckpointer(Handler):
             dist.all_gather_object(gathered, wanted, group=self._group)
             for part in gathered:
                 wanted.update(part)
-        difference = describe_layout_difference(stored, wanted)
-        if difference is None:
+        if stored == wanted:
             return None
         names = _names_across_split(stored, wanted)
         if names is not None:
             return {k: names[k] for k in state_dict["model"]}
+        difference = describe_layout_difference(stored, wanted)
+        if difference is None:
+            return None
         raise CheckpointLayoutError(
             field,
             f"checkpoint {path} holds another model layout: {difference}; resume it with the settings "
@@ -1307,7 +1309,7 @@ def _renamed_optim_key(key: str, names: dict[str, str]) -> str:
     under the checkpoint's parameter name."""
     section, _, rest = key.partition(".")
     param, _, leaf = rest.rpartition(".")
-    return f"{section}.{names.get(param, param)}.{leaf}" if param in names else key
+    return f"{section}.{names[param]}.{leaf}" if param in names else key
 
 
 def _under_names(state_dict: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
