@@ -8,6 +8,7 @@ from hookloop.engine.activation_checkpointing import apply_activation_checkpoint
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str
 from hookloop.engine.compile import compile_model
 from hookloop.engine.config import load_config, validate_sections
+from hookloop.engine.control import Decided, Rollback, StepControl
 from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from hookloop.engine.errors import ConfigError, HookloopError, TrainingAborted
 from hookloop.engine.events import EventHandle, Events, Priority, StepEvents
@@ -31,6 +32,9 @@ __all__ = [
     "Priority",
     "StepBatches",
     "ConfigError",
+    "Decided",
+    "Rollback",
+    "StepControl",
     "DistInfo",
     "MixtureLoader",
     "Events",

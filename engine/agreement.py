@@ -1,22 +1,25 @@
 """The step's agreement: every value ranks must combine in a step, in one small all-reduce.
 
 A step needs the loss and token counts summed over data-parallel ranks and a handful of decisions
-that every rank must take alike (skip the optimizer step, stop after it, save a checkpoint, with
-which exit code). Each of those used to be its own collective; here they travel together. The
+that every rank must take alike: the requests on the trainer's control point
+(:class:`~engine.control.StepControl`: skip the optimizer step, stop after it, save a checkpoint,
+with which exit code). Each of those used to be its own collective; here they travel together. The
 trainer runs the agreement once per step, right after the ``BEFORE_OPTIMIZER_STEP`` handlers and
-before the optimizer, and handlers add their own values as *slots*::
+before the optimizer; the agreed values replace the requests and are recorded in
+``trainer.control.decided``. Handlers add their own values as *slots*::
 
     def veto_if_bad(bad_ranks: float) -> None:
         if bad_ranks > 0:
-            trainer.state.skip_step = True
+            trainer.control.request_skip()
 
     trainer.agreement.add("my_hook.bad", fill=lambda: local_flag, on_agreed=veto_if_bad)
 
 ``fill()`` gives this rank's value (a bool, a number or a 0-dim tensor, on any device) just before
 the reduction; the agreed value is the **sum over ranks** and reaches ``on_agreed(value)`` right
-after it, before the optimizer step. Every rank calls ``on_agreed`` with the same value, so flags
-it sets (``skip_step``, ``should_checkpoint``, ``request_stop``) are agreed by construction and
-take effect in this step. With one process nothing is communicated.
+after it, before the optimizer step. Every rank calls ``on_agreed`` with the same value, so what
+it requests on the control point (``request_skip``, ``request_save``, ``request_stop``) is agreed by
+construction and takes effect in this step (``control.decided`` is recorded after the slots).
+With one process nothing is communicated.
 
 The values are packed into one float64 vector on the collective device and read back to the host
 in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) it is one
@@ -38,7 +41,6 @@ from hookloop.engine.exit_codes import ExitCode
 __all__ = [
     "Slot",
     "StepAgreement",
-    "StepDecisions",
     "agreed_exit_code",
     "exit_code_votes",
     "sum_over_ranks",
@@ -54,17 +56,6 @@ class Slot:
     name: str
     fill: Callable[[], Value]
     on_agreed: Callable[[float], None] | None = None
-
-
-@dataclass(frozen=True)
-class StepDecisions:
-    """What every rank agreed on in the current step (read it instead of the live flags, which a
-    handler on one rank may change after the agreement)."""
-
-    skip: bool = False
-    stop: bool = False
-    checkpoint: bool = False
-    exit_code: int = 0
 
 
 class StepAgreement:

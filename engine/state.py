@@ -1,34 +1,24 @@
-"""The trainer's state: counters and metrics handlers read, flags handlers use to ask.
+"""The trainer's state: counters and metrics handlers read, and the step's schedule.
 
-Handlers *request* through flags; the trainer *decides* at fixed points. Reset rules:
+The scheduler's per-step flags (a StepScheduler sets them at STEP_START, anyone may add to them):
 
 =================  =====================================  ==========================================
 flag               who sets it, when                      reset
 =================  =====================================  ==========================================
-skip_step          any handler, at BEFORE_OPTIMIZER_STEP  False before every STEP_START
-should_checkpoint  scheduler at STEP_START, or anyone     False before every STEP_START
 should_validate    scheduler at STEP_START, or anyone     False before every STEP_START
 should_log_remote  scheduler at STEP_START                False before every STEP_START
 is_last_step       scheduler at STEP_START                False before every STEP_START
-should_stop        any handler, any time                  latches; cleared when a run starts
-exit_code          whoever stops the run                  0 when a run starts
-hold_checkpoints   a detector while steps are bad         set/cleared by its owner every step
 =================  =====================================  ==========================================
 
-What handlers tell each other about checkpoints (none imports another):
+What handlers ask of the loop (skip, save, stop, rollback) is requested on the trainer's control
+point, ``trainer.control`` (:class:`~engine.control.StepControl`, with its reset rules), and
+decided there in the step's agreement. ``skip_step``, ``should_checkpoint``, ``should_stop``,
+``stop_reason``, ``exit_code`` and :meth:`TrainState.request_stop` are views onto it, kept for code
+written against the state: reading or setting them reads or sets the control object's ``skip``,
+``save``, ``stop``, ``stop_reason`` and ``exit_code``.
 
-- ``known_good_step``: the newest step a detector judged good (None: none yet). A checkpointer
-  never prunes the newest checkpoint at or before it whose saved state is finite.
-- ``hold_checkpoints``: while true, a checkpointer starts and publishes no save (the state may be
-  poisoned).
-- ``rollback_target_step``: set by whoever fires ROLLBACK: restore the newest intact checkpoint
-  at or before this step (None: the newest) whose saved parameters and optimizer state are finite.
-- ``initial_checkpoint_requested``: a handler that may roll back asks for a step-0 checkpoint
-  when a run starts fresh, so there is always something to roll back to.
-- ``last_checkpoint``: the newest published checkpoint (a path), for ``exit_status.json``.
-
-``skip_step`` and ``should_stop`` are agreed across data-parallel ranks by the trainer (if any
-rank asks, every rank does it), so no rank steps or stops alone.
+``last_checkpoint`` is a record, not a request: the newest checkpoint published (or resumed from),
+for ``exit_status.json``.
 """
 
 from __future__ import annotations
@@ -39,9 +29,11 @@ from typing import Any
 import torch
 from ignite.engine.events import State
 
+from hookloop.engine.control import StepControl
+
 __all__ = ["TrainState"]
 
-_PER_STEP_FLAGS = ("skip_step", "should_checkpoint", "should_validate", "should_log_remote", "is_last_step")
+_SCHEDULE_FLAGS = ("should_validate", "should_log_remote", "is_last_step")
 
 
 class _StepValue:
@@ -63,6 +55,18 @@ class _StepValue:
 
     def __set__(self, state: Any, value: Any) -> None:
         state.__dict__[self.key] = value
+
+
+def _control_view(name: str, doc: str) -> property:
+    """``state.<x>`` reading and setting ``state.control.<name>`` (see the module docstring)."""
+
+    def get(state: Any) -> Any:
+        return getattr(state.control, name)
+
+    def set_(state: Any, value: Any) -> None:
+        setattr(state.control, name, value)
+
+    return property(get, set_, doc=doc)
 
 
 @functools.cache
@@ -88,18 +92,16 @@ class TrainState(State):
     step_tokens = _StepValue()
     tokens_seen = _StepValue()
 
+    skip_step = _control_view("skip", "A view of ``control.skip``: veto this step's optimizer update.")
+    should_checkpoint = _control_view("save", "A view of ``control.save``: save at this step's end.")
+    should_stop = _control_view("stop", "A view of ``control.stop``: stop after this step.")
+    stop_reason = _control_view("stop_reason", "A view of ``control.stop_reason``: why the run stops.")
+    exit_code = _control_view("exit_code", "A view of ``control.exit_code``: the run's exit code.")
+
     def __init__(self, **kwargs: Any) -> None:
+        #: The step's control point; a trainer binds its own (``trainer.control``).
+        self.control = StepControl()
         self.reset_counters()
-        self.should_stop = False
-        self.stop_reason: str | None = None
-        self.exit_code = 0
-        # Set by a rollback requester while ROLLBACK fires: keep the data position (move past the
-        # bad window) instead of restoring the checkpoint's.
-        self.rollback_keep_data_position = False
-        self.rollback_target_step: int | None = None
-        self.known_good_step: int | None = None
-        self.hold_checkpoints = False
-        self.initial_checkpoint_requested = False
         self.last_checkpoint: str | None = None
         self.grad_scaler_overflow = False
         self.clear_step_flags()
@@ -153,17 +155,20 @@ class TrainState(State):
     def step(self, value: int) -> None:
         self.iteration = value
 
-    def clear_step_flags(self) -> None:
-        for name in _PER_STEP_FLAGS:
+    def clear_schedule_flags(self) -> None:
+        """Drop this step's schedule flags (``should_validate``, ``should_log_remote``, ``is_last_step``)."""
+        for name in _SCHEDULE_FLAGS:
             setattr(self, name, False)
 
+    def clear_step_flags(self) -> None:
+        """Drop this step's schedule flags and its skip and save requests."""
+        self.clear_schedule_flags()
+        control = self.control
+        control.skip = control.save = False
+
     def request_stop(self, reason: str, exit_code: int | None = None) -> None:
-        """Ask the trainer to stop after the current step (agreed across ranks at STEP_END)."""
-        self.should_stop = True
-        if self.stop_reason is None:
-            self.stop_reason = reason
-        if exit_code is not None and not self.exit_code:
-            self.exit_code = int(exit_code)
+        """A view of ``control.request_stop``: stop after the current step, agreed across ranks."""
+        self.control.request_stop(reason, exit_code)
 
     def counters(self) -> dict[str, Any]:
         """What a checkpoint must hold to continue the run: counters, not flags."""

@@ -2,8 +2,8 @@
 
 Everything a run needs beyond the step itself (scheduling, checkpoints, NaN handling, logging) is a
 handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
-:class:`~engine.state.TrainState`, and takes the decisions handlers ask for (skip, stop) once every
-rank agrees.
+:class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
+(:class:`~engine.control.StepControl`: skip, save, stop) once every rank agrees.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
-    StepDecisions,
     agreed_exit_code,
     exit_code_votes,
     sum_over_ranks,
@@ -35,6 +34,7 @@ from hookloop.engine.agreement import (
 from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
 from hookloop.engine.checks import check_choice
 from hookloop.engine.config import PRECISIONS
+from hookloop.engine.control import StepControl
 from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
@@ -77,11 +77,18 @@ def _first_on_node() -> bool:
 
 class _StateAttribute:
     """``trainer.state``: assigning an ignite ``State`` (as ignite's docs and tests do) makes it a
-    :class:`TrainState` in place. Only assignment is intercepted (no ``__get__``), so reading
+    :class:`TrainState` in place, bound to the trainer's control point (``trainer.control``, which
+    its flag views read). Only assignment is intercepted (no ``__get__``), so reading
     ``trainer.state`` costs what reading a plain attribute costs."""
 
     def __set__(self, trainer: Any, value: Any) -> None:
-        trainer.__dict__["state"] = TrainState.adopt(value)
+        state = TrainState.adopt(value)
+        control: StepControl | None = trainer.__dict__.get("control")
+        if control is None:  # the first state's control point becomes the trainer's
+            trainer.__dict__["control"] = state.control
+        else:
+            state.control = control
+        trainer.__dict__["state"] = state
 
 
 class Trainer(IgniteAdapter):
@@ -272,7 +279,7 @@ class Trainer(IgniteAdapter):
             self.watchdog.on_expire.append(self._on_watchdog_expired)
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
-        self.add_event_handler(Events.TRAIN_START, self._agree_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.TRAIN_START, self._agree_boundary_stop, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
@@ -280,8 +287,9 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
-        #: What every rank agreed on in the current step (skip, stop, checkpoint, exit code).
-        self.decisions = StepDecisions()
+        #: The step's control point: handlers request skip / save / stop / rollback here, and read
+        #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
+        self.control: StepControl = self.__dict__["control"]
         self._late_agreement = False
 
     # ------------------------------------------------------------------ configuration
@@ -417,29 +425,34 @@ class Trainer(IgniteAdapter):
         return parallel.agree_any(flag)
 
     def terminate(self, skip_completed: bool = False) -> None:
-        """Stop the run, agreed across ranks (ignite's ``terminate`` with a reason on the state).
+        """Stop the run, agreed across ranks (ignite's ``terminate`` as a stop request).
 
-        Called from a handler, the stop takes effect after the current step (or right after the
-        current TRAIN_START / EPOCH_START / EPOCH_END handlers), on every rank at once;
-        ``state.stop_reason`` names the caller and ``state.exit_code`` stays as set (0 unless a
-        handler asked for another)."""
+        A request on :attr:`control` like any other stop: called from a handler, it takes effect
+        after the current step (or right after the current TRAIN_START / EPOCH_START / EPOCH_END
+        handlers), on every rank at once; ``state.stop_reason`` names the caller and
+        ``state.exit_code`` stays as set (0 unless a handler asked for another)."""
         frame = sys._getframe(1)
         caller = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-        self.state.request_stop(f"terminate() called by {caller}")
+        self.control.request_stop(f"terminate() called by {caller}")
         self._skip_completed = self._skip_completed or skip_completed
 
-    def _stop_now(self) -> None:
+    def _stop(self) -> None:
+        """The one way a run stops, whoever asked (a handler, :meth:`terminate`, a signal, the time
+        limit, a health check): called once every rank agreed to (:attr:`control` holds the
+        decided stop), it ends ignite's loop after the current step or event."""
+        logger.info("stopping after step %d: %s", self.state.iteration, self.control.stop_reason)
         super().terminate(self._skip_completed)
 
-    def _agree_stop(self) -> None:
-        state = self.state
-        if self.agree_any(state.should_stop):
-            self._mark_stopped()
-            self._stop_now()
+    def _agree_boundary_stop(self) -> None:
+        """The stop agreement outside a step (after TRAIN_START, EPOCH_START and EPOCH_END handlers)."""
+        control = self.control
+        if self.agree_any(control.stop):
+            control.decide_stop()
+            self._stop()
 
     def _start_epoch(self) -> None:
         self._epoch_start_step = self.state.iteration
-        self._agree_stop()
+        self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
         """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
@@ -456,20 +469,13 @@ class Trainer(IgniteAdapter):
         else:
             self._empty_epochs += 1
             if self._empty_epochs >= 2:
-                state.request_stop(
+                self.control.request_stop(
                     f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
                     f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
                     "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
                     f"run ends at step {state.iteration} instead of repeating empty epochs"
                 )
-        self._agree_stop()
-
-    def _mark_stopped(self) -> None:
-        state = self.state
-        state.should_stop = True
-        if state.stop_reason is None:
-            state.stop_reason = "stop requested on another rank"
-        logger.info("stopping after step %d: %s", state.iteration, state.stop_reason)
+        self._agree_boundary_stop()
 
     # ------------------------------------------------------------------ running
     def run(  # type: ignore[override]
@@ -622,7 +628,7 @@ class Trainer(IgniteAdapter):
             if self.watchdog is not None:
                 self.watchdog.stop()
         self._explain_handled_end()
-        self.write_exit_status(int(state.exit_code), state.stop_reason or "finished")
+        self.write_exit_status(int(self.control.exit_code), self.control.stop_reason or "finished")
         return state
 
     def _install_sigint(self) -> Any:
@@ -634,15 +640,15 @@ class Trainer(IgniteAdapter):
 
         def on_sigint(signum: int, frame: Any) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            state = self.state
-            state.should_checkpoint = True
-            state.request_stop(
+            control = self.control
+            control.request_save()
+            control.request_stop(
                 "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again "
                 "to interrupt at once",
                 ExitCode.STOPPED,
             )
             if parallel.rank() == 0:
-                print(f"\n{state.stop_reason}", file=sys.stderr, flush=True)
+                print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
 
         return signal.signal(signal.SIGINT, on_sigint)
 
@@ -712,11 +718,8 @@ class Trainer(IgniteAdapter):
 
     def _on_train_start(self) -> None:
         state = self.state
-        state.should_stop = False
-        state.stop_reason = None
-        state.exit_code = 0
+        self.control.start_run()
         state.clear_step_flags()
-        self.decisions = StepDecisions()
         self._late_agreement = False
         self._skip_completed = False
         self._failed.clear()
@@ -753,21 +756,20 @@ class Trainer(IgniteAdapter):
         self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
         beyond = state.max_iters is not None and state.iteration > state.max_iters
-        stop = self.decisions.stop
+        control = self.control
+        stop = control.decided.stop
         if self._late_agreement:
-            code = int(state.exit_code) if state.should_stop else 0
-            votes = sum_over_ranks([state.should_stop, *exit_code_votes(code)])
+            code = int(control.exit_code) if control.stop else 0
+            votes = sum_over_ranks([control.stop, *exit_code_votes(code)])
             if votes[0] > 0:
-                self._agreed_stop(agreed_exit_code(votes[1:]))
+                control.decide_stop(agreed_exit_code(votes[1:]))
                 stop = True
-        carry_checkpoint = state.should_checkpoint and not self.decisions.checkpoint
-        state.clear_step_flags()
-        state.should_checkpoint = carry_checkpoint
-        self.decisions = StepDecisions(stop=stop, exit_code=int(state.exit_code) if stop else 0)
+        control.end_step(stop)
+        state.clear_schedule_flags()
         if stop:
-            self._mark_stopped()
-        if stop or beyond:
-            self._stop_now()
+            self._stop()
+        elif beyond:  # ignite's own limit, not a stop request
+            super().terminate(self._skip_completed)
 
     def _on_error(self, e: BaseException) -> None:
         """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
@@ -953,18 +955,18 @@ class Trainer(IgniteAdapter):
         """The step's one collective: loss, norm and counts summed over ranks together with every
         decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
         still ask for a stop after it) and the handlers' slots; then the agreed values are applied
-        and recorded in :attr:`decisions`."""
-        state = self.state
+        and recorded in ``control.decided``: the only place the control's requests become decisions."""
+        state, control = self.state, self.control
         world = parallel.world_size()
         slots = self.agreement.slots
         decisions: list[Any] = [
             samples,
             False if overflow is None else overflow,
-            state.skip_step,
-            state.should_stop,
-            state.should_checkpoint,
+            control.skip,
+            control.stop,
+            control.save,
             self._late_requests_possible(),
-            *exit_code_votes(int(state.exit_code) if state.should_stop else 0),
+            *exit_code_votes(int(control.exit_code) if control.stop else 0),
             *(slot.fill() for slot in slots),
         ]
         if world == 1:
@@ -979,20 +981,15 @@ class Trainer(IgniteAdapter):
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
         state.samples_seen += int(samples)
         state.grad_scaler_overflow = overflow_votes > 0
-        state.skip_step = skip > 0 or state.grad_scaler_overflow
-        state.should_checkpoint = checkpoint > 0
+        control.skip = skip > 0 or state.grad_scaler_overflow
+        control.save = checkpoint > 0
         if stop > 0:
-            self._agreed_stop(agreed_exit_code(votes))
+            control.decide_stop(agreed_exit_code(votes))
         self._late_agreement = late > 0
         for slot, value in zip(slots, slot_values):
             if slot.on_agreed is not None:
                 slot.on_agreed(value)
-        self.decisions = StepDecisions(
-            skip=bool(state.skip_step),
-            stop=bool(state.should_stop),
-            checkpoint=bool(state.should_checkpoint),
-            exit_code=int(state.exit_code),
-        )
+        control.record_decided()
 
     def _late_requests_possible(self) -> bool:
         """Whether a stop may still be asked for after the step's agreement on this rank: a handler
@@ -1006,16 +1003,6 @@ class Trainer(IgniteAdapter):
                 if owner is not self and getattr(owner, "asks_after_agreement", True):
                     return True
         return self._validation_due()
-
-    def _agreed_stop(self, code: int) -> None:
-        """Every rank stops after this step with the same exit code (the largest any rank asked
-        for); a rank that did not ask names the other rank as the reason."""
-        state = self.state
-        state.should_stop = True
-        if state.stop_reason is None:
-            state.stop_reason = "stop requested on another rank"
-        if code:
-            state.exit_code = code
 
     def _grad_norm(self) -> Any:
         """The total gradient norm as a tensor (over every shard and stage), before clipping."""
@@ -1036,7 +1023,7 @@ class Trainer(IgniteAdapter):
         """The agreed veto, clipping, then optimizer and LR scheduler."""
         state = self.state
         scaler = self.grad_scaler
-        if state.skip_step:
+        if self.control.skip:
             state.skipped_steps += 1
         else:
             if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):

@@ -7,8 +7,8 @@ CUDA, the data's own generators). The on-disk layout and the safe readers are in
 :mod:`engine.checkpoint_io`.
 
 When it saves (at STEP_END, after the StepScheduler has set its flags): on
-``state.should_checkpoint``, every ``every_steps`` steps, at the last step, when the run stops on
-request (``state.should_stop`` with a resumable exit code), and at TRAIN_END if the last step was
+``trainer.control.decided.save``, every ``every_steps`` steps, at the last step, when the run stops on
+request (``control.decided.stop`` with a resumable exit code), and at TRAIN_END if the last step was
 not saved yet; never twice for one step. The decision is agreed across ranks.
 
 Modes (``mode=``):
@@ -389,7 +389,7 @@ class AsyncCheckpointer(Handler):
                 state.last_checkpoint = path
                 max_steps = self.trainer.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
-                    state.request_stop(
+                    self.trainer.control.request_stop(
                         f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
                         "nothing left to train, this run is finished; to start another, pass "
                         "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
@@ -401,7 +401,7 @@ class AsyncCheckpointer(Handler):
             path = self._agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
             if path is not None:
                 self._load_weights(path)
-        if state.initial_checkpoint_requested and state.iteration == 0:
+        if self.trainer.control.initial_save and state.iteration == 0:
             # Something may roll back before the first regular save: keep the initial state (written
             # in the background like any save, published at the next step's end).
             self._start_save(0)
@@ -422,18 +422,19 @@ class AsyncCheckpointer(Handler):
     def _on_step_end(self) -> None:
         start = time.perf_counter()
         state = self.trainer.state
-        decisions = self.trainer.decisions  # agreed by every rank in this step's one all-reduce
+        control = self.trainer.control
+        decided = control.decided  # agreed by every rank in this step's one all-reduce
         step = state.iteration
-        hold = state.hold_checkpoints  # a detector distrusts this state: neither save nor publish
+        hold = control.hold_saves  # a detector distrusts this state: neither save nor publish
         want = (
             not hold
             and step != self.last_saved_step
             and (
-                decisions.checkpoint
+                decided.save
                 or (self.every_steps is not None and step % self.every_steps == 0)
                 or state.is_last_step
                 or self._at_last_step()
-                or (decisions.stop and decisions.exit_code in _RESUMABLE_EXIT_CODES)
+                or (decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES)
             )
         )
         inflight = self._inflight
@@ -454,7 +455,7 @@ class AsyncCheckpointer(Handler):
 
     def _on_train_end(self) -> None:
         state = self.trainer.state
-        resumable = state.exit_code in _RESUMABLE_EXIT_CODES
+        resumable = self.trainer.control.exit_code in _RESUMABLE_EXIT_CODES
         if resumable and state.iteration > 0 and state.iteration != self.last_saved_step:
             # data ran out, or the stop came after the step's agreement: publish the save in
             # flight first, then save this step
@@ -469,10 +470,13 @@ class AsyncCheckpointer(Handler):
         self._wait_local()
 
     def _on_rollback(self) -> None:
-        state = self.trainer.state
-        self.restore_latest(
-            keep_data_position=state.rollback_keep_data_position, at_or_before=state.rollback_target_step
-        )
+        rollback = self.trainer.control.rollback  # None: nobody said; the newest, data position too
+        if rollback is None:
+            self.restore_latest()
+        else:
+            self.restore_latest(
+                keep_data_position=rollback.keep_data_position, at_or_before=rollback.at_or_before
+            )
 
     # ------------------------------------------------------------------------------ public
     @property
@@ -803,7 +807,7 @@ class AsyncCheckpointer(Handler):
         latest = io.read_latest(self.directory)
         if latest:
             keep.add(os.path.join(self.directory, latest))
-        good = self.trainer.state.known_good_step if self.trainer is not None else None
+        good = self.trainer.control.protected_step if self.trainer is not None else None
         if good is not None:  # a rollback may need it: never prune the newest known-good checkpoint
             known_good = next(
                 (path for step, path in complete if step <= good and not _not_finite(path)), None

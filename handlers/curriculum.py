@@ -334,8 +334,8 @@ class PhaseCurriculum(Handler):
     def _on_rollback(self) -> None:
         # The checkpointer moved the counters back to the checkpoint's step. If it also rewound the data
         # the anchor still maps steps to draws; if the data keeps going, the step the data is at moved.
-        state = self.trainer.state
-        if getattr(state, "rollback_keep_data_position", False) and self._completed is not None:
+        state, rollback = self.trainer.state, self.trainer.control.rollback
+        if rollback is not None and rollback.keep_data_position and self._completed is not None:
             if self._anchor is not None and self._draws_per_step is not None:
                 self._anchor = (state.step, self._draws_after(self._completed))
         self._completed = state.step

@@ -6,11 +6,12 @@ Every ``every_steps`` steps each rank all-reduces a one-element tensor of ones w
 
 When the probe fails or times out, no agreement is possible (the peer that should agree is the one
 that is gone), so this rank does not ask the trainer for an agreed stop, which would hang in its
-collective. Instead it logs which check failed, marks ``state.request_stop(...,
-ExitCode.HEALTH_CHECK_FAILED)`` and raises :class:`~engine.errors.TrainingAborted` with exit code
-77: the trainer's error path runs (TRAIN_FAILED handlers close loggers, drain local work) and the
-script exits with ``e.exit_code``. Contract for TRAIN_FAILED handlers (checkpointers in particular):
-do not start collectives on that path, and bound every wait. As a last resort, a watchdog thread
+collective. Instead it logs which check failed, records the stop on the trainer's control point
+(``trainer.control.request_stop(..., ExitCode.HEALTH_CHECK_FAILED)``) and raises
+:class:`~engine.errors.TrainingAborted` with exit code 77: the trainer's error path runs
+(TRAIN_FAILED handlers close loggers, drain local work) and the script exits with
+``e.exit_code``. Contract for TRAIN_FAILED handlers (checkpointers in particular): do not start
+collectives on that path, and bound every wait. As a last resort, a watchdog thread
 ends the process with code 77 if it is still alive ``exit_grace_s`` seconds after the failure.
 """
 
@@ -151,7 +152,7 @@ class HealthCheck(Handler):
         message = f"health check{where} failed on rank {parallel.rank()}: {problem}; a peer is hung or gone"
         logger.error(message)
         if self.trainer is not None:
-            self.trainer.state.request_stop(message, ExitCode.HEALTH_CHECK_FAILED)
+            self.trainer.control.request_stop(message, ExitCode.HEALTH_CHECK_FAILED)
             # Recorded now: the grace timer below may end the process before the run's own exit
             # path gets to write it. The stacks show where every thread was when the peer went.
             self.trainer.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), message)

@@ -25,10 +25,13 @@ skipped step of its own, not a NaN.
   ``max_rollbacks`` rollbacks, or with no checkpoint old enough, the run stops with
   ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
 
-  While steps are bad the detector holds checkpoints (``state.hold_checkpoints``): nothing is
-  saved or published during a bad streak, and the checkpointer never prunes the newest checkpoint
-  at or before ``state.known_good_step``. It also asks for a step-0 checkpoint when a run starts
-  fresh (``state.initial_checkpoint_requested``), so a NaN before the first save can roll back.
+  The detector talks to the checkpointer only through the trainer's control point
+  (``trainer.control``, :mod:`engine.control`): while steps are bad it holds saves
+  (``control.hold_saves``): nothing is saved or published during a bad streak, and the
+  checkpointer never prunes the newest checkpoint at or before ``control.protected_step`` (the
+  last good step). It asks for a step-0 checkpoint when a run starts fresh
+  (``control.request_initial_save()``), so a NaN before the first save can roll back, and says
+  what a rollback restores with ``control.request_rollback(...)`` before firing ROLLBACK.
 
 The detector's own counters survive a rollback (``restore_on_rollback = False``) and are saved in
 checkpoints, so a resumed run keeps its rollback budget.
@@ -167,7 +170,7 @@ class NaNDetector(Handler):
                 "before the NaNDetector, or use action='warn' or 'raise'",
             )
         if self.action == "rollback":
-            trainer.state.initial_checkpoint_requested = True
+            trainer.control.request_initial_save()
         # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=Priority.NAN_CHECK)
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
@@ -215,19 +218,19 @@ class NaNDetector(Handler):
 
     def _on_verdict(self, bad_ranks: float) -> None:
         """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
-        state = self.trainer.state
+        state, control = self.trainer.state, self.trainer.control
         if not bad_ranks:
             self.consecutive = 0
             self.last_good_step, self._last_good_loss = state.step, state.peek("loss")
             if self.spike_factor is not None:
                 self._window.append(state.loss)
-            state.known_good_step = state.step
-            state.hold_checkpoints = False
+            control.protected_step = state.step
+            control.hold_saves = False
             self._publish(state)
             return
         reason = self._reason(state)
-        state.skip_step = True
-        state.hold_checkpoints = self.action == "rollback"
+        control.request_skip()
+        control.hold_saves = self.action == "rollback"
         self.consecutive += 1
         self.total += 1
         self.bad_steps.append(state.step)
@@ -269,7 +272,7 @@ class NaNDetector(Handler):
         trainer.at_step_end(lambda: self._roll_back(trainer))
 
     def _roll_back(self, trainer: Trainer) -> None:
-        state = trainer.state
+        state, control = trainer.state, trainer.control
         self.rollbacks += 1
         self.consecutive = 0
         target = self._rollback_target()
@@ -282,8 +285,7 @@ class NaNDetector(Handler):
             self.rollbacks,
             self.max_rollbacks,
         )
-        state.rollback_keep_data_position = self.skip_data_on_rollback
-        state.rollback_target_step = target
+        control.request_rollback(target, keep_data_position=self.skip_data_on_rollback)
         bad_step = state.step
         try:
             trainer.fire(Events.ROLLBACK)
@@ -293,10 +295,9 @@ class NaNDetector(Handler):
                 ExitCode.NAN_ABORT,
             ) from e
         finally:
-            state.rollback_keep_data_position = False
-            state.rollback_target_step = None
+            control.rollback = None
         self.restored_step = state.step
-        state.hold_checkpoints = False
+        control.hold_saves = False
         logger.warning("rolled back from step %d to step %d", bad_step, state.step)
         self._publish(state)
 

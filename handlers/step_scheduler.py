@@ -14,9 +14,10 @@ Two ways to use it:
   item is a list of ``grad_acc_steps`` microbatches (shorter at the end of an epoch) and the
   predicates describe the step being run.
 * As a handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``. The scheduler sets the
-  trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``, publishes each step's decisions
-  on ``trainer.state`` at STEP_START, and turns stop signals and time limits into a final
-  checkpoint request plus an agreed stop with :attr:`engine.ExitCode.STOPPED`.
+  trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``, publishes each step's schedule
+  on ``trainer.state`` at STEP_START (its checkpoint steps as ``trainer.control.request_save()``),
+  and turns stop signals and time limits into a final checkpoint request plus a stop request on
+  ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`.
 """
 
 from __future__ import annotations
@@ -483,11 +484,11 @@ class StepScheduler(Handler):
         if not ranks or self._exit_kind in ("signal", "duration"):
             return
         self._latch_signal() if kind == "signal" else self._latch_duration()
-        state = self.trainer.state
-        state.should_checkpoint = True
+        state, control = self.trainer.state, self.trainer.control
+        control.request_save()
         state.should_validate = False
         if not state.is_last_step:  # a run that ends here anyway ends as a finished run
-            state.request_stop(self._exit_reason, ExitCode.STOPPED)
+            control.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _latch(self, kind: str, reason: str) -> None:
         self._exit_kind, self._exit_reason = kind, reason
@@ -784,14 +785,15 @@ class StepScheduler(Handler):
         state = self.trainer.state
         if self.is_gc_step:
             gc.collect()
-        state.should_checkpoint = state.should_checkpoint or self.is_ckpt_step
+        if self.is_ckpt_step:
+            self.trainer.control.request_save()
         state.should_validate = state.should_validate or self.is_val_step
         state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
         last = self.is_last_step
         state.is_last_step = state.is_last_step or last
         if self.is_exit_interval_step and not last:
             self._latch("interval", f"exit_interval={self.exit_interval} reached at step {self.step}")
-            state.request_stop(self._exit_reason, ExitCode.STOPPED)
+            self.trainer.control.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
         state = self.trainer.state

@@ -168,5 +168,5 @@ class StragglerDetector(Handler):
                 f"(threshold {self.stop_threshold:g})"
             )
             logger.warning(reason)
-            self.trainer.state.request_stop(reason, ExitCode.STRAGGLER_ABORT)
+            self.trainer.control.request_stop(reason, ExitCode.STRAGGLER_ABORT)
         return report

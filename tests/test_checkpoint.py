@@ -295,7 +295,7 @@ def test_rollback_restores_the_newest_checkpoint_bitwise_and_keeps_or_rewinds_da
     def _bad_step(engine):
         if engine.state.step == 5 and not after_rollback:
             engine.state.skip_step = True
-            engine.state.rollback_keep_data_position = keep
+            engine.control.request_rollback(keep_data_position=keep)
             engine.fire(Events.ROLLBACK)
             after_rollback.update(snapshot(engine))
             after_rollback["step"] = torch.tensor(engine.state.step)
@@ -475,7 +475,7 @@ def test_keep_best_never_prunes_the_newest_known_good_checkpoint(tmp_path):
 
     @trainer.on(Events.STEP_END, priority=Priority.VALIDATION)
     def _distrust(engine):  # as a NaN detector does during a bad streak: step 2 is the last good one
-        engine.state.known_good_step = min(engine.state.step, 2)
+        engine.control.protected_step = min(engine.state.step, 2)
 
     trainer.run(token_batches(20), max_steps=4)
     assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [4, 2, 1]

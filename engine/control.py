@@ -1,0 +1,179 @@
+"""The step's one control point: handlers *request* on :class:`StepControl`, the trainer *decides*.
+
+``trainer.control`` is the only place a handler asks the loop to do something other than the next
+step: skip this step's optimizer update, save a checkpoint, stop the run (with an exit code and a
+reason), roll back. A request is this rank's wish; it becomes a decision only in the step's
+agreement (:mod:`engine.agreement`: the one packed all-reduce before the optimizer, plus the small
+late stop agreement at the end of a step whose handlers may still ask, and the stop agreement at
+TRAIN_START / EPOCH_START / EPOCH_END). What every rank agreed is then on :attr:`StepControl.decided`.
+Whoever asks for a stop (a handler, ``trainer.terminate()``, a stop signal or the time limit via
+the StepScheduler, Ctrl-C, a health check, the straggler detector) takes the same path: a request
+here, agreed at the next agreement point, carried out by the trainer's one stop.
+
+What resets when:
+
+======================  ==============================================  ===================================
+field                   requested by, when                              reset
+======================  ==============================================  ===================================
+``skip``                :meth:`request_skip`, up to BEFORE_OPTIMIZER    end of every step (before the next
+                        _STEP; the agreement replaces it with the       STEP_START) and when a run starts
+                        agreed value (a fp16 overflow skips too)
+``save``                :meth:`request_save`, any time; the agreement   end of every step; a request made
+                        replaces it with the agreed value               after the agreement carries over
+                                                                        to the next step
+``stop``,               :meth:`request_stop`, any time                  latch; cleared when a run starts
+``stop_reason``,        (the first reason and the first non-zero
+``exit_code``           exit code win); agreed at the next agreement
+                        point: every rank stops, with the largest
+                        exit code any rank asked for
+``rollback``            :meth:`request_rollback`, right before          cleared by the requester once
+                        ROLLBACK fires; ROLLBACK handlers read it       ROLLBACK has fired, and when a
+                                                                        run starts
+``hold_saves``          a handler that distrusts the current state      by its owner
+``protected_step``      a handler that judges steps (newest good one)   by its owner
+``initial_save``        :meth:`request_initial_save`, at attach time    never (a setting of the run)
+``decided``             the trainer, at each agreement point            replaced at every agreement; at
+                                                                        the end of a step it keeps only
+                                                                        the stop; cleared when a run starts
+======================  ==============================================  ===================================
+
+Between handlers that save and handlers that judge the state (neither imports the other):
+
+- ``hold_saves``: while true, a checkpointer starts and publishes no save (the state may be
+  poisoned, e.g. during a streak of non-finite steps).
+- ``protected_step``: the newest step judged good (None: none yet); a checkpointer never prunes
+  the newest checkpoint at or before it whose saved state is finite.
+- ``initial_save``: a handler that may roll back asks for a step-0 checkpoint when a run starts
+  fresh, so there is always something to roll back to.
+- ``rollback`` (a :class:`Rollback`): which checkpoint a ROLLBACK restores (the newest intact one at
+  or before ``at_or_before``; None: the newest) and whether the data position is kept (training goes
+  on past the bad window) instead of restored. None while nobody asked: a ROLLBACK fired on its own
+  restores the newest checkpoint with its data position.
+
+A request that must be the same on every rank is made from agreed values (in a slot's
+``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``, ``stop``).
+
+The trainer state keeps ``skip_step``, ``should_checkpoint``, ``should_stop``, ``stop_reason``,
+``exit_code`` and ``request_stop()`` as views onto this object, for code written against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Decided", "Rollback", "StepControl"]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A rollback request: restore the newest intact checkpoint at or before ``at_or_before``
+    (None: the newest) whose saved state is finite; ``keep_data_position``: keep reading the data
+    from where it is instead of from the checkpoint's position."""
+
+    at_or_before: int | None = None
+    keep_data_position: bool = False
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What every rank agreed on at the latest agreement point (read it instead of the live
+    requests, which a handler on one rank may change after the agreement)."""
+
+    skip: bool = False
+    stop: bool = False
+    save: bool = False
+    exit_code: int = 0
+
+
+_NOTHING_DECIDED = Decided()
+
+
+class StepControl:
+    """Requests handlers make, and the decisions the trainer took from them (module docstring)."""
+
+    __slots__ = (
+        "decided",
+        "exit_code",
+        "hold_saves",
+        "initial_save",
+        "protected_step",
+        "rollback",
+        "save",
+        "skip",
+        "stop",
+        "stop_reason",
+    )
+
+    def __init__(self) -> None:
+        self.skip = False
+        self.save = False
+        self.stop = False
+        self.stop_reason: str | None = None
+        self.exit_code = 0
+        self.rollback: Rollback | None = None
+        self.hold_saves = False
+        self.protected_step: int | None = None
+        self.initial_save = False
+        self.decided = _NOTHING_DECIDED
+
+    def __repr__(self) -> str:
+        asked = [name for name in ("skip", "save", "stop", "hold_saves") if getattr(self, name)]
+        return f"StepControl(requested={asked}, exit_code={self.exit_code}, decided={self.decided})"
+
+    # ---------------------------------------------------------------- requests (any handler)
+    def request_skip(self) -> None:
+        """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
+        self.skip = True
+
+    def request_save(self) -> None:
+        """Save a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
+        self.save = True
+
+    def request_stop(self, reason: str, exit_code: int | None = None) -> None:
+        """Stop after the current step (agreed across ranks). The first reason given is kept, and
+        the first non-zero exit code (0: the run ends as finished)."""
+        self.stop = True
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        if exit_code is not None and not self.exit_code:
+            self.exit_code = int(exit_code)
+
+    def request_rollback(self, at_or_before: int | None = None, *, keep_data_position: bool = False) -> None:
+        """Say what the ROLLBACK about to fire restores (see :class:`Rollback`)."""
+        self.rollback = Rollback(at_or_before, bool(keep_data_position))
+
+    def request_initial_save(self) -> None:
+        """Ask for a step-0 checkpoint when a run starts fresh (something to roll back to)."""
+        self.initial_save = True
+
+    # ---------------------------------------------------------------- the trainer's side
+    def start_run(self) -> None:
+        """A run starts: no stop, no step request, nothing decided."""
+        self.stop = False
+        self.stop_reason = None
+        self.exit_code = 0
+        self.skip = self.save = False
+        self.rollback = None
+        self.decided = _NOTHING_DECIDED
+
+    def record_decided(self) -> None:
+        """The end of the step's agreement: the agreed values (which replaced the requests, and
+        what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
+        self.decided = Decided(skip=self.skip, stop=self.stop, save=self.save, exit_code=self.exit_code)
+
+    def decide_stop(self, exit_code: int = 0) -> None:
+        """Every rank stops (the largest exit code any rank asked for; 0 keeps this rank's); a
+        rank that did not ask names the other rank as the reason."""
+        self.stop = True
+        if self.stop_reason is None:
+            self.stop_reason = "stop requested on another rank"
+        if exit_code:
+            self.exit_code = int(exit_code)
+
+    def end_step(self, stop: bool) -> None:
+        """The step is over: step requests reset (a save asked after the agreement carries over),
+        the decision kept is the stop."""
+        carry_save = self.save and not self.decided.save
+        self.skip = False
+        self.save = carry_save
+        self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED
