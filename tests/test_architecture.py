@@ -8,6 +8,8 @@
 - Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
   ignite's internals.
 - Handlers do not import each other (the loggers' shared base and the run composition aside).
+- Shipped handlers request skip / save / stop / rollback on ``trainer.control``, not through the
+  state's compatibility views or handler-to-handler fields on the state.
 """
 
 from __future__ import annotations
@@ -229,6 +231,44 @@ def test_handlers_do_not_import_each_other():
     assert offenders == {}
 
 
+# What handlers must ask through ``trainer.control`` (the state keeps some of these as views for
+# user code; the others were fields handlers used to pass messages to each other).
+STATE_CONTROL_NAMES = {
+    "skip_step",
+    "should_checkpoint",
+    "should_stop",
+    "request_stop",
+    "known_good_step",
+    "hold_checkpoints",
+    "rollback_target_step",
+    "rollback_keep_data_position",
+    "initial_checkpoint_requested",
+}
+
+
+def _state_control_uses(path: Path) -> list[str]:
+    """``<...>state.<name>`` (or a ``getattr`` of one) for the control's names, in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in STATE_CONTROL_NAMES:
+            owner = node.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if owner_name == "state":
+                found.append(f"{path.name}:{node.lineno} state.{node.attr}")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "setattr", "hasattr"):
+            names = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+            if names and names[0] in STATE_CONTROL_NAMES:
+                found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {names[0]!r})")
+    return found
+
+
+def test_handlers_ask_through_the_control_point_not_the_state():
+    offenders = [
+        hit for path in sorted((REPO / "handlers").rglob("*.py")) for hit in _state_control_uses(path)
+    ]
+    assert offenders == []
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     # The scanners must find a planted violation, or the tests above prove nothing.
     planted = tmp_path / "planted.py"
@@ -236,6 +276,12 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "def f(trainer, self):\n    trainer._init_iter = 1\n    return self.trainer._stateful\n"
     )
     assert len(_private_accesses(planted)) == 2
+    asks = tmp_path / "asks.py"
+    asks.write_text(
+        "def f(trainer, state):\n    trainer.state.skip_step = True\n    state.request_stop('x')\n"
+        "    getattr(state, 'rollback_keep_data_position', False)\n    trainer.control.request_skip()\n"
+    )
+    assert len(_state_control_uses(asks)) == 3
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "x.py").write_text("def g():\n    from hookloop.handlers.nan_detector import NaNDetector\n")
