@@ -20,11 +20,11 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
                 fire(MICROBATCH)               # state.microbatch == i, state.microbatch_loss
             state.loss = this rank's mean over microbatches      # tensors, read only if asked
             state.grad_norm = total norm of the unclipped gradients
-            fire(BEFORE_OPTIMIZER_STEP)        # gradients unclipped; a handler may set skip_step
+            fire(BEFORE_OPTIMIZER_STEP)        # gradients unclipped; control.request_skip() vetoes
             agree()                            # ONE all-reduce: loss, norm, tokens, samples summed
                                                # over ranks with skip/stop/checkpoint/exit-code
                                                # votes and handler slots (engine/agreement.py)
-            if not state.skip_step:            # agreed: any rank's veto is every rank's
+            if not control.decided.skip:       # agreed: any rank's veto is every rank's
                 clip; optimizer.step(); lr_scheduler.step()
             optimizer.zero_grad()
             fire(STEP_END)                     # state.loss = mean over ranks; validation
