@@ -1023,7 +1023,7 @@ class Trainer(IgniteAdapter):
         """The agreed veto, clipping, then optimizer and LR scheduler."""
         state = self.state
         scaler = self.grad_scaler
-        if self.control.skip:
+        if self.control.decided.skip:
             state.skipped_steps += 1
         else:
             if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
