@@ -25,17 +25,24 @@ from typing import Any
 from hookloop.engine import checkpoint_io
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups"]
+__all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups", "steps_in"]
 
 _END = object()
 
 
 def data_length(data: Any) -> int | None:
-    """``len(data)``, or None for data without a length (iterators, iterable datasets' loaders)."""
+    """``len(data)``, or None for data without a length (iterators, iterable datasets' loaders,
+    whose ``len()`` raises ``TypeError``, ``NotImplementedError`` or ``RuntimeError``)."""
     try:
         return len(data)
-    except (TypeError, NotImplementedError):
+    except (TypeError, NotImplementedError, RuntimeError):
         return None
+
+
+def steps_in(microbatches: int | None, grad_accum_steps: int) -> int | None:
+    """Optimizer steps that ``microbatches`` microbatches make, ``grad_accum_steps`` to a step (a
+    shorter last step counts); None when the number of microbatches is unknown."""
+    return None if microbatches is None else math.ceil(microbatches / grad_accum_steps)
 
 
 class NoData:
@@ -92,13 +99,11 @@ class StepBatches:
         return self._accum()
 
     def __len__(self) -> int:
-        n = len(self.data)  # type: ignore[arg-type]
-        return math.ceil(n / self.grad_accum_steps)
+        return steps_in(len(self.data), self.grad_accum_steps)  # type: ignore[arg-type, return-value]
 
     def steps_per_pass(self) -> int | None:
         """Optimizer steps in one pass over the data, or None when the data has no length."""
-        n = data_length(self.data)
-        return None if n is None else math.ceil(n / self.grad_accum_steps)
+        return steps_in(data_length(self.data), self.grad_accum_steps)
 
     def stateful_source(self) -> Any:
         """The object that can save and restore the data position itself, or None."""

@@ -39,7 +39,7 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler
 from hookloop.engine.running_mean import RunningMean
-from hookloop.engine.step_batches import iter_groups
+from hookloop.engine.step_batches import data_length, iter_groups, steps_in
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 
@@ -155,13 +155,6 @@ class StepSchedulerConfig:
         _resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
 
 
-def _data_length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except (TypeError, NotImplementedError, RuntimeError):  # iterable datasets have no length
-        return None
-
-
 def _restores_own_position(data: Any) -> bool:
     """A loader (or its sampler) with ``state_dict`` is assumed to restore its own position."""
     return any(
@@ -261,10 +254,10 @@ class StepScheduler(Handler):
         self.local_batch_size = local_batch_size
         self.dp_size = dp_size
         self.dataloader = dataloader
-        length = _data_length(dataloader) if dataloader is not None else None
+        length = data_length(dataloader) if dataloader is not None else None
         if length == 0:
             raise ConfigError("dataloader", "is empty (len() == 0); pass data with at least one microbatch")
-        self.epoch_len: int | None = None if length is None else math.ceil(length / self.grad_acc_steps)
+        self.epoch_len: int | None = steps_in(length, self.grad_acc_steps)
 
         if num_epochs is None:
             num_epochs = _calculate_num_epochs(max_steps, self.epoch_len)
@@ -725,8 +718,7 @@ class StepScheduler(Handler):
                     "StepScheduler and call trainer.run(data) without it",
                 )
         data = trainer.step_data.data if trainer.step_data is not None else None
-        length = _data_length(data)
-        data_epoch_len = None if length is None else math.ceil(length / self.grad_acc_steps)
+        data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
         if data is not self.dataloader and data_epoch_len != self.epoch_len:
             raise ConfigError(
                 "dataloader",
