@@ -21,7 +21,6 @@ Two ways to use it:
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import math
@@ -37,7 +36,7 @@ from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.engine.running_mean import RunningMean
 from hookloop.engine.step_batches import data_length, iter_groups, steps_in
 
@@ -224,22 +223,7 @@ class StepScheduler(Handler):
         stop_signals: _SignalLike | Sequence[_SignalLike] | None = ("SIGTERM",),
         resume_skip: bool | None = None,
     ) -> None:
-        StepSchedulerConfig(
-            global_batch_size=global_batch_size,
-            num_epochs=num_epochs,
-            max_steps=max_steps,
-            ckpt_every_steps=ckpt_every_steps,
-            save_checkpoint_every_epoch=save_checkpoint_every_epoch,
-            val_every_steps=val_every_steps,
-            log_remote_every_steps=log_remote_every_steps,
-            loss_average_window_steps=loss_average_window_steps,
-            gc_every_steps=gc_every_steps,
-            start_step=start_step,
-            start_epoch=start_epoch,
-            exit_duration_in_mins=exit_duration_in_mins,
-            exit_interval=exit_interval,
-            stop_signals=stop_signals,  # type: ignore[arg-type]
-        ).validate(prefix="")
+        checked_settings(StepSchedulerConfig, locals())
         check_int("local_batch_size", local_batch_size)
         check_int("dp_size", dp_size)
         grad_acc_steps = grad_acc_steps_for(global_batch_size, local_batch_size, dp_size)
@@ -315,18 +299,13 @@ class StepScheduler(Handler):
         data-parallel world size) are known only at run time."""
         if not cfg.enabled:
             return None
-        return cls._from_section(
-            cfg,
+        return cls(
+            **section_settings(cfg),
             dataloader=dataloader,
             local_batch_size=local_batch_size,
             dp_size=dp_size,
             resume_skip=resume_skip,
         )
-
-    @classmethod
-    def _from_section(cls, cfg: StepSchedulerConfig, **runtime: Any) -> StepScheduler:
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
-        return cls(**fields, **runtime)
 
     # ------------------------------------------------------------------ counters
     @property
