@@ -674,6 +674,27 @@ class Trainer(IgniteAdapter):
         return self.state.max_iters, self.state.max_epochs
 
     @property
+    def at_last_step(self) -> bool:
+        """Whether the current step is the run's last (the one place that says so): a handler
+        flagged it (``state.is_last_step``, set by a StepScheduler), the step reached the run's
+        ``max_steps``, or the last epoch has taken its last step."""
+        state = self.state
+        if state.is_last_step:
+            return True
+        max_steps, max_epochs = self.limits
+        if max_steps is not None and state.iteration >= max_steps:
+            return True
+        length = state.epoch_length
+        return bool(
+            length
+            and max_epochs
+            and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
+            and state.epoch >= max_epochs
+            and self.step_data is not None
+            and self.step_data.steps >= length
+        )
+
+    @property
     def finished(self) -> bool:
         """Whether the last run reached its end (its step or epoch limit)."""
         return self.run_finished

@@ -358,7 +358,7 @@ class MetricsTracker(Handler):
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        if state.step % self.log_interval == 0 or state.is_last_step or state.step == self.trainer.limits[0]:
+        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
             self._publish()
 
     def _publish(self) -> None:
