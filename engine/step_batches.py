@@ -157,6 +157,25 @@ class StepBatches:
         generators = checkpoint_io.data_generators(self.data)
         self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
 
+    def _counted(self, it: Iterator, pending: Any) -> Iterator:
+        """The microbatches of ``it`` (after ``pending``, one already fetched), each counted in
+        ``consumed`` as it is handed out. At the data's last microbatch the source is run to its
+        end before that microbatch is handed out, so whatever RNG it draws at its end (a sampler's
+        next permutation) is part of the checkpoint of the step it completes."""
+        size = data_length(self.data)
+        while True:
+            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
+            if microbatch is _END:
+                return
+            self.consumed += 1
+            ended = False
+            if self.consumed == size:
+                pending = next(it, _END)
+                ended = pending is _END
+            yield microbatch
+            if ended:
+                return
+
     def __iter__(self) -> Iterator[list]:
         accum = self.grad_accum_steps
         generators = checkpoint_io.data_generators(self.data)
@@ -208,29 +227,8 @@ class StepBatches:
             checkpoint_io.restore_rng(resume["rng_after"], generators)
             if pending is _END:
                 return
-        size = data_length(self.data)
-        group: list = []
         yielded = False
-        while True:
-            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
-            if microbatch is _END:
-                break
-            group.append(microbatch)
-            self.consumed += 1
-            ended = False
-            if self.consumed == size:
-                # Run the source to its end now, before this step's checkpoint: whatever RNG it
-                # draws at its end (a sampler's next permutation) is then part of that checkpoint.
-                pending = next(it, _END)
-                ended = pending is _END
-            if len(group) == accum:
-                yielded = True
-                self.steps += 1
-                yield group
-                group = []
-            if ended:
-                break
-        if group:
+        for group in iter_groups(self._counted(it, pending), accum):
             yielded = True
             self.steps += 1
             yield group
