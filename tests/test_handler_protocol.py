@@ -19,7 +19,6 @@ import torch
 from hookloop.engine import Events, Trainer
 from hookloop.engine.data import MixtureDataset, MixtureSampler, TokenDataset
 from hookloop.engine.data.loader import MixtureLoader
-from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler
 from hookloop.engine.running_mean import RunningMean
 from hookloop.handlers import (
@@ -32,6 +31,7 @@ from hookloop.handlers import (
     NaNDetector,
     PerDatasetMetrics,
     PhaseCurriculum,
+    Priority,
     ProfilerWindow,
     StepScheduler,
     StragglerDetector,
@@ -166,7 +166,9 @@ def _owner(entry) -> object:
 
 
 def _priority_values() -> set[float]:
-    return {v for k, v in vars(Priority).items() if not k.startswith("_") and isinstance(v, (int, float))}
+    """Every named place: the engine's phases and each shipped handler's own (``handlers.Priority``)."""
+    values = (getattr(Priority, k) for k in dir(Priority) if not k.startswith("_"))
+    return {v for v in values if isinstance(v, (int, float))}
 
 
 def _attach_everything(tmp_path: Path, sampler: MixtureSampler) -> tuple[Trainer, list, MixtureLoader]:
