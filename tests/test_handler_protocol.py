@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +220,16 @@ def test_no_two_shipped_handlers_share_a_priority_on_one_event(tmp_path, mixture
         assert shared == {}, f"{event}: shipped handlers share priorities {shared}"
     # EXCEPTION handlers handle the error (ignite's rule): cleanup belongs to TRAIN_FAILED
     assert trainer.events.entries(Events.EXCEPTION) == []
+
+
+def test_the_order_table_in_the_docs_reads_as_the_code():
+    """docs/concepts.md shows each shipped place as ``NAME = PHASE ± offset``: the same as the code."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
+    found = re.findall(r"`([A-Z_]+)` = `([A-Z_]+)`(?: ([+-]) ([0-9.e]+))?", text)
+    assert len({name for name, *_ in found}) >= 20
+    for name, phase, sign, offset in found:
+        value = getattr(Priority, phase) + (float(sign + offset) if sign else 0.0)
+        assert getattr(Priority, name) == value, f"docs/concepts.md: {name} = {phase} {sign} {offset}"
 
 
 def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
