@@ -336,7 +336,7 @@ class Trainer(IgniteAdapter):
         **kwargs: Any,
     ) -> EventHandle:
         """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier, ties run in attach
-        order (see :class:`engine.Priority` for where the shipped handlers sit)."""
+        order (:class:`engine.Priority` names the phases of an event to place a handler relative to)."""
         return self.events.add(event_name, handler, args, kwargs, priority)
 
     def has_event_handler(self, handler: Callable, event_name: Any | None = None) -> bool:
