@@ -56,7 +56,7 @@ before the act phase's first handler). From first to last:
 - ``DEFAULT``: a user's handler unless it asks for another place: on STEP_END it sees the step's
   metrics, validation and save, and runs before the step is recorded.
 - ``RECORD``: loggers write the step; a handler after them sees the step as recorded.
-- ``CLEANUP``: after every handler's work: wait for background work the next phase of the loop
+- ``CLEANUP``: after every handler's work: wait for background work the next part of the loop
   needs finished, export traces.
 - ``ENGINE_LAST``: the trainer's own end of an event: agree on a stop asked for in it, act on it.
 
