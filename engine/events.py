@@ -123,7 +123,22 @@ class Events:
     TERMINATE = IgniteEvents.TERMINATE
 
 
-class Priority:
+class _PhaseTable(type):
+    """Points code that looks up a handler's place on the engine's table to where such names live."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if cls is not Priority:  # a table built on the phases (the handlers' own) says only what is missing
+            raise AttributeError(f"{cls.__qualname__} has no {name!r}")
+        phases = ", ".join(k for k in vars(Priority) if not k.startswith("_"))
+        raise AttributeError(
+            f"Priority has no {name!r}: the engine's table names the phases of an event ({phases}); "
+            "the shipped handlers' places, by name, are in hookloop.handlers.Priority"
+        )
+
+
+class Priority(metaclass=_PhaseTable):
     """The phases of an event, in the order they run: higher runs earlier (see the module docstring
     for what a handler in each phase may rely on and may do).
 

@@ -7,6 +7,7 @@ gates in dicts keyed by ``id()`` of ignite's handler entries: each fails on that
 import gc
 import weakref
 
+import pytest
 import torch
 from ignite.engine.events import EventEnum, RemovableEventHandle
 
@@ -250,6 +251,8 @@ def test_each_shipped_place_keeps_its_value_outside_the_engine_table():
     for name, value in expected.items():
         assert getattr(ShippedPriority, name) == value, name
         assert not hasattr(Priority, name), f"the engine's table names a shipped handler's place: {name}"
+    with pytest.raises(AttributeError, match=r"hookloop\.handlers\.Priority"):
+        Priority.CHECKPOINT  # noqa: B018 -- the lookup itself is what is tested
 
 
 def test_bad_priorities_and_handlers_are_refused():
