@@ -676,7 +676,7 @@ class Trainer(IgniteAdapter):
     @property
     def at_last_step(self) -> bool:
         """Whether the current step is the run's last (the one place that says so): a handler
-        flagged it (``state.is_last_step``, set by a StepScheduler), the step reached the run's
+        flagged it (``state.is_last_step``, set by a scheduling handler), the step reached the run's
         ``max_steps``, or the last epoch has taken its last step."""
         state = self.state
         if state.is_last_step:
