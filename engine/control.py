@@ -6,9 +6,9 @@ reason), roll back. A request is this rank's wish; it becomes a decision only in
 agreement (:mod:`engine.agreement`: the one packed all-reduce before the optimizer, plus the small
 late stop agreement at the end of a step whose handlers may still ask, and the stop agreement at
 TRAIN_START / EPOCH_START / EPOCH_END). What every rank agreed is then on :attr:`StepControl.decided`.
-Whoever asks for a stop (a handler, ``trainer.terminate()``, a stop signal or the time limit via
-the StepScheduler, Ctrl-C, a health check, the straggler detector) takes the same path: a request
-here, agreed at the next agreement point, carried out by the trainer's one stop.
+Whoever asks for a stop (a handler, ``trainer.terminate()``, a stop signal or a time limit seen by
+a scheduling handler, Ctrl-C, a health or straggler check) takes the same path: a request here,
+agreed at the next agreement point, carried out by the trainer's one stop.
 
 What resets when:
 

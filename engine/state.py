@@ -1,6 +1,6 @@
 """The trainer's state: counters and metrics handlers read, and the step's schedule.
 
-The scheduler's per-step flags (a StepScheduler sets them at STEP_START, anyone may add to them):
+The per-step schedule flags (a scheduling handler sets them at STEP_START, anyone may add to them):
 
 =================  =====================================  ==========================================
 flag               who sets it, when                      reset

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from ignite.engine.events import State
 
-from hookloop.engine import Decided, Events, ExitCode, Priority, Rollback, StepControl, Trainer, TrainState
+from hookloop.engine import Decided, Events, ExitCode, Rollback, StepControl, Trainer, TrainState
 from tests.conftest import token_batches
 
 
@@ -151,6 +151,7 @@ def test_every_way_to_stop_ends_the_run_alike(caplog):
 
 def test_nan_detector_and_checkpointer_cooperate_through_the_control_point(tmp_path):
     from hookloop.handlers import AsyncCheckpointer, NaNDetector
+    from hookloop.handlers.nan_detector import NAN_CHECK
 
     trainer = _trainer()
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
@@ -158,7 +159,7 @@ def test_nan_detector_and_checkpointer_cooperate_through_the_control_point(tmp_p
     assert trainer.control.initial_save  # asked at attach: a step-0 checkpoint to roll back to
     seen, restored = [], []
 
-    @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Priority.NAN_CHECK + 1)
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=NAN_CHECK + 1)
     def poison(e):
         if e.state.step in (5, 6) and not restored:  # bad once; after the rollback the steps are fine
             for p in e.model.parameters():
