@@ -459,7 +459,7 @@ def durable_costs(kind: str, saves: int, root: str) -> dict[str, Any]:
     the disk's write bandwidth and a small file's fsync latency."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS as _OPTIONS  # the checkpointer's layout
+    from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS as _OPTIONS
 
     if kind == "llama":
         build: Callable[[], torch.nn.Module] = llama
