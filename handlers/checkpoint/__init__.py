@@ -56,12 +56,15 @@ The package is a few rooms, each owning its state, and a thin handler:
 
 from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
 from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
-from hookloop.handlers.checkpoint.handler import AsyncCheckpointer
+from hookloop.handlers.checkpoint.handler import CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.layout import describe_layout_difference
 
 __all__ = [
+    "CHECKPOINT",
     "MODES",
     "MODE_ALIASES",
+    "RESUME",
+    "STAGING_WAIT",
     "AsyncCheckpointer",
     "AsyncMode",
     "CheckpointConfig",
