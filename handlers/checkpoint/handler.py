@@ -15,7 +15,7 @@ from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import check_writable_dir
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
@@ -97,20 +97,8 @@ class AsyncCheckpointer(Handler):
     ) -> None:
         if directory is None or str(directory) == "":
             raise ConfigError("checkpoint.directory", "is required: the directory checkpoints are written to")
-        CheckpointConfig(
-            directory=os.fspath(directory),
-            every_steps=every_steps,
-            keep_last=keep_last,
-            keep_best=keep_best,
-            metric=metric,
-            metric_mode=metric_mode,
-            mode=mode,
-            resume=resume,  # type: ignore[arg-type]
-            load_optimizer=load_optimizer,
-            finetune_from=finetune_from,  # type: ignore[arg-type]
-            wait_timeout_s=wait_timeout_s,
-            max_index_mb=max_index_mb,
-        ).validate("checkpoint")
+        # the section's rules, the only copy (errors name the dotted key, e.g. checkpoint.keep_last)
+        checked_settings(CheckpointConfig, {**locals(), "directory": os.fspath(directory)}, "checkpoint")
         self.directory = os.path.abspath(directory)
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -173,20 +161,7 @@ class AsyncCheckpointer(Handler):
             if run_dir is None:
                 raise ConfigError("checkpoint.directory", "is null and no run_dir was given: set one of them")
             directory = os.path.join(run_dir, "checkpoints")
-        return cls(
-            directory,
-            every_steps=cfg.every_steps,
-            keep_last=cfg.keep_last,
-            keep_best=cfg.keep_best,
-            metric=cfg.metric,
-            metric_mode=cfg.metric_mode,
-            mode=cfg.mode,
-            resume=cfg.resume,
-            load_optimizer=cfg.load_optimizer,
-            finetune_from=cfg.finetune_from,
-            wait_timeout_s=cfg.wait_timeout_s,
-            max_index_mb=cfg.max_index_mb,
-        )
+        return cls(**{**section_settings(cfg), "directory": directory})
 
     # ------------------------------------------------------------------------------ attaching
     def attach(self, trainer: Any) -> AsyncCheckpointer:
@@ -270,8 +245,7 @@ class AsyncCheckpointer(Handler):
             and (
                 decisions.checkpoint
                 or (self.every_steps is not None and step % self.every_steps == 0)
-                or state.is_last_step
-                or self._at_last_step()
+                or self.trainer.at_last_step
                 or (decisions.stop and decisions.exit_code in _RESUMABLE_EXIT_CODES)
             )
         )
@@ -368,20 +342,6 @@ class AsyncCheckpointer(Handler):
         while a stopped peer still ends the run with 77 within the bound."""
         watchdog = getattr(self.trainer, "watchdog", None) if self.trainer is not None else None
         return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
-
-    def _at_last_step(self) -> bool:
-        trainer, state = self.trainer, self.trainer.state
-        if trainer.max_steps is not None and state.iteration >= trainer.max_steps:
-            return True
-        length, epochs = state.epoch_length, state.max_epochs
-        return bool(
-            length
-            and epochs
-            and epochs < 2**40
-            and state.epoch >= epochs
-            and trainer.step_data is not None
-            and trainer.step_data.steps >= length
-        )
 
     def _start_save(self, step: int) -> None:
         if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
