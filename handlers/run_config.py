@@ -101,6 +101,12 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def lr_decay_steps_default(self) -> int | None:
+        """What a null ``lr.decay_steps`` stands for: the run's ``step_scheduler.max_steps`` (None
+        while the step scheduler is off)."""
+        return self.step_scheduler.max_steps if self.step_scheduler.enabled else None
+
     def validate(self, world_size: int | None = None) -> None:
         """The rules that relate sections (each section's own rules ran before). Fills in the
         pipeline batch sizes left null. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1
@@ -147,7 +153,7 @@ class RunConfig:
         check_lr_schedule(
             peak_lr=self.optimizer.lr,
             **dataclasses.asdict(self.lr),
-            decay_steps_default=sched.max_steps if sched.enabled else None,
+            decay_steps_default=self.lr_decay_steps_default,
             default_name="step_scheduler.max_steps",
         )
         if self.nan.enabled and self.nan.action == "rollback" and not self.checkpoint.enabled:

@@ -407,7 +407,8 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     optimizer = build_optimizer(cfg, model)
     lr_scheduler = build_lr_scheduler(
         optimizer,
-        **{**dataclasses.asdict(cfg.lr), "decay_steps": cfg.lr.decay_steps or cfg.step_scheduler.max_steps},
+        **dataclasses.asdict(cfg.lr),
+        decay_steps_default=cfg.lr_decay_steps_default,
     )
     trainer = Trainer(
         model,
