@@ -128,6 +128,20 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
     assert_bitwise(snapshot(second), expected)
 
 
+def test_the_last_step_save_follows_the_runs_own_step_limit(tmp_path):
+    """The checkpointer saves at the run's last step by :attr:`Trainer.at_last_step`: the limit this
+    run was given, not a trainer-wide ``max_steps`` default it overrides (every step past that
+    default is not a last step)."""
+    trainer = make_trainer()
+    trainer.max_steps = 2  # the default for runs that pass no limit; this run passes its own
+    saved = []
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
+    state = trainer.run(shuffled_loader(), max_steps=5)
+    assert state.step == 5 and saved == [5]
+    assert io.read_latest(tmp_path) == io.step_dir_name(5)
+
+
 class CountingSource:
     """A stateful iterable: restores its position in O(1) and counts what it fetches."""
 
