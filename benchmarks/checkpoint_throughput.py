@@ -35,7 +35,7 @@ the whole call, publishing included). Plain ``dcp.save`` of the user-like state 
 flattened state dict hookloop writes are the references for ``sync``. Measured at two sizes: the
 tiny Llama above and 4 x Linear(2048, 2048) with AdamW (~200 MB; ``--quick``: 1024, ~50 MB).
 
-    python benchmarks/checkpoint_throughput.py [--quick] [--json PATH] [--no-torchrun]
+    python benchmarks/checkpoint_throughput.py [--quick [--torchrun]] [--json PATH] [--no-torchrun]
 """
 
 from __future__ import annotations
@@ -590,7 +590,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="counted rounds (default 3, --quick 1)")
     parser.add_argument("--timed", type=int, default=None, help="timed steps (default 40, --quick 10)")
     parser.add_argument("--every", type=int, default=None, help="save every this many steps (default 10)")
-    parser.add_argument("--no-torchrun", action="store_true", help="one process only")
+    parser.add_argument(
+        "--no-torchrun",
+        action="store_true",
+        help="one process only (the default with --quick; --torchrun adds it back)",
+    )
+    parser.add_argument("--torchrun", action="store_true", help="with --quick: run the torchrun part too")
     parser.add_argument("--torchrun-timeout", type=float, default=420.0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -620,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = summarize(single)
         print_rows(f"one process, {torch.get_num_threads()} threads", rows, args.timed, args.every)
         ranks = None
-        if not args.no_torchrun:
+        if not args.no_torchrun and (args.torchrun or not args.quick):
             began = time.perf_counter()
             distributed = under_torchrun(args, root)
             phases["torchrun"] = time.perf_counter() - began

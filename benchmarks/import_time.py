@@ -62,9 +62,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks/run.py format)")
     args = parser.parse_args()
-    repeats = args.repeats or (3 if args.quick else 9)
-    for code in CASES.values():  # warm the file cache
-        time_import(code)
+    repeats = args.repeats or (1 if args.quick else 9)
+    if not args.quick:  # --quick only proves the benchmark runs: no warm-up round
+        for code in CASES.values():  # warm the file cache
+            time_import(code)
     times: dict[str, list[float]] = {name: [] for name in CASES}
     for r in range(repeats):
         names = list(CASES) if r % 2 == 0 else list(CASES)[::-1]
