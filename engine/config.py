@@ -29,7 +29,8 @@ from hookloop.engine.checks import check_bool, check_choice, check_int, check_nu
 from hookloop.engine.compile import compile_mode
 from hookloop.engine.data.config import DataConfig, PhaseConfig
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.lr import DECAY_STYLES, WSD_DECAY_STYLES
+from hookloop.engine.lr import check_lr_schedule
+from hookloop.engine.precision import PRECISIONS
 
 __all__ = [
     "DataConfig",
@@ -46,10 +47,6 @@ __all__ = [
 
 # OmegaConf resolves annotations at run time, so sections spell Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
-
-#: ``train.precision`` and ``Trainer(precision=...)``: fp32, or autocast to bf16 / fp16 (fp16 with a
-#: gradient scaler); see docs/performance.md.
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 
 
 @dataclass
@@ -122,19 +119,9 @@ class LRConfig:
     wsd_decay_style: str = "exponential"  # WSD decay phase: linear, cosine or exponential
 
     def validate(self, prefix: str = "lr") -> None:
-        p = prefix
-        check_int(f"{p}.warmup_steps", self.warmup_steps, low=0)
-        check_int(f"{p}.decay_steps", self.decay_steps, allow_none=True)
-        check_choice(f"{p}.decay_style", self.decay_style, DECAY_STYLES)
-        check_choice(f"{p}.wsd_decay_style", self.wsd_decay_style, WSD_DECAY_STYLES)
-        check_number(f"{p}.min_lr", self.min_lr, low=0)
-        check_number(f"{p}.warmup_init", self.warmup_init, low=0)
-        check_int(
-            f"{p}.wsd_decay_steps",
-            self.wsd_decay_steps,
-            allow_none=self.decay_style != "WSD",
-            hint="needed for decay_style=WSD",
-        )
+        """The settings on their own; the run config checks them against ``optimizer.lr`` and
+        ``step_scheduler.max_steps`` (both with :func:`engine.lr.check_lr_schedule`)."""
+        check_lr_schedule(prefix=prefix, **dataclasses.asdict(self))
 
 
 @dataclass

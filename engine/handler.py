@@ -16,7 +16,7 @@ ones, and a user's own, follow one pattern::
         section = "every_n"                  # its name in a run config (YAML / overrides)
 
         def __init__(self, every: int = 10) -> None:
-            EveryNConfig(every=every).validate(prefix="EveryN")   # the only copy of the rules
+            checked_settings(EveryNConfig, locals())   # the section's rules, the only copy
             self.every = every
 
         def attach(self, trainer):
@@ -26,16 +26,27 @@ ones, and a user's own, follow one pattern::
 
 A handler is *stateful* when it has ``state_dict()`` and ``load_state_dict()``; the trainer's
 registry then puts it in every checkpoint under :attr:`Handler.state_key` (the class name unless
-the class sets another). Handlers find each other through ``trainer.get_handler(Type)``, never by
+the class sets another). The section's dataclass is the handler's field list: the default
+:meth:`Handler.from_config` passes its fields (:func:`section_settings`) to the constructor, and
+the constructor validates its arguments by building the section from them
+(:func:`checked_settings`). Handlers find each other through ``trainer.get_handler(Type)``, never by
 looking for attributes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Handler", "HandlerLike", "handler_state_key", "is_stateful"]
+__all__ = [
+    "Handler",
+    "HandlerLike",
+    "checked_settings",
+    "handler_state_key",
+    "is_stateful",
+    "section_settings",
+]
 
 H = TypeVar("H", bound="Handler")
 
@@ -56,6 +67,25 @@ def handler_state_key(obj: Any) -> str:
     """The key ``obj``'s state has in a checkpoint: its ``state_key``, else its class name."""
     key = getattr(obj, "state_key", None)
     return key if isinstance(key, str) and key else type(obj).__name__
+
+
+def section_settings(cfg: Any) -> dict[str, Any]:
+    """A config section's settings as constructor keywords: every field but ``enabled``."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
+
+
+C = TypeVar("C")
+
+
+def checked_settings(config: type[C], values: Mapping[str, Any], prefix: str = "") -> C:
+    """``config`` built from the entries of ``values`` that name its fields (a constructor passes
+    its ``locals()``; the others keep their defaults), validated with ``validate(prefix)``, and
+    returned. A constructor's arguments then obey the section's rules, written once; ``prefix``
+    "" names the argument in errors, a section name the dotted key."""
+    names = {f.name for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    cfg = config(**{k: v for k, v in values.items() if k in names})
+    cfg.validate(prefix)  # type: ignore[attr-defined]
+    return cfg
 
 
 class Handler:
@@ -102,5 +132,4 @@ class Handler:
         """
         if not getattr(cfg, "enabled", True):
             return None
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
-        return cls(**fields, **runtime)
+        return cls(**section_settings(cfg), **runtime)

@@ -26,58 +26,78 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hookloop.engine.checks import check_choice, check_int, check_number
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["DECAY_STYLES", "WSD_DECAY_STYLES", "build_lr_scheduler", "lr_at"]
+__all__ = ["DECAY_STYLES", "WSD_DECAY_STYLES", "build_lr_scheduler", "check_lr_schedule", "lr_at"]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential")
+#: The styles that decay to ``min_lr`` at ``decay_steps`` (and so need it).
+_DECAYING = ("linear", "cosine", "WSD")
 
 
-def _check(
-    peak_lr: float,
-    warmup_steps: int,
-    decay_steps: int | None,
-    decay_style: str,
-    min_lr: float,
-    warmup_init: float,
-    wsd_decay_steps: int | None,
-    wsd_decay_style: str,
+def check_lr_schedule(
+    *,
+    peak_lr: float | None = None,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    decay_style: str = "cosine",
+    min_lr: float = 0.0,
+    warmup_init: float = 0.0,
+    wsd_decay_steps: int | None = None,
+    wsd_decay_style: str = "exponential",
+    decay_steps_default: int | None = None,
+    default_name: str = "",
+    prefix: str = "lr",
+    peak_name: str = "optimizer.lr",
 ) -> None:
-    if decay_style not in DECAY_STYLES:
-        raise ConfigError("lr.decay_style", f"must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
-    if wsd_decay_style not in WSD_DECAY_STYLES:
+    """The one copy of the learning-rate rules; raises :class:`ConfigError` naming the field.
+
+    Each setting on its own (types, ranges, styles, ``wsd_decay_steps`` for WSD), then, with
+    ``peak_lr`` known, the rules that relate them: ``min_lr`` at most the peak, a decaying style
+    needs decay steps, the decay ends after warmup, the WSD decay fits after warmup.
+    ``decay_steps_default`` stands in for a null ``decay_steps`` (a run's ``max_steps``, named
+    ``default_name`` in messages). The ``lr`` config section checks the settings alone; the run
+    config and :func:`build_lr_scheduler` check everything.
+    """
+    p = prefix
+    check_int(f"{p}.warmup_steps", warmup_steps, low=0)
+    check_int(f"{p}.decay_steps", decay_steps, allow_none=True)
+    check_choice(f"{p}.decay_style", decay_style, DECAY_STYLES)
+    check_choice(f"{p}.wsd_decay_style", wsd_decay_style, WSD_DECAY_STYLES)
+    check_number(f"{p}.min_lr", min_lr, low=0)
+    check_number(f"{p}.warmup_init", warmup_init, low=0)
+    check_int(
+        f"{p}.wsd_decay_steps",
+        wsd_decay_steps,
+        allow_none=decay_style != "WSD",
+        hint="needed for decay_style=WSD",
+    )
+    if peak_lr is None:
+        return
+    check_number(peak_name, peak_lr, positive=True)
+    if min_lr > peak_lr:
+        raise ConfigError(f"{p}.min_lr", f"({min_lr}) must not exceed {peak_name} ({peak_lr})")
+    if decay_style not in _DECAYING:
+        return
+    decay = decay_steps if decay_steps is not None else decay_steps_default
+    if decay is None:
+        unless = f" unless {default_name} is set" if default_name else " (e.g. max_steps)"
+        raise ConfigError(f"{p}.decay_steps", f"is required for decay_style={decay_style!r}{unless}")
+    if decay <= warmup_steps:
+        # Blame the setting the user wrote: decay_steps, or warmup_steps when the decay follows a default.
+        at_fault = f"{p}.decay_steps" if decay_steps is not None else f"{p}.warmup_steps"
         raise ConfigError(
-            "lr.wsd_decay_style", f"must be one of {', '.join(WSD_DECAY_STYLES)}, got {wsd_decay_style!r}"
+            at_fault, f"{p}.warmup_steps ({warmup_steps}) must be smaller than the decay steps ({decay})"
         )
-    if not peak_lr > 0:
-        raise ConfigError("optimizer.lr", f"must be > 0, got {peak_lr!r}")
-    if warmup_steps < 0:
-        raise ConfigError("lr.warmup_steps", f"must be >= 0, got {warmup_steps!r}")
-    if not 0 <= min_lr <= peak_lr:
-        raise ConfigError("lr.min_lr", f"must be between 0 and the peak lr {peak_lr}, got {min_lr!r}")
-    if warmup_init < 0:
-        raise ConfigError("lr.warmup_init", f"must be >= 0, got {warmup_init!r}")
-    if decay_style in ("linear", "cosine", "WSD"):
-        if decay_steps is None:
-            raise ConfigError(
-                "lr.decay_steps", f"is required for decay_style={decay_style!r} (e.g. max_steps)"
-            )
-        if decay_steps <= warmup_steps:
-            raise ConfigError(
-                "lr.decay_steps", f"({decay_steps}) must be larger than lr.warmup_steps ({warmup_steps})"
-            )
     if decay_style == "WSD":
-        if wsd_decay_steps is None or wsd_decay_steps < 1:
+        assert wsd_decay_steps is not None
+        if wsd_decay_steps > decay - warmup_steps:
             raise ConfigError(
-                "lr.wsd_decay_steps", f"must be >= 1 for decay_style='WSD', got {wsd_decay_steps!r}"
-            )
-        assert decay_steps is not None
-        if wsd_decay_steps > decay_steps - warmup_steps:
-            raise ConfigError(
-                "lr.wsd_decay_steps",
+                f"{p}.wsd_decay_steps",
                 f"({wsd_decay_steps}) must fit after warmup: at most decay_steps - warmup_steps "
-                f"= {decay_steps - warmup_steps}",
+                f"= {decay - warmup_steps}",
             )
 
 
@@ -139,9 +159,6 @@ def build_lr_scheduler(
 ) -> LambdaLR:
     """A ``LambdaLR`` that follows :func:`lr_at` for every parameter group."""
     peak = float(peak_lr if peak_lr is not None else optimizer.param_groups[0]["lr"])
-    _check(
-        peak, warmup_steps, decay_steps, decay_style, min_lr, warmup_init, wsd_decay_steps, wsd_decay_style
-    )
     params = dict(
         peak_lr=peak,
         warmup_steps=warmup_steps,
@@ -152,4 +169,5 @@ def build_lr_scheduler(
         wsd_decay_steps=wsd_decay_steps,
         wsd_decay_style=wsd_decay_style,
     )
+    check_lr_schedule(**params)
     return LambdaLR(optimizer, lambda s: lr_at(s, **params) / peak)

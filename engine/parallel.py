@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hookloop.engine.errors import ConfigError, HookloopError
+from hookloop.engine.precision import PRECISIONS
 
 __all__ = [
     "DistInfo",
@@ -242,11 +243,10 @@ def wrap_data_parallel(
     ``DistributedDataParallel`` cannot hold DTensors). A mesh of size 1 leaves the model as it is."""
     if mode not in ("ddp", "fsdp", "none"):
         raise ConfigError("distributed.dp_mode", f"must be 'ddp', 'fsdp' or 'none', got {mode!r}")
-    if isinstance(mixed_precision, str) and mixed_precision not in ("fp32", "bf16-mixed", "fp16-mixed"):
+    if isinstance(mixed_precision, str) and mixed_precision not in PRECISIONS:
+        names = ", ".join(repr(p) for p in PRECISIONS)
         raise ConfigError(
-            "mixed_precision",
-            "must be 'fp32', 'bf16-mixed', 'fp16-mixed', a MixedPrecisionPolicy or None, "
-            f"got {mixed_precision!r}",
+            "mixed_precision", f"must be {names}, a MixedPrecisionPolicy or None, got {mixed_precision!r}"
         )
     if mode == "none" or world_size() == 1 or (mesh is not None and mesh.size() == 1):
         return model

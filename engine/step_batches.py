@@ -25,17 +25,24 @@ from typing import Any
 from hookloop.engine import checkpoint_io
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups"]
+__all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups", "steps_in"]
 
 _END = object()
 
 
 def data_length(data: Any) -> int | None:
-    """``len(data)``, or None for data without a length (iterators, iterable datasets' loaders)."""
+    """``len(data)``, or None for data without a length (iterators, iterable datasets' loaders,
+    whose ``len()`` raises ``TypeError``, ``NotImplementedError`` or ``RuntimeError``)."""
     try:
         return len(data)
-    except (TypeError, NotImplementedError):
+    except (TypeError, NotImplementedError, RuntimeError):
         return None
+
+
+def steps_in(microbatches: int | None, grad_accum_steps: int) -> int | None:
+    """Optimizer steps that ``microbatches`` microbatches make, ``grad_accum_steps`` to a step (a
+    shorter last step counts); None when the number of microbatches is unknown."""
+    return None if microbatches is None else math.ceil(microbatches / grad_accum_steps)
 
 
 class NoData:
@@ -92,13 +99,11 @@ class StepBatches:
         return self._accum()
 
     def __len__(self) -> int:
-        n = len(self.data)  # type: ignore[arg-type]
-        return math.ceil(n / self.grad_accum_steps)
+        return steps_in(len(self.data), self.grad_accum_steps)  # type: ignore[arg-type, return-value]
 
     def steps_per_pass(self) -> int | None:
         """Optimizer steps in one pass over the data, or None when the data has no length."""
-        n = data_length(self.data)
-        return None if n is None else math.ceil(n / self.grad_accum_steps)
+        return steps_in(data_length(self.data), self.grad_accum_steps)
 
     def stateful_source(self) -> Any:
         """The object that can save and restore the data position itself, or None."""
@@ -152,6 +157,25 @@ class StepBatches:
         generators = checkpoint_io.data_generators(self.data)
         self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
 
+    def _counted(self, it: Iterator, pending: Any) -> Iterator:
+        """The microbatches of ``it`` (after ``pending``, one already fetched), each counted in
+        ``consumed`` as it is handed out. At the data's last microbatch the source is run to its
+        end before that microbatch is handed out, so whatever RNG it draws at its end (a sampler's
+        next permutation) is part of the checkpoint of the step it completes."""
+        size = data_length(self.data)
+        while True:
+            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
+            if microbatch is _END:
+                return
+            self.consumed += 1
+            ended = False
+            if self.consumed == size:
+                pending = next(it, _END)
+                ended = pending is _END
+            yield microbatch
+            if ended:
+                return
+
     def __iter__(self) -> Iterator[list]:
         accum = self.grad_accum_steps
         generators = checkpoint_io.data_generators(self.data)
@@ -203,29 +227,8 @@ class StepBatches:
             checkpoint_io.restore_rng(resume["rng_after"], generators)
             if pending is _END:
                 return
-        size = data_length(self.data)
-        group: list = []
         yielded = False
-        while True:
-            microbatch, pending = (pending, _END) if pending is not _END else (next(it, _END), _END)
-            if microbatch is _END:
-                break
-            group.append(microbatch)
-            self.consumed += 1
-            ended = False
-            if self.consumed == size:
-                # Run the source to its end now, before this step's checkpoint: whatever RNG it
-                # draws at its end (a sampler's next permutation) is then part of that checkpoint.
-                pending = next(it, _END)
-                ended = pending is _END
-            if len(group) == accum:
-                yielded = True
-                self.steps += 1
-                yield group
-                group = []
-            if ended:
-                break
-        if group:
+        for group in iter_groups(self._counted(it, pending), accum):
             yielded = True
             self.steps += 1
             yield group

@@ -34,7 +34,6 @@ from hookloop.engine.agreement import (
 )
 from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
 from hookloop.engine.checks import check_choice
-from hookloop.engine.config import PRECISIONS
 from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
@@ -48,6 +47,7 @@ from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
+from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
-_AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _UNSET = object()
 #: Events whose handlers run after the step's agreement.
 _AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
@@ -227,7 +226,7 @@ class Trainer(IgniteAdapter):
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.precision = precision
-        self._autocast_dtype = _AUTOCAST_DTYPES[precision]
+        self._autocast_dtype = AUTOCAST_DTYPES[precision]
         self.grad_scaler: torch.amp.GradScaler | None = None
         if precision == "fp16-mixed":
             self.grad_scaler = torch.amp.GradScaler(self.device.type)
@@ -683,6 +682,27 @@ class Trainer(IgniteAdapter):
         """``(max_steps, max_epochs)`` of the current run: the state's ``max_iters`` and
         ``max_epochs`` (None: no such limit)."""
         return self.state.max_iters, self.state.max_epochs
+
+    @property
+    def at_last_step(self) -> bool:
+        """Whether the current step is the run's last (the one place that says so): a handler
+        flagged it (``state.is_last_step``, set by a StepScheduler), the step reached the run's
+        ``max_steps``, or the last epoch has taken its last step."""
+        state = self.state
+        if state.is_last_step:
+            return True
+        max_steps, max_epochs = self.limits
+        if max_steps is not None and state.iteration >= max_steps:
+            return True
+        length = state.epoch_length
+        return bool(
+            length
+            and max_epochs
+            and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
+            and state.epoch >= max_epochs
+            and self.step_data is not None
+            and self.step_data.steps >= length
+        )
 
     @property
     def finished(self) -> bool:

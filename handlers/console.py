@@ -108,7 +108,7 @@ class ConsoleLogger(MetricLogger):
             bar.start_t = bar.last_print_t = bar._time()
             bar.refresh()
             return
-        if step % self.refresh_every and not state.is_last_step and step != self._run_steps():
+        if step % self.refresh_every and not self.trainer.at_last_step:
             return
         postfix = {"loss": _fmt(state.loss, ".4f"), "lr": _fmt(state.lr, ".2e")}
         if "tokens_per_s" in state.metrics:  # published by a MetricsTracker on its log steps

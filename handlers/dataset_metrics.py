@@ -164,8 +164,7 @@ class PerDatasetMetrics(Handler):
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._steps += 1
-        max_steps = self.trainer.limits[0]
-        if state.step % self.log_interval == 0 or state.is_last_step or state.step == max_steps:
+        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
             self._publish()
 
     def _on_train_end(self) -> None:

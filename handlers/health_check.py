@@ -31,7 +31,7 @@ from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.watchdog import dump_stacks
 
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
@@ -84,7 +84,7 @@ class HealthCheck(Handler):
         group: Any = None,
         exit_grace_s: float | None = 30.0,
     ) -> None:
-        HealthConfig(every_steps=every_steps, timeout_s=timeout_s).validate("")
+        checked_settings(HealthConfig, locals())
         check_number("exit_grace_s", exit_grace_s, positive=True, allow_none=True, hint="seconds")
         self.every_steps = every_steps
         self.timeout_s = float(timeout_s)
@@ -97,9 +97,7 @@ class HealthCheck(Handler):
     @classmethod
     def from_config(cls, cfg: HealthConfig) -> HealthCheck | None:
         """Build from the ``health`` section, or None when ``cfg.enabled`` is false."""
-        if not cfg.enabled:
-            return None
-        return cls(cfg.every_steps, cfg.timeout_s)
+        return super().from_config(cfg)
 
     def attach(self, trainer: Any) -> HealthCheck:
         # The first collective of STEP_END: before the StepScheduler's agreed exit check, the

@@ -44,7 +44,7 @@ from ignite.engine import Events as IgniteEvents
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.events import Events, Priority
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.running_mean import RunningMean
 
 __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
@@ -203,9 +203,7 @@ class MetricsTracker(Handler):
         state_key: str | None = "metrics_tracker",
     ) -> None:
         check_int("log_interval", log_interval)
-        MetricsConfig(flops_per_token=flops_per_token, peak_flops_per_device=peak_flops_per_device).validate(
-            ""
-        )
+        checked_settings(MetricsConfig, locals())
         self.log_interval = log_interval
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.flops_per_token = flops_per_token
@@ -360,7 +358,7 @@ class MetricsTracker(Handler):
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        if state.step % self.log_interval == 0 or state.is_last_step or state.step == self.trainer.limits[0]:
+        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
             self._publish()
 
     def _publish(self) -> None:

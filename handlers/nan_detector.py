@@ -49,7 +49,7 @@ from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAbor
 from hookloop.engine.checkpoint_io import CheckpointError
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
 from hookloop.engine.events import Priority
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.parallel import rank
 
 __all__ = ["NaNConfig", "NaNDetector"]
@@ -117,15 +117,7 @@ class NaNDetector(Handler):
         spike_window: int = 100,
         bad_steps_kept: int = 1000,
     ) -> None:
-        NaNConfig(
-            max_consecutive=max_consecutive,
-            check_grad_norm=check_grad_norm,
-            action=action,
-            max_rollbacks=max_rollbacks,
-            skip_data_on_rollback=skip_data_on_rollback,
-            spike_factor=spike_factor,
-            spike_window=spike_window,
-        ).validate("nan")
+        checked_settings(NaNConfig, locals(), "nan")
         check_int("bad_steps_kept", bad_steps_kept)
         self.max_consecutive = max_consecutive
         self.check_grad_norm = check_grad_norm
@@ -147,17 +139,7 @@ class NaNDetector(Handler):
     @classmethod
     def from_config(cls, cfg: NaNConfig) -> NaNDetector | None:
         """Build from the ``nan`` section, or None when ``cfg.enabled`` is false."""
-        if not cfg.enabled:
-            return None
-        return cls(
-            max_consecutive=cfg.max_consecutive,
-            check_grad_norm=cfg.check_grad_norm,
-            action=cfg.action,
-            max_rollbacks=cfg.max_rollbacks,
-            skip_data_on_rollback=cfg.skip_data_on_rollback,
-            spike_factor=cfg.spike_factor,
-            spike_window=cfg.spike_window,
-        )
+        return super().from_config(cfg)
 
     def attach(self, trainer: Trainer) -> NaNDetector:
         if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):

@@ -27,7 +27,7 @@ from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_str, dotted
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings, section_settings
 
 __all__ = ["ProfilerWindow", "ProfilingConfig"]
 
@@ -108,14 +108,7 @@ class ProfilerWindow(Handler):
         with_stack: bool = False,
         use_gzip: bool = False,
     ) -> None:
-        ProfilingConfig(
-            start_step=start_step,
-            end_step=end_step,
-            ranks=ranks,  # type: ignore[arg-type]
-            record_shapes=record_shapes,
-            profile_memory=profile_memory,
-            with_stack=with_stack,
-        ).validate("")
+        checked_settings(ProfilingConfig, {**locals(), "output_dir": None})  # output_dir: checked below
         if output_dir is None or str(output_dir) == "":
             raise ConfigError("output_dir", "must be a directory path for the traces")
         self.start_step = start_step
@@ -141,15 +134,8 @@ class ProfilerWindow(Handler):
             return None
         if cfg.output_dir is None and run_dir is None:
             raise ConfigError("profiling.output_dir", "is null and no run_dir was given: set one of them")
-        return cls(
-            cfg.start_step,
-            cfg.end_step,
-            ranks=cfg.ranks,
-            output_dir=cfg.output_dir or Path(run_dir) / "profile",  # type: ignore[arg-type]
-            record_shapes=cfg.record_shapes,
-            profile_memory=cfg.profile_memory,
-            with_stack=cfg.with_stack,
-        )
+        output_dir = cfg.output_dir or Path(run_dir) / "profile"  # type: ignore[arg-type]
+        return cls(**{**section_settings(cfg), "output_dir": output_dir})
 
     def attach(self, trainer: Any) -> ProfilerWindow:
         if self.ranks is None or parallel.rank() in self.ranks:

@@ -36,6 +36,7 @@ from hookloop.engine.config import (
     validate_sections,
 )
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.lr import check_lr_schedule
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.curriculum import PhaseCurriculum
@@ -64,7 +65,6 @@ __all__ = [
 # OmegaConf resolves annotations at run time, so sections spell Dict the old way.
 # ruff: noqa: UP006, UP035
 
-_DECAYING = ("linear", "cosine", "WSD")
 #: Where a run writes when ``train.run_dir`` is null and nothing derived one (the example derives
 #: ``runs/<config file name>``).
 DEFAULT_RUN_DIR = "runs/default"
@@ -144,27 +144,17 @@ class RunConfig:
                 field="step_scheduler.global_batch_size",
                 local_field="train.local_batch_size",
             )
-        lr = self.lr
-        max_steps = sched.max_steps if sched.enabled else None
-        if lr.decay_style in _DECAYING and lr.decay_steps is None and max_steps is None:
-            raise ConfigError(
-                "lr.decay_steps",
-                f"is needed for decay_style={lr.decay_style!r} unless step_scheduler.max_steps is set",
-            )
-        decay = lr.decay_steps or max_steps
-        if decay is not None and lr.decay_style in _DECAYING and decay <= lr.warmup_steps:
-            raise ConfigError(
-                "lr.warmup_steps", f"({lr.warmup_steps}) must be smaller than the decay steps ({decay})"
-            )
+        check_lr_schedule(
+            peak_lr=self.optimizer.lr,
+            **dataclasses.asdict(self.lr),
+            decay_steps_default=sched.max_steps if sched.enabled else None,
+            default_name="step_scheduler.max_steps",
+        )
         if self.nan.enabled and self.nan.action == "rollback" and not self.checkpoint.enabled:
             raise ConfigError(
                 "nan.action",
                 "'rollback' restores the last checkpoint, but checkpoint.enabled is false: enable "
                 "checkpoints or use nan.action=warn or raise",
-            )
-        if lr.min_lr > self.optimizer.lr:
-            raise ConfigError(
-                "lr.min_lr", f"({lr.min_lr}) must not exceed optimizer.lr ({self.optimizer.lr})"
             )
         ckpt = self.checkpoint
         if ckpt.enabled and ckpt.keep_best:

@@ -21,7 +21,6 @@ Two ways to use it:
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import math
@@ -37,9 +36,9 @@ from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.engine.running_mean import RunningMean
-from hookloop.engine.step_batches import iter_groups
+from hookloop.engine.step_batches import data_length, iter_groups, steps_in
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 
@@ -155,13 +154,6 @@ class StepSchedulerConfig:
         _resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
 
 
-def _data_length(data: Any) -> int | None:
-    try:
-        return len(data)
-    except (TypeError, NotImplementedError, RuntimeError):  # iterable datasets have no length
-        return None
-
-
 def _restores_own_position(data: Any) -> bool:
     """A loader (or its sampler) with ``state_dict`` is assumed to restore its own position."""
     return any(
@@ -231,22 +223,7 @@ class StepScheduler(Handler):
         stop_signals: _SignalLike | Sequence[_SignalLike] | None = ("SIGTERM",),
         resume_skip: bool | None = None,
     ) -> None:
-        StepSchedulerConfig(
-            global_batch_size=global_batch_size,
-            num_epochs=num_epochs,
-            max_steps=max_steps,
-            ckpt_every_steps=ckpt_every_steps,
-            save_checkpoint_every_epoch=save_checkpoint_every_epoch,
-            val_every_steps=val_every_steps,
-            log_remote_every_steps=log_remote_every_steps,
-            loss_average_window_steps=loss_average_window_steps,
-            gc_every_steps=gc_every_steps,
-            start_step=start_step,
-            start_epoch=start_epoch,
-            exit_duration_in_mins=exit_duration_in_mins,
-            exit_interval=exit_interval,
-            stop_signals=stop_signals,  # type: ignore[arg-type]
-        ).validate(prefix="")
+        checked_settings(StepSchedulerConfig, locals())
         check_int("local_batch_size", local_batch_size)
         check_int("dp_size", dp_size)
         grad_acc_steps = grad_acc_steps_for(global_batch_size, local_batch_size, dp_size)
@@ -261,10 +238,10 @@ class StepScheduler(Handler):
         self.local_batch_size = local_batch_size
         self.dp_size = dp_size
         self.dataloader = dataloader
-        length = _data_length(dataloader) if dataloader is not None else None
+        length = data_length(dataloader) if dataloader is not None else None
         if length == 0:
             raise ConfigError("dataloader", "is empty (len() == 0); pass data with at least one microbatch")
-        self.epoch_len: int | None = None if length is None else math.ceil(length / self.grad_acc_steps)
+        self.epoch_len: int | None = steps_in(length, self.grad_acc_steps)
 
         if num_epochs is None:
             num_epochs = _calculate_num_epochs(max_steps, self.epoch_len)
@@ -322,18 +299,13 @@ class StepScheduler(Handler):
         data-parallel world size) are known only at run time."""
         if not cfg.enabled:
             return None
-        return cls._from_section(
-            cfg,
+        return cls(
+            **section_settings(cfg),
             dataloader=dataloader,
             local_batch_size=local_batch_size,
             dp_size=dp_size,
             resume_skip=resume_skip,
         )
-
-    @classmethod
-    def _from_section(cls, cfg: StepSchedulerConfig, **runtime: Any) -> StepScheduler:
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "enabled"}
-        return cls(**fields, **runtime)
 
     # ------------------------------------------------------------------ counters
     @property
@@ -725,8 +697,7 @@ class StepScheduler(Handler):
                     "StepScheduler and call trainer.run(data) without it",
                 )
         data = trainer.step_data.data if trainer.step_data is not None else None
-        length = _data_length(data)
-        data_epoch_len = None if length is None else math.ceil(length / self.grad_acc_steps)
+        data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
         if data is not self.dataloader and data_epoch_len != self.epoch_len:
             raise ConfigError(
                 "dataloader",

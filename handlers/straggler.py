@@ -28,7 +28,7 @@ from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import Handler
+from hookloop.engine.handler import Handler, checked_settings
 
 __all__ = ["StragglerConfig", "StragglerDetector"]
 
@@ -82,7 +82,7 @@ class StragglerDetector(Handler):
         clock: str = "cpu",
         group: Any = None,
     ) -> None:
-        StragglerConfig(every_steps=every_steps, stop_threshold=stop_threshold).validate("")
+        checked_settings(StragglerConfig, locals())
         check_int("window", window, allow_none=True)
         check_choice("clock", clock, ("cpu", "wall"))
         self.every_steps = every_steps
@@ -99,9 +99,7 @@ class StragglerDetector(Handler):
     @classmethod
     def from_config(cls, cfg: StragglerConfig) -> StragglerDetector | None:
         """Build from the ``straggler`` section, or None when ``cfg.enabled`` is false."""
-        if not cfg.enabled:
-            return None
-        return cls(cfg.every_steps, stop_threshold=cfg.stop_threshold)
+        return super().from_config(cfg)
 
     def attach(self, trainer: Any) -> StragglerDetector:
         # The step clock: started and stopped ahead of every handler but the profiler and the other clock.

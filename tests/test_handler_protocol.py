@@ -351,3 +351,46 @@ def test_loggers_record_the_step_that_triggers_a_rollback(tmp_path):
     bad = records[5]
     assert bad["step"] == 6 and math.isnan(bad["loss"]) and bad["nan/bad_steps"] == 1
     assert all(math.isfinite(r["loss"]) for r in records[6:])
+
+
+# Handlers whose config section is their field list: from_config passes every setting but
+# ``enabled`` to the constructor, which validates its arguments by building the section.
+_SECTION_SHAPED = [StepScheduler, NaNDetector, HealthCheck, StragglerDetector, ProfilerWindow]
+# Where a run file has a fixed default and the constructor derives one from the data (None).
+_DERIVED_IN_CONSTRUCTOR = {("StepScheduler", "num_epochs"), ("StepScheduler", "ckpt_every_steps")}
+
+
+@pytest.mark.parametrize("cls", _SECTION_SHAPED, ids=lambda c: c.__name__)
+def test_a_section_shaped_handler_takes_every_setting_with_the_same_default(cls):
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    for f in dataclasses.fields(cls.Config):
+        if f.name == "enabled":
+            continue
+        assert f.name in params, f"{cls.__name__}({f.name}=...) is missing: the section has it"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        param_default = params[f.name].default
+        if param_default is inspect.Parameter.empty or (cls.__name__, f.name) in _DERIVED_IN_CONSTRUCTOR:
+            continue  # required in the constructor, or derived there from the data
+        if isinstance(param_default, tuple):
+            param_default = list(param_default)
+        assert param_default == default, f"{cls.__name__}.{f.name}: {param_default!r} != {default!r}"
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,field",
+    [
+        (NaNDetector, dict(action="ignore"), "nan.action"),
+        (HealthCheck, dict(timeout_s=0), "timeout_s"),
+        (StragglerDetector, dict(stop_threshold=1.0), "stop_threshold"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if isinstance(v, type) else None,
+)
+def test_a_constructor_applies_its_sections_rules(cls, kwargs, field):
+    from hookloop.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cls(**kwargs)
+    assert info.value.field == field

@@ -21,6 +21,7 @@ schedule's backward.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from hookloop.engine.pipeline import hf_patches
 from hookloop.engine.pipeline.config import PipelineConfig
 from hookloop.engine.pipeline.schedules import losses_computed
 from hookloop.engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
+from hookloop.engine.step_batches import iter_groups
 from hookloop.engine.step_body import StepContext, StepResult, check_loss, grad_norm
 
 __all__ = ["PipelineRuntime", "build_pipeline"]
@@ -291,25 +293,14 @@ class PipelineRuntime:
         pass through the stages; each batch's mean loss weighted by its samples); the same on every
         pp rank. ``ctx`` prepares the batches and gives the autocast context."""
         total = torch.zeros(2, dtype=torch.float64)
-        group: list[Any] = []
-
-        def flush() -> None:
+        batches = data if eval_iters is None else itertools.islice(data, eval_iters)
+        for group in iter_groups(batches, self.n_microbatches):
             prepared = [self._stage_pair(ctx, mb) for mb in group]
             samples = torch.tensor([float(c[0] or 1) for _, _, c in prepared], dtype=torch.float64)
             with ctx.autocast():
                 losses = self._forward_only([(x, y) for x, y, _ in prepared])
             total[0] += (losses.double() * samples).sum()
             total[1] += samples.sum()
-            group.clear()
-
-        for i, microbatch in enumerate(data):
-            if eval_iters is not None and i >= eval_iters:
-                break
-            group.append(microbatch)
-            if len(group) == self.n_microbatches:
-                flush()
-        if group:
-            flush()
         return total
 
 

@@ -17,6 +17,7 @@ beside the metrics and checkpoints, and a second run in it resumes. Exit codes a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -400,13 +401,7 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     optimizer = build_optimizer(cfg, model)
     lr_scheduler = build_lr_scheduler(
         optimizer,
-        warmup_steps=cfg.lr.warmup_steps,
-        decay_steps=cfg.lr.decay_steps or cfg.step_scheduler.max_steps,
-        decay_style=cfg.lr.decay_style,
-        min_lr=cfg.lr.min_lr,
-        warmup_init=cfg.lr.warmup_init,
-        wsd_decay_steps=cfg.lr.wsd_decay_steps,
-        wsd_decay_style=cfg.lr.wsd_decay_style,
+        **{**dataclasses.asdict(cfg.lr), "decay_steps": cfg.lr.decay_steps or cfg.step_scheduler.max_steps},
     )
     trainer = Trainer(
         model,

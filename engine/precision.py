@@ -1,0 +1,22 @@
+"""The training precisions: their names and the autocast dtype each one means.
+
+``train.precision``, ``Trainer(precision=...)`` and ``wrap_data_parallel(mixed_precision=...)``
+accept exactly these names; see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["AUTOCAST_DTYPES", "PRECISIONS"]
+
+#: Precision name -> the dtype the forward and loss autocast to (None: no autocast). fp16 also
+#: takes a gradient scaler.
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+}
+
+#: The allowed precision names, in the order messages list them.
+PRECISIONS: tuple[str, ...] = tuple(AUTOCAST_DTYPES)
