@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from hookloop.engine import Events, Priority, Trainer, checkpoint_io
+from hookloop.engine import Events, Trainer, checkpoint_io
+from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 WRITERS: list[checkpoint_io.RecordingWriter] = []

@@ -64,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import write_result  # noqa: E402
 
-from hookloop.engine import Events, Priority, Trainer  # noqa: E402
+from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.handlers import Priority  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 
 MODEL = dict(

@@ -318,7 +318,7 @@ class _BoundedUnpickler(pickle._Unpickler):
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """Everything a DCP ``.metadata`` pickle of this project may name, by exact module and name.
 
-    Found by reading the globals of real checkpoints the AsyncCheckpointer wrote (one process,
+    Found by reading the globals of real checkpoints the shipped checkpointer wrote (one process,
     DDP, FSDP2 with DTensor shards, pipeline stages; model plus flattened AdamW state): DCP's
     metadata dataclasses and memory-format enum, the storage-info record of its file writer,
     ``torch.Size``, the torch dtypes, torch's layout lookup and ``pathlib.PosixPath`` (the

@@ -10,8 +10,8 @@ one block's graph once and reuses it for every block of the same shape (shorter 
 "model", and graph breaks stay inside one block). Apply activation checkpointing first
 (:mod:`engine.activation_checkpointing`): a checkpoint-wrapped block is compiled with its wrapper.
 
-The first step of a compiled run includes the compilation; the
-:class:`~handlers.metrics.MetricsTracker` reports it once and leaves it out of its averages.
+The first step of a compiled run includes the compilation; the shipped
+metrics handler reports it once and leaves it out of its averages.
 """
 
 from __future__ import annotations

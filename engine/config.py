@@ -3,8 +3,8 @@
 A run config is a dataclass whose fields are *sections*, each a dataclass with a
 ``validate(prefix)`` method holding the only copy of its rules. The engine's sections live here
 (``train``, ``optimizer``, ``lr``, ``distributed``, ``pipeline``) and in :mod:`engine.data.config`
-(``data``); each handler's section lives beside the handler, and :class:`handlers.RunConfig`
-composes them all (a user's handler adds its own section with :func:`handlers.compose_config`).
+(``data``); each handler's section lives beside the handler, and the caller composes them all
+into one schema and passes it to :func:`load_config`.
 
 :func:`load_config` reads YAML or TOML, applies dotted command-line overrides
 (``step_scheduler.max_steps=100``), merges them onto the schema's defaults with OmegaConf, then
@@ -246,9 +246,8 @@ def load_config(
     """Load a YAML or TOML file onto ``schema``'s defaults, apply ``key=value`` overrides, and
     validate every section (:func:`validate_sections`); return a ``schema`` instance.
 
-    ``schema`` is a dataclass of sections (e.g. :class:`hookloop.handlers.RunConfig`, or one made
-    with :func:`hookloop.handlers.compose_config`; :func:`hookloop.handlers.load_run_config` passes
-    ``RunConfig``).
+    ``schema`` is a dataclass of sections, the engine's and the handlers'; the caller composes it
+    (the handlers' package has the run's full schema and a helper that adds a user's sections).
 
     Raises :class:`ConfigError` naming the field for unknown keys, wrong types, missing files and
     inconsistent values.

@@ -37,66 +37,31 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
 Every ignite filter works on every event: ``Events.STEP_END(every=10)``, ``Events.MICROBATCH(once=3)``,
 ``Events.STEP_START(event_filter=f)``.
 
-Order within one event: handlers run by :class:`Priority`, highest first; equal priorities run in
-attach order. The table below is the whole order of the shipped handlers; a user's handler runs at
-``Priority.DEFAULT`` (0) unless it asks for another, so at STEP_END it sees the step's metrics and
-validation results and runs before loggers record the step::
+Order within one event: handlers run by priority, highest first; equal priorities run in attach
+order. :class:`Priority` is the order table, and it names the *phases* of an event, not handlers:
+every handler, shipped or a user's, places itself relative to a phase (``Priority.ACT + 1``: just
+before the act phase's first handler). From first to last:
 
-    event                  priority (high -> low)            who
-    TRAIN_START            ENGINE_FIRST (+inf)               trainer: clear flags of the last run
-                           RESUME            1e9             AsyncCheckpointer: load the checkpoint
-                           ALIGN_PHASE       1e6             PhaseCurriculum: phase of the restored step
-                           DATASET_METRICS   1e5             PerDatasetMetrics: zero the sums
-                           SCHEDULE          1e3             StepScheduler: limits and cadence
-                           DEFAULT           0               user handlers
-                           TRACK             -100            MetricsTracker: start clocks
-                           LOG_JSONL .. LOG_CONSOLE -1e3..   loggers
-                           LOG               -1.5e3          a user's MetricLogger subclass
-                           ENGINE_LAST (-inf)                trainer: agree on a stop asked for here
-    GET_BATCH_*            TIME              3e9             MetricsTracker: data clock
-    STEP_START             PROFILE           4e9             ProfilerWindow: step the profiler
-                           TIME              3e9             MetricsTracker: step clock
-                           TIME_STRAGGLER    2e9             StragglerDetector: step clock
-                           RESUME            1e9             AsyncCheckpointer: reset save timer
-                           PHASE             9e5             PhaseCurriculum: this step's lr_scale, phase
-                           SCHEDULE          1e3             StepScheduler: publish this step's flags
-    MICROBATCH             DATASET_METRICS   1e5             PerDatasetMetrics: per-source loss
-    BEFORE_OPTIMIZER_STEP  NAN_CHECK         100             NaNDetector: this rank's verdict
-                           DEFAULT           0               user handlers (may veto)
-                           STAGING_WAIT      -1e9            AsyncCheckpointer: staging done first
-    (the step's agreement: NaN verdict, stop signals, time limit and save completion ride in it)
-    STEP_END               TIME .. TIME_STRAGGLER            clocks stop
-                           HEALTH            5e6             HealthCheck
-                           EXIT_CHECK        2e6             StepScheduler: loss average window
-                           PUBLISH           1.5e6           MetricsTracker: step metrics into state
-                           VALIDATION        1e6             trainer: validate when asked
-                           PHASE             9e5             PhaseCurriculum: next phase's weights, lr_scale
-                           DATASET_METRICS   1e5             PerDatasetMetrics
-                           STRAGGLER         500             StragglerDetector report
-                           CHECKPOINT        10              AsyncCheckpointer: save when asked
-                           DEFAULT           0               user handlers
-                           LOG_JSONL .. LOG_CONSOLE -1e3..   loggers record the step
-                           LOG               -1.5e3          a user's MetricLogger subclass
-                           ROLLBACK_REQUEST  -2e3            NaNDetector: ask for ROLLBACK (runs at step end)
-                           PROFILE_END       -1e12           ProfilerWindow
-                           ENGINE_LAST (-inf)                trainer: deferred actions (ROLLBACK), stop, end
-    ROLLBACK               RESUME            1e9             AsyncCheckpointer: restore
-                           ALIGN_AFTER_RESTORE -1e6          PhaseCurriculum: re-align to the restored step
-    EPOCH_START/END        SCHEDULE          1e3             StepScheduler
-    TRAIN_END              RESUME            1e9             AsyncCheckpointer: final save, drain
-                           EXIT_CHECK        2e6             StepScheduler: restore signal handlers, GC
-                           DATASET_METRICS_END 1001          PerDatasetMetrics
-                           TRACK_END         1000            MetricsTracker
-                           LOG_JSONL .. LOG_CONSOLE, LOG     loggers flush and close
-                           PROFILE_END       -1e12           ProfilerWindow: export a trace still open
-    TRAIN_FAILED           RESUME            1e9             AsyncCheckpointer: drain local writes
-                           EXIT_CHECK        2e6             StepScheduler: restore signal handlers, GC
-                           TRACK_END         1000            MetricsTracker: close progress.jsonl
-                           LOG_JSONL .. LOG_CONSOLE, LOG     loggers close
-                           PROFILE_END       -1e12           ProfilerWindow: export a trace still open
+- ``ENGINE_FIRST``: the trainer's own bookkeeping (clear the last run's flags, enter the step).
+- ``CLOCK``: timers and profilers start (and, on the step's end, stop) around everyone else's work.
+  A handler here reads clocks and writes only its own timings.
+- ``RESTORE``: the run's state comes back: a resume or a rollback loads model, optimizer and handler
+  state; at the end of a run, the last save is written and drained. Handlers after it see the
+  restored step.
+- ``OBSERVE``: read what the step did and put derived numbers into the state: health, metrics,
+  validation (``VALIDATION``, the trainer's own slot), the data mixture's phase.
+- ``DECIDE``: turn what was observed into requests: this step's cadence flags, limits, a rank's
+  verdict on its gradients.
+- ``ACT``: carry out what was requested and agreed: save a checkpoint.
+- ``DEFAULT``: a user's handler unless it asks for another place: on STEP_END it sees the step's
+  metrics, validation and save, and runs before the step is recorded.
+- ``RECORD``: loggers write the step; a handler after them sees the step as recorded.
+- ``CLEANUP``: after every handler's work: wait for background work the next part of the loop
+  needs finished, export traces.
+- ``ENGINE_LAST``: the trainer's own end of an event: agree on a stop asked for in it, act on it.
 
-No two shipped handlers share a priority on one event (a test checks it), so their order never
-depends on the order they were attached in.
+Which shipped handler sits where, event by event, is in ``docs/concepts.md`` ("The order of a
+step"); the engine knows its handlers only by these phases.
 """
 
 from __future__ import annotations
@@ -158,38 +123,39 @@ class Events:
     TERMINATE = IgniteEvents.TERMINATE
 
 
-class Priority:
-    """Named handler priorities: higher runs earlier within one event (see the module table)."""
+class _PhaseTable(type):
+    """Points code that looks up a handler's place on the engine's table to where such names live."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if cls is not Priority:  # a table built on the phases (the handlers' own) says only what is missing
+            raise AttributeError(f"{cls.__qualname__} has no {name!r}")
+        phases = ", ".join(k for k in vars(Priority) if not k.startswith("_"))
+        raise AttributeError(
+            f"Priority has no {name!r}: the engine's table names the phases of an event ({phases}); "
+            "the shipped handlers' places, by name, are in hookloop.handlers.Priority"
+        )
+
+
+class Priority(metaclass=_PhaseTable):
+    """The phases of an event, in the order they run: higher runs earlier (see the module docstring
+    for what a handler in each phase may rely on and may do).
+
+    A handler takes a place relative to a phase, e.g. ``Priority.ACT + 1`` (just before the act
+    phase) or ``Priority.RECORD - 1`` (after the loggers); the gaps between phases leave room for
+    that. ``VALIDATION`` is the trainer's own place in ``OBSERVE`` (it validates at STEP_END when asked)."""
 
     ENGINE_FIRST = math.inf
-    PROFILE = 4e9
-    TIME = 3e9
-    TIME_STRAGGLER = 2e9
-    RESUME = 1e9
-    HEALTH = 5e6
-    EXIT_CHECK = 2e6
-    PUBLISH = 1.5e6
-    VALIDATION = 1e6
-    ALIGN_PHASE = 1e6
-    PHASE = 9e5
-    DATASET_METRICS = 1e5
-    SCHEDULE = 1e3
-    DATASET_METRICS_END = 1001
-    TRACK_END = 1000
-    STRAGGLER = 500
-    NAN_CHECK = 100
-    CHECKPOINT = 10
+    CLOCK = 3e9
+    RESTORE = 1e9
+    OBSERVE = 1e6
+    VALIDATION = OBSERVE
+    DECIDE = 1e3
+    ACT = 10
     DEFAULT = 0
-    TRACK = -100
-    LOG_JSONL = -1000
-    LOG_TENSORBOARD = -1001
-    LOG_WANDB = -1002
-    LOG_CONSOLE = -1003
-    LOG = -1500
-    ROLLBACK_REQUEST = -2000
-    ALIGN_AFTER_RESTORE = -1e6
-    STAGING_WAIT = -1e9
-    PROFILE_END = -1e12
+    RECORD = -1e3
+    CLEANUP = -1e9
     ENGINE_LAST = -math.inf
 
 

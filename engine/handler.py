@@ -21,7 +21,7 @@ ones, and a user's own, follow one pattern::
 
         def attach(self, trainer):
             trainer.add_event_handler(Events.STEP_END(every=self.every), self._report,
-                                      priority=Priority.LOG)
+                                      priority=Priority.RECORD)
             return super().attach(trainer)   # registers it: findable, checkpointed if stateful
 
 A handler is *stateful* when it has ``state_dict()`` and ``load_state_dict()``; the trainer's

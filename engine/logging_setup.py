@@ -1,7 +1,7 @@
 """hookloop's lifecycle lines on stderr, without set-up, and the standard ways to change that.
 
 Every module logs under the ``hookloop`` logger (``hookloop.engine.trainer``,
-``hookloop.handlers.checkpoint``, ...): "resumed from ... (step 6)", "nothing left to train", the
+``hookloop.handlers.*``, ...): "resumed from ... (step 6)", "nothing left to train", the
 stop reason, the final checkpoint. Importing hookloop gives that logger level INFO and one stderr
 handler that prints ``[hookloop] message`` (INFO on rank 0 only, warnings on every rank) *while the
 application has configured no logging of its own*: once the root logger has a handler

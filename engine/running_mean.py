@@ -1,6 +1,6 @@
 """RunningMean: the mean of the last N finite values, the one implementation of ``loss_avg``.
 
-The StepScheduler (window ``loss_average_window_steps``) and the MetricsTracker (window
+The step scheduler (window ``loss_average_window_steps``) and the metrics tracker (window
 ``log_interval``, when no scheduler is attached) both report a windowed mean of the step loss;
 both use this class, so the rule (which values count, what an empty window gives) is written once.
 """

@@ -106,7 +106,7 @@ class Trainer(IgniteAdapter):
             watchdog fires, every thread's stack. None: neither file is written (stacks go to stderr).
         hang_timeout_s: end the process with exit code 77 when the loop makes no progress (no event,
             no microbatch) for this many seconds, e.g. a peer stopped mid-collective; None disables
-            the watchdog. A HealthCheck tightens the bound to its own ``timeout_s``.
+            the watchdog. A health check tightens the bound to its own ``timeout_s``.
         graceful_sigint: the first Ctrl-C (SIGINT) during ``run()`` asks for a stop after the
             current step with a final checkpoint (exit code 75, agreed across ranks); a second one
             interrupts at once (``KeyboardInterrupt``). False: Python's default, a traceback.
@@ -231,7 +231,7 @@ class Trainer(IgniteAdapter):
         if precision == "fp16-mixed":
             self.grad_scaler = torch.amp.GradScaler(self.device.type)
             self.register_stateful("grad_scaler", self.grad_scaler)
-        # Limits a StepScheduler (or the user) configures; run() arguments override them per run.
+        # Limits a scheduling handler (or the user) configures; run() arguments override them per run.
         self.max_steps: int | None = None
         self.max_epochs: int | None = None
         self.step_data = StepBatches(None, lambda: self.grad_accum_steps)
@@ -328,7 +328,7 @@ class Trainer(IgniteAdapter):
     def set_validation(
         self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
     ) -> None:
-        """Validate on ``data`` whenever ``state.should_validate`` is set (the StepScheduler sets it)
+        """Validate on ``data`` whenever ``state.should_validate`` is set (a scheduling handler sets it)
         or every ``every_steps`` steps; at most ``eval_iters`` batches per validation."""
         for name, value in (("eval_iters", eval_iters), ("every_steps", every_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -345,7 +345,7 @@ class Trainer(IgniteAdapter):
         **kwargs: Any,
     ) -> EventHandle:
         """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier, ties run in attach
-        order (see :class:`engine.Priority` for where the shipped handlers sit)."""
+        order (:class:`engine.Priority` names the phases of an event to place a handler relative to)."""
         return self.events.add(event_name, handler, args, kwargs, priority)
 
     def has_event_handler(self, handler: Callable, event_name: Any | None = None) -> bool:
@@ -497,7 +497,7 @@ class Trainer(IgniteAdapter):
         setting ``state.batch``) turns into the step's data.
 
         ``max_steps`` (keyword) and ``max_epochs`` limit the run, whichever comes first; unset, they
-        default to the trainer's ``max_steps`` / ``max_epochs`` (a StepScheduler sets those), else one
+        default to the trainer's ``max_steps`` / ``max_epochs`` (a scheduling handler sets those), else one
         epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's ``max_iters`` is
         ``max_steps`` under ignite's rules (not together with ``max_epochs``). As in ignite, a run
         that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
@@ -639,7 +639,7 @@ class Trainer(IgniteAdapter):
         if not self.graceful_sigint or threading.current_thread() is not threading.main_thread():
             return None
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return None  # someone else (a StepScheduler listing SIGINT, the user) handles it
+            return None  # someone else (a handler listing SIGINT, the user) handles it
 
         def on_sigint(signum: int, frame: Any) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -686,7 +686,7 @@ class Trainer(IgniteAdapter):
     @property
     def at_last_step(self) -> bool:
         """Whether the current step is the run's last (the one place that says so): a handler
-        flagged it (``state.is_last_step``, set by a StepScheduler), the step reached the run's
+        flagged it (``state.is_last_step``, set by a scheduling handler), the step reached the run's
         ``max_steps``, or the last epoch has taken its last step."""
         state = self.state
         if state.is_last_step:

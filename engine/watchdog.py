@@ -9,7 +9,7 @@ callbacks (no collectives there: the peer is gone) and ends the process with exi
 (:attr:`engine.ExitCode.HEALTH_CHECK_FAILED`) through ``os._exit``, the only exit a thread can force
 while the main thread is stuck in C++.
 
-Several bounds may be active at once (the trainer's ``hang_timeout_s``, a HealthCheck's tighter
+Several bounds may be active at once (the trainer's ``hang_timeout_s``, a health check's tighter
 ``timeout_s``); the smallest wins.
 
 Slow is not hung. ``suspended()`` lifts the bound around a *local* wait that is long by nature and

@@ -86,6 +86,16 @@ from hookloop.engine.intra_op import use_one_intra_op_thread
 
 __all__ = ["AsyncCheckpointer", "CheckpointConfig", "CheckpointError", "CheckpointLayoutError"]
 
+# Where the checkpointer runs, relative to the phases of an event (engine.Priority).
+#: TRAIN_START and ROLLBACK: restore; STEP_START: reset the save timer; TRAIN_END / TRAIN_FAILED:
+#: the last save and the drain. Handlers after it see the restored step.
+RESUME = Priority.RESTORE
+#: STEP_END: save when asked, the first act, once the step's metrics and validation are in.
+CHECKPOINT = Priority.ACT
+#: BEFORE_OPTIMIZER_STEP: wait until staging is done, after every handler that may veto the step and
+#: right before the optimizer changes the parameters being staged.
+STAGING_WAIT = Priority.CLEANUP
+
 logger = logging.getLogger(__name__)
 
 MODES = ("async", "async_copy", "sync")
@@ -362,17 +372,15 @@ class AsyncCheckpointer(Handler):
         # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
         # the step's flags, metrics and validation are in; wait for staging last before the
         # optimizer changes the parameters.
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.RESUME)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.RESUME)
-        trainer.add_event_handler(
-            Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=Priority.STAGING_WAIT
-        )
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.CHECKPOINT)
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=RESUME)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=STAGING_WAIT)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
         # whether every rank's save in flight is durable travels in the trainer's step agreement
         trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.RESUME)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.RESUME)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.RESUME)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=RESUME)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=RESUME)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=RESUME)
         return super().attach(trainer)
 
     # ------------------------------------------------------------------------------ events

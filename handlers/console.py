@@ -11,6 +11,9 @@ from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["ConsoleLogger"]
 
+#: Where the console logger records a step: the last of the shipped loggers.
+LOG_CONSOLE = Priority.RECORD - 3
+
 
 def _fmt(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else str(value)
@@ -29,7 +32,7 @@ class ConsoleLogger(MetricLogger):
         step 120/1000 | loss 2.3411 (avg 2.4020) | lr 3.00e-04 | 18,204 tok/s | 0.0412 s/step
     """
 
-    priority = Priority.LOG_CONSOLE
+    priority = LOG_CONSOLE
 
     def __init__(
         self,

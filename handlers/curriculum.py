@@ -55,6 +55,15 @@ from hookloop.engine.handler import Handler
 
 __all__ = ["Phase", "PhaseCurriculum", "check_phases"]
 
+# Where the curriculum runs, relative to the phases of an event (engine.Priority).
+#: TRAIN_START: the phase of the restored step, right after the restore.
+ALIGN_PHASE = Priority.OBSERVE
+#: STEP_START: this step's lr_scale and phase; STEP_END: the next phase's weights. After the step's
+#: metrics are published and validation ran, before the per-dataset sums.
+PHASE = Priority.OBSERVE - 1e5
+#: ROLLBACK: re-align to the restored step, after the restore and after user handlers near DEFAULT.
+ALIGN_AFTER_RESTORE = Priority.DEFAULT - 1e6
+
 logger = logging.getLogger(__name__)
 
 _STATE_FORMAT = "hookloop-phase-curriculum"
@@ -211,12 +220,12 @@ class PhaseCurriculum(Handler):
         if wrap and isinstance(trainer.lr_scheduler, _PhaseScaledScheduler):
             raise RuntimeError("trainer.lr_scheduler is already scaled by another PhaseCurriculum")
         # TRAIN_START: after the checkpointer restored the step, before the scheduler and user handlers.
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ALIGN_PHASE)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PHASE)
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=ALIGN_PHASE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PHASE)
         # STEP_END: after validation, before the checkpointer saves the position and loggers record lr.
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PHASE)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=PHASE)
         # ROLLBACK: after the checkpointer restored the counters (and maybe the data).
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.ALIGN_AFTER_RESTORE)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=ALIGN_AFTER_RESTORE)
         if wrap:
             trainer.lr_scheduler = _PhaseScaledScheduler(trainer.lr_scheduler, self)
         return super().attach(trainer)

@@ -39,6 +39,12 @@ from hookloop.engine.handler import Handler
 
 __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 
+# Where the per-dataset sums run, relative to the phases of an event (engine.Priority).
+#: TRAIN_START (zero the sums), MICROBATCH, STEP_END: the last observer, after the data's phase.
+DATASET_METRICS = Priority.OBSERVE - 9e5
+#: TRAIN_END: the last sums, just before the metrics tracker closes its files.
+DATASET_METRICS_END = Priority.DECIDE + 1
+
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
 
@@ -105,12 +111,12 @@ class PerDatasetMetrics(Handler):
         return cls(sampler, cfg.log_interval if cfg.log_interval is not None else log_interval)
 
     def attach(self, trainer: Any) -> PerDatasetMetrics:
-        trainer.add_event_handler(Events.TRAIN_START, self._reset, priority=Priority.DATASET_METRICS)
-        trainer.add_event_handler(Events.MICROBATCH, self._on_microbatch, priority=Priority.DATASET_METRICS)
+        trainer.add_event_handler(Events.TRAIN_START, self._reset, priority=DATASET_METRICS)
+        trainer.add_event_handler(Events.MICROBATCH, self._on_microbatch, priority=DATASET_METRICS)
         # STEP_END: after the MetricsTracker published, before the checkpointer and the loggers.
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.DATASET_METRICS)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=DATASET_METRICS)
         # TRAIN_END: a partial interval before the tracker's (TRACK_END) and the loggers closing.
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.DATASET_METRICS_END)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=DATASET_METRICS_END)
         return super().attach(trainer)
 
     def _reset(self) -> None:

@@ -36,6 +36,9 @@ from hookloop.engine.watchdog import dump_stacks
 
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
 
+#: Where the health check runs on STEP_END: the first observer, before anything reads the step.
+HEALTH = Priority.OBSERVE + 4e6
+
 
 @dataclass
 class HealthConfig:
@@ -103,7 +106,7 @@ class HealthCheck(Handler):
         # The first collective of STEP_END: before the StepScheduler's agreed exit check, the
         # MetricsTracker's reduction, validation and the checkpointer, whose collectives would block
         # on a dead peer.
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.HEALTH)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=HEALTH)
         # A hang inside a step (a peer stopped mid-collective) is bounded by the same timeout: the
         # trainer's watchdog exits 77 when the loop makes no progress for that long.
         if getattr(trainer, "watchdog", None) is not None:

@@ -13,6 +13,9 @@ from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["JSONLLogger"]
 
+#: Where the JSONL logger records a step: the first of the shipped loggers.
+LOG_JSONL = Priority.RECORD
+
 
 class JSONLLogger(MetricLogger):
     """Appends ``{"step": N, "time": unix_seconds, <metric>: value, ...}`` lines to ``path``.
@@ -23,7 +26,7 @@ class JSONLLogger(MetricLogger):
     ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
     """
 
-    priority = Priority.LOG_JSONL
+    priority = LOG_JSONL
 
     def __init__(
         self, path: str | os.PathLike, *, every_steps: int | None = None, all_ranks: bool = False

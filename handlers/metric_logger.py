@@ -27,6 +27,9 @@ from hookloop.engine.handler import Handler
 
 __all__ = ["WANDB_MODES", "LoggingConfig", "MetricLogger", "is_validation_metric", "metric_tag"]
 
+#: Where a user's logger (a subclass that keeps the default) records a step: after the shipped ones.
+LOG = Priority.RECORD - 500
+
 #: W&B run modes (``None`` leaves the choice to the ``WANDB_MODE`` environment variable).
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -134,7 +137,7 @@ class MetricLogger(Handler):
     #: Where the logger runs at TRAIN_START, STEP_END, TRAIN_END and TRAIN_FAILED: after every other
     #: STEP_END handler (which may add metrics), before the NaNDetector's rollback request and the
     #: trainer's own last handler. Each shipped logger has its own; a user's subclass runs after them.
-    priority: float = Priority.LOG
+    priority: float = LOG
 
     def __init__(self, *, every_steps: int | None = None, all_ranks: bool = False) -> None:
         check_int("every_steps", every_steps, allow_none=True)

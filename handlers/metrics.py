@@ -3,7 +3,7 @@
 Timing contract (what ``step_time_s`` means):
 
 * The clock starts at STEP_START and stops when the step body has finished, at STEP_END before any
-  other handler (both at ``Priority.TIME``; only the profiler steps earlier). Validation (the
+  other handler (both at ``TIME``, the CLOCK phase; only the profiler steps earlier). Validation (the
   trainer runs it at STEP_END after that point) and anything other handlers do at STEP_END are
   therefore outside the step time.
 * Checkpoint handlers that block training *inside* the step (e.g. waiting for staging before the
@@ -48,6 +48,16 @@ from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.running_mean import RunningMean
 
 __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
+
+# Where the metrics tracker runs, relative to the phases of an event (engine.Priority).
+#: Its clocks (data, step, rollback): CLOCK, so they time every other handler's work.
+TIME = Priority.CLOCK
+#: STEP_END: the step's metrics into the state, before validation and everything that reads them.
+PUBLISH = Priority.OBSERVE + 5e5
+#: TRAIN_START / ROLLBACK: start the clocks after the restore and user setup, before loggers open.
+TRACK = Priority.DEFAULT - 100
+#: TRAIN_END / TRAIN_FAILED: close progress.jsonl after the last sums, before the loggers close.
+TRACK_END = Priority.DECIDE
 
 logger = logging.getLogger(__name__)
 
@@ -257,25 +267,25 @@ class MetricsTracker(Handler):
             self.flops_per_token = estimate_flops_per_token(trainer.model)
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = peak_flops_for_device(trainer.device)
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.TRACK)
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=TRACK)
         # the data clock: the wait for the step's microbatches, before STEP_START
         started, completed = IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED
-        trainer.add_event_handler(started, self._on_batch_started, priority=Priority.TIME)
-        trainer.add_event_handler(completed, self._on_batch_completed, priority=Priority.TIME)
+        trainer.add_event_handler(started, self._on_batch_started, priority=TIME)
+        trainer.add_event_handler(completed, self._on_batch_completed, priority=TIME)
         # The step clock starts and stops ahead of every handler but the profiler, so step_time_s is
         # the step body alone.
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.TIME)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.TIME)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME)
         # The reduction is a collective: after the HealthCheck's probe (a hung peer is reported by the
         # probe rather than blocking here), before validation.
-        trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=Priority.PUBLISH)
+        trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=PUBLISH)
         # A partial interval is published at TRAIN_END before the loggers write and close.
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.TRACK_END)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=Priority.TRACK_END)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=TRACK_END)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=TRACK_END)
         # A rollback is recorded with the step it left (before the checkpointer restores, at RESUME)
         # and the step it went back to (after).
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=Priority.TIME)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=Priority.TRACK)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=TIME)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=TRACK)
         return super().attach(trainer)
 
     def _on_rollback_start(self) -> None:

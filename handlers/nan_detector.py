@@ -54,6 +54,12 @@ from hookloop.engine.parallel import rank
 
 __all__ = ["NaNConfig", "NaNDetector"]
 
+# Where the NaN detector runs, relative to the phases of an event (engine.Priority).
+#: BEFORE_OPTIMIZER_STEP: this rank's verdict on its gradients, before user handlers that may veto.
+NAN_CHECK = Priority.DECIDE - 900
+#: STEP_END: ask for a rollback once the loggers recorded the bad step.
+ROLLBACK_REQUEST = Priority.RECORD - 1000
+
 logger = logging.getLogger(__name__)
 
 ACTIONS = ("warn", "raise", "rollback")
@@ -151,10 +157,10 @@ class NaNDetector(Handler):
         if self.action == "rollback":
             trainer.state.initial_checkpoint_requested = True
         # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
-        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=Priority.NAN_CHECK)
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
         # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
-        trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=Priority.ROLLBACK_REQUEST)
+        trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
         return super().attach(trainer)
 
     # ---------------------------------------------------------------- checks

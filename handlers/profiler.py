@@ -31,6 +31,12 @@ from hookloop.engine.handler import Handler, checked_settings, section_settings
 
 __all__ = ["ProfilerWindow", "ProfilingConfig"]
 
+# Where the profiler runs, relative to the phases of an event (engine.Priority).
+#: STEP_START: step the profiler before any clock starts.
+PROFILE = Priority.CLOCK + 1e9
+#: STEP_END / TRAIN_END / TRAIN_FAILED: the last of CLEANUP, so a trace holds every handler's work.
+PROFILE_END = Priority.CLEANUP - 999e9
+
 # OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
 
@@ -140,10 +146,10 @@ class ProfilerWindow(Handler):
     def attach(self, trainer: Any) -> ProfilerWindow:
         if self.ranks is None or parallel.rank() in self.ranks:
             # Open the step region before anything else runs in the step, close it after everything.
-            trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PROFILE)
-            trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PROFILE_END)
-            trainer.add_event_handler(Events.TRAIN_END, self._stop, priority=Priority.PROFILE_END)
-            trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=Priority.PROFILE_END)
+            trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PROFILE)
+            trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=PROFILE_END)
+            trainer.add_event_handler(Events.TRAIN_END, self._stop, priority=PROFILE_END)
+            trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=PROFILE_END)
         return super().attach(trainer)
 
     def _on_failed(self, _error: BaseException) -> None:

@@ -42,6 +42,13 @@ from hookloop.engine.step_batches import data_length, iter_groups, steps_in
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 
+# Where the step scheduler runs, relative to the phases of an event (engine.Priority).
+#: TRAIN_START / EPOCH_START / STEP_START / EPOCH_END: limits, cadence, this step's flags.
+SCHEDULE = Priority.DECIDE
+#: STEP_END: the loss-average window, before the metrics are published; TRAIN_END / TRAIN_FAILED:
+#: restore signal handlers and GC.
+EXIT_CHECK = Priority.OBSERVE + 1e6
+
 # OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
 
@@ -665,10 +672,10 @@ class StepScheduler(Handler):
         trainer.max_epochs = self.num_epochs
         # Decisions are published before user STEP_START handlers run; the exit check at STEP_END
         # runs before the trainer's validation, so a stop can cancel that validation.
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.SCHEDULE)
-        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=Priority.SCHEDULE)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.SCHEDULE)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
+        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=SCHEDULE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)
         if self.stop_signals:
             trainer.agreement.add(
                 "step_scheduler.signal", self._signal_vote, lambda n: self._on_agreed_exit("signal", n)
@@ -677,9 +684,9 @@ class StepScheduler(Handler):
             trainer.agreement.add(
                 "step_scheduler.duration", self._duration_vote, lambda n: self._on_agreed_exit("duration", n)
             )
-        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=Priority.SCHEDULE)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=Priority.EXIT_CHECK)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=Priority.EXIT_CHECK)
+        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=SCHEDULE)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=EXIT_CHECK)
         return super().attach(trainer)
 
     def _check_trainer(self) -> None:

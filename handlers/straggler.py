@@ -32,6 +32,12 @@ from hookloop.engine.handler import Handler, checked_settings
 
 __all__ = ["StragglerConfig", "StragglerDetector"]
 
+# Where the straggler detector runs, relative to the phases of an event (engine.Priority).
+#: STEP_START / STEP_END: its step clock, inside the metrics tracker's.
+TIME_STRAGGLER = Priority.CLOCK - 1e9
+#: STEP_END: the report, after the observers, before the checkpointer acts.
+STRAGGLER = Priority.DECIDE - 500
+
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
 
@@ -103,10 +109,10 @@ class StragglerDetector(Handler):
 
     def attach(self, trainer: Any) -> StragglerDetector:
         # The step clock: started and stopped ahead of every handler but the profiler and the other clock.
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.TIME_STRAGGLER)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.TIME_STRAGGLER)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME_STRAGGLER)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME_STRAGGLER)
         # The report (a collective, maybe a stop request): after validation, before the loggers.
-        trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=Priority.STRAGGLER)
+        trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=STRAGGLER)
         return super().attach(trainer)
 
     def _on_step_start(self) -> None:

@@ -11,6 +11,9 @@ from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, metric_
 
 __all__ = ["TensorBoardLogger"]
 
+#: Where the TensorBoard logger records a step: after the JSONL logger.
+LOG_TENSORBOARD = Priority.RECORD - 1
+
 
 class TensorBoardLogger(MetricLogger):
     """Writes every logged metric as a TensorBoard scalar under :func:`metric_tag`
@@ -25,7 +28,7 @@ class TensorBoardLogger(MetricLogger):
         flush_secs: flush the event file at least this often (and at TRAIN_END / on errors).
     """
 
-    priority = Priority.LOG_TENSORBOARD
+    priority = LOG_TENSORBOARD
 
     def __init__(
         self,

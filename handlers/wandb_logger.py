@@ -13,6 +13,9 @@ from hookloop.handlers.metric_logger import WANDB_MODES, LoggingConfig, MetricLo
 
 __all__ = ["WandBLogger"]
 
+#: Where the W&B logger records a step: after the TensorBoard logger.
+LOG_WANDB = Priority.RECORD - 2
+
 
 class WandBLogger(MetricLogger):
     """Logs the run's config once and its metrics under :func:`~handlers.metric_logger.metric_tag` names.
@@ -29,7 +32,7 @@ class WandBLogger(MetricLogger):
     (``settings=wandb.Settings(...)``, ``id``/``resume`` to continue a run, ``tags``, ...).
     """
 
-    priority = Priority.LOG_WANDB
+    priority = LOG_WANDB
 
     def __init__(
         self,

@@ -8,6 +8,9 @@
 - Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
   ignite's internals.
 - Handlers do not import each other (the loggers' shared base and the run composition aside).
+- The engine knows no shipped handler: ``engine/`` names none of their classes (code, comments or
+  docstrings), never loads ``hookloop.handlers`` through ``importlib`` / ``__import__``, and its
+  order table (``Priority``) names phases only; each shipped handler's place lives in its module.
 - Step bodies (``engine/step_body.py``, ``engine/pipeline/``) see the trainer only through the
   ``StepContext`` they are handed: no trainer argument, no call back into the trainer's step.
 """
@@ -44,6 +47,7 @@ COMPOSERS = {
     "hookloop.handlers.loggers",
     "hookloop.handlers.plot",
     "hookloop.handlers.config_reference",
+    "hookloop.handlers.order",
 }
 
 
@@ -270,3 +274,97 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert imports_of("hookloop.engine.x", pkg / "x.py", {"hookloop.handlers.nan_detector"}) == {
         "hookloop.handlers.nan_detector"
     }
+
+
+# Names of handler classes that are ordinary words the engine uses for its own concepts: the
+# curriculum's ``Phase`` (the engine's order table has phases of a step too).
+GENERIC_CLASS_NAMES = {"Phase"}
+
+
+def _class_names(folder: Path) -> set[str]:
+    names = set()
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                names.add(node.name)
+    return names
+
+
+def shipped_class_names() -> set[str]:
+    """Every public class defined in ``handlers/``, by parsing the source (not importing it), less
+    the ones that extend an engine class of the same name (``handlers.Priority``: the phase table
+    plus the shipped handlers' places)."""
+    return _class_names(REPO / "handlers") - _class_names(REPO / "engine") - GENERIC_CLASS_NAMES
+
+
+def _engine_mentions(names: set[str], folder: Path) -> list[str]:
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True)) + r")\b")
+    hits = []
+    for path in sorted(folder.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for m in pattern.finditer(line):
+                hits.append(f"{path.relative_to(folder.parent)}:{number} {m.group(1)}")
+    return hits
+
+
+def _dynamic_handler_imports(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        if func.split(".")[-1] not in ("import_module", "__import__"):
+            continue
+        args = " ".join(ast.unparse(a) for a in node.args)
+        if "handlers" in args:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_names_no_shipped_handler():
+    names = shipped_class_names()
+    assert {"AsyncCheckpointer", "NaNDetector", "StepScheduler", "RunConfig", "MetricLogger"} <= names
+    assert _engine_mentions(names, REPO / "engine") == []
+
+
+def test_the_engine_never_loads_handlers_dynamically():
+    offenders = []
+    for name, path in modules().items():
+        if name.startswith("hookloop.engine"):
+            offenders += [f"{name}:{hit}" for hit in _dynamic_handler_imports(path.read_text())]
+    assert offenders == []
+
+
+def test_the_engine_order_table_names_phases_only():
+    """Each shipped handler's place is defined in its own module, from a phase; the engine's table
+    holds the phases and the trainer's own places, none of them a shipped handler's name."""
+    from hookloop.engine import Priority
+    from hookloop.handlers import Priority as ShippedPriority
+
+    phases = {"ENGINE_FIRST", "CLOCK", "RESTORE", "OBSERVE", "VALIDATION", "DECIDE", "ACT", "DEFAULT",
+              "RECORD", "CLEANUP", "ENGINE_LAST"}  # fmt: skip
+    assert {k for k in vars(Priority) if not k.startswith("_")} == phases
+    shipped = {k for k in vars(ShippedPriority) if not k.startswith("_")}
+    assert shipped and not shipped & phases
+    defined_in_modules = set()
+    for path in sorted((REPO / "handlers").glob("*.py")):
+        if path.name == "order.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and "Priority." in ast.unparse(node.value):
+                defined_in_modules |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    assert shipped <= defined_in_modules  # every place in the table comes from its handler's module
+
+
+def test_the_engine_checks_find_planted_mentions(tmp_path):
+    pkg = tmp_path / "engine"
+    pkg.mkdir()
+    planted = '"""Run before the NaNDetector."""\nX = 1  # see AsyncCheckpointer\nPhases = 2\n'
+    (pkg / "x.py").write_text(planted)
+    assert len(_engine_mentions({"NaNDetector", "AsyncCheckpointer", "Phase"}, pkg)) == 2
+    source = (
+        'import importlib\nimportlib.import_module("hookloop.handlers")\n__import__("hookloop.handlers.x")\n'
+    )
+    assert len(_dynamic_handler_imports(source)) == 2
+    assert _dynamic_handler_imports('importlib.import_module("hookloop.engine.x")\n') == []

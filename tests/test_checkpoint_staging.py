@@ -22,8 +22,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from hookloop.engine import ConfigError, Events, Priority, Trainer
+from hookloop.engine import ConfigError, Events, Trainer
 from hookloop.engine import checkpoint_io as io
+from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
 from tests.scripts import ckpt_train

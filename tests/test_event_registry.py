@@ -7,10 +7,12 @@ gates in dicts keyed by ``id()`` of ignite's handler entries: each fails on that
 import gc
 import weakref
 
+import pytest
 import torch
 from ignite.engine.events import EventEnum, RemovableEventHandle
 
 from hookloop.engine import Events, Priority, Trainer
+from hookloop.handlers import Priority as ShippedPriority
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
@@ -224,9 +226,33 @@ def test_every_filter_groups_and_custom_filters_all_hold():
 
 
 def test_priority_table_orders_the_engine_around_users():
-    assert Priority.ENGINE_FIRST > Priority.RESUME > Priority.VALIDATION > Priority.CHECKPOINT
-    assert Priority.CHECKPOINT > Priority.DEFAULT > Priority.LOG_JSONL > Priority.ROLLBACK_REQUEST
-    assert Priority.ROLLBACK_REQUEST > Priority.ENGINE_LAST
+    phases = ["ENGINE_FIRST", "CLOCK", "RESTORE", "OBSERVE", "DECIDE", "ACT", "DEFAULT", "RECORD", "CLEANUP"]
+    values = [getattr(Priority, name) for name in [*phases, "ENGINE_LAST"]]
+    assert values == sorted(values, reverse=True) and len(set(values)) == len(values)
+    assert Priority.VALIDATION == Priority.OBSERVE  # the trainer's own place among the observers
+    shipped = ShippedPriority
+    assert shipped.ENGINE_FIRST > shipped.RESUME > shipped.VALIDATION > shipped.CHECKPOINT
+    assert shipped.CHECKPOINT > shipped.DEFAULT > shipped.LOG_JSONL > shipped.ROLLBACK_REQUEST
+    assert shipped.ROLLBACK_REQUEST > shipped.ENGINE_LAST
+
+
+def test_each_shipped_place_keeps_its_value_outside_the_engine_table():
+    """The shipped handlers' places are the numbers they always were (user code and old tests pick
+    places relative to them); each handler module defines its own from a phase, and the engine's
+    table names none of them."""
+    expected = {
+        "PROFILE": 4e9, "TIME": 3e9, "TIME_STRAGGLER": 2e9, "RESUME": 1e9, "HEALTH": 5e6,
+        "EXIT_CHECK": 2e6, "PUBLISH": 1.5e6, "ALIGN_PHASE": 1e6, "PHASE": 9e5, "DATASET_METRICS": 1e5,
+        "DATASET_METRICS_END": 1001, "SCHEDULE": 1e3, "TRACK_END": 1000, "STRAGGLER": 500,
+        "NAN_CHECK": 100, "CHECKPOINT": 10, "TRACK": -100, "LOG_JSONL": -1000, "LOG_TENSORBOARD": -1001,
+        "LOG_WANDB": -1002, "LOG_CONSOLE": -1003, "LOG": -1500, "ROLLBACK_REQUEST": -2000,
+        "ALIGN_AFTER_RESTORE": -1e6, "STAGING_WAIT": -1e9, "PROFILE_END": -1e12,
+    }  # fmt: skip
+    for name, value in expected.items():
+        assert getattr(ShippedPriority, name) == value, name
+        assert not hasattr(Priority, name), f"the engine's table names a shipped handler's place: {name}"
+    with pytest.raises(AttributeError, match=r"hookloop\.handlers\.Priority"):
+        Priority.CHECKPOINT  # noqa: B018 -- the lookup itself is what is tested
 
 
 def test_bad_priorities_and_handlers_are_refused():

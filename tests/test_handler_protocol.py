@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,6 @@ import torch
 from hookloop.engine import Events, Trainer
 from hookloop.engine.data import MixtureDataset, MixtureSampler, TokenDataset
 from hookloop.engine.data.loader import MixtureLoader
-from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler
 from hookloop.engine.running_mean import RunningMean
 from hookloop.handlers import (
@@ -32,6 +32,7 @@ from hookloop.handlers import (
     NaNDetector,
     PerDatasetMetrics,
     PhaseCurriculum,
+    Priority,
     ProfilerWindow,
     StepScheduler,
     StragglerDetector,
@@ -166,7 +167,9 @@ def _owner(entry) -> object:
 
 
 def _priority_values() -> set[float]:
-    return {v for k, v in vars(Priority).items() if not k.startswith("_") and isinstance(v, (int, float))}
+    """Every named place: the engine's phases and each shipped handler's own (``handlers.Priority``)."""
+    values = (getattr(Priority, k) for k in dir(Priority) if not k.startswith("_"))
+    return {v for v in values if isinstance(v, (int, float))}
 
 
 def _attach_everything(tmp_path: Path, sampler: MixtureSampler) -> tuple[Trainer, list, MixtureLoader]:
@@ -217,6 +220,16 @@ def test_no_two_shipped_handlers_share_a_priority_on_one_event(tmp_path, mixture
         assert shared == {}, f"{event}: shipped handlers share priorities {shared}"
     # EXCEPTION handlers handle the error (ignite's rule): cleanup belongs to TRAIN_FAILED
     assert trainer.events.entries(Events.EXCEPTION) == []
+
+
+def test_the_order_table_in_the_docs_reads_as_the_code():
+    """docs/concepts.md shows each shipped place as ``NAME = PHASE ± offset``: the same as the code."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
+    found = re.findall(r"`([A-Z_]+)` = `([A-Z_]+)`(?: ([+-]) ([0-9.e]+))?", text)
+    assert len({name for name, *_ in found}) >= 20
+    for name, phase, sign, offset in found:
+        value = getattr(Priority, phase) + (float(sign + offset) if sign else 0.0)
+        assert getattr(Priority, name) == value, f"docs/concepts.md: {name} = {phase} {sign} {offset}"
 
 
 def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, Priority, Trainer
+from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.handlers import Priority
 from hookloop.handlers.metrics import MetricsTracker, estimate_flops_per_token
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from tests.dist_utils import run_distributed

@@ -205,7 +205,7 @@ def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp
     firing, also those below the detector's priority down to the lowest a handler may take, sees
     step 11 with its NaN loss; ROLLBACK handlers see the restored step 8; the next step is 9 and no
     handler ever sees step 8 (or 9) with a NaN loss."""
-    from hookloop.engine import Priority
+    from hookloop.handlers import Priority
 
     trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10})
     seen: list = []

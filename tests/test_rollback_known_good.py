@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from hookloop.engine import Events, ExitCode, Priority, Trainer
+from hookloop.engine import Events, ExitCode, Trainer
 from hookloop.engine import checkpoint_io as io
-from hookloop.handlers import attach_handlers, load_run_config
+from hookloop.handlers import Priority, attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches

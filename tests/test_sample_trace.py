@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hookloop.engine import Events, MixtureDataset, MixtureLoader, MixtureSampler, Priority, Trainer
+from hookloop.engine import Events, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
 from hookloop.engine.data import SampleTrace, read_sample_traces
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import StepBatches
+from hookloop.handlers import Priority
 from hookloop.models.gpt import cross_entropy_loss
 
 

@@ -212,9 +212,10 @@ def _ckpt_worker(
     """Train with the checkpointer in ``directory`` (saving every ``SAVE_AT`` steps, resuming from
     the newest checkpoint there) up to ``max_steps``; return the whole state right after the resume
     (or after the run, when nothing resumed), the step training resumed at and the last step."""
-    from hookloop.engine import Events, Priority, Trainer, init_distributed, wrap_data_parallel
+    from hookloop.engine import Events, Trainer, init_distributed, wrap_data_parallel
     from hookloop.engine.parallel import parallel_mesh
     from hookloop.engine.tensor_parallel import apply_tensor_parallel
+    from hookloop.handlers import Priority
     from hookloop.handlers.checkpoint import AsyncCheckpointer
     from hookloop.models.gpt import cross_entropy_loss, tp_plan
     from tests.conftest import tiny_gpt, token_batches

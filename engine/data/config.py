@@ -1,7 +1,7 @@
 """The ``data`` config section: named datasets, their mixture weights, and the phase curriculum.
 
 Phases are a data-mixture concept, so their one validation function, :func:`check_phases`, lives
-here: :meth:`DataConfig.validate` and :class:`handlers.PhaseCurriculum`'s constructor both call it.
+here: :meth:`DataConfig.validate` and the phase curriculum handler's constructor both call it.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class MixtureLoader(DataLoader):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue right after the batches ``state_dict`` describes. A state naming the position
-        the sampler already has (e.g. restored by ``PhaseCurriculum``) is not loaded again, so a
+        the sampler already has (e.g. restored by a curriculum handler) is not loaded again, so a
         weight schedule set since is kept."""
         current = self.mixture_sampler.state_dict_at(self.position)
         if any(current.get(k) != state_dict.get(k) for k in _SAME_POSITION_KEYS):

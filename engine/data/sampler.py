@@ -40,7 +40,7 @@ Consumption and resume
     answer that does not depend on prefetching: :meth:`set_schedule` fixes weight changes at draw
     indices before they are drawn, and :meth:`state_dict_at` gives the state at any draw index near
     the current one (for example the end of the last optimizer step), computed from the uniforms
-    without touching data. ``handlers.curriculum.PhaseCurriculum`` uses both to tie phases and
+    without touching data. A curriculum handler uses both to tie phases and
     checkpoints to optimizer steps. The sampler is the stream's only state: ``iter()`` again
     continues where the previous iterator stopped (that iterator ends); it does not restart.
 

@@ -127,11 +127,12 @@ class SampleTrace:
 
     def attach(self, trainer: Any) -> SampleTrace:
         self.trainer = trainer
-        # After the checkpointer restored the step (Priority.RESUME), before any step draws data.
-        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ALIGN_PHASE)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.PHASE)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.PHASE)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.ALIGN_AFTER_RESTORE)
+        # Where a handler that moves the mixture's phase runs too: after the restore (RESTORE), at the
+        # start of OBSERVE on TRAIN_START and a little later on each step, late on ROLLBACK.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.OBSERVE)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.OBSERVE - 1e5)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.OBSERVE - 1e5)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.DEFAULT - 1e6)
         return self
 
     def _on_train_start(self) -> None:

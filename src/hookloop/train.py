@@ -34,7 +34,6 @@ from hookloop.engine import (
     ConfigError,
     Events,
     ExitCode,
-    Priority,
     Trainer,
     TrainingAborted,
     build_lr_scheduler,
@@ -56,7 +55,14 @@ from hookloop.engine.data import (
 from hookloop.engine.parallel import destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT, apply_tensor_parallel
-from hookloop.handlers import RunConfig, attach_handlers, check_run_paths, compose_config, load_run_config
+from hookloop.handlers import (
+    Priority,
+    RunConfig,
+    attach_handlers,
+    check_run_paths,
+    compose_config,
+    load_run_config,
+)
 from hookloop.recipe import ResolvedModel, resolve_model
 
 __all__ = [

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from hookloop.engine import Events, Priority, Trainer
+from hookloop.engine import Events, Trainer
+from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 

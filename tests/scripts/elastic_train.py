@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from hookloop.engine import Events, MixtureDataset, MixtureSampler, Priority, Trainer
+from hookloop.engine import Events, MixtureDataset, MixtureSampler, Trainer
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.parallel import init_distributed, wrap_data_parallel
+from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 

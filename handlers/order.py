@@ -1,0 +1,67 @@
+"""Where every shipped handler runs, by name: the engine's phases plus each handler's own place.
+
+The engine's :class:`~hookloop.engine.Priority` names only the phases of an event (``CLOCK``,
+``RESTORE``, ``OBSERVE``, ``DECIDE``, ``ACT``, ``DEFAULT``, ``RECORD``, ``CLEANUP``); each shipped
+handler's module defines its own place relative to one of them (``checkpoint.CHECKPOINT =
+Priority.ACT``). This table gathers those places under the names they have always had, so a handler
+can be placed relative to a shipped one::
+
+    from hookloop.handlers import Priority
+
+    trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)   # just before the save
+
+The whole order, event by event, is in ``docs/concepts.md`` ("The order of a step").
+"""
+
+from __future__ import annotations
+
+from hookloop.engine.events import Priority as _Phases
+from hookloop.handlers import (
+    checkpoint,
+    console,
+    curriculum,
+    dataset_metrics,
+    health_check,
+    jsonl_logger,
+    metric_logger,
+    metrics,
+    nan_detector,
+    profiler,
+    step_scheduler,
+    straggler,
+    tensorboard_logger,
+    wandb_logger,
+)
+
+__all__ = ["Priority"]
+
+
+class Priority(_Phases):
+    """The engine's phases and the place of every shipped handler (highest runs first)."""
+
+    PROFILE = profiler.PROFILE
+    TIME = metrics.TIME
+    TIME_STRAGGLER = straggler.TIME_STRAGGLER
+    RESUME = checkpoint.RESUME
+    HEALTH = health_check.HEALTH
+    EXIT_CHECK = step_scheduler.EXIT_CHECK
+    PUBLISH = metrics.PUBLISH
+    ALIGN_PHASE = curriculum.ALIGN_PHASE
+    PHASE = curriculum.PHASE
+    DATASET_METRICS = dataset_metrics.DATASET_METRICS
+    SCHEDULE = step_scheduler.SCHEDULE
+    DATASET_METRICS_END = dataset_metrics.DATASET_METRICS_END
+    TRACK_END = metrics.TRACK_END
+    STRAGGLER = straggler.STRAGGLER
+    NAN_CHECK = nan_detector.NAN_CHECK
+    CHECKPOINT = checkpoint.CHECKPOINT
+    TRACK = metrics.TRACK
+    LOG_JSONL = jsonl_logger.LOG_JSONL
+    LOG_TENSORBOARD = tensorboard_logger.LOG_TENSORBOARD
+    LOG_WANDB = wandb_logger.LOG_WANDB
+    LOG_CONSOLE = console.LOG_CONSOLE
+    LOG = metric_logger.LOG
+    ROLLBACK_REQUEST = nan_detector.ROLLBACK_REQUEST
+    ALIGN_AFTER_RESTORE = curriculum.ALIGN_AFTER_RESTORE
+    STAGING_WAIT = checkpoint.STAGING_WAIT
+    PROFILE_END = profiler.PROFILE_END
