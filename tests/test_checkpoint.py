@@ -198,9 +198,9 @@ def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_
 
     @trainer.on(Events.STEP_END, priority=-10)
     def _look(engine):
-        if checkpointer._inflight is not None:  # a save of this step just started
+        if checkpointer._writer.inflight is not None:  # a save of this step just started
             step = engine.state.step
-            partial = checkpointer._inflight.partial
+            partial = checkpointer._writer.inflight.partial
             observed.append((step, io.read_latest(tmp_path), io.is_complete(partial)))
 
     trainer.run(token_batches(12), max_steps=6)
@@ -505,7 +505,7 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
     @trainer.on(Events.STEP_START)
     def _block_step_4(engine):
         if engine.state.step == 4:  # the save of step 4 cannot create its directory
-            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session}").write_text("in the way")
+            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session.id}").write_text("in the way")
 
     with pytest.raises(CheckpointError, match="step 4"):
         trainer.run(token_batches(12), max_steps=6)
