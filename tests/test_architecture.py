@@ -15,6 +15,8 @@
 - The engine knows no shipped handler: ``engine/`` names none of their classes (code, comments or
   docstrings), never loads ``hookloop.handlers`` through ``importlib`` / ``__import__``, and its
   order table (``Priority``) names phases only; each shipped handler's place lives in its module.
+- Step bodies (``engine/step_body.py``, ``engine/pipeline/``) see the trainer only through the
+  ``StepContext`` they are handed: no trainer argument, no call back into the trainer's step.
 """
 
 from __future__ import annotations
@@ -259,6 +261,30 @@ def test_handlers_do_not_import_each_other():
     assert offenders == {}
 
 
+def _trainer_references(node: ast.AST, where: str) -> list[str]:
+    """Places under ``node`` that name a trainer: a ``trainer`` name or argument, a ``_trainer``
+    attribute, or the trainer's step (``finish_step``, ``_finish_step``)."""
+    found = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id == "trainer":
+            found.append(f"{where}:{sub.lineno} {sub.id}")
+        elif isinstance(sub, ast.arg) and sub.arg == "trainer":
+            found.append(f"{where}:{sub.lineno} argument {sub.arg}")
+        elif isinstance(sub, ast.Attribute) and sub.attr in ("_trainer", "finish_step", "_finish_step"):
+            found.append(f"{where}:{sub.lineno} .{sub.attr}")
+    return found
+
+
+def test_step_bodies_see_the_trainer_only_through_their_context():
+    offenders = []
+    for path in sorted((REPO / "engine" / "pipeline").glob("*.py")):
+        offenders += _trainer_references(ast.parse(path.read_text()), f"pipeline/{path.name}")
+    for node in ast.parse((REPO / "engine" / "step_body.py").read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name != "StepContext":
+            offenders += _trainer_references(node, f"step_body.py {node.name}")
+    assert offenders == []
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     # The scanners must find a planted violation, or the tests above prove nothing.
     planted = tmp_path / "planted.py"
@@ -266,6 +292,8 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "def f(trainer, self):\n    trainer._init_iter = 1\n    return self.trainer._stateful\n"
     )
     assert len(_private_accesses(planted)) == 2
+    body = "def run_step(self, microbatches, trainer):\n    return self._trainer.finish_step(1)\n"
+    assert len(_trainer_references(ast.parse(body), "planted")) == 3
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "x.py").write_text("def g():\n    from hookloop.handlers.nan_detector import NaNDetector\n")
