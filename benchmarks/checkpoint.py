@@ -98,7 +98,7 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
             if checkpointer.last_saved_step != step:
                 return
             save_steps.append(step)
-            save = checkpointer._inflight
+            save = checkpointer._writer.inflight
             if save is None:  # sync: durable when the call returned
                 durable.append(per_step[step])
                 return

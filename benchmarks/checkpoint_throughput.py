@@ -438,7 +438,7 @@ def save_costs(
             return
         now = time.perf_counter()
         blocked.append(now - begun["t"])
-        save = checkpointer._inflight
+        save = checkpointer._writer.inflight
         if save is None:  # sync: durable and published when the call returned
             durable.append(now - begun["t"])
         else:
@@ -460,7 +460,7 @@ def durable_costs(kind: str, saves: int, root: str) -> dict[str, Any]:
     the disk's write bandwidth and a small file's fsync latency."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hookloop.handlers.checkpoint import _OPTIONS  # the flattened layout the checkpointer writes
+    from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS as _OPTIONS
 
     if kind == "llama":
         build: Callable[[], torch.nn.Module] = llama

@@ -20,6 +20,7 @@ from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
+from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.trainer import Trainer, default_prepare_batch
 
@@ -31,6 +32,10 @@ __all__ = [
     "HandlerLike",
     "Priority",
     "StepBatches",
+    "StepBody",
+    "StepContext",
+    "StepResult",
+    "LocalStepBody",
     "ConfigError",
     "Decided",
     "Rollback",

@@ -17,11 +17,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.files import atomic_write
 
 __all__ = ["EXIT_STATUS_FILE", "exit_status_identity", "read_exit_status", "write_exit_status"]
 
@@ -52,14 +52,7 @@ def write_exit_status(
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     path = directory / EXIT_STATUS_FILE
-    # A name of its own per writer: writers on several nodes may share a pid, not a uuid.
-    tmp = directory / f".{EXIT_STATUS_FILE}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(record, indent=1) + "\n")
     return path
 
 

@@ -156,13 +156,15 @@ def build_lr_scheduler(
     wsd_decay_steps: int | None = None,
     wsd_decay_style: str = "exponential",
     peak_lr: float | None = None,
+    decay_steps_default: int | None = None,
 ) -> LambdaLR:
-    """A ``LambdaLR`` that follows :func:`lr_at` for every parameter group."""
+    """A ``LambdaLR`` that follows :func:`lr_at` for every parameter group. ``decay_steps_default``
+    stands in for a null ``decay_steps`` (as in :func:`check_lr_schedule`)."""
     peak = float(peak_lr if peak_lr is not None else optimizer.param_groups[0]["lr"])
     params = dict(
         peak_lr=peak,
         warmup_steps=warmup_steps,
-        decay_steps=decay_steps,
+        decay_steps=decay_steps if decay_steps is not None else decay_steps_default,
         decay_style=decay_style,
         min_lr=min_lr,
         warmup_init=warmup_init,

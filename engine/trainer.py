@@ -50,6 +50,7 @@ from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
+from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
@@ -208,7 +209,7 @@ class Trainer(IgniteAdapter):
         self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
         self.events = EventRegistry(self)
-        super().__init__(self._pipeline_step_body if pipeline is not None else self._step_body)
+        super().__init__(self._run_step)
         # ignite logs every error it routes to the error path (twice, for the inner and outer loop);
         # the trainer reports and re-raises errors itself, so ignite's own lines stay quiet unless
         # a user lowers this logger's level.
@@ -247,7 +248,16 @@ class Trainer(IgniteAdapter):
         self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
         #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
         self.count_share = 1 if self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0 else 0
-        self._loss_checked = False
+        #: What runs a step's forward and backward (:mod:`engine.step_body`): the pipeline runtime,
+        #: else a :class:`~engine.step_body.LocalStepBody` over ``model``.
+        self.step_body: StepBody = pipeline
+        if pipeline is None:
+            self.step_body = LocalStepBody(
+                model, self._params, tp_mesh=self.tp_mesh, grad_scaler=self.grad_scaler,
+                loss_parallel=self.loss_parallel,
+            )  # fmt: skip
+        #: What the step body sees of the trainer.
+        self.step_context = StepContext(self)
         self._in_step = False
         self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
@@ -876,92 +886,30 @@ class Trainer(IgniteAdapter):
             except BaseException as handler_error:  # keep cleaning up; the original error wins
                 logger.error("TRAIN_FAILED handler %r failed: %r", entry.original, handler_error)
 
-    # ------------------------------------------------------------------ step body
-    def _step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
-        """Local (non-pipeline) step: forward/backward per microbatch, then one optimizer step."""
-        state, model = self.state, self.model
-        if not model.training:
-            model.train()
-        n = len(microbatches)
-        fire_microbatch = self.events.any_for(Events.MICROBATCH)
-        watchdog = self.watchdog
-        ddp = hasattr(model, "no_sync")
-        fsdp = hasattr(model, "set_requires_gradient_sync")
-        scaler = self.grad_scaler
-        loss_sum: Any = 0.0
-        tokens = samples = 0
-        for i, microbatch in enumerate(microbatches):
-            inputs, targets = self.prepare_batch(microbatch, self.device)
-            last = i == n - 1
-            if fsdp:  # gradients reduce-scatter only on the step's last microbatch
-                model.set_requires_gradient_sync(last)
-            with model.no_sync() if ddp and not last else _NO_CONTEXT, self.loss_context():
-                with self.autocast():
-                    output, loss = forward_and_loss(model, inputs, targets, self.loss_fn)
-                if not self._loss_checked:
-                    self._check_loss(loss)
-                if scaler is None:
-                    (loss / n).backward()
-                else:
-                    scaler.scale(loss / n).backward()
-            loss = loss.detach()
-            if self.loss_parallel:  # a replicated DTensor: every rank holds the whole value
-                loss = tensor_parallel.local_value(loss)
-            loss_sum = loss_sum + loss
-            mb_samples, mb_tokens = count_batch(inputs)
-            if self.count_share:  # one rank of a tensor-parallel group counts its samples
-                samples += mb_samples
-                tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
-            state.microbatch = i
-            if watchdog is not None:
-                watchdog.feed()
-            if fire_microbatch:
-                state.microbatch_loss = loss
-                if self.loss_parallel:
-                    output = tensor_parallel.local_value(output)
-                state.microbatch_output, state.microbatch_targets = output, targets
-                self.fire(Events.MICROBATCH)
-                state.microbatch_output = state.microbatch_targets = None
-            else:
-                state.microbatches_seen += 1
-            # Free this microbatch's activations now, not when the next forward reassigns them:
-            # the allocator can then reuse their memory for the next forward.
-            del output, inputs, targets
-        return self.finish_step(loss_sum / n, tokens, samples)
+    # ------------------------------------------------------------------ the step
+    def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
+        """One optimizer step (ignite's process function): the step body's forward and backward
+        (:mod:`engine.step_body`), then :meth:`_finish_step`. Local and pipeline bodies alike."""
+        ctx = self.step_context
+        ctx.observes_microbatch = self.events.any_for(Events.MICROBATCH)
+        return self._finish_step(self.step_body.run_step(microbatches, ctx))
 
-    def _pipeline_step_body(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
-        """Pipeline-parallel step (``engine/pipeline/runtime.py``): same events as the local body."""
-        return self.pipeline.run_step(self, list(microbatches))
-
-    def _check_loss(self, loss: Any) -> None:
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            if self.loss_fn is None:
-                raise ValueError(
-                    f"the model's own loss (output.loss, Trainer(loss_fn=None)) must be a scalar tensor, "
-                    f"got {shape}; have the model reduce it, or pass a loss_fn"
-                )
-            raise ValueError(
-                f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
-                "or pass reduction='mean' to the loss"
-            )
-        self._loss_checked = True
-
-    def finish_step(self, local_loss: torch.Tensor, tokens: Any, samples: int) -> float:
-        """The tail every step body shares: the gradient norm, BEFORE_OPTIMIZER_STEP, the step's
+    def _finish_step(self, result: StepResult) -> float:
+        """The tail every step shares: the gradient norm, BEFORE_OPTIMIZER_STEP, the step's
         agreement, clipping, the optimizer and LR scheduler.
 
-        ``local_loss`` is this rank's mean microbatch loss (a tensor), ``tokens`` its token count
-        (an int or a 0-dim tensor), ``samples`` its sample count. Nothing here reads a tensor to
-        the host: with several ranks the loss, norm and counts come back from the agreement's one
-        all-reduce as numbers; with one they stay tensors until something reads them. With fp16
-        loss scaling the gradients are unscaled first, and an overflow (a non-finite norm on any
-        rank) vetoes the step on every rank."""
+        ``result`` holds this rank's mean microbatch loss (a tensor), its token count (an int or a
+        0-dim tensor) and its sample count. Nothing here reads a tensor to the host: with several
+        ranks the loss, norm and counts come back from the agreement's one all-reduce as numbers;
+        with one they stay tensors until something reads them. With fp16 loss scaling the
+        gradients are unscaled first, and an overflow (a non-finite norm on any rank) vetoes the
+        step on every rank."""
+        local_loss, tokens, samples = result
         state = self.state
         scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        norm = self._grad_norm()
+        norm = self.step_body.grad_norm()
         state.loss, state.grad_norm, state.step_tokens = local_loss, norm, tokens
         state.grad_scaler_overflow = False
         self.fire(Events.BEFORE_OPTIMIZER_STEP)
@@ -1023,21 +971,6 @@ class Trainer(IgniteAdapter):
                 if owner is not self and getattr(owner, "asks_after_agreement", True):
                     return True
         return self._validation_due()
-
-    def _grad_norm(self) -> Any:
-        """The total gradient norm as a tensor (over every shard and stage), before clipping."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return 0.0
-        if self.tp_mesh is not None:  # DTensor and plain gradients, several placements
-            norm = tensor_parallel.grad_norm(grads)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-            if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
-                norm = norm.full_tensor()
-        if self.pipeline is not None:  # this rank holds only some stages: the norm over all of them
-            norm = self.pipeline.reduce_grad_norm(norm)
-        return norm
 
     def _optimizer_step(self, norm: Any) -> float:
         """The agreed veto, clipping, then optimizer and LR scheduler."""
@@ -1124,7 +1057,7 @@ class Trainer(IgniteAdapter):
         metrics: dict[str, Any] = {}
         try:
             if self.pipeline is not None:  # forward through the stages, n_microbatches batches a pass
-                total = self.pipeline.validation_totals(self, data, eval_iters)
+                total = self.pipeline.validation_totals(data, eval_iters, self.step_context)
             else:
                 evaluator = self.evaluator
                 length = data_length(data)

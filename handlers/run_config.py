@@ -19,7 +19,6 @@ import dataclasses
 import inspect
 import keyword
 import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict
@@ -36,6 +35,7 @@ from hookloop.engine.config import (
     validate_sections,
 )
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.files import check_writable_dir
 from hookloop.engine.lr import check_lr_schedule
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
@@ -101,6 +101,12 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def lr_decay_steps_default(self) -> int | None:
+        """What a null ``lr.decay_steps`` stands for: the run's ``step_scheduler.max_steps`` (None
+        while the step scheduler is off)."""
+        return self.step_scheduler.max_steps if self.step_scheduler.enabled else None
+
     def validate(self, world_size: int | None = None) -> None:
         """The rules that relate sections (each section's own rules ran before). Fills in the
         pipeline batch sizes left null. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1
@@ -147,7 +153,7 @@ class RunConfig:
         check_lr_schedule(
             peak_lr=self.optimizer.lr,
             **dataclasses.asdict(self.lr),
-            decay_steps_default=sched.max_steps if sched.enabled else None,
+            decay_steps_default=self.lr_decay_steps_default,
             default_name="step_scheduler.max_steps",
         )
         if self.nan.enabled and self.nan.action == "rollback" and not self.checkpoint.enabled:
@@ -195,10 +201,10 @@ def check_run_paths(cfg: Any) -> None:
     checkpoint or a directory of checkpoints.
     Raises :class:`ConfigError` naming the field; nothing already saved is touched."""
     run_dir = run_dir_of(cfg)
-    _check_writable_dir("train.run_dir", run_dir)
+    check_writable_dir("train.run_dir", run_dir)
     ckpt = getattr(cfg, "checkpoint", None)
     if ckpt is not None and ckpt.enabled:
-        _check_writable_dir("checkpoint.directory", ckpt.directory or os.path.join(run_dir, "checkpoints"))
+        check_writable_dir("checkpoint.directory", ckpt.directory or os.path.join(run_dir, "checkpoints"))
         for name in ("resume", "finetune_from"):
             path = getattr(ckpt, name)
             if path in (None, "auto"):
@@ -209,42 +215,7 @@ def check_run_paths(cfg: Any) -> None:
                 raise ConfigError(f"checkpoint.{name}", str(e)) from None
     data = getattr(cfg, "data", None)
     if data is not None:
-        _check_writable_dir("data.cache_dir", data.cache_dir)
-
-
-def _check_writable_dir(field_name: str, directory: str) -> None:
-    """``directory`` is a directory a file can be written in, or can be created as one (checked on
-    its nearest existing parent, so nothing is created here)."""
-    path = os.path.abspath(directory)
-    missing = []
-    while not os.path.exists(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    problem = None
-    if not os.path.isdir(path):
-        problem = f"{path} is not a directory"
-    elif not os.access(path, os.W_OK | os.X_OK):
-        problem = f"{path} is not writable by this user"
-    if problem is None:  # access() says yes to root and on read-only file systems: try it
-        try:
-            # A name of its own per check: ranks checking at once, on several nodes whose pids may be
-            # the same (containers), do not collide.
-            if missing:
-                probe = os.path.join(path, f".hookloop-mkdir-test-{uuid.uuid4().hex}")
-                os.mkdir(probe)
-                os.rmdir(probe)
-            else:
-                probe = os.path.join(path, f".hookloop-write-test-{uuid.uuid4().hex}")
-                with open(probe, "w") as f:
-                    f.write("ok")
-                os.remove(probe)
-        except OSError as e:
-            problem = f"cannot {'create a directory' if missing else 'write'} in {path} ({e.strerror or e})"
-    if problem is not None:
-        raise ConfigError(field_name, f"{directory}: {problem}; pick a directory this user can write")
+        check_writable_dir("data.cache_dir", data.cache_dir)
 
 
 def validate_run_config(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

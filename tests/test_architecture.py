@@ -7,12 +7,18 @@
 - No import cycles between the project's modules.
 - Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
   ignite's internals.
-- Handlers do not import each other (the loggers' shared base and the run composition aside).
+- Handlers do not import each other (the loggers' shared base and the run composition aside); a
+  handler that is a package (``handlers/checkpoint/``) imports its own modules, and its rooms never
+  import the handler module that wires them.
+- The checkpoint wing's modules stay under :data:`MAX_LINES` lines each.
+- Only ``engine/files.py`` fsyncs: every durable or atomic write goes through it.
 - Shipped handlers request skip / save / stop / rollback on ``trainer.control``, not through the
   state's compatibility views or handler-to-handler fields on the state.
 - The engine knows no shipped handler: ``engine/`` names none of their classes (code, comments or
   docstrings), never loads ``hookloop.handlers`` through ``importlib`` / ``__import__``, and its
   order table (``Priority``) names phases only; each shipped handler's place lives in its module.
+- Step bodies (``engine/step_body.py``, ``engine/pipeline/``) see the trainer only through the
+  ``StepContext`` they are handed: no trainer argument, no call back into the trainer's step.
 """
 
 from __future__ import annotations
@@ -41,6 +47,18 @@ IGNITE_PRIVATE = {
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
+# Modules held to the size bound: the checkpoint wing (the handler package and the engine's readers,
+# writers and pickle bounds beside it) and the file helpers.
+MAX_LINES = 450
+BOUNDED = (
+    "handlers/checkpoint/*.py",
+    "engine/checkpoint_*.py",
+    "engine/pickle_bounds.py",
+    "engine/files.py",
+    "engine/rng.py",
+    "engine/state_codec.py",
+)
+FSYNC = re.compile(r"\bos\.fsync\(|^\s*def fsync_", re.M)
 COMPOSERS = {
     "hookloop.handlers",
     "hookloop.handlers.run_config",
@@ -204,7 +222,7 @@ def _private_accesses(path: Path) -> list[str]:
 
 
 def test_handlers_never_touch_private_trainer_attributes():
-    offenders = [hit for path in sorted((REPO / "handlers").glob("*.py")) for hit in _private_accesses(path)]
+    offenders = [hit for path in sorted((REPO / "handlers").rglob("*.py")) for hit in _private_accesses(path)]
     assert offenders == []
 
 
@@ -221,18 +239,52 @@ def test_only_the_adapter_touches_ignite_internals():
     assert offenders == []
 
 
+def _handler_of(module: str) -> str:
+    """The handler a module belongs to: ``hookloop.handlers.<name>`` (a module or a package)."""
+    return ".".join(module.split(".")[:3])
+
+
 def test_handlers_do_not_import_each_other():
     offenders = {}
     for name, deps in graph().items():
         if not name.startswith("hookloop.handlers.") or name in COMPOSERS:
             continue
+        own = _handler_of(name)
         bad = sorted(
-            d for d in deps if d.startswith("hookloop.handlers.") and d not in SHARED_HANDLER_MODULES
+            d
+            for d in deps
+            if d.startswith("hookloop.handlers.")
+            and d not in SHARED_HANDLER_MODULES
+            and _handler_of(d) != own
         )
         bad = [d for d in bad if not any(d.startswith(s + ".") for s in SHARED_HANDLER_MODULES)]
         if bad:
             offenders[name] = bad
     assert offenders == {}
+
+
+def _trainer_references(node: ast.AST, where: str) -> list[str]:
+    """Places under ``node`` that name a trainer: a ``trainer`` name or argument, a ``_trainer``
+    attribute, or the trainer's step (``finish_step``, ``_finish_step``)."""
+    found = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id == "trainer":
+            found.append(f"{where}:{sub.lineno} {sub.id}")
+        elif isinstance(sub, ast.arg) and sub.arg == "trainer":
+            found.append(f"{where}:{sub.lineno} argument {sub.arg}")
+        elif isinstance(sub, ast.Attribute) and sub.attr in ("_trainer", "finish_step", "_finish_step"):
+            found.append(f"{where}:{sub.lineno} .{sub.attr}")
+    return found
+
+
+def test_step_bodies_see_the_trainer_only_through_their_context():
+    offenders = []
+    for path in sorted((REPO / "engine" / "pipeline").glob("*.py")):
+        offenders += _trainer_references(ast.parse(path.read_text()), f"pipeline/{path.name}")
+    for node in ast.parse((REPO / "engine" / "step_body.py").read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name != "StepContext":
+            offenders += _trainer_references(node, f"step_body.py {node.name}")
+    assert offenders == []
 
 
 # What handlers must ask through ``trainer.control`` (the state keeps some of these as views for
@@ -286,12 +338,55 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "    getattr(state, 'rollback_keep_data_position', False)\n    trainer.control.request_skip()\n"
     )
     assert len(_state_control_uses(asks)) == 3
+    body = "def run_step(self, microbatches, trainer):\n    return self._trainer.finish_step(1)\n"
+    assert len(_trainer_references(ast.parse(body), "planted")) == 3
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "x.py").write_text("def g():\n    from hookloop.handlers.nan_detector import NaNDetector\n")
     assert imports_of("hookloop.engine.x", pkg / "x.py", {"hookloop.handlers.nan_detector"}) == {
         "hookloop.handlers.nan_detector"
     }
+    # a module of a handler package is that handler's; another handler's module is not
+    assert _handler_of("hookloop.handlers.checkpoint.writer") == _handler_of("hookloop.handlers.checkpoint")
+    assert _handler_of("hookloop.handlers.checkpoint.store") != _handler_of("hookloop.handlers.nan_detector")
+    assert len(FSYNC.findall("def fsync_dir(p):\n    os.fsync(fd)\n")) == 2
+
+
+def test_the_checkpoint_rooms_never_import_the_handler_that_wires_them():
+    """Each room gets its collaborators passed in; none reaches back to the handler object."""
+    handler = "hookloop.handlers.checkpoint.handler"
+    offenders = {
+        name: sorted(d for d in deps if d == handler or d.startswith(handler + "."))
+        for name, deps in graph().items()
+        if name.startswith("hookloop.handlers.checkpoint.") and name != handler
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert handler in graph()["hookloop.handlers.checkpoint"], "the package exports the handler"
+
+
+def test_the_bounded_modules_stay_under_the_line_limit():
+    sizes = {
+        str(path.relative_to(REPO)): len(path.read_text().splitlines())
+        for pattern in BOUNDED
+        for path in sorted(REPO.glob(pattern))
+    }
+    assert len(sizes) >= 10, sizes  # the patterns still find the wing
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_only_the_file_helpers_fsync():
+    """Atomic and durable writes have one home (``engine/files.py``): no other module calls fsync or
+    defines its own fsync helper."""
+    call = FSYNC
+    offenders = []
+    for name, path in modules().items():
+        if name == "hookloop.engine.files":
+            continue
+        offenders += [
+            f"{name}:{path.read_text()[: m.start()].count(chr(10)) + 1}"
+            for m in call.finditer(path.read_text())
+        ]
+    assert offenders == []
 
 
 # Names of handler classes that are ordinary words the engine uses for its own concepts: the
@@ -365,7 +460,7 @@ def test_the_engine_order_table_names_phases_only():
     shipped = {k for k in vars(ShippedPriority) if not k.startswith("_")}
     assert shipped and not shipped & phases
     defined_in_modules = set()
-    for path in sorted((REPO / "handlers").glob("*.py")):
+    for path in sorted((REPO / "handlers").rglob("*.py")):  # a handler package's modules too
         if path.name == "order.py":
             continue
         tree = ast.parse(path.read_text())

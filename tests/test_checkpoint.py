@@ -128,6 +128,20 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
     assert_bitwise(snapshot(second), expected)
 
 
+def test_the_last_step_save_follows_the_runs_own_step_limit(tmp_path):
+    """The checkpointer saves at the run's last step by :attr:`Trainer.at_last_step`: the limit this
+    run was given, not a trainer-wide ``max_steps`` default it overrides (every step past that
+    default is not a last step)."""
+    trainer = make_trainer()
+    trainer.max_steps = 2  # the default for runs that pass no limit; this run passes its own
+    saved = []
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
+    state = trainer.run(shuffled_loader(), max_steps=5)
+    assert state.step == 5 and saved == [5]
+    assert io.read_latest(tmp_path) == io.step_dir_name(5)
+
+
 class CountingSource:
     """A stateful iterable: restores its position in O(1) and counts what it fetches."""
 
@@ -198,9 +212,9 @@ def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_
 
     @trainer.on(Events.STEP_END, priority=-10)
     def _look(engine):
-        if checkpointer._inflight is not None:  # a save of this step just started
+        if checkpointer._writer.inflight is not None:  # a save of this step just started
             step = engine.state.step
-            partial = checkpointer._inflight.partial
+            partial = checkpointer._writer.inflight.partial
             observed.append((step, io.read_latest(tmp_path), io.is_complete(partial)))
 
     trainer.run(token_batches(12), max_steps=6)
@@ -505,7 +519,7 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
     @trainer.on(Events.STEP_START)
     def _block_step_4(engine):
         if engine.state.step == 4:  # the save of step 4 cannot create its directory
-            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session}").write_text("in the way")
+            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session.id}").write_text("in the way")
 
     with pytest.raises(CheckpointError, match="step 4"):
         trainer.run(token_batches(12), max_steps=6)

@@ -101,7 +101,7 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
 
         init_distributed()
     trainer, checkpointer = build(world, directory, every_steps=2, keep_last=10)
-    stager = checkpointer._stager = GatedStager()
+    stager = checkpointer._writer.stager = GatedStager()
     at = 4 if scenario in ("end", "fail") else 3
     out: dict[str, Any] = {"mode": checkpointer.mode}
     saved: dict[str, torch.Tensor] = {}
@@ -322,7 +322,7 @@ def test_background_saves_start_no_openmp_team_and_leave_the_training_threads_al
     trainer.run(batches, max_steps=4)
     assert checkpointer.last_checkpoint is not None and checkpointer.last_checkpoint.endswith("4")
     if mode == "async":
-        assert checkpointer._writer().submit(torch.get_num_threads).result() == 1
+        assert checkpointer._session.write_thread().submit(torch.get_num_threads).result() == 1
     started = _native_only_threads() - before
     assert not started, f"saving started {len(started)} native thread(s) (an OpenMP team) beside training"
     assert torch.get_num_threads() == 2, "the training thread's intra-op thread count changed"

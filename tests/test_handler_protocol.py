@@ -368,7 +368,14 @@ def test_loggers_record_the_step_that_triggers_a_rollback(tmp_path):
 
 # Handlers whose config section is their field list: from_config passes every setting but
 # ``enabled`` to the constructor, which validates its arguments by building the section.
-_SECTION_SHAPED = [StepScheduler, NaNDetector, HealthCheck, StragglerDetector, ProfilerWindow]
+_SECTION_SHAPED = [
+    StepScheduler,
+    NaNDetector,
+    HealthCheck,
+    StragglerDetector,
+    ProfilerWindow,
+    AsyncCheckpointer,
+]
 # Where a run file has a fixed default and the constructor derives one from the data (None).
 _DERIVED_IN_CONSTRUCTOR = {("StepScheduler", "num_epochs"), ("StepScheduler", "ckpt_every_steps")}
 
@@ -398,6 +405,8 @@ def test_a_section_shaped_handler_takes_every_setting_with_the_same_default(cls)
         (NaNDetector, dict(action="ignore"), "nan.action"),
         (HealthCheck, dict(timeout_s=0), "timeout_s"),
         (StragglerDetector, dict(stop_threshold=1.0), "stop_threshold"),
+        # rejected before the directory is created
+        (AsyncCheckpointer, dict(directory="never_created", keep_best=-1), "checkpoint.keep_best"),
     ],
     ids=lambda v: getattr(v, "__name__", None) if isinstance(v, type) else None,
 )

@@ -179,13 +179,13 @@ def _same_pid_at_once(monkeypatch, work, rounds: int = 300) -> list[BaseExceptio
 def test_startup_checks_of_two_nodes_with_the_same_pid_do_not_collide(tmp_path, monkeypatch):
     """Every rank checks the run and data directories before the process group exists; two of them
     with one pid on two nodes must not refuse a good shared directory (exit 2 for nothing)."""
-    from hookloop.handlers.run_config import _check_writable_dir
+    from hookloop.engine.files import check_writable_dir
 
     (tmp_path / "run").mkdir()
     errors = _same_pid_at_once(
         monkeypatch,
-        lambda: (_check_writable_dir("train.run_dir", str(tmp_path / "run")),
-                 _check_writable_dir("data.cache_dir", str(tmp_path / "cache"))),
+        lambda: (check_writable_dir("train.run_dir", str(tmp_path / "run")),
+                 check_writable_dir("data.cache_dir", str(tmp_path / "cache"))),
     )  # fmt: skip
     assert not errors, errors[0]
     assert not (tmp_path / "cache").exists()  # checked, not created

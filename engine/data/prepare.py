@@ -27,6 +27,7 @@ import numpy as np
 
 from hookloop.engine.data.token_dataset import SUPPORTED_TOKEN_DTYPES, sidecar_path
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.files import atomic_write
 
 __all__ = ["DOC_SEPARATOR", "main", "prepare_tokens", "stdlib_docs_text", "stdlib_source_files"]
 
@@ -118,9 +119,7 @@ def prepare_tokens(
         # The sidecar lands first and the token file last, so a reader that sees the token file
         # always finds its sidecar.
         side = sidecar_path(out)
-        side_tmp = side.with_name(f"{side.name}.{tag}.tmp")
-        side_tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        os.replace(side_tmp, side)
+        atomic_write(side, json.dumps(meta, indent=2) + "\n")
         os.replace(tmp, out)
     finally:
         if tmp.exists():

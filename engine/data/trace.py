@@ -35,6 +35,7 @@ from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
+from hookloop.engine.files import atomic_write
 
 __all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
 
@@ -72,9 +73,7 @@ def _cut(path: Path, last_step: int) -> None:
     kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(kept))
 
 
 class SampleTrace:

@@ -2,8 +2,8 @@
 
 :func:`build_pipeline` cuts the model into stages (see :mod:`engine.pipeline.split`), wraps each
 stage for data parallelism across the ``dp`` mesh dimension, and builds the schedule. A
-:class:`~engine.Trainer` given ``pipeline=runtime`` runs :meth:`PipelineRuntime.run_step` as its
-step body instead of the local one; both fire the same events.
+:class:`~engine.Trainer` given ``pipeline=runtime`` runs it as its step body (the
+:class:`~engine.step_body.StepBody` protocol) instead of the local one; both fire the same events.
 
 Microbatches: the trainer's microbatches *are* the schedule's. One step takes
 ``n_microbatches = pp_batch_size // pp_microbatch_size`` microbatches of ``pp_microbatch_size``
@@ -14,7 +14,7 @@ weight is zero, so gradients are the mean over the real microbatches, as in the 
 Precision: ``pipeline.dtype`` casts the stage modules themselves (pure low-precision parameters
 and activations). ``Trainer(precision="bf16-mixed")`` runs the whole ``schedule.step`` (every
 stage's forward, the loss, and the backward the schedule interleaves, which autocast leaves in
-the forward's dtypes) and the validation forward under ``trainer.autocast()``; activations then
+the forward's dtypes) and the validation forward under the trainer's autocast; activations then
 cross stages in bfloat16. ``"fp16-mixed"`` is refused: loss scaling would have to reach inside the
 schedule's backward.
 """
@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hookloop.engine import parallel
+from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.batch import count_batch
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events
 from hookloop.engine.pipeline import hf_patches
 from hookloop.engine.pipeline.config import PipelineConfig
 from hookloop.engine.pipeline.schedules import losses_computed
 from hookloop.engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
 from hookloop.engine.step_batches import iter_groups
+from hookloop.engine.step_body import StepContext, StepResult, check_loss, grad_norm
 
 __all__ = ["PipelineRuntime", "build_pipeline"]
 
@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 
 class PipelineRuntime:
-    """This rank's pipeline stages and their schedule. Build with :func:`build_pipeline`.
+    """This rank's pipeline stages and their schedule, and the pipeline's step body (a
+    :class:`~engine.step_body.StepBody`). Build with :func:`build_pipeline`.
 
     ``module`` (an ``nn.ModuleList`` of this rank's stage modules, DDP/FSDP-wrapped when the
     data-parallel degree is > 1) is what the optimizer and the Trainer take.
@@ -85,6 +86,9 @@ class PipelineRuntime:
         self._raw_losses: dict[int, torch.Tensor] = {}
         self._weights: list[float] = []
         self._input_shape: tuple[int, ...] | None = None
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        #: The tensor-parallel mesh dimension of the stages' parameters (None without one).
+        self.tp_mesh = tensor_parallel.find_tp_mesh(self._params)
 
     def parameters(self) -> Iterable[nn.Parameter]:
         """This rank's trainable parameters (build the optimizer over these)."""
@@ -109,9 +113,7 @@ class PipelineRuntime:
                 "pipeline.loss_fn", "no loss: pass loss_fn to build_pipeline, PipelineConfig or the Trainer"
             )
         loss = self.loss_fn(output, target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())")
+        check_loss(loss, self.loss_fn)
         i = losses_computed(self.schedule)
         self._raw_losses[i] = loss.detach()
         weight = self._weights[i] if i < len(self._weights) else 1.0
@@ -124,10 +126,10 @@ class PipelineRuntime:
         self._weights = [real if i < n_real else 0.0 for i in range(n)]
 
     # ------------------------------------------------------------------ running the schedule
-    def _stage_pair(self, trainer: Any, microbatch: Any) -> tuple[Any, Any, tuple[int, Any]]:
+    def _stage_pair(self, ctx: StepContext, microbatch: Any) -> tuple[Any, Any, tuple[int, Any]]:
         """``(inputs, targets, (samples, tokens))`` of one microbatch as the stages take it: a dict
         microbatch (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
-        inputs, targets = trainer.prepare_batch(microbatch, trainer.device)
+        inputs, targets = ctx.prepare(microbatch)
         counts = count_batch(inputs)
         if isinstance(inputs, Mapping):
             extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
@@ -150,14 +152,16 @@ class PipelineRuntime:
             inputs = inputs["input_ids"]
         return inputs, targets, counts
 
-    def _prepare(self, trainer: Any, microbatches: list[Any]) -> tuple[list[tuple[Any, Any]], list[tuple]]:
+    def _prepare(
+        self, ctx: StepContext, microbatches: Sequence[Any]
+    ) -> tuple[list[tuple[Any, Any]], list[tuple]]:
         n = self.n_microbatches
         if not 0 < len(microbatches) <= n:
             raise ValueError(
                 f"a pipeline step takes {n} microbatches (pipeline.pp_batch_size // pp_microbatch_size), got "
                 f"{len(microbatches)}; leave trainer.grad_accum_steps at {n}"
             )
-        prepared = [self._stage_pair(trainer, mb) for mb in microbatches]
+        prepared = [self._stage_pair(ctx, mb) for mb in microbatches]
         pairs = [(x, y) for x, y, _ in prepared]
         counts = [c for _, _, c in prepared]
         cfg = self.config
@@ -209,20 +213,20 @@ class PipelineRuntime:
         self._raw_losses = {}
         return values.cpu(), output
 
-    def run_step(self, trainer: Any, microbatches: list[Any]) -> float:
-        """The PP step body: the step's microbatches through the schedule as one batch, the loss
-        broadcast to every pp rank, MICROBATCH per microbatch, clip over all stages, optimizer."""
-        state = trainer.state
-        trainer.model.train()
+    def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
+        """The PP step body: the step's microbatches through the schedule as one batch (forward and
+        backward of every stage), the losses broadcast to every pp rank, then each microbatch
+        reported done (MICROBATCH) with its loss, and its output on the last stage."""
+        self.module.train()
         n_real = len(microbatches)
-        pairs, counts = self._prepare(trainer, microbatches)
+        pairs, counts = self._prepare(ctx, microbatches)
         self._set_weights(n_real)
-        fire_microbatch = trainer.has_event_handler_for(Events.MICROBATCH)
-        with trainer.autocast():
-            losses, output = self._run_schedule(pairs, keep_outputs=fire_microbatch and self.has_last)
+        observed = ctx.observes_microbatch
+        with ctx.autocast():
+            losses, output = self._run_schedule(pairs, keep_outputs=observed and self.has_last)
         tokens: Any = 0
         samples = 0
-        if self.has_first and trainer.count_share:  # once per pipeline (and tensor-parallel group)
+        if self.has_first and ctx.count_share:  # once per pipeline (and tensor-parallel group)
             for mb_samples, mb_tokens in counts:
                 samples += mb_samples
                 tokens = tokens + mb_tokens
@@ -230,19 +234,15 @@ class PipelineRuntime:
             torch.split(output, self.config.pp_microbatch_size) if isinstance(output, torch.Tensor) else None
         )
         for i in range(n_real):
-            state.microbatch = i
-            if fire_microbatch:
-                state.microbatch_loss = losses[i]
-                state.microbatch_output = outputs[i] if outputs is not None else None
-                state.microbatch_targets = pairs[i][1]
-                trainer.fire(Events.MICROBATCH)
-                state.microbatch_output = state.microbatch_targets = None
-            else:
-                state.microbatches_seen += 1
-        return trainer.finish_step(losses[:n_real].mean(), tokens, samples)
+            ctx.microbatch_done(i, losses[i], outputs[i] if outputs is not None else None, pairs[i][1])
+        return StepResult(losses[:n_real].mean(), tokens, samples)
 
-    def reduce_grad_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """The total gradient norm over every stage from this rank's part (one all-reduce)."""
+    def grad_norm(self) -> Any:
+        """The total gradient norm over every stage: this rank's part, then one all-reduce over the
+        pp group (every pp rank gets the same)."""
+        norm = grad_norm(self._params, self.tp_mesh)
+        if not isinstance(norm, torch.Tensor):  # no gradient on this rank
+            return norm
         sq = (norm.detach().to(self._comm_device, torch.float64) ** 2).reshape(1)
         dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt()[0].to(norm.device, norm.dtype)
@@ -288,16 +288,16 @@ class PipelineRuntime:
         dist.recv(t, src=src, group=self.pp_group)
         return t.to(self.device)
 
-    def validation_totals(self, trainer: Any, data: Iterable, eval_iters: int | None) -> torch.Tensor:
+    def validation_totals(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> torch.Tensor:
         """``[sum of sample losses, sample count]`` over ``data`` (``n_microbatches`` batches per
         pass through the stages; each batch's mean loss weighted by its samples); the same on every
-        pp rank."""
+        pp rank. ``ctx`` prepares the batches and gives the autocast context."""
         total = torch.zeros(2, dtype=torch.float64)
         batches = data if eval_iters is None else itertools.islice(data, eval_iters)
         for group in iter_groups(batches, self.n_microbatches):
-            prepared = [self._stage_pair(trainer, mb) for mb in group]
+            prepared = [self._stage_pair(ctx, mb) for mb in group]
             samples = torch.tensor([float(c[0] or 1) for _, _, c in prepared], dtype=torch.float64)
-            with trainer.autocast():
+            with ctx.autocast():
                 losses = self._forward_only([(x, y) for x, y, _ in prepared])
             total[0] += (losses.double() * samples).sum()
             total[1] += samples.sum()

@@ -303,11 +303,11 @@ def save_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
     a file). ``hookloop train <run_dir>/config.yaml`` trains the same run again."""
     from omegaconf import OmegaConf
 
-    from hookloop.engine.checkpoint_io import write_text_atomic
+    from hookloop.engine.files import atomic_write
 
     path = Path(run_dir) / "config.yaml"
     header = "# The resolved config of this run: every field, defaults included.\n"
-    write_text_atomic(path, header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    atomic_write(path, header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return path
 
 
@@ -407,7 +407,8 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
     optimizer = build_optimizer(cfg, model)
     lr_scheduler = build_lr_scheduler(
         optimizer,
-        **{**dataclasses.asdict(cfg.lr), "decay_steps": cfg.lr.decay_steps or cfg.step_scheduler.max_steps},
+        **dataclasses.asdict(cfg.lr),
+        decay_steps_default=cfg.lr_decay_steps_default,
     )
     trainer = Trainer(
         model,

@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     trainer, checkpointer = build(args.directory, args.mode, ddp=args.ddp)
     if args.stall_staging_at is not None:
-        stager = checkpointer._stager = GatedStager()
+        stager = checkpointer._writer.stager = GatedStager()
 
         @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
         def _stall(engine: Trainer) -> None:  # before the checkpointer starts this step's save

@@ -1,0 +1,254 @@
+"""Reading a checkpoint without trusting it: verifying its files against the manifest, and
+reading DCP's index and non-tensor entries through the bounded allowlists of
+:mod:`hookloop.engine.checkpoint_pickle`. See :mod:`hookloop.engine.checkpoint_io`."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import stat
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from hookloop.engine import checkpoint_pickle
+from hookloop.engine.checkpoint_layout import MARKER, CheckpointError
+from hookloop.engine.checkpoint_manifest import CHECKSUM_ALGORITHM, file_checksum, read_manifest
+from hookloop.engine.checkpoint_pickle import PickleRefused
+
+__all__ = [
+    "SafeLoadPlanner",
+    "SafeReader",
+    "check_entry",
+    "check_loadable",
+    "index_mb",
+    "load_metadata",
+    "verify_checkpoint",
+    "verify_file",
+]
+
+
+def verify_file(directory: str | os.PathLike, name: str, entry: dict[str, Any]) -> str | None:
+    """What is wrong with file ``name`` against its manifest ``entry`` (None: intact)."""
+    path = os.path.join(directory, name)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name} is not a regular file"
+    if st.st_size != entry["size"]:
+        return f"{name} has {st.st_size} bytes, the manifest says {entry['size']}"
+    try:
+        size, checksum = file_checksum(path)
+    except OSError as e:
+        return f"{name} cannot be read ({e.strerror})"
+    if size != entry["size"]:
+        return f"{name} changed size while it was read ({size} bytes, the manifest says {entry['size']})"
+    if checksum != entry["checksum"]:
+        return f"{name} has {CHECKSUM_ALGORITHM} {checksum}, the manifest says {entry['checksum']}"
+    return None
+
+
+def verify_checkpoint(
+    path: str | os.PathLike, rank: int = 0, world_size: int = 1, index_limit: int | None = None
+) -> tuple[list[str], bool]:
+    """Check this rank's share of checkpoint ``path`` against its manifest.
+
+    Returns ``(problems, verified)``: ``problems`` lists what is damaged (empty: intact as far as this
+    rank looked), ``verified`` is False for a checkpoint without a manifest (written by an earlier
+    version: nothing to check it against). The files are shared out by the rank that wrote them
+    (``writer % world_size == rank``), so every file is read once across the ranks, and each rank
+    mostly reads what it wrote; the ranks combine their problems before choosing (see the
+    checkpointer). Files the manifest does not list are ignored; a listed file that is missing,
+    has another size or another checksum is damage, and so is an unreadable marker or manifest. The
+    rank that checks ``.metadata`` then also checks that it and every non-tensor entry are safe to
+    load (:func:`check_loadable`): a crafted index is damage too, so the loader falls back."""
+    try:
+        files = read_manifest(path)
+    except CheckpointError as e:
+        return [str(e)], True
+    if files is None:
+        return (check_loadable(path, index_limit) if rank == 0 else []), False
+    problems = []
+    for name, entry in files.items():
+        if entry.get("rank", 0) % world_size != rank:
+            continue
+        problem = verify_file(path, name, entry)
+        if problem is not None:
+            problems.append(problem)
+        elif name == ".metadata":  # intact as written: now whether it is safe to load
+            problems.extend(check_loadable(path, index_limit))
+    return problems, True
+
+
+# ------------------------------------------------------------------------------- safe DCP reading
+def load_metadata(data: bytes, where: str | os.PathLike, index_limit: int | None = None) -> Any:
+    """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist and the bounds of
+    :mod:`engine.checkpoint_pickle` (an index at most ``index_limit`` bytes, its
+    ``METADATA_MAX_BYTES`` by default); ``where`` names the file in the CheckpointError."""
+    try:
+        return checkpoint_pickle.load_index(data, index_limit)
+    except PickleRefused as e:
+        raise CheckpointError(
+            f"{where} {e}; refusing to unpickle it (only checkpoints written by "
+            "torch.distributed.checkpoint load). Delete this checkpoint directory; resume='auto' "
+            "then loads the previous one"
+        ) from None
+    except Exception as e:  # truncated or malformed pickle: the damage, not the reader, is at fault
+        raise CheckpointError(
+            f"{where} is not a readable DCP checkpoint index ({type(e).__name__}: {str(e)[:200]}); "
+            "the checkpoint is damaged: delete it or resume from an older one"
+        ) from None
+
+
+def check_entry(data: bytes, where: str) -> None:
+    """Refuse (CheckpointError naming ``where``) the bytes of a non-tensor entry that
+    ``torch.load(weights_only=True)`` should not be given: see :func:`checkpoint_pickle.check_entry`."""
+    try:
+        checkpoint_pickle.check_entry(data)
+    except PickleRefused as e:
+        raise CheckpointError(
+            f"{where} {e}; refusing to load it: the checkpoint is damaged or crafted"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a pickle the checker cannot even read
+        raise CheckpointError(
+            f"{where} is not a readable pickle ({type(e).__name__}: {str(e)[:200]}): "
+            "the checkpoint is damaged"
+        ) from None
+
+
+def index_mb(size: int) -> float:
+    """The smallest ``checkpoint.max_index_mb`` (in tenths of a MiB) that lets an index of ``size``
+    bytes be read."""
+    return math.ceil(size / 2**20 * 10) / 10
+
+
+def _read_index(path: str, limit: int | None) -> bytes:
+    """The bytes of the ``.metadata`` at ``path``, or CheckpointError when it has more than ``limit``
+    (:data:`checkpoint_pickle.METADATA_MAX_BYTES` when None)."""
+    limit = checkpoint_pickle.METADATA_MAX_BYTES if limit is None else limit
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise CheckpointError(
+                    f"{path} has {size} bytes, more than the {limit} ({limit / 2**20:.3g} MiB) a DCP "
+                    "checkpoint index may have (checkpoint.max_index_mb): if this run wrote it, set "
+                    f"checkpoint.max_index_mb to at least {index_mb(size):g}; otherwise the checkpoint "
+                    "is damaged or crafted: resume from an older one"
+                )
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot read {path} ({e.strerror}): the checkpoint is damaged or incomplete; resume "
+            "from an older one (resume='auto' falls back by itself)"
+        ) from None
+    if len(data) > limit:
+        raise CheckpointError(f"{path} grew past {limit} bytes while it was read; the checkpoint is damaged")
+    return data
+
+
+def check_loadable(path: str | os.PathLike, index_limit: int | None = None) -> list[str]:
+    """What makes checkpoint ``path`` unsafe to load beyond its manifest: its ``.metadata`` must
+    unpickle within the bounds and every non-tensor entry must pass :func:`check_entry` (read from
+    the data files at the byte ranges the index gives). Empty: loadable."""
+    directory = os.fspath(path)
+    where = os.path.join(directory, ".metadata")
+    try:
+        metadata = load_metadata(_read_index(where, index_limit), where, index_limit)
+    except CheckpointError as e:
+        return [str(e)]
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    problems = []
+    byte_entries = {k for k, v in metadata.state_dict_metadata.items() if type(v) is BytesStorageMetadata}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_entries or info.transform_descriptors:
+            continue  # transformed bytes are checked when they are loaded
+        name = os.path.join(directory, info.relative_path)
+        try:
+            with open(name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(min(info.offset, size))
+                data = f.read(max(0, min(info.length, size - info.offset)))
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror})")
+            continue
+        try:
+            check_entry(data, f"checkpoint entry {index.fqn[:200]!r} (in {name})")
+        except CheckpointError as e:
+            problems.append(str(e))
+            if len(problems) >= 3:
+                break
+    return problems
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, but its ``.metadata`` index is checked against the checkpoint's manifest
+    (when the directory has one) before any byte of it is unpickled, and then unpickled with an
+    exact allowlist (an index at most ``index_limit`` bytes: :func:`load_metadata`)."""
+
+    def __init__(self, path: str | os.PathLike, *, index_limit: int | None = None) -> None:
+        super().__init__(path)
+        self.index_limit = index_limit
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        directory = os.fspath(self.path)
+        name = os.path.basename(path)
+        entry = None
+        if os.path.exists(os.path.join(directory, MARKER)):
+            files = read_manifest(directory)
+            if files is not None:
+                entry = files.get(name)
+                if entry is None:
+                    raise CheckpointError(
+                        f"{path} is not listed in the manifest of {os.path.join(directory, MARKER)}: "
+                        "the checkpoint is damaged; resume from an older one"
+                    )
+        data = _read_index(path, self.index_limit)
+        if entry is not None:
+            checksum = f"{zlib.crc32(data):08x}"
+            if len(data) != entry["size"] or checksum != entry["checksum"]:
+                raise CheckpointError(
+                    f"{path} does not match its manifest ({len(data)} bytes, {CHECKSUM_ALGORITHM} "
+                    f"{checksum}; recorded {entry['size']} bytes, {entry['checksum']}): the checkpoint "
+                    "is damaged; resume from an older one"
+                )
+        metadata = load_metadata(data, path, self.index_limit)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor entries loaded by ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        check_entry(value.getvalue(), f"checkpoint entry {fqn!r}")
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                f"checkpoint entry {fqn!r} needs arbitrary unpickling ({str(e).splitlines()[0]}); "
+                "refusing to load it"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -1,0 +1,216 @@
+"""The step-body protocol: how one optimizer step's microbatches become gradients.
+
+The :class:`~engine.Trainer` runs every step the same way, whichever body it was given::
+
+    ctx.observes_microbatch = <any MICROBATCH handler attached>
+    result = body.run_step(microbatches, ctx)   # forward + backward; MICROBATCH per microbatch
+    norm = body.grad_norm()                     # over every shard and stage of the model
+    ... BEFORE_OPTIMIZER_STEP, the step's agreement, clipping, optimizer, LR scheduler
+
+Two bodies implement :class:`StepBody`: :class:`LocalStepBody` (the model on this rank, plain, DDP,
+FSDP2 or tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline
+stages). A body sees the trainer only through the :class:`StepContext` it is handed: prepare a
+microbatch, the autocast and loss contexts, the loss function, and one call to report a finished
+microbatch (the trainer then fires MICROBATCH). What comes after the backward (the norm's
+agreement, clipping, the optimizer) is the trainer's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+from hookloop.engine import tensor_parallel
+from hookloop.engine.batch import count_batch, forward_and_loss
+from hookloop.engine.events import Events
+
+if TYPE_CHECKING:
+    from hookloop.engine.trainer import Trainer
+
+__all__ = ["LocalStepBody", "StepBody", "StepContext", "StepResult", "check_loss", "grad_norm"]
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class StepResult(NamedTuple):
+    """What a body's step leaves for the trainer besides the gradients."""
+
+    #: This rank's mean microbatch loss (a 0-dim tensor; not read to the host).
+    loss: torch.Tensor
+    #: This rank's token count: an int or a 0-dim tensor (an attention mask's sum).
+    tokens: Any
+    #: This rank's sample count.
+    samples: int
+
+
+class StepContext:
+    """What the trainer lends a step body for one step, and nothing else of the trainer.
+
+    One per trainer, reused every step; ``observes_microbatch`` is set by the trainer before each
+    step (whether any MICROBATCH handler is attached, so a body keeps outputs only when one is).
+    """
+
+    __slots__ = ("_trainer", "autocast", "loss_context", "observes_microbatch")
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        #: ``autocast()``: the context forward and loss run under (the trainer's precision).
+        self.autocast: Callable[[], contextlib.AbstractContextManager] = trainer.autocast
+        #: ``loss_context()``: the context forward, loss and backward run under (loss parallelism).
+        self.loss_context: Callable[[], contextlib.AbstractContextManager] = trainer.loss_context
+        self.observes_microbatch = False
+
+    def prepare(self, microbatch: Any) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of ``microbatch`` on the trainer's device (its ``prepare_batch``)."""
+        trainer = self._trainer
+        return trainer.prepare_batch(microbatch, trainer.device)
+
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor] | None:
+        """The trainer's loss function (None: the model computes its own loss)."""
+        return self._trainer.loss_fn
+
+    @property
+    def count_share(self) -> int:
+        """1 on the rank that counts its tensor-parallel group's samples and tokens, else 0."""
+        return self._trainer.count_share
+
+    def microbatch_done(self, index: int, loss: torch.Tensor, output: Any, targets: Any) -> None:
+        """Microbatch ``index`` of the step has run: ``state.microbatch`` moves on, the watchdog
+        hears of progress, and MICROBATCH fires with its loss, output and targets (when a handler
+        observes it; else only ``state.microbatches_seen`` counts it)."""
+        trainer = self._trainer
+        state = trainer.state
+        state.microbatch = index
+        watchdog = trainer.watchdog
+        if watchdog is not None:
+            watchdog.feed()
+        if self.observes_microbatch:
+            state.microbatch_loss = loss
+            if trainer.loss_parallel:  # handlers see the gathered output
+                output = tensor_parallel.local_value(output)
+            state.microbatch_output, state.microbatch_targets = output, targets
+            trainer.fire(Events.MICROBATCH)
+            state.microbatch_output = state.microbatch_targets = None
+        else:
+            state.microbatches_seen += 1
+
+
+class StepBody(Protocol):
+    """One optimizer step's forward and backward over its microbatches."""
+
+    def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
+        """Forward and backward over ``microbatches``, gradients left in the parameters (the mean
+        over the microbatches); :meth:`StepContext.microbatch_done` once per microbatch, in order."""
+        ...
+
+    def grad_norm(self) -> Any:
+        """The total norm of the accumulated gradients over every shard and stage of the model (a
+        tensor; 0.0 when no parameter has a gradient), before clipping."""
+        ...
+
+
+def check_loss(loss: Any, loss_fn: Callable | None) -> None:
+    """A step's loss must be a scalar tensor; the error says how to make it one."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return
+    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+    if loss_fn is None:
+        raise ValueError(
+            f"the model's own loss (output.loss, Trainer(loss_fn=None)) must be a scalar tensor, "
+            f"got {shape}; have the model reduce it, or pass a loss_fn"
+        )
+    raise ValueError(
+        f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
+        "or pass reduction='mean' to the loss"
+    )
+
+
+def grad_norm(params: Sequence[torch.Tensor], tp_mesh: Any) -> Any:
+    """The total gradient norm of ``params`` on this rank's part of the model, as a tensor (over
+    every shard of a DTensor gradient: FSDP2, tensor parallelism); 0.0 when none has a gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if tp_mesh is not None:  # DTensor and plain gradients, several placements
+        return tensor_parallel.grad_norm(grads)
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor (FSDP2): the norm over all shards
+        norm = norm.full_tensor()
+    return norm
+
+
+class LocalStepBody:
+    """The step body of a model held whole on this rank (plain, DDP, FSDP2 or tensor-parallel):
+    forward and backward per microbatch, gradients synchronised on the last one only.
+
+    Args:
+        model: the module to train.
+        params: its trainable parameters (the gradient norm's).
+        tp_mesh: the tensor-parallel mesh dimension, or None.
+        grad_scaler: fp16 loss scaling: the backward runs on the scaled loss.
+        loss_parallel: the loss is a replicated DTensor (vocabulary-parallel cross entropy).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: Sequence[torch.Tensor],
+        *,
+        tp_mesh: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        loss_parallel: bool = False,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.tp_mesh = tp_mesh
+        self.grad_scaler = grad_scaler
+        self.loss_parallel = loss_parallel
+        self._loss_checked = False
+
+    def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
+        model = self.model
+        if not model.training:
+            model.train()
+        n = len(microbatches)
+        ddp = hasattr(model, "no_sync")
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        scaler = self.grad_scaler
+        loss_fn = ctx.loss_fn
+        count_share = ctx.count_share
+        loss_sum: Any = 0.0
+        tokens = samples = 0
+        for i, microbatch in enumerate(microbatches):
+            inputs, targets = ctx.prepare(microbatch)
+            last = i == n - 1
+            if fsdp:  # gradients reduce-scatter only on the step's last microbatch
+                model.set_requires_gradient_sync(last)
+            with model.no_sync() if ddp and not last else _NO_CONTEXT, ctx.loss_context():
+                with ctx.autocast():
+                    output, loss = forward_and_loss(model, inputs, targets, loss_fn)
+                if not self._loss_checked:
+                    check_loss(loss, loss_fn)
+                    self._loss_checked = True
+                if scaler is None:
+                    (loss / n).backward()
+                else:
+                    scaler.scale(loss / n).backward()
+            loss = loss.detach()
+            if self.loss_parallel:  # a replicated DTensor: every rank holds the whole value
+                loss = tensor_parallel.local_value(loss)
+            loss_sum = loss_sum + loss
+            mb_samples, mb_tokens = count_batch(inputs)
+            if count_share:  # one rank of a tensor-parallel group counts its samples
+                samples += mb_samples
+                tokens = tokens + mb_tokens  # an attention mask's sum stays a 0-dim tensor
+            ctx.microbatch_done(i, loss, output, targets)
+            # Free this microbatch's activations now, not when the next forward reassigns them:
+            # the allocator can then reuse their memory for the next forward.
+            del output, inputs, targets
+        return StepResult(loss_sum / n, tokens, samples)
+
+    def grad_norm(self) -> Any:
+        return grad_norm(self.params, self.tp_mesh)

@@ -1,0 +1,384 @@
+"""The checkpointer handler: when to save, resume and roll back, wired to the trainer's events.
+The work is the rooms': :mod:`.writer` (the save in flight), :mod:`.store` (the directory),
+:mod:`.reader` (choosing and loading), :mod:`.rank_state` (the per-rank state JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+from hookloop.engine import parallel
+from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.files import check_writable_dir
+from hookloop.engine.handler import Handler, checked_settings, section_settings
+from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
+from hookloop.handlers.checkpoint.rank_state import RankState
+from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
+from hookloop.handlers.checkpoint.session import CheckpointSession
+from hookloop.handlers.checkpoint.store import CheckpointStore
+from hookloop.handlers.checkpoint.writer import CheckpointWriter
+
+__all__ = ["CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
+
+_RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
+
+# Where the checkpointer runs, relative to the phases of an event (engine.Priority).
+#: TRAIN_START and ROLLBACK: restore; STEP_START: reset the save timer; TRAIN_END / TRAIN_FAILED:
+#: the last save and the drain. Handlers after it see the restored step.
+RESUME = Priority.RESTORE
+#: STEP_END: save when asked, the first act, once the step's metrics and validation are in.
+CHECKPOINT = Priority.ACT
+#: BEFORE_OPTIMIZER_STEP: wait until staging is done, after every handler that may veto the step and
+#: right before the optimizer changes the parameters being staged.
+STAGING_WAIT = Priority.CLEANUP
+
+
+class AsyncCheckpointer(Handler):
+    """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
+
+    Args:
+        directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
+        every_steps: also save every this many steps (None: only on request, at the end, on stop).
+        keep_last: complete checkpoints to keep; older ones are deleted after a new one is durable.
+        keep_best: also keep the best this many checkpoints by ``metric`` (0: off). A checkpoint
+            stays if it is among the last ``keep_last`` *or* the best ``keep_best``; ``latest`` and
+            the newest known-good one (a NaN rollback may need it) are never pruned either.
+        metric: the ``state.metrics`` entry ranking checkpoints, read when a save starts (at
+            STEP_END, after validation) and stored in the checkpoint's completion marker, so the
+            ranking survives restarts. A checkpoint saved without it is kept by ``keep_last`` only.
+        metric_mode: ``"min"`` (lower is better, e.g. ``val_loss``) or ``"max"``.
+        mode: ``"async"`` (the default: training waits only for what must not change mid-copy),
+            ``"async_copy"`` or ``"sync"`` (see the module docstring); ``"async_staged"`` is an old
+            name of ``"async"``.
+        resume: ``"auto"`` (the newest complete checkpoint in ``directory``, or a fresh start when
+            there is none), a checkpoint directory path (must exist and be complete; a directory
+            holding ``step_N`` checkpoints means its newest intact one), or None.
+        load_optimizer: restore the optimizer state too (False: model, counters and the rest only).
+        finetune_from: a checkpoint whose model weights are loaded at the start of a fresh run
+            (step 0), or a directory of checkpoints (its newest intact one); used only when
+            ``resume`` finds nothing to resume from.
+        wait_timeout_s: the longest any local wait for a save may take before it is an error.
+        max_index_mb: the largest DCP index (``.metadata``) a resume reads, in MiB; a larger one is
+            refused as damaged (reading it is bounded, linear in its size). A save whose index is
+            larger logs an error naming the value to set.
+
+    Public surface (what a user or another handler may call): :meth:`wait` (drain the save in
+    flight), :meth:`restore_latest` (roll back to the newest intact finite checkpoint),
+    :meth:`close`, the properties :attr:`saving` and :attr:`staging`, and the read-only attributes
+    ``directory``, ``mode``, ``last_saved_step``, ``last_checkpoint`` and ``resumed_from``.
+    Everything else is private: the events drive it.
+    """
+
+    asks_after_agreement = False  # late decisions only from values every rank shares
+
+    Config = CheckpointConfig
+    section = "checkpoint"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int | None = None,
+        keep_last: int = 3,
+        keep_best: int = 0,
+        metric: str = "val_loss",
+        metric_mode: str = "min",
+        mode: str = "async",
+        resume: str | os.PathLike | None = "auto",
+        load_optimizer: bool = True,
+        finetune_from: str | os.PathLike | None = None,
+        wait_timeout_s: float = 600.0,
+        max_index_mb: float = 8.0,
+    ) -> None:
+        if directory is None or str(directory) == "":
+            raise ConfigError("checkpoint.directory", "is required: the directory checkpoints are written to")
+        # the section's rules, the only copy (errors name the dotted key, e.g. checkpoint.keep_last)
+        checked_settings(CheckpointConfig, {**locals(), "directory": os.fspath(directory)}, "checkpoint")
+        self.directory = os.path.abspath(directory)
+        self.every_steps = every_steps
+        self.keep_last = keep_last
+        self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
+        self.mode = AsyncMode.parse(mode).value
+        self.load_optimizer = load_optimizer
+        self.wait_timeout_s = wait_timeout_s
+        self.index_limit = int(max_index_mb * 2**20)
+        self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
+        self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
+        check_writable_dir("checkpoint.directory", self.directory, create=True)
+        if self.resume not in (None, "auto"):
+            check_loadable(self.resume, "checkpoint.resume")
+        if self.finetune_from is not None:
+            check_loadable(self.finetune_from, "checkpoint.finetune_from")
+
+        self.trainer: Any = None
+        self.last_saved_step: int | None = None
+        self.resumed_from: str | None = None
+        self.last_checkpoint: str | None = None
+        self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
+        self._started = False
+        # The rooms, each given what it works with.
+        self._session = CheckpointSession()
+        self._store = CheckpointStore(
+            self.directory,
+            self._session,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            metric=metric,
+            metric_mode=metric_mode,
+            index_limit=self.index_limit,
+            wait_timeout_s=wait_timeout_s,
+            long_wait=self._long_wait,
+            known_good=self._known_good_step,
+        )
+        self._writer = CheckpointWriter(
+            self.directory,
+            AsyncMode(self.mode),
+            self._session,
+            self._store,
+            wait_timeout_s=wait_timeout_s,
+            long_wait=self._long_wait,
+        )
+        self._reader = CheckpointReader(
+            self._store, self._session, index_limit=self.index_limit, long_wait=self._long_wait
+        )
+        self._state: RankState | None = None  # once attached: it works on the trainer
+
+    @classmethod
+    def from_config(
+        cls, cfg: CheckpointConfig, *, run_dir: str | os.PathLike | None = None
+    ) -> AsyncCheckpointer | None:
+        """Build from the ``checkpoint`` section, or None when ``cfg.enabled`` is false. A null
+        ``directory`` means ``<run_dir>/checkpoints``."""
+        if not cfg.enabled:
+            return None
+        directory = cfg.directory
+        if directory is None:
+            if run_dir is None:
+                raise ConfigError("checkpoint.directory", "is null and no run_dir was given: set one of them")
+            directory = os.path.join(run_dir, "checkpoints")
+        return cls(**{**section_settings(cfg), "directory": directory})
+
+    # ------------------------------------------------------------------------------ attaching
+    def attach(self, trainer: Any) -> AsyncCheckpointer:
+        if self.trainer is not None:
+            raise RuntimeError(
+                "this AsyncCheckpointer is already attached to a trainer; build one per trainer"
+            )
+        if trainer.get_handler(AsyncCheckpointer) is not None:
+            raise RuntimeError("the trainer already has a checkpointer attached; attach only one")
+        self._state = RankState(
+            trainer, self._reader, load_optimizer=self.load_optimizer, long_wait=self._long_wait
+        )
+        # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
+        # the step's flags, metrics and validation are in; wait for staging last before the
+        # optimizer changes the parameters.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=RESUME)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=STAGING_WAIT)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
+        # whether every rank's save in flight is durable travels in the trainer's step agreement
+        trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
+        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=RESUME)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=RESUME)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=RESUME)
+        return super().attach(trainer)
+
+    # ------------------------------------------------------------------------------ events
+    def _on_train_start(self) -> None:
+        if not self._session.is_open:  # once: the checkpoint group and this run's session id
+            self._session.open()
+            if parallel.rank() == 0:
+                self._store.remove_stale_partials()
+        if self._started:  # a later run() in this process continues; it does not reload
+            return
+        self._started = True
+        state = self.trainer.state
+        if self.resume is not None:
+            path = self._reader.agreed_checkpoint(self.resume)
+            if path is not None:
+                self._load(path, rollback=False)
+                state.last_checkpoint = path
+                max_steps = self.trainer.limits[0]
+                if max_steps is not None and state.iteration >= max_steps:
+                    self.trainer.control.request_stop(
+                        f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
+                        "nothing left to train, this run is finished; to start another, pass "
+                        "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
+                    )
+                    # The trainer prints the reason once, as it stops ("stopping after step N: ...").
+                    self.trainer.terminate()
+                return
+        if self.finetune_from is not None:
+            path = self._reader.agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
+            if path is not None:
+                self._reader.load_weights(self.trainer.model, path)
+        if self.trainer.control.initial_save and state.iteration == 0:
+            # Something may roll back before the first regular save: keep the initial state (written
+            # in the background like any save, published at the next step's end).
+            self._start_save(0)
+
+    def _on_step_start(self) -> None:
+        self.trainer.state.times["checkpoint"] = 0.0
+
+    def _wait_staged(self) -> None:
+        """The staging-wait contract: the optimizer must not change what is still being copied."""
+        if not self._writer.staging:
+            return
+        start = time.perf_counter()
+        self._writer.wait_staged()
+        self._add_blocked(time.perf_counter() - start)
+
+    def _on_step_end(self) -> None:
+        start = time.perf_counter()
+        state = self.trainer.state
+        control = self.trainer.control
+        decided = control.decided  # agreed by every rank in this step's one all-reduce
+        step = state.iteration
+        hold = control.hold_saves  # a detector distrusts this state: neither save nor publish
+        want = (
+            not hold
+            and step != self.last_saved_step
+            and (
+                decided.save
+                or (self.every_steps is not None and step % self.every_steps == 0)
+                or self.trainer.at_last_step
+                or (decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES)
+            )
+        )
+        all_done = not self._pending_ranks
+        if self._writer.inflight is not None and (all_done or want) and not hold:
+            self._finish(wait=not all_done)
+        if want:
+            self._start_save(step)
+        self._add_blocked(time.perf_counter() - start)
+
+    def _save_pending(self) -> bool:
+        """This rank's vote in the step agreement: its save in flight is not yet durable."""
+        return self._writer.pending
+
+    def _on_pending_agreed(self, ranks: float) -> None:
+        self._pending_ranks = int(ranks)
+
+    def _on_train_end(self) -> None:
+        state = self.trainer.state
+        resumable = self.trainer.control.exit_code in _RESUMABLE_EXIT_CODES
+        if resumable and state.iteration > 0 and state.iteration != self.last_saved_step:
+            # data ran out, or the stop came after the step's agreement: publish the save in
+            # flight first, then save this step
+            self.wait()
+            self._start_save(state.iteration)
+        if resumable:
+            self.wait()
+        else:
+            self._wait_local()
+
+    def _on_exception(self, _error: BaseException) -> None:
+        self._wait_local()
+
+    def _on_rollback(self) -> None:
+        rollback = self.trainer.control.rollback  # None: nobody said; the newest, data position too
+        if rollback is None:
+            self.restore_latest()
+        else:
+            self.restore_latest(
+                keep_data_position=rollback.keep_data_position, at_or_before=rollback.at_or_before
+            )
+
+    def _known_good_step(self) -> int | None:
+        """The newest step a detector trusts: pruning never deletes its checkpoint."""
+        return self.trainer.control.protected_step if self.trainer is not None else None
+
+    # ------------------------------------------------------------------------------ public
+    @property
+    def saving(self) -> bool:
+        """A save was started and is not yet published as a complete checkpoint."""
+        return self._writer.inflight is not None
+
+    @property
+    def staging(self) -> bool:
+        """The save in flight is still being copied to host memory (``mode="async"``): the next
+        optimizer step, load, rollback, save or drain waits for the copy first."""
+        return self._writer.staging
+
+    def wait(self) -> None:
+        """Drain the save in flight: wait until it is durable on every rank, then publish it
+        (marker, ``latest``, pruning, CHECKPOINT_SAVED). Collective: call it on every rank."""
+        if self._writer.inflight is not None:
+            self._finish(wait=True)
+        self._store.wait_pruned()
+
+    def restore_latest(self, keep_data_position: bool = False, at_or_before: int | None = None) -> int:
+        """Restore the newest intact complete checkpoint whose saved parameters and optimizer state
+        are finite (at or before step ``at_or_before``, when given) into the running trainer (model,
+        optimizer, LR scheduler, counters, stateful handlers unless their ``restore_on_rollback`` is
+        False, RNG) and return its step; damaged newer ones are skipped with a warning.
+        ``keep_data_position``: the data continues from where it is now instead of going back.
+        Collective: every rank calls it (ROLLBACK is agreed)."""
+        self.wait()
+        path = self._reader.agreed_checkpoint("auto", at_or_before=at_or_before, finite_only=True)
+        if path is None:
+            limit = "" if at_or_before is None else f" at or before step {at_or_before}"
+            raise CheckpointError(
+                f"no complete checkpoint{limit} with finite weights in {self.directory} to roll back to"
+            )
+        self._load(path, rollback=True, keep_data_position=keep_data_position)
+        return self.trainer.state.iteration
+
+    def close(self) -> None:
+        """Drain the save in flight and release the checkpoint process group and stager."""
+        self.wait()
+        self._session.close_threads()
+        self._writer.close()
+        self._session.close()  # a later run() sets it up again
+
+    # ------------------------------------------------------------------------------ private
+    def _long_wait(self) -> Any:
+        """Lift the trainer's progress watchdog around a *local* wait that is long by nature and
+        bounded by its own timeout (``wait_timeout_s``, the process group's timeout): a write still
+        on disk, verifying or publishing on slow storage, staging. The collectives around such a
+        wait stay under the watchdog's bound; a peer waiting in one of them meanwhile sees this
+        rank's heartbeat (:class:`engine.watchdog.PeerHeartbeats`), so slow is not taken for hung,
+        while a stopped peer still ends the run with 77 within the bound."""
+        watchdog = getattr(self.trainer, "watchdog", None) if self.trainer is not None else None
+        return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
+
+    def _start_save(self, step: int) -> None:
+        if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
+            self._finish(wait=True)
+        try:
+            extra = self._state.capture(step)
+        except Exception as e:  # e.g. a handler's state_dict() holds something JSON cannot carry
+            raise CheckpointError(f"cannot save step {step}: {type(e).__name__}: {e}") from e
+        state = self.trainer.state
+        metrics = self._store.ranking_metric(state.metrics, state.iteration)
+        self._writer.start(step, self.trainer.model, self.trainer.optimizer, extra, metrics)
+        self.last_saved_step = step
+        if self.mode == AsyncMode.SYNC:
+            self._finish(wait=False)
+
+    def _finish(self, wait: bool) -> None:
+        """Publish the save in flight once every rank's write is durable (collective)."""
+        save = self._writer.finish(wait)
+        self.last_checkpoint = save.final
+        self.trainer.state.last_checkpoint = save.final
+        self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
+
+    def _wait_local(self) -> None:
+        """Wait for this rank's own write only (no collective: a peer may be gone)."""
+        if self._writer.wait_local():
+            self._finish(wait=False)
+
+    def _load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> None:
+        self.last_saved_step = self._state.load(
+            path, rollback=rollback, keep_data_position=keep_data_position
+        )
+        self.resumed_from = path
+
+    def _add_blocked(self, seconds: float) -> None:
+        times = self.trainer.state.times
+        times["checkpoint"] = times.get("checkpoint", 0.0) + seconds

@@ -1,0 +1,209 @@
+"""What a checkpoint holds per rank beside DCP's model and optimizer: the trainer's counters, the
+LR scheduler, every stateful handler's state, the data position and the RNG states, as one JSON
+file (``rank_NNNNN.json``); and putting all of it back into a running trainer (resume, rollback)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from hookloop.engine import checkpoint_io as io
+from hookloop.engine import parallel, rng
+from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
+from hookloop.handlers.checkpoint.reader import CheckpointReader
+
+__all__ = ["FORMAT", "VERSION", "RankState"]
+
+logger = logging.getLogger("hookloop.handlers.checkpoint")
+
+FORMAT = "hookloop-checkpoint"
+VERSION = 1
+# Counters that count events fired (filters read them): a rollback keeps them monotonic.
+_EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks", "skipped_steps")
+
+
+class RankState:
+    """Captures this rank's state of ``trainer`` for a save and restores a checkpoint into it.
+
+    Args:
+        trainer: the trainer whose state is saved and restored.
+        reader: loads the model (and optimizer) from the checkpoint, after its layout check.
+        load_optimizer: restore the optimizer state too.
+        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
+    """
+
+    def __init__(
+        self, trainer: Any, reader: CheckpointReader, *, load_optimizer: bool, long_wait: Callable[[], Any]
+    ) -> None:
+        self.trainer = trainer
+        self._reader = reader
+        self.load_optimizer = load_optimizer
+        self._long_wait = long_wait
+
+    def capture(self, step: int) -> dict[str, Any]:
+        """This rank's state JSON for a save of ``step``."""
+        trainer, state = self.trainer, self.trainer.state
+        handlers = {}
+        for key, obj in trainer.stateful.items():
+            handlers[key] = io.encode(obj.state_dict(), f"handler {key!r} state_dict()")
+        data = trainer.step_data.state_dict() if trainer.step_data is not None else None
+        scheduler = trainer.lr_scheduler
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "rank": parallel.rank(),
+            "world_size": parallel.world_size(),
+            # This save counts itself: a run resumed from it has saved it (CHECKPOINT_SAVED fires
+            # only once the save is published, after these counters were taken).
+            "counters": {**state.counters(), "checkpoints_saved": state.checkpoints_saved + 1},
+            "epoch_length": state.epoch_length,
+            "lr_scheduler": None if scheduler is None else io.encode(scheduler.state_dict(), "lr_scheduler"),
+            "handlers": handlers,
+            "data": io.encode(data, "data position"),
+            "rng": rng.capture_rng(self._data_generators()),
+            # What the run last reported, so a resumed run that trains no further step still says it.
+            "last": {"loss": float(state.loss), "metrics": _numeric(state.metrics)},
+        }
+
+    def _data_generators(self) -> list[torch.Generator]:
+        step_data = self.trainer.step_data
+        return rng.data_generators(step_data.data) if step_data is not None else []
+
+    def load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> int:
+        """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it."""
+        try:
+            with self._long_wait():
+                return self._restore(path, rollback=rollback, keep_data_position=keep_data_position)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"restoring {path} failed ({type(e).__name__}: {last_line(e)}); resume with the model, "
+                "optimizer and handlers that wrote it, or start fresh (checkpoint.resume=None)"
+            ) from e
+
+    def _restore(self, path: str, *, rollback: bool, keep_data_position: bool) -> int:
+        trainer, state = self.trainer, self.trainer.state
+        extra = self._read_rank_state(path)
+        if self.load_optimizer:
+            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=STATE_DICT_OPTIONS)
+            state_dict = {"model": model_sd, "optim": optim_sd}
+            self._reader.load(path, state_dict)
+            set_state_dict(
+                trainer.model,
+                trainer.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+                options=STATE_DICT_OPTIONS,
+            )
+        else:
+            state_dict = {"model": get_model_state_dict(trainer.model)}
+            self._reader.load(path, state_dict)
+            set_model_state_dict(trainer.model, state_dict["model"])
+        if trainer.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+            trainer.lr_scheduler.load_state_dict(io.decode(extra["lr_scheduler"]))
+        self._load_handlers(extra.get("handlers", {}), rollback)
+        counters = dict(extra["counters"])
+        if rollback:
+            for name in (*_EVENT_COUNTERS, "epoch"):
+                counters.pop(name, None)
+        position = io.decode(extra["data"]) if extra.get("data") is not None else None
+        epoch_length = extra.get("epoch_length")
+        state.load_counters(counters)
+        rng.restore_rng(extra["rng"], self._data_generators())
+        state.lr = trainer.optimizer.param_groups[0]["lr"]
+        if not rollback:
+            last = extra.get("last") or {}
+            if "loss" in last:
+                state.loss = last["loss"]
+            state.metrics.update(last.get("metrics") or {})
+            self._position_data(position, epoch_length, counters["epoch"])
+        elif not keep_data_position:
+            self._rewind_data(position, epoch_length, counters)
+        logger.info("%s %s (step %d)", "rolled back to" if rollback else "resumed from", path, extra["step"])
+        return extra["step"]
+
+    def _position_data(self, position: dict | None, epoch_length: int | None, epoch: int) -> None:
+        """Before the first epoch starts: counters so ignite re-enters the saved epoch at the saved
+        step, and the data source at the saved microbatch."""
+        trainer, state = self.trainer, self.trainer.state
+        if state.epoch_length is None and epoch_length is not None:
+            state.epoch_length = epoch_length
+        elif epoch_length is not None and state.epoch_length != epoch_length:
+            logger.warning(
+                "the data has %s steps per epoch, the checkpoint %s: the data position is not "
+                "restored exactly",
+                state.epoch_length,
+                epoch_length,
+            )
+        steps = position["steps"] if position else 0
+        mid_epoch = (
+            position is not None and steps > 0 and not (epoch_length is not None and steps >= epoch_length)
+        )
+        if position is not None and not mid_epoch:
+            # The saved epoch was complete: only a stateful source's own position carries over.
+            source = position.get("source")
+            position = None if source is None else {"microbatches": 0, "steps": 0, "source": source}
+        trainer.resume_at(epoch, steps if mid_epoch else 0, position)
+
+    def _rewind_data(self, position: dict | None, epoch_length: int | None, counters: dict) -> None:
+        """Rollback without keeping the data position: the live data iterator restarts at the
+        checkpoint's position. ignite's own count of steps in this epoch is not reset, so after such
+        a rollback EPOCH_END may fire early by the rewound steps; the data order is exact."""
+        if position is None:
+            return
+        self.trainer.rewind_data(position)
+
+    def _load_handlers(self, states: dict[str, Any], rollback: bool) -> None:
+        registered = self.trainer.stateful
+        for key, obj in registered.items():
+            if rollback and getattr(obj, "restore_on_rollback", True) is False:
+                continue
+            if key not in states:
+                logger.warning("handler state %r is not in the checkpoint; it starts fresh", key)
+                continue
+            obj.load_state_dict(io.decode(states[key]))
+        for key in sorted(set(states) - set(registered)):
+            logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
+
+    def _read_rank_state(self, path: str) -> dict[str, Any]:
+        own = os.path.join(path, f"rank_{parallel.rank():05d}.json")
+        if not os.path.exists(own):
+            own = os.path.join(path, "rank_00000.json")
+            logger.warning(
+                "%s was written by a different number of ranks: rank %d takes rank 0's data position "
+                "and RNG states (a MixtureLoader or MixtureSampler position is global, so the data "
+                "continues exactly; a replayed loader skips the steps done)",
+                path,
+                parallel.rank(),
+            )
+        try:
+            extra = io.read_json(own)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {own}: {e}") from e
+        if extra.get("format") != FORMAT or extra.get("version") != VERSION:
+            raise CheckpointError(f"{own} is not a {FORMAT} v{VERSION} state file")
+        return extra
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers among ``metrics`` (0-dim tensors read once), for the checkpoint."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(key, str):
+            out[key] = float(value)
+    return out

@@ -1,0 +1,238 @@
+"""Choosing and reading a checkpoint without trusting it: the checkpoint every rank agrees to load
+(verified against its manifest, each rank checking a share; damaged ones named and skipped), the
+layout check before anything is read into the model, and DCP's load through the safe reader."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from hookloop.engine import checkpoint_io as io
+from hookloop.engine import parallel
+from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.handlers.checkpoint.dcp_calls import last_line, quiet_single_process
+from hookloop.handlers.checkpoint.layout import (
+    STAGE_PREFIX,
+    back_to_names,
+    describe_layout_difference,
+    names_across_split,
+    under_names,
+)
+from hookloop.handlers.checkpoint.session import CheckpointSession
+from hookloop.handlers.checkpoint.store import CheckpointStore, not_finite
+
+__all__ = ["CheckpointReader", "check_loadable"]
+
+logger = logging.getLogger("hookloop.handlers.checkpoint")
+
+
+class CheckpointReader:
+    """Agrees on, verifies and loads checkpoints (collective where it says so).
+
+    Args:
+        store: lists the candidates to load, newest first.
+        session: the checkpoint process group the ranks agree on.
+        index_limit: the largest DCP index (``.metadata``) read, in bytes.
+        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        session: CheckpointSession,
+        *,
+        index_limit: int,
+        long_wait: Callable[[], Any],
+    ) -> None:
+        self._store = store
+        self._session = session
+        self.index_limit = index_limit
+        self._long_wait = long_wait
+
+    def agreed_checkpoint(
+        self,
+        which: str,
+        field: str = "checkpoint.resume",
+        at_or_before: int | None = None,
+        finite_only: bool = False,
+    ) -> str | None:
+        """The checkpoint every rank loads, after verifying its manifest (collective).
+
+        ``"auto"``: the newest intact complete checkpoint in ``directory``, None when there is no
+        complete one at all. A path: that checkpoint or, when it is damaged, the next older intact
+        one beside it. A damaged checkpoint is named in a warning and the next older one is tried;
+        CheckpointError when every candidate is damaged. Rank 0 lists the candidates; each rank
+        verifies its share of a candidate's files and the ranks exchange what they found, so all of
+        them take the same decision even when only one of them saw the damage. ``finite_only``
+        (a rollback): checkpoints whose marker records NaN/Inf in the saved parameters or optimizer
+        state are skipped too."""
+        if which != "auto":
+            resolved = check_loadable(which, field)
+            if resolved != which:  # a directory of checkpoints: its newest intact one
+                if parallel.rank() == 0:
+                    logger.info(
+                        "%s %s is a directory of checkpoints: loading its newest intact checkpoint",
+                        field,
+                        which,
+                    )
+                which = resolved
+        listing: list[Any] = [[], None]
+        if parallel.rank() == 0:
+            try:
+                listing[0] = [
+                    path
+                    for path in self._store.candidates(which)
+                    if at_or_before is None or (io.parse_step(os.path.basename(path)) or 0) <= at_or_before
+                ]
+                if finite_only:
+                    for path in [path for path in listing[0] if not_finite(path)]:
+                        logger.warning(
+                            "not rolling back to %s: its parameters or optimizer state held NaN/Inf "
+                            "when it was saved",
+                            path,
+                        )
+                        listing[0].remove(path)
+            except OSError as e:
+                listing[1] = f"cannot list the checkpoints in {which}: {e}"
+        if self._session.group is not None:
+            dist.broadcast_object_list(listing, src=0, group=self._session.group)
+        candidates, listing_error = listing
+        if listing_error is not None:
+            raise CheckpointError(f"{listing_error}; fix the permissions of checkpoint.directory")
+        damaged: list[str] = []
+        for path in candidates:
+            problems, verified = self._verify_agreed(path)
+            if problems:
+                damaged.append(path)
+                logger.warning(
+                    "checkpoint %s is damaged (%s); trying the next older complete checkpoint",
+                    path,
+                    "; ".join(problems),
+                )
+                continue
+            if damaged:
+                logger.warning("loading %s instead of the damaged %s", path, ", ".join(damaged))
+            if not verified:
+                logger.warning(
+                    "checkpoint %s has no manifest in its %s marker (written by an earlier version): "
+                    "loading it unverified",
+                    path,
+                    io.MARKER,
+                )
+            return path
+        if damaged:
+            raise CheckpointError(
+                f"every complete checkpoint to load from is damaged: {', '.join(damaged)} (the warnings "
+                "above name what is wrong with each); restore them from a copy, or move them away to "
+                "start fresh"
+            )
+        return None
+
+    def _verify_agreed(self, path: str) -> tuple[list[str], bool]:
+        """Every rank's problems with ``path`` (each rank checks its share of the files) and whether
+        it has a manifest at all; identical on every rank."""
+        rank, world = (parallel.rank(), parallel.world_size()) if self._session.group is not None else (0, 1)
+        try:
+            with self._long_wait():  # reading the checkpoint back: local, long on slow storage
+                problems, verified = io.verify_checkpoint(path, rank, world, self.index_limit)
+        except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
+            problems, verified = [f"verifying it failed: {type(e).__name__}: {e}"], True
+        if self._session.group is None:
+            return problems, verified
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (problems, verified), group=self._session.group)
+        everyone = [p if world == 1 else f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
+        return everyone, all(v for _, v in gathered)
+
+    def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> dict[str, str] | None:
+        """Refuse, before anything is read into the model, a checkpoint whose model parameters are
+        not this model's (other layers or widths). The verdict is taken on every rank from the union
+        of the ranks' parameters, so all ranks raise together. A checkpoint of the same model
+        written with pipeline stages and loaded without them (or the reverse) is this model's
+        under other names: the map from this rank's parameter names to the checkpoint's is
+        returned (None when the names are the same)."""
+        index = io.SafeReader(path, index_limit=self.index_limit).read_metadata()
+        stored = {
+            k.removeprefix("model."): tuple(getattr(v, "size", ()))
+            for k, v in index.state_dict_metadata.items()
+            if k.startswith("model.")
+        }
+        wanted = {k: tuple(v.shape) for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
+        if (
+            self._session.group is not None
+        ):  # ranks may hold different parts (pipeline stages): the union counts
+            gathered: list[Any] = [None] * parallel.world_size()
+            dist.all_gather_object(gathered, wanted, group=self._session.group)
+            for part in gathered:
+                wanted.update(part)
+        if stored == wanted:
+            return None
+        names = names_across_split(stored, wanted)
+        if names is not None:
+            return {k: names[k] for k in state_dict["model"]}
+        difference = describe_layout_difference(stored, wanted)
+        if difference is None:
+            return None
+        raise CheckpointLayoutError(
+            field,
+            f"checkpoint {path} holds another model layout: {difference}; resume it with the settings "
+            "that wrote it, or start a fresh run with train.run_dir=<new dir> (checkpoint.resume=null "
+            "also starts fresh, but saves over this directory's checkpoints); nothing was loaded or "
+            "changed",
+        )
+
+    def load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
+        names = self._check_compatible(path, state_dict, field)
+        target = state_dict if names is None else under_names(state_dict, names)
+        if names is not None:
+            logger.info(
+                "%s was written %s pipeline stages: loading its parameters and optimizer state by name",
+                path,
+                "without" if any(STAGE_PREFIX.match(k) for k in names) else "with",
+            )
+        with quiet_single_process():
+            try:
+                dcp.load(
+                    target,
+                    storage_reader=io.SafeReader(path, index_limit=self.index_limit),
+                    planner=io.SafeLoadPlanner(),
+                    process_group=self._session.group,
+                    no_dist=self._session.group is None,
+                )
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as e:  # DCP's error derives from BaseException
+                raise CheckpointError(
+                    f"loading {path} failed: {last_line(e)}; if the optimizer changed since it was "
+                    "written, resume with load_optimizer=False"
+                ) from None
+        if names is not None:  # DCP replaced the non-tensor values (hyper-parameters) in target
+            back_to_names(target, state_dict, names)
+
+    def load_weights(self, model: torch.nn.Module, path: str) -> None:
+        """Load only the model weights of ``path`` into ``model`` (``finetune_from``)."""
+        model_sd = get_model_state_dict(model)
+        state_dict = {"model": model_sd}
+        self.load(path, state_dict, "checkpoint.finetune_from")
+        try:
+            set_model_state_dict(model, state_dict["model"])
+        except Exception as e:
+            raise CheckpointError(f"loading the model weights of {path} failed: {last_line(e)}") from e
+        logger.info("fine-tuning from the model weights of %s (starting at step 0)", path)
+
+
+def check_loadable(path: str, field: str) -> str:
+    """The complete checkpoint ``path`` names (itself, or the newest complete one in a directory of
+    checkpoints); a CheckpointError naming ``field`` otherwise."""
+    try:
+        return io.resolve_checkpoint(path)[0]
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}") from None

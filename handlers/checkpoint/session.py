@@ -1,0 +1,85 @@
+"""What the checkpoint wing shares for the length of a run: the gloo process group its saves and
+loads talk on (so they never collide with training's collectives), the session id that names this
+run's partial directories, and the two threads that do the work training need not wait for."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hookloop.engine import intra_op, parallel
+from hookloop.engine.intra_op import use_one_intra_op_thread
+
+__all__ = ["CheckpointSession"]
+
+
+class CheckpointSession:
+    """The checkpoint process group (None without ``torch.distributed``), the session id (``""``
+    until :meth:`open`), and the writer and file threads, made on first use."""
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.id = ""
+        self._io: ThreadPoolExecutor | None = None
+        self._write: ThreadPoolExecutor | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self.id)
+
+    def open(self) -> None:
+        """Once per run (collective): the gloo group and a session id rank 0 chose."""
+        session = uuid.uuid4().int & 0x7FFFFFFF
+        if dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")
+            t = torch.tensor([session], dtype=torch.int64)
+            dist.broadcast(t, src=0, group=self.group)
+            session = int(t[0])
+        self.id = f"{session:08x}"
+
+    def io_thread(self) -> ThreadPoolExecutor:
+        """The thread for the file work training need not wait for (rank state files, pruning)."""
+        if self._io is None:
+            intra_op.prepare()
+            self._io = ThreadPoolExecutor(
+                1, thread_name_prefix="hookloop-checkpoint-io", initializer=use_one_intra_op_thread
+            )
+        return self._io
+
+    def write_thread(self) -> ThreadPoolExecutor:
+        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time).
+        It runs its torch ops on one intra-op thread: a team of its own would slow every later
+        training step (see :mod:`hookloop.engine.intra_op`)."""
+        if self._write is None:
+            intra_op.prepare()  # here, so that the thread starts as fast as it did before
+            self._write = ThreadPoolExecutor(
+                1, thread_name_prefix="hookloop-checkpoint-write", initializer=use_one_intra_op_thread
+            )
+        return self._write
+
+    def agree_failed(self, failed: bool) -> bool:
+        """Whether any rank failed (one small all-reduce on training's group; local with one rank)."""
+        if parallel.world_size() == 1:
+            return failed
+        t = torch.tensor([int(failed)], dtype=torch.int32, device=parallel.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0])
+
+    def close_threads(self) -> None:
+        """Stop the threads once their work is done (they are made again on use)."""
+        for executor in (self._write, self._io):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._write = self._io = None
+
+    def close(self) -> None:
+        """Stop the threads and release the group; a later :meth:`open` starts over."""
+        self.close_threads()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+        self.id = ""

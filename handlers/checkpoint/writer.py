@@ -1,0 +1,417 @@
+"""The save in flight: starting it in the chosen :class:`AsyncMode`, staging (the copy to host
+memory on the writer thread, and waiting for it), waiting until every rank's write is durable, and
+publishing it through the store. Only one save is in flight at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from hookloop.engine import checkpoint_io as io
+from hookloop.engine import parallel
+from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.handlers.checkpoint.config import AsyncMode
+from hookloop.handlers.checkpoint.dcp_calls import (
+    STATE_DICT_OPTIONS,
+    last_line,
+    quiet_single_process,
+    reraise_interrupt,
+)
+from hookloop.handlers.checkpoint.session import CheckpointSession
+from hookloop.handlers.checkpoint.store import CheckpointStore
+
+__all__ = ["CheckpointWriter", "Save"]
+
+logger = logging.getLogger("hookloop.handlers.checkpoint")
+
+
+class Save:
+    """One save in flight: where it goes, the futures that tell when it is staged/durable, and this
+    rank's manifest entries (its state JSON's from ``rank_file``, its DCP files' in
+    ``writer.entries`` once done)."""
+
+    def __init__(
+        self,
+        step: int,
+        partial: str,
+        final: str,
+        done: Future,
+        staged: Future | None,
+        writer: io.RecordingWriter | None = None,
+        rank_file: Future | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        self.step, self.partial, self.final = step, partial, final
+        self.done, self.staged = done, staged
+        self.writer, self.rank_file = writer, rank_file
+        self.metrics = dict(metrics or {})
+
+    @property
+    def finite(self) -> bool | None:
+        """Whether this rank's saved parameters and optimizer state hold no NaN/Inf (checked by its
+        DCP writer, beside the write); only once ``done`` has resolved without error."""
+        return self.writer.finite if self.writer is not None else None
+
+    @property
+    def entries(self) -> dict[str, Any]:
+        """This rank's manifest entries; only once ``done`` has resolved without error."""
+        own = self.rank_file.result() if self.rank_file is not None else {}
+        return {**own, **(self.writer.entries if self.writer is not None else {})}
+
+
+def done_future(result: Any = None) -> Future:
+    f: Future = Future()
+    f.set_result(result)
+    return f
+
+
+def all_of(futures: list[Future]) -> Future:
+    """One future for several: None once all of them are done, or the first failure among them."""
+    combined: Future = Future()
+    lock = threading.Lock()
+
+    def check(_: Future) -> None:
+        with lock:
+            if combined.done() or not all(f.done() for f in futures):
+                return
+            failed = next((f.exception() for f in futures if f.exception() is not None), None)
+            if failed is None:
+                combined.set_result(None)
+            else:
+                combined.set_exception(failed)
+
+    for future in futures:
+        future.add_done_callback(check)
+    return combined
+
+
+def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """Write this rank's state JSON durably into ``partial``; its manifest entries."""
+    io.write_json_atomic(os.path.join(partial, name), extra)
+    return io.checksum_files(partial, [name], parallel.rank())  # tens of kB
+
+
+class CheckpointWriter:
+    """Starts, stages, waits for and publishes the save in flight (``inflight``, None when there
+    is none).
+
+    Args:
+        directory: the checkpoint directory the save's partial directory goes in.
+        mode: how the save runs beside training.
+        session: the checkpoint process group, the session id and the writer and file threads.
+        store: publishes a save once every rank's write is durable.
+        wait_timeout_s: the longest any local wait for a save may take before it is an error.
+        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        mode: AsyncMode,
+        session: CheckpointSession,
+        store: CheckpointStore,
+        *,
+        wait_timeout_s: float,
+        long_wait: Callable[[], Any],
+    ) -> None:
+        self.directory = directory
+        self.mode = mode
+        self._session = session
+        self._store = store
+        self.wait_timeout_s = wait_timeout_s
+        self._long_wait = long_wait
+        self.inflight: Save | None = None
+        #: DCP's stager (``mode="async"``), made at the first save; its host buffers are reused.
+        self.stager: Any = None
+
+    @property
+    def staging(self) -> bool:
+        save = self.inflight
+        return save is not None and save.staged is not None and not save.staged.done()
+
+    @property
+    def pending(self) -> bool:
+        """This rank's save in flight is not yet durable."""
+        save = self.inflight
+        return save is not None and not save.done.done()
+
+    # ------------------------------------------------------------------------------ starting
+    def start(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: Any,
+        extra: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> None:
+        """Start saving ``step`` (no save may be in flight): this rank's state JSON ``extra`` and
+        the model and optimizer through DCP; ``metrics`` go into the marker."""
+        name = io.step_dir_name(step)
+        partial = os.path.join(self.directory, f"{name}.partial-{self._session.id}")
+        own_state = f"rank_{parallel.rank():05d}.json"
+        try:
+            os.makedirs(partial, exist_ok=True)
+            if self.mode is AsyncMode.SYNC:
+                with self._long_wait():
+                    rank_file = done_future(write_rank_file(partial, own_state, extra))
+            else:  # two fsyncs that training need not wait for: beside the DCP write
+                rank_file = self._session.io_thread().submit(write_rank_file, partial, own_state, extra)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
+                f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
+            ) from e
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        checked = _trained_entries(model_sd, optim_sd, model)  # finite or not: the writer says
+        if self.mode is AsyncMode.ASYNC:  # staged later, while the next forward may change buffers
+            model_sd = _copy_buffers(model_sd, model)
+        state_dict = {"model": model_sd, "optim": optim_sd}
+        # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
+        writer = io.RecordingWriter(partial, parallel.rank(), checked=checked)
+        group = self._session.group
+        kwargs: dict[str, Any] = {
+            "checkpoint_id": partial,
+            "storage_writer": writer,
+            "process_group": group,
+            "no_dist": group is None,
+        }
+        staged: Future | None = None
+        try:
+            with quiet_single_process():
+                if self.mode is AsyncMode.SYNC:
+                    with self._long_wait():
+                        dcp.save(state_dict, **kwargs)
+                    done = done_future()
+                elif self.mode is AsyncMode.ASYNC_COPY:
+                    done = dcp.async_save(state_dict, **kwargs)
+                else:  # the copy and the write both on the writer thread: the call returns at once
+                    staged = Future()
+                    stager = self._get_stager()
+                    done = self._session.write_thread().submit(
+                        _stage_then_write, stager, state_dict, staged, kwargs
+                    )
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
+            reraise_interrupt(e)
+            raise CheckpointError(
+                f"saving step {step} to {partial} failed: {last_line(e)}; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory}); the previous complete checkpoint and `latest` "
+                "are unchanged"
+            ) from e
+        final = os.path.join(self.directory, name)
+        done = all_of([done, rank_file])
+        self.inflight = Save(
+            step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=metrics
+        )
+
+    def _get_stager(self) -> Any:
+        """DCP's stager, used on the writer thread only: it keeps the host buffers of the first save
+        and copies into them at every later one (pinned with CUDA, for fast device-to-host copies)."""
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # it runs on our writer thread already
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self.stager
+
+    # ------------------------------------------------------------------------------ waiting
+    def wait_staged(self) -> None:
+        """Wait until the save in flight is copied to host memory (nothing to wait for otherwise)."""
+        save = self.inflight
+        if save is None or save.staged is None or save.staged.done():
+            return
+        with self._long_wait():
+            self.result(save.staged, "staging")
+
+    def finish(self, wait: bool) -> Save:
+        """Publish the save in flight once every rank's write is durable (collective); the save,
+        published. ``wait=False``: every rank reported its save done, nothing to wait for."""
+        save, self.inflight = self.inflight, None
+        error: BaseException | None = None
+        entries: dict[str, Any] = {}
+        try:
+            if wait:
+                with self._long_wait():
+                    save.done.result(timeout=self.wait_timeout_s)
+            else:
+                save.done.result(timeout=0)
+            entries = save.entries
+        except FutureTimeout:
+            error = TimeoutError(f"not durable within {self.wait_timeout_s:.0f}s (wait_timeout_s)")
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            reraise_interrupt(e)
+            error = e
+        failed = self._session.agree_failed(error is not None)
+        if failed:
+            where = f": {last_line(error)}" if error is not None else " on another rank"
+            raise CheckpointError(
+                f"writing the checkpoint of step {save.step} to {save.partial} failed{where}; the previous "
+                f"complete checkpoint and `latest` are unchanged; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory})"
+            ) from error
+        files, finite = self._collect_entries(entries, save.finite if error is None else None)
+        ok = True
+        if parallel.rank() == 0:
+            with self._long_wait():  # file system work only: marker, renames, fsyncs, pruning
+                ok = self._store.publish(
+                    save.step,
+                    save.partial,
+                    save.final,
+                    mode=self.mode.value,
+                    metrics=save.metrics,
+                    files=files,
+                    finite=finite,
+                )
+        if parallel.world_size() > 1:
+            ok = not self._session.agree_failed(not ok)
+        if not ok:
+            raise CheckpointError(
+                f"publishing the checkpoint of step {save.step} at {save.final} failed (see the error "
+                f"logged by rank 0); the previous complete checkpoint and `latest` are unchanged"
+            )
+        return save
+
+    def _collect_entries(
+        self, entries: dict[str, Any], finite: bool | None
+    ) -> tuple[dict[str, Any] | None, bool | None]:
+        """Rank 0 gets every rank's manifest entries and whether all ranks' saved state is finite
+        (None: a rank could not tell) in one gather on the checkpoint group, which no write uses any
+        more (every rank's save is done); the other ranks get ``(None, None)``."""
+        group = self._session.group
+        if group is None:
+            return dict(entries), finite
+        parts: list[Any] | None = [None] * parallel.world_size() if parallel.rank() == 0 else None
+        dist.gather_object((entries, finite), parts, dst=0, group=group)
+        if parts is None:
+            return None, None
+        merged: dict[str, Any] = {}
+        for part, _ in parts:
+            merged.update(part)
+        verdicts = [verdict for _, verdict in parts]
+        return merged, (None if None in verdicts else all(verdicts))
+
+    def wait_local(self) -> bool:
+        """Wait for this rank's own write only (no collective: a peer may be gone). True when the
+        save is durable and this is the only rank: :meth:`finish` (``wait=False``) publishes it."""
+        save = self.inflight
+        if save is None:
+            return False
+        try:
+            with self._long_wait():
+                save.done.result(timeout=self.wait_timeout_s)
+        except FutureTimeout:
+            logger.error(
+                "checkpoint of step %d did not finish writing within %.0fs", save.step, self.wait_timeout_s
+            )
+            return False
+        except BaseException as e:  # noqa: BLE001 - already failing; report and go on
+            logger.error("checkpoint of step %d failed: %r", save.step, e)
+            self.inflight = None
+            return False
+        if parallel.world_size() == 1:  # no peer to agree with: this save is complete
+            return True
+        self.inflight = None
+        logger.warning(
+            "checkpoint of step %d stays incomplete (%s): the ranks could not agree it finished",
+            save.step,
+            save.partial,
+        )
+        return False
+
+    def result(self, future: Future, what: str) -> Any:
+        try:
+            return future.result(timeout=self.wait_timeout_s)
+        except FutureTimeout:
+            raise CheckpointError(
+                f"checkpoint {what} did not finish within {self.wait_timeout_s:.0f}s (wait_timeout_s)"
+            ) from None
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            reraise_interrupt(e)
+            raise CheckpointError(
+                f"checkpoint {what} failed: {last_line(e)}; free space or fix permissions of "
+                f"checkpoint.directory ({self.directory})"
+            ) from e
+
+    def close(self) -> None:
+        """Release the stager's host buffers (no save may be in flight)."""
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+def _stage_then_write(
+    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+) -> None:
+    """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
+    training may change the state), then write the copy with DCP."""
+    try:
+        with torch.no_grad():
+            host = stager.stage(state_dict)
+    except BaseException as e:
+        staged.set_exception(e)
+        raise
+    staged.set_result(None)
+    with quiet_single_process():
+        dcp.save(host, **kwargs)
+
+
+def _trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> set[str]:
+    """The entries whose values decide whether a saved state is known-good, by the names DCP gives
+    them (``model.<param>``, ``optim.<key>``): the parameters and the optimizer's floating-point
+    state. Buffers are left out: a mask buffer may hold -inf on purpose."""
+    params = {_local(p).data_ptr() for p in model.parameters()}
+    entries = {
+        f"model.{key}"
+        for key, value in model_sd.items()
+        if isinstance(value, torch.Tensor) and _local(value).data_ptr() in params
+    }
+    entries.update(
+        f"optim.{key}"
+        for key, value in optim_sd.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    )
+    return entries
+
+
+def _wait_quietly(future: Future, timeout: float) -> None:
+    with contextlib.suppress(Exception):  # the caller reports the error that matters
+        future.result(timeout=timeout)
+
+
+def _copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``model_sd`` with every tensor that is not a parameter (buffers such as BatchNorm statistics,
+    which a forward changes) replaced by a copy taken now; parameters stay shared for staging."""
+    params = {_local(p).data_ptr() for p in model.parameters()}
+    return {
+        key: value.detach().clone()
+        if isinstance(value, torch.Tensor) and _local(value).data_ptr() not in params
+        else value
+        for key, value in model_sd.items()
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
