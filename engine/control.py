@@ -126,7 +126,7 @@ class StepControl:
         self.skip = True
 
     def request_save(self) -> None:
-        """Save a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
+        """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
         self.save = True
 
     def request_stop(self, reason: str, exit_code: int | None = None) -> None:
