@@ -26,15 +26,16 @@ field                   requested by, when                              reset
 ``exit_code``           exit code win); agreed at the next agreement
                         point: every rank stops, with the largest
                         exit code any rank asked for
-``rollback``            :meth:`request_rollback`, right before          cleared by the requester once
-                        ROLLBACK fires; ROLLBACK handlers read it       ROLLBACK has fired, and when a
-                                                                        run starts
+``rollback``            :meth:`request_rollback`, from agreed values    cleared once ROLLBACK has fired
+                        (every rank asks alike), in a step; the         (the trainer's, or one a handler
+                        trainer carries it out at the step's end        fired itself), and when a run
+                        (ROLLBACK handlers read it while it fires)      starts
 ``hold_saves``          a handler that distrusts the current state      by its owner
 ``protected_step``      a handler that judges steps (newest good one)   by its owner
 ``initial_save``        :meth:`request_initial_save`, at attach time    never (a setting of the run)
-``decided``             the trainer, at each agreement point            replaced at every agreement; at
-                                                                        the end of a step it keeps only
-                                                                        the stop; cleared when a run starts
+``decided``             the trainer, at each agreement point, and       replaced at every agreement; at
+                        ``decided.rollback`` at the end of the step     the end of a step it keeps only
+                        when it carries out a rollback request          the stop; cleared when a run starts
 ======================  ==============================================  ===================================
 
 Between handlers that save and handlers that judge the state (neither imports the other):
@@ -50,6 +51,18 @@ Between handlers that save and handlers that judge the state (neither imports th
   on past the bad window) instead of restored. None while nobody asked: a ROLLBACK fired on its own
   restores the newest checkpoint with its data position.
 
+How a rollback is carried out: a handler calls :meth:`StepControl.request_rollback` during a step,
+from agreed values (e.g. in its agreement slot's ``on_agreed``, or from a counter only agreed values
+move), so every rank asks alike and every rank's ROLLBACK restores together (the restore is
+collective). The request also says what to do when nothing can be restored (``reason``,
+``exit_code``). The trainer carries it out at the end of that step, once every STEP_END handler has
+seen the step that triggered it (at its own ``Priority.ENGINE_LAST``, after the actions deferred
+with ``trainer.at_step_end`` and before the late stop agreement): it records the request as
+``decided.rollback``, fires ROLLBACK (the checkpointer restores, then the other ROLLBACK handlers,
+the requester's own bookkeeping among them, see the restored state), and clears the request. When
+the restore fails with a ``CheckpointError`` (no intact checkpoint at or before the target), the run
+ends with ``TrainingAborted`` and the requested exit code, checkpoints left as they are.
+
 A request that must be the same on every rank is made from agreed values (in a slot's
 ``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``, ``stop``).
 
@@ -59,7 +72,9 @@ The trainer state keeps ``skip_step``, ``should_checkpoint``, ``should_stop``, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+from hookloop.engine.exit_codes import ExitCode
 
 __all__ = ["Decided", "Rollback", "StepControl"]
 
@@ -68,10 +83,17 @@ __all__ = ["Decided", "Rollback", "StepControl"]
 class Rollback:
     """A rollback request: restore the newest intact checkpoint at or before ``at_or_before``
     (None: the newest) whose saved state is finite; ``keep_data_position``: keep reading the data
-    from where it is instead of from the checkpoint's position."""
+    from where it is instead of from the checkpoint's position.
+
+    When no checkpoint can be restored the trainer ends the run with ``TrainingAborted`` and
+    ``exit_code``, naming ``reason`` (who asked, e.g. ``"nan.action='rollback'"``) in the message.
+    These two say what happens on failure, not what is restored: two requests for the same
+    checkpoint compare equal whatever they say."""
 
     at_or_before: int | None = None
     keep_data_position: bool = False
+    reason: str | None = field(default=None, compare=False)
+    exit_code: int = field(default=int(ExitCode.ERROR), compare=False)
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,8 @@ class Decided:
     stop: bool = False
     save: bool = False
     exit_code: int = 0
+    #: the rollback the trainer carries out at the end of this step (None: none)
+    rollback: Rollback | None = None
 
 
 _NOTHING_DECIDED = Decided()
@@ -138,9 +162,18 @@ class StepControl:
         if exit_code is not None and not self.exit_code:
             self.exit_code = int(exit_code)
 
-    def request_rollback(self, at_or_before: int | None = None, *, keep_data_position: bool = False) -> None:
-        """Say what the ROLLBACK about to fire restores (see :class:`Rollback`)."""
-        self.rollback = Rollback(at_or_before, bool(keep_data_position))
+    def request_rollback(
+        self,
+        at_or_before: int | None = None,
+        *,
+        keep_data_position: bool = False,
+        reason: str | None = None,
+        exit_code: int = ExitCode.ERROR,
+    ) -> None:
+        """Roll back at the end of this step (see :class:`Rollback` and the module docstring): the
+        trainer fires ROLLBACK, which restores what this says; when nothing can be restored the run
+        ends with ``exit_code``. Ask from agreed values, so every rank asks alike."""
+        self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
     def request_initial_save(self) -> None:
         """Ask for a step-0 checkpoint when a run starts fresh (something to roll back to)."""
@@ -160,6 +193,13 @@ class StepControl:
         """The end of the step's agreement: the agreed values (which replaced the requests, and
         what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
         self.decided = Decided(skip=self.skip, stop=self.stop, save=self.save, exit_code=self.exit_code)
+
+    def decide_rollback(self) -> Rollback | None:
+        """The end of the step: the pending rollback request (None: none) becomes
+        ``decided.rollback``; the trainer then fires ROLLBACK and clears the request."""
+        if self.rollback is not None:
+            self.decided = replace(self.decided, rollback=self.rollback)
+        return self.rollback
 
     def decide_stop(self, exit_code: int = 0) -> None:
         """Every rank stops (the largest exit code any rank asked for; 0 keeps this rank's); a

@@ -49,7 +49,6 @@ from typing import Any, Optional
 import torch
 
 from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
-from hookloop.engine.checkpoint_io import CheckpointError
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
@@ -62,6 +61,10 @@ __all__ = ["NaNConfig", "NaNDetector"]
 NAN_CHECK = Priority.DECIDE - 900
 #: STEP_END: ask for a rollback once the loggers recorded the bad step.
 ROLLBACK_REQUEST = Priority.RECORD - 1000
+#: ROLLBACK: count the rollback this detector asked for, before anything restores.
+ROLLBACK_COUNT = Priority.CLOCK + 1e9
+#: ROLLBACK: take the restored step, once the checkpointer and every other handler have run.
+ROLLBACK_DONE = Priority.CLEANUP - 1e9
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,7 @@ class NaNDetector(Handler):
         self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
         self._rollback_pending = False
         self._verdict: Any = False
+        self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
 
     @classmethod
@@ -164,6 +168,10 @@ class NaNDetector(Handler):
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
         # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
+        # Around the trainer's ROLLBACK: count first, then (after the restore and every other
+        # ROLLBACK handler) take the restored step.
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=ROLLBACK_COUNT)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
         return super().attach(trainer)
 
     # ---------------------------------------------------------------- checks
@@ -207,6 +215,7 @@ class NaNDetector(Handler):
     def _on_verdict(self, bad_ranks: float) -> None:
         """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
         state, control = self.trainer.state, self.trainer.control
+        self._asked = None  # a rollback asked for at an earlier step is over (done, or it failed)
         if not bad_ranks:
             self.consecutive = 0
             self.last_good_step, self._last_good_loss = state.step, state.peek("loss")
@@ -245,8 +254,9 @@ class NaNDetector(Handler):
         return self._last_good_loss
 
     def _maybe_roll_back(self, trainer: Trainer) -> None:
-        """Late at STEP_END (every logger has recorded the bad step): give up, or ask for the
-        rollback, which runs once every STEP_END handler of this step has seen the bad step."""
+        """Late at STEP_END (every logger has recorded the bad step): give up, or ask the trainer
+        for the rollback, which it carries out once every STEP_END handler of this step has seen
+        the bad step. ``_rollback_pending`` was set from the agreed verdict: every rank asks alike."""
         if not self._rollback_pending:
             return
         self._rollback_pending = False
@@ -257,35 +267,40 @@ class NaNDetector(Handler):
                 f"(nan.max_rollbacks={self.max_rollbacks}); giving up, checkpoints left as they are",
                 ExitCode.NAN_ABORT,
             )
-        trainer.at_step_end(lambda: self._roll_back(trainer))
+        self._asked = (state.step, self._rollback_target())
+        trainer.control.request_rollback(
+            self._asked[1],
+            keep_data_position=self.skip_data_on_rollback,
+            reason="nan.action='rollback'",
+            exit_code=ExitCode.NAN_ABORT,
+        )
 
-    def _roll_back(self, trainer: Trainer) -> None:
-        state, control = trainer.state, trainer.control
+    def _on_rollback_start(self, trainer: Trainer) -> None:
+        """First at the ROLLBACK the trainer fires for this detector's request: count it."""
+        if self._asked is None:  # a ROLLBACK someone else asked for
+            return
+        bad_step, target = self._asked
         self.rollbacks += 1
         self.consecutive = 0
-        target = self._rollback_target()
         logger.warning(
             "step %d: %d bad steps in a row; rolling back to the newest checkpoint at or before step %d "
             "(rollback %d of %d)",
-            state.step,
+            bad_step,
             self.max_consecutive,
             target,
             self.rollbacks,
             self.max_rollbacks,
         )
-        control.request_rollback(target, keep_data_position=self.skip_data_on_rollback)
-        bad_step = state.step
-        try:
-            trainer.fire(Events.ROLLBACK)
-        except CheckpointError as e:
-            raise TrainingAborted(
-                f"step {bad_step}: cannot roll back to a checkpoint at or before step {target}: {e}",
-                ExitCode.NAN_ABORT,
-            ) from e
-        finally:
-            control.rollback = None
+
+    def _on_rollback_done(self, trainer: Trainer) -> None:
+        """Last at ROLLBACK (the checkpointer restored, every other handler saw it): the restored
+        step, saves allowed again."""
+        if self._asked is None:
+            return
+        bad_step, self._asked = self._asked[0], None
+        state = trainer.state
         self.restored_step = state.step
-        control.hold_saves = False
+        trainer.control.hold_saves = False
         logger.warning("rolled back from step %d to step %d", bad_step, state.step)
         self._publish(state)
 

@@ -62,6 +62,8 @@ class Priority(_Phases):
     LOG_CONSOLE = console.LOG_CONSOLE
     LOG = metric_logger.LOG
     ROLLBACK_REQUEST = nan_detector.ROLLBACK_REQUEST
+    ROLLBACK_COUNT = nan_detector.ROLLBACK_COUNT
+    ROLLBACK_DONE = nan_detector.ROLLBACK_DONE
     ALIGN_AFTER_RESTORE = curriculum.ALIGN_AFTER_RESTORE
     STAGING_WAIT = checkpoint.STAGING_WAIT
     PROFILE_END = profiler.PROFILE_END
