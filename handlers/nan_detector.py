@@ -12,10 +12,11 @@ skipped step of its own, not a NaN.
 - ``"warn"``: log and veto the step.
 - ``"raise"``: stop at the first bad step with :class:`~engine.TrainingAborted` (exit code
   ``ExitCode.NAN_ABORT``), naming the step.
-- ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, fire ``Events.ROLLBACK`` at
-  the end of that step, once every STEP_END handler has seen it (``trainer.at_step_end``: the whole
-  STEP_END firing sees the step that triggered the rollback, with its own number and loss; the
-  ROLLBACK handlers and the next step see the restored state). A checkpointer answers it by
+- ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, ask for a rollback
+  (``control.request_rollback``, from the agreed verdict): the trainer fires ``Events.ROLLBACK`` at
+  the end of that step, once every STEP_END handler has seen it (the whole STEP_END firing sees the
+  step that triggered the rollback, with its own number and loss; the ROLLBACK handlers and the
+  next step see the restored state). A checkpointer answers it by
   restoring the newest intact checkpoint at or before the last step known good whose saved state
   is finite (model, optimizer, LR scheduler, handlers, RNG, trainer counters); with
   ``skip_data_on_rollback`` the data position is *not* restored, so training continues past the
@@ -31,7 +32,9 @@ skipped step of its own, not a NaN.
   checkpointer never prunes the newest checkpoint at or before ``control.protected_step`` (the
   last good step). It asks for a step-0 checkpoint when a run starts fresh
   (``control.request_initial_save()``), so a NaN before the first save can roll back, and says
-  what a rollback restores with ``control.request_rollback(...)`` before firing ROLLBACK.
+  what a rollback restores with ``control.request_rollback(...)`` (and that a failed restore ends
+  the run with ``ExitCode.NAN_ABORT``). It counts the rollback and logs it from its own ROLLBACK
+  handlers: first of all (``ROLLBACK_COUNT``), and last, after the restore (``ROLLBACK_DONE``).
 
 The detector's own counters survive a rollback (``restore_on_rollback = False``) and are saved in
 checkpoints, so a resumed run keeps its rollback budget.

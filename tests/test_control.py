@@ -175,5 +175,63 @@ def test_nan_detector_and_checkpointer_cooperate_through_the_control_point(tmp_p
     trainer.run(token_batches(40), max_steps=8)
     assert (5, True, 4) in seen and (6, True, 4) in seen  # saves held during the bad streak
     assert restored == [Rollback(at_or_before=4, keep_data_position=True)]
-    assert trainer.control.rollback is None  # the requester clears it once ROLLBACK has fired
+    assert trainer.control.rollback is None  # cleared once ROLLBACK has fired
     assert trainer.state.rollbacks == 1 and not trainer.control.hold_saves
+
+
+def test_the_trainer_carries_out_a_rollback_request_after_every_step_end_handler(tmp_path):
+    from hookloop.engine import Priority
+    from hookloop.handlers import AsyncCheckpointer
+
+    trainer = _trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    seen = []
+
+    @trainer.on(Events.STEP_END, priority=Priority.OBSERVE)
+    def ask(e):  # early at STEP_END: every later handler still sees this step
+        if e.state.step == 5 and not e.state.rollbacks:
+            e.control.request_rollback(
+                4, keep_data_position=True, reason="test", exit_code=ExitCode.NAN_ABORT
+            )
+
+    @trainer.on(Events.STEP_END, priority=Priority.CLEANUP)
+    def late(e):
+        seen.append(("step_end", e.state.step, e.control.rollback))
+
+    @trainer.on(Events.ROLLBACK)
+    def rolled(e):
+        seen.append(("rollback", e.state.step, e.control.decided.rollback, e.control.rollback))
+
+    @trainer.on(Events.STEP_START)
+    def started(e):
+        seen.append(("step_start", e.state.step, e.control.rollback, e.control.decided))
+
+    trainer.run(token_batches(40), max_steps=7)
+    wanted = Rollback(at_or_before=4, keep_data_position=True)
+    at = seen.index(("step_end", 5, wanted))  # the last STEP_END handler saw step 5, request pending
+    assert seen[at + 1] == ("rollback", 4, wanted, wanted)  # then the trainer fired it: step 4 restored
+    assert seen[at + 2] == ("step_start", 5, None, Decided())  # request cleared, nothing decided
+    assert [s for s in seen if s[0] == "rollback"] == [seen[at + 1]]  # once
+    assert trainer.state.rollbacks == 1 and trainer.state.step == 7 and trainer.control.rollback is None
+
+
+def test_a_rollback_that_cannot_restore_ends_the_run_with_the_requested_exit_code(tmp_path):
+    import pytest
+
+    from hookloop.engine import TrainingAborted
+    from hookloop.handlers import AsyncCheckpointer
+
+    trainer = _trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", every_steps=100).attach(trainer)  # nothing saved
+
+    @trainer.on(Events.STEP_END)
+    def ask(e):
+        if e.state.step == 3:
+            e.control.request_rollback(2, reason="my check", exit_code=ExitCode.STRAGGLER_ABORT)
+
+    with pytest.raises(TrainingAborted) as info:
+        trainer.run(token_batches(40), max_steps=6)
+    assert info.value.exit_code == ExitCode.STRAGGLER_ABORT
+    assert str(info.value).startswith("step 3: cannot roll back to a checkpoint at or before step 2: ")
+    assert str(info.value).endswith("(my check)")
+    assert trainer.control.rollback is None and trainer.state.step == 3
