@@ -74,6 +74,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.exit_codes import ExitCode
 
 __all__ = ["Decided", "Rollback", "StepControl"]
@@ -94,6 +95,14 @@ class Rollback:
     keep_data_position: bool = False
     reason: str | None = field(default=None, compare=False)
     exit_code: int = field(default=int(ExitCode.ERROR), compare=False)
+
+    def failed(self, step: int, error: Exception) -> TrainingAborted:
+        """What ends the run when the restore this asks for fails at ``step`` with ``error``."""
+        target = "" if self.at_or_before is None else f" at or before step {self.at_or_before}"
+        asked_by = f" ({self.reason})" if self.reason else ""
+        return TrainingAborted(
+            f"step {step}: cannot roll back to a checkpoint{target}: {error}{asked_by}", self.exit_code
+        )
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from hookloop.engine.agreement import (
 from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
-from hookloop.engine.control import Rollback, StepControl
-from hookloop.engine.errors import ConfigError, PeerFailure, TrainingAborted, exit_code_of
+from hookloop.engine.control import StepControl
+from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -375,8 +375,7 @@ class Trainer(IgniteAdapter):
         return self.events.any_for(event)
 
     def fire(self, event: StepEvents, *args: Any, **kwargs: Any) -> None:
-        """Fire a custom event, advancing the counter its filters read. A fired ROLLBACK, whoever
-        fired it, uses up the rollback request (``control.rollback``, read by its handlers)."""
+        """Fire a custom event, advancing the counter its filters read."""
         attr = self._fire_counters.get(id(event), _UNSET)
         if attr is _UNSET:  # once per event: members hash slowly, so look up by identity after
             attr = STEP_EVENT_TO_ATTR.get(event) or self.state.event_to_attr.get(event)
@@ -385,13 +384,11 @@ class Trainer(IgniteAdapter):
                 self._fire_counters[id(event)] = attr
         if attr is not None:
             setattr(self.state, attr, getattr(self.state, attr) + 1)
-        if event is not Events.ROLLBACK:
-            self.dispatch(event, *args, **kwargs)
-            return
         try:
             self.dispatch(event, *args, **kwargs)
         finally:
-            self.control.rollback = None
+            if event is Events.ROLLBACK:  # a fired ROLLBACK uses up the rollback request, whoever fired it
+                self.control.rollback = None
 
     # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
@@ -785,16 +782,19 @@ class Trainer(IgniteAdapter):
 
     def _end_step(self) -> None:
         """After the step's handlers: run what they deferred to the step's end (:meth:`at_step_end`),
-        carry out a rollback request (:meth:`_roll_back`), then stop when every rank agreed to. A
+        carry out a rollback request (:mod:`engine.control`), then stop when every rank agreed to. A
         stop asked for after the step's agreement is agreed here with a second small collective, run
         only when some rank has handlers that could ask (the agreement said so); a checkpoint asked
         for that late is carried to the next step."""
         state = self.state
         while self._at_step_end:
             self._at_step_end.pop(0)()
-        rollback = self.control.decide_rollback()
-        if rollback is not None:
-            self._roll_back(rollback)
+        rollback, step = self.control.decide_rollback(), state.step
+        if rollback is not None:  # the checkpointer restores what the request says
+            try:
+                self.fire(Events.ROLLBACK)
+            except CheckpointError as e:
+                raise rollback.failed(step, e) from e
         self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
         beyond = state.max_iters is not None and state.iteration > state.max_iters
@@ -812,21 +812,6 @@ class Trainer(IgniteAdapter):
             self._stop()
         elif beyond:  # ignite's own limit, not a stop request
             super().terminate(self._skip_completed)
-
-    def _roll_back(self, rollback: Rollback) -> None:
-        """Carry out the step's rollback request (:mod:`engine.control`), after every STEP_END
-        handler and the deferred actions: fire ROLLBACK (the checkpointer restores what the request
-        says); when no checkpoint can be restored, end the run with the requested exit code. The
-        request is cleared either way (:meth:`fire`)."""
-        step = self.state.step
-        try:
-            self.fire(Events.ROLLBACK)
-        except CheckpointError as e:
-            target = "" if rollback.at_or_before is None else f" at or before step {rollback.at_or_before}"
-            asked_by = f" ({rollback.reason})" if rollback.reason else ""
-            raise TrainingAborted(
-                f"step {step}: cannot roll back to a checkpoint{target}: {e}{asked_by}", rollback.exit_code
-            ) from e
 
     def _on_error(self, e: BaseException) -> None:
         """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
