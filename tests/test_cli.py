@@ -276,7 +276,11 @@ def test_the_wheel_holds_only_hookloop(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"hookloop"}, sorted(top)
-    for module in ("hookloop/engine/trainer.py", "hookloop/handlers/checkpoint.py", "hookloop/cli.py"):
+    for module in (
+        "hookloop/engine/trainer.py",
+        "hookloop/handlers/checkpoint/handler.py",
+        "hookloop/cli.py",
+    ):
         assert module in names
     info = next(t for t in top if t.endswith(".dist-info"))
     assert zipfile.ZipFile(wheel).read(f"{info}/top_level.txt").decode().split() == ["hookloop"]
