@@ -16,22 +16,22 @@ from hookloop.engine.errors import ConfigError
 __all__ = ["atomic_write", "check_writable_dir", "fsync_dir", "fsync_file"]
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
+def _fsync_path(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    _fsync_path(path)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
     """Make the contents of the (closed) file at ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(path)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
