@@ -56,7 +56,8 @@ def main() -> int:
     finish = AsyncCheckpointer._finish
 
     def marked_finish(self, wait):
-        if wait and self._inflight is not None and not self._inflight.done.done():
+        inflight = self._writer.inflight
+        if wait and inflight is not None and not inflight.done.done():
             (run_dir / f"finish-wait-rank{rank}").write_text(str(time.time()))
         return finish(self, wait)
 
