@@ -7,6 +7,7 @@ signal lands mid-run. Prints ``RESULT {json}`` and exits with the run's code (13
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 
 def main() -> int:
+    # Ctrl-C works as in a terminal even when the test runner was started with SIGINT ignored (a
+    # background job): an ignored disposition survives exec, and Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_dir = Path(sys.argv[1])
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)

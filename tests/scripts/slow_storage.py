@@ -14,6 +14,7 @@ has begun, ``finish-wait-rank<R>`` once the training thread waits for a save sti
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ from hookloop.handlers.health_check import HealthCheck
 
 
 def main() -> int:
+    # Ctrl-C works as in a terminal even when the test runner was started with SIGINT ignored (a
+    # background job): an ignored disposition survives exec, and Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
     every = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     torch.set_num_threads(1)
