@@ -12,15 +12,6 @@ from typing import Any
 
 from benchmarks.launch import free_port, rank_env, run_ranks
 
-
-def default_sigint() -> None:
-    """``preexec_fn`` for a child a test sends SIGINT to: the default disposition, unblocked, whatever
-    the test runner inherited (a runner started in the background may ignore SIGINT, and an ignored
-    signal stays ignored across exec, so Ctrl-C would never reach the child's Python)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -127,7 +118,6 @@ def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None)
                 stderr=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
-                preexec_fn=default_sigint,
             )
         )
     return procs

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.dist_utils import REPO, default_sigint
+from tests.dist_utils import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "sigint_train.py"
 
@@ -24,7 +24,6 @@ def _run(tmp_path, presses: int) -> tuple[int, dict, str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=default_sigint,
     )
     try:
         deadline = time.monotonic() + 60
