@@ -22,22 +22,16 @@ relative to the working directory). The attribute is either
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.targets import TARGET_HINT, accepted_names, bind_arguments, resolve_target
 
 __all__ = ["ModelRecipe", "ResolvedModel", "resolve_model", "resolve_target", "token_cross_entropy"]
-
-TARGET_HINT = "module:attribute (e.g. hookloop.models.gpt:recipe) or path/to/file.py:attribute"
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,41 +91,6 @@ class ResolvedModel:
         return 6.0 * sum(p.numel() for p in model.parameters())
 
 
-def resolve_target(target: Any, field: str = "model.target") -> Any:
-    """Import what ``target`` (``module:attribute`` or ``file.py:attribute``) names."""
-    if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
-        raise ConfigError(field, f"must look like {TARGET_HINT}, got {target!r}")
-    where, attr = target.split(":")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(field, f"{where} is not a file (relative paths start at {Path.cwd()})")
-        name = f"hookloop_user_model_{abs(hash(str(path.resolve())))}"
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception:
-                del sys.modules[name]
-                raise
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            if e.name and where.startswith(e.name):
-                raise ConfigError(
-                    field, f"cannot import {where} ({e}); install it or give path/to/file.py:{attr}"
-                ) from None
-            raise
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(field, f"{where} has no attribute {attr!r}") from None
-
-
 def resolve_model(cfg: Any) -> ResolvedModel:
     """Resolve ``cfg.model`` and check its arguments; raises :class:`ConfigError` naming the field.
     Nothing is built."""
@@ -139,7 +98,7 @@ def resolve_model(cfg: Any) -> ResolvedModel:
     target = section.pop("target", None)
     if target is None:
         raise ConfigError("model.target", f"is not set: name the model factory, {TARGET_HINT}")
-    obj = resolve_target(target)
+    obj = resolve_target(target, "model.target")
     if isinstance(obj, ModelRecipe):
         recipe = obj
     elif callable(obj):
@@ -160,32 +119,8 @@ def resolve_model(cfg: Any) -> ResolvedModel:
 
 
 def _bind(target: str, build: Callable, section: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
-    try:
-        sig = inspect.signature(build)
-    except (TypeError, ValueError):  # a builtin without a signature: pass the keys as they are
-        return dict(section)
-    params = sig.parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = [
-        n
-        for n, p in params.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
     args = dict(section)
-    if "seq_len" not in args and "seq_len" in named:
+    names = accepted_names(build)
+    if "seq_len" not in args and names is not None and "seq_len" in names:
         args["seq_len"] = cfg.train.seq_len
-    for key in section:
-        if key not in named and not takes_any:
-            raise ConfigError(
-                f"model.{key}", f"is not an argument of {target} (it takes: {', '.join(named) or 'none'})"
-            )
-    missing = [
-        n
-        for n in named
-        if params[n].default is inspect.Parameter.empty
-        and n not in args
-        and params[n].kind is not inspect.Parameter.VAR_POSITIONAL
-    ]
-    if missing:
-        raise ConfigError(f"model.{missing[0]}", f"is required by {target}; set it in the model section")
-    return args
+    return bind_arguments(build, args, prefix="model", target=target)

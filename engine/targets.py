@@ -1,0 +1,123 @@
+"""Targets: the code a config names, ``module:attribute`` or ``path/to/file.py:attribute``, and the
+arguments written beside it, checked against the signature before anything is built.
+
+Every place a config names code uses these two functions, so one rule holds everywhere::
+
+    model:      {target: hookloop.models.gpt:recipe, n_layers: 4}
+    handlers:   [{target: my_hooks.py:GradNorms, every: 10}]
+    data:       {target: my_data.py:build, args: {size: 1000}}
+    validation: {metrics: {accuracy: ignite.metrics:Accuracy}}
+
+``module:attribute`` imports an installed module; ``path/to/file.py:attribute`` loads a file
+(relative to the working directory), once per process whatever the number of targets in it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from hookloop.engine.errors import ConfigError
+
+__all__ = ["TARGET_HINT", "accepted_names", "bind_arguments", "resolve_target"]
+
+TARGET_HINT = "module:attribute (e.g. hookloop.models.gpt:recipe) or path/to/file.py:attribute"
+
+
+def resolve_target(target: Any, field: str) -> Any:
+    """Import what ``target`` (``module:attribute`` or ``file.py:attribute``) names; errors are
+    :class:`ConfigError` naming ``field``."""
+    if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
+        raise ConfigError(field, f"must look like {TARGET_HINT}, got {target!r}")
+    where, attr = target.split(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(field, f"{where} is not a file (relative paths start at {Path.cwd()})")
+        name = f"hookloop_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception:
+                del sys.modules[name]
+                raise
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name and where.startswith(e.name):
+                raise ConfigError(
+                    field, f"cannot import {where} ({e}); install it or give path/to/file.py:{attr}"
+                ) from None
+            raise
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(field, f"{where} has no attribute {attr!r}") from None
+
+
+def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter] | None:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def bind_arguments(
+    fn: Callable,
+    args: Mapping[str, Any],
+    *,
+    prefix: str,
+    target: str,
+    provided: Collection[str] = (),
+) -> dict[str, Any]:
+    """``args`` checked against ``fn``'s signature: every key must be one of its keyword arguments
+    (unless it takes ``**kwargs``) and every required argument must be in ``args`` or in
+    ``provided`` (the names the caller fills in at build time). Errors name ``<prefix>.<argument>``.
+    Returns ``args`` as a dict; nothing is called."""
+    params = _parameters(fn)
+    if params is None:
+        return dict(args)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = [
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for key in args:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{prefix}.{key}", f"is not an argument name (of {target})")
+        if key not in named and not takes_any:
+            raise ConfigError(
+                f"{prefix}.{key}", f"is not an argument of {target} (it takes: {', '.join(named) or 'none'})"
+            )
+    missing = [
+        n
+        for n in named
+        if params[n].default is inspect.Parameter.empty and n not in args and n not in provided
+    ]
+    if missing:
+        raise ConfigError(f"{prefix}.{missing[0]}", f"is required by {target} and not set")
+    return dict(args)
+
+
+def accepted_names(fn: Callable) -> set[str] | None:
+    """The keyword arguments ``fn`` names in its signature (``**kwargs`` aside); None when it has no
+    signature."""
+    params = _parameters(fn)
+    if params is None:
+        return None
+    return {
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
