@@ -271,10 +271,17 @@ def load_config(
         key = item.split("=", 1)[0].strip()
         if key in _MOVED:
             raise ConfigError(key, f"is not a setting here; use {_MOVED[key]}")
-    if overrides:
-        layers.append(OmegaConf.from_dotlist([_null_words(schema, item) for item in overrides]))
     try:
         merged = OmegaConf.merge(base, *layers)
+        # Overrides go onto the merged config one by one, so ``handlers.0.every=3`` (or
+        # ``handlers[0].every=3``) reaches an item of a list the file set.
+        for item in overrides:
+            item = _null_words(schema, item)
+            key = item.split("=", 1)[0]
+            if "[" in key or any(part.strip().isdigit() for part in key.split(".")):
+                merged.merge_with_dotlist([item])
+            else:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = str(getattr(e, "full_key", None) or "config")

@@ -188,6 +188,23 @@ def _table(cls: type, doc_source: type | None, prefix: str) -> list[str]:
     return out
 
 
+#: What the sections that are not dataclasses hold.
+_FREE_FORM = {
+    "model": (
+        "`model.target` names the model factory (`module:attribute` or `path/to/file.py:attribute`,"
+        " e.g. `hookloop.models.gpt:recipe`); every other key is an argument of that factory,"
+        " checked against its signature (see `hookloop.recipe`)."
+    ),
+    "handlers": (
+        "The run's own handlers, attached after the shipped ones: a list of entries"
+        " `{target: module:attribute | path/to/file.py:attribute, <its arguments>}`, each naming a"
+        " handler class or a factory returning an object with `attach(trainer)`; the arguments are"
+        " checked against its signature, or against its `Config` dataclass (validated like a shipped"
+        " section) when the class has one (see `hookloop.handlers.handler_entries`)."
+    ),
+}
+
+
 def render(schema: type | None = None) -> str:
     """The whole reference page for ``schema`` (default :class:`handlers.RunConfig`) as Markdown."""
     from hookloop.handlers.run_config import RunConfig
@@ -215,10 +232,7 @@ def render(schema: type | None = None) -> str:
         lines += ["", f"## {f.name}", ""]
         if not dataclasses.is_dataclass(tp):
             lines += [
-                f"`{f.name}`: {type_name(tp)}, default {_default(f)}. `{f.name}.target` names the model"
-                " factory (`module:attribute` or `path/to/file.py:attribute`, e.g."
-                " `hookloop.models.gpt:recipe`); every other key is an argument of that factory,"
-                " checked against its signature (see `hookloop.recipe`).",
+                f"`{f.name}`: {type_name(tp)}, default {_default(f)}. {_FREE_FORM.get(f.name, '')}".rstrip()
             ]
             continue
         source = sources.get(f.name)
@@ -246,7 +260,8 @@ def annotated_yaml(cfg: Any) -> str:
         out.append(f"{f.name}:")
         if not dataclasses.is_dataclass(value):
             body = yaml.safe_dump(_plain(value), default_flow_style=False, sort_keys=False).rstrip()
-            out += [f"  {line}" for line in body.splitlines()] if value else ["  {}"]
+            empty = "  []" if isinstance(value, list) else "  {}"
+            out += [f"  {line}" for line in body.splitlines()] if value else [empty]
             continue
         docs = field_docs(type(value), sources.get(f.name))
         for sub in dataclasses.fields(value):

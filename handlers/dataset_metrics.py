@@ -53,7 +53,9 @@ DATASET_METRICS_END = Priority.DECIDE + 1
 class DatasetMetricsConfig:
     """The ``dataset_metrics`` section: per-dataset loss and tokens of a data mixture (see
     :class:`PerDatasetMetrics`). ``log_interval`` null follows ``logging.log_interval``; the
-    handler is built only when the training data is a mixture (a ``MixtureSampler`` is given)."""
+    handler is built only when the training data is a mixture whose samples carry their source (a
+    ``MixtureSampler`` over a token-file ``MixtureDataset``; a ``data.target``'s samples are left
+    as they are, so there it is not built)."""
 
     enabled: bool = True
     log_interval: Optional[int] = None
@@ -107,6 +109,9 @@ class PerDatasetMetrics(Handler):
         there is no mixture (``sampler`` None). ``log_interval`` is the logging section's, used
         when the section leaves its own null."""
         if not cfg.enabled or sampler is None:
+            return None
+        mixture = sampler.mixture if isinstance(sampler, MixtureSampler) else sampler
+        if not getattr(mixture, "tag_source", True):  # the samples do not say where they came from
             return None
         return cls(sampler, cfg.log_interval if cfg.log_interval is not None else log_interval)
 

@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import keyword
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from hookloop.engine.checkpoint_io import CheckpointError, resolve_checkpoint
 from hookloop.engine.config import (
@@ -41,6 +40,7 @@ from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.curriculum import PhaseCurriculum
 from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
+from hookloop.handlers.handler_entries import build_handler_entries, check_handler_entries, runtime_arguments
 from hookloop.handlers.health_check import HealthCheck, HealthConfig
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import LoggingConfig
@@ -97,6 +97,9 @@ class RunConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    #: the run's own handlers: ``{target: module:attribute | path/file.py:attribute, <its arguments>}``
+    #: entries, attached after the shipped ones (:mod:`handlers.handler_entries`)
+    handlers: List[Dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,6 +115,7 @@ class RunConfig:
         pipeline batch sizes left null. ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1
         without torchrun), so batch divisibility is checked before any process group exists."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        check_entry_shapes(self.handlers)
         pp, tp = self.distributed.pp_size, self.distributed.tp_size
         if world % pp:
             raise ConfigError("distributed.pp_size", f"({pp}) must divide the world size ({world})")
@@ -189,9 +193,29 @@ class RunConfig:
             out.update(("loss", "loss_avg", "grad_norm"))
         if sched.enabled:
             out.add("loss_avg")
-        if self.dataset_metrics.enabled:
+        if self.dataset_metrics.enabled and self.data.target is None:
             out.update(f"loss/{name}" for name in self.data.datasets)
         return out
+
+
+def check_entry_shapes(entries: Any) -> None:
+    """The ``handlers:`` list's shape (a list of mappings, each with a ``target`` string), checked
+    with the config; resolving the targets is :func:`handlers.handler_entries.check_handler_entries`."""
+    if not isinstance(entries, list):
+        raise ConfigError(
+            "handlers", f"must be a list of {{target: ..., <arguments>}} entries, got {entries!r}"
+        )
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"handlers[{i}]", f"must be a mapping {{target: ..., <arguments>}}, got {entry!r}"
+            )
+        if not isinstance(entry.get("target"), str):
+            raise ConfigError(
+                f"handlers[{i}].target",
+                f"must name the handler's class or factory (module:attribute or path/file.py:attribute), "
+                f"got {entry.get('target')!r}",
+            )
 
 
 def check_run_paths(cfg: Any) -> None:
@@ -295,20 +319,28 @@ HANDLER_ORDER: list[type] = [
 ]
 
 
-def attach_handlers(trainer: Any, cfg: Any, *, order: Sequence[type] | None = None, **runtime: Any) -> list:
+def attach_handlers(
+    trainer: Any,
+    cfg: Any,
+    *,
+    order: Sequence[type] | None = None,
+    extra: Sequence[Any] = (),
+    **runtime: Any,
+) -> list:
     """Build every enabled handler of ``order`` (default :data:`HANDLER_ORDER`) from its section of
-    ``cfg`` with ``cls.from_config(getattr(cfg, cls.section), **runtime)``, then attach them in that
-    order; return the attached handlers. Everything is built before anything is attached, so a bad
-    setting fails before the trainer is touched.
+    ``cfg`` with ``cls.from_config(getattr(cfg, cls.section), **runtime)``, then the config's own
+    ``handlers:`` entries (:mod:`handlers.handler_entries`), then attach them all in that order,
+    followed by the ``extra`` handler objects; return the attached handlers. Everything is built
+    before anything is attached, so a bad setting fails before the trainer is touched.
 
     ``runtime`` holds what a config file cannot (``dataloader``, ``dp_size``, ``sampler``,
-    ``flops_per_token``, ...); ``run_dir``, ``local_batch_size``, ``log_interval`` and ``config``
-    default to the run config's. Each handler gets the runtime values its ``from_config`` names
-    (or, when it takes ``**runtime``, those its constructor names). A user's handler joins with
-    ``order=[*HANDLER_ORDER, MyHook]`` once its section is composed in (:func:`compose_config`).
+    ``flops_per_token``, ...); ``run_dir``, ``local_batch_size``, ``log_interval``, ``config`` and
+    ``trainer`` default to the run's. Each handler gets the runtime values its ``from_config`` (or
+    factory) names (or, when it takes ``**runtime``, those its constructor names). A handler class
+    whose section is composed in (:func:`compose_config`) joins with ``order=[*HANDLER_ORDER, MyHook]``.
     """
-    runtime = {**_from_run_config(cfg), **runtime}
-    built = []
+    runtime = {**_from_run_config(cfg), "trainer": trainer, **runtime}
+    built: list[tuple[str, Any]] = []
     for cls in HANDLER_ORDER if order is None else order:
         section = getattr(cls, "section", None)
         if not isinstance(section, str) or not hasattr(cfg, section):
@@ -325,12 +357,34 @@ def attach_handlers(trainer: Any, cfg: Any, *, order: Sequence[type] | None = No
                 f"{cls.__name__} has no from_config(cfg, **runtime): subclass engine.handler.Handler "
                 "or define it"
             )
-        handler = cls.from_config(section_cfg, **_wanted(cls, section_cfg, runtime))
+        handler = cls.from_config(section_cfg, **runtime_arguments(cls, section_cfg, runtime))
         if handler is not None:
-            built.append(handler)
-    for handler in built:
+            built.append((section, handler))
+    built += build_handler_entries(check_handler_entries(getattr(cfg, "handlers", None) or []), runtime)
+    for i, handler in enumerate(extra):
+        if not callable(getattr(handler, "attach", None)):
+            raise TypeError(
+                f"handlers[{i}] is a {type(handler).__name__}, which has no attach(trainer): pass hookloop "
+                "Handlers or objects with attach(trainer)"
+            )
+        built.append((f"handlers[{i}] (passed in)", handler))
+    for where, handler in built:
+        attach_one(trainer, handler, where)
+    return [handler for _, handler in built]
+
+
+def attach_one(trainer: Any, handler: Any, where: str) -> None:
+    """``handler.attach(trainer)``, then register it with the trainer if its ``attach`` did not (an
+    ignite-style object), so a stateful one is checkpointed like a hookloop ``Handler``. Two stateful
+    handlers claiming one checkpoint key is a :class:`ConfigError` naming ``where``."""
+    try:
         handler.attach(trainer)
-    return built
+        if handler not in trainer.handlers:
+            trainer.register_handler(handler)
+    except ValueError as e:
+        if "state key" not in str(e):
+            raise
+        raise ConfigError(where, str(e)) from None
 
 
 def _from_run_config(cfg: Any) -> dict[str, Any]:
@@ -345,31 +399,3 @@ def _from_run_config(cfg: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(cfg):
         out["config"] = dataclasses.asdict(cfg)
     return out
-
-
-def _wanted(cls: type, section_cfg: Any, runtime: dict[str, Any]) -> dict[str, Any]:
-    """The runtime values ``cls.from_config`` asks for by name; a missing required one is an error."""
-    params = list(inspect.signature(cls.from_config).parameters.values())[1:]  # after cfg
-    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        # The default from_config passes the section's fields to the constructor: offer the
-        # constructor's other arguments, as optional ones.
-        fields = (
-            {f.name for f in dataclasses.fields(section_cfg)}
-            if dataclasses.is_dataclass(section_cfg)
-            else set()
-        )
-        for p in inspect.signature(cls).parameters.values():
-            if (
-                p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and p.name not in named
-                and p.name not in fields
-            ):
-                named[p.name] = p.replace(default=None)
-    missing = [n for n, p in named.items() if p.default is p.empty and n not in runtime]
-    if missing:
-        raise TypeError(
-            f"{cls.__name__}.from_config needs {', '.join(f'{n}=...' for n in missing)}: "
-            "pass it to attach_handlers"
-        )
-    return {n: runtime[n] for n in named if n in runtime}

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from hookloop.engine.checks import check_bool, check_int, check_number, check_str
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["DataConfig", "Phase", "PhaseConfig", "check_phases"]
+__all__ = ["DEFAULT_DATASETS", "DataConfig", "Phase", "PhaseConfig", "check_phases"]
 
 # OmegaConf resolves annotations at run time, so sections spell Dict/List the old way.
-# ruff: noqa: UP006, UP035
+# ruff: noqa: UP006, UP007, UP035, UP045
 
 _PHASE_KEYS = ("start_step", "dataset_weights", "lr_scale")
 
@@ -99,14 +99,25 @@ class PhaseConfig:
     lr_scale: float = 1.0  # multiplies the scheduled learning rate during this phase
 
 
+#: ``data.datasets`` when a config does not name any.
+DEFAULT_DATASETS = {"docs": "stdlib_docs"}
+
+
 @dataclass
 class DataConfig:
-    """Named datasets (a token file path, or ``stdlib_docs`` / ``stdlib_source``), their mixture
-    weights (a dataset not named weighs 1.0), and an optional phase curriculum."""
+    """Named datasets, their mixture weights (a dataset not named weighs 1.0), and an optional
+    phase curriculum. The datasets are token files (``datasets``: name -> a token file path, or
+    ``stdlib_docs`` / ``stdlib_source``) or what a factory of your own returns (``target``, called
+    with ``args``): one map-style Dataset, or a dict of named ones; its samples reach the model
+    recipe's ``collate_fn`` as they are."""
 
     #: name -> a token file path, or ``stdlib_docs`` / ``stdlib_source`` (the standard library's text,
     #: tokenized on first use or by ``python -m hookloop.engine.data prepare``)
-    datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
+    datasets: Dict[str, str] = field(default_factory=lambda: dict(DEFAULT_DATASETS))
+    #: your data instead of token files: ``module:attribute`` or ``path/file.py:attribute`` of a
+    #: factory returning a map-style Dataset (named after the attribute) or a dict name -> Dataset
+    target: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)  # the target's keyword arguments
     weights: Dict[str, float] = field(default_factory=dict)  # name -> mixture weight (unnamed: 1.0)
     mix_temperature: float = 1.0  # draw source i with probability w_i ** (1 / T), normalised
     phases: List[PhaseConfig] = field(default_factory=list)  # a phase curriculum (empty: one phase)
@@ -122,13 +133,38 @@ class DataConfig:
 
     def validate(self, prefix: str = "data") -> None:
         p = prefix
+        check_str(
+            f"{p}.target", self.target, allow_none=True, what="module:attribute or path/file.py:attribute"
+        )
+        if not isinstance(self.args, Mapping):
+            raise ConfigError(f"{p}.args", f"must be a mapping of the target's arguments, got {self.args!r}")
+        if self.target is None and self.args:
+            raise ConfigError(f"{p}.args", "are the arguments of data.target, which is not set")
+        if self.target is not None and self.datasets != DEFAULT_DATASETS:
+            raise ConfigError(
+                f"{p}.datasets",
+                "is set together with data.target: name the data one way, token files in data.datasets "
+                "or a factory in data.target",
+            )
         if not self.datasets:
             raise ConfigError(f"{p}.datasets", "must name at least one dataset")
-        names = list(self.datasets)
         for name, source in self.datasets.items():
             check_str(f"{p}.datasets.{name}", source, what="a token file path, stdlib_docs or stdlib_source")
+        check_number(f"{p}.mix_temperature", self.mix_temperature, positive=True)
+        if self.target is None:  # a target's names are known once it has run: check_names then
+            self.check_names(list(self.datasets), prefix)
+        check_str(f"{p}.cache_dir", self.cache_dir, what="a directory path")
+        check_number(f"{p}.val_fraction", self.val_fraction, low=0, below=1)
+        check_int(f"{p}.val_samples", self.val_samples, low=0)
+        check_int(f"{p}.num_workers", self.num_workers, low=0)
+        check_bool(f"{p}.trace_samples", self.trace_samples)
+
+    def check_names(self, names: Sequence[str], prefix: str = "data") -> None:
+        """``weights`` and ``phases`` against the dataset ``names`` (the token files', or those
+        ``target`` returned)."""
+        p = prefix
         for name, w in self.weights.items():
-            if name not in self.datasets:
+            if name not in names:
                 raise ConfigError(f"{p}.weights.{name}", f"unknown dataset; known: {', '.join(names)}")
             check_number(f"{p}.weights.{name}", w, low=0)
         base = {name: self.weights.get(name, 1.0) for name in names}
@@ -136,10 +172,4 @@ class DataConfig:
             raise ConfigError(
                 f"{p}.weights", "all weights are zero: give at least one dataset a positive weight"
             )
-        check_number(f"{p}.mix_temperature", self.mix_temperature, positive=True)
         check_phases(self.phases, names, f"{p}.phases", base_weights=base)
-        check_str(f"{p}.cache_dir", self.cache_dir, what="a directory path")
-        check_number(f"{p}.val_fraction", self.val_fraction, low=0, below=1)
-        check_int(f"{p}.val_samples", self.val_samples, low=0)
-        check_int(f"{p}.num_workers", self.num_workers, low=0)
-        check_bool(f"{p}.trace_samples", self.trace_samples)

@@ -19,10 +19,12 @@ class MixtureDataset(Dataset):
     Global index ``offsets[s] + j`` is item ``j`` of source ``s``. An item that is a 2-tuple
     ``(input_ids, labels)`` comes back as ``(input_ids, labels, source_idx)``; any other item as
     ``(item, source_idx)``. The source index lets the training step and the curriculum handler
-    attribute losses and token counts to each source without a second lookup.
+    attribute losses and token counts to each source without a second lookup. With
+    ``tag_source=False`` every item comes back exactly as its dataset returned it (a user's samples
+    reach their ``collate_fn`` unchanged; the source of an index is :meth:`locate`'s answer).
     """
 
-    def __init__(self, datasets: Mapping[str, Any]) -> None:
+    def __init__(self, datasets: Mapping[str, Any], *, tag_source: bool = True) -> None:
         if not isinstance(datasets, Mapping):
             raise TypeError(f"datasets: expected a mapping name -> dataset, got {type(datasets).__name__}")
         if not datasets:
@@ -49,6 +51,7 @@ class MixtureDataset(Dataset):
             offsets.append(offsets[-1] + length)
         self.offsets: tuple[int, ...] = tuple(offsets)
         self._total = offsets[-1] + lengths[-1]
+        self.tag_source = bool(tag_source)
 
     def __len__(self) -> int:
         return self._total
@@ -85,6 +88,8 @@ class MixtureDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, ...]:
         source, local = self.locate(index)
         item = self.datasets[source][local]
+        if not self.tag_source:
+            return item
         if isinstance(item, tuple) and len(item) == 2:
             return item[0], item[1], source
         return item, source

@@ -1,17 +1,27 @@
 """How the checkpoint wing calls ``torch.distributed.checkpoint`` (DCP): the state-dict options
-every save and load uses, its single-process warning silenced, its errors in one line, and a
-Ctrl-C or exit that reached it kept what it is."""
+every save and load uses, what of a state dict decides it is known-good and what a background
+save must copy first, its single-process warning silenced, its errors in one line, and a Ctrl-C or
+exit that reached it kept what it is."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-__all__ = ["STATE_DICT_OPTIONS", "last_line", "quiet_single_process", "reraise_interrupt"]
+__all__ = [
+    "STATE_DICT_OPTIONS",
+    "copy_buffers",
+    "last_line",
+    "quiet_single_process",
+    "reraise_interrupt",
+    "trained_entries",
+]
 
 # Optimizer state and hyper-parameters keyed by parameter name, so ranks that hold different
 # parameters (pipeline stages) never write the same key.
@@ -41,3 +51,39 @@ def reraise_interrupt(error: BaseException) -> None:
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, (KeyboardInterrupt, SystemExit)):
             raise type(inner)() from error
+
+
+def trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> set[str]:
+    """The entries whose values decide whether a saved state is known-good, by the names DCP gives
+    them (``model.<param>``, ``optim.<key>``): the parameters and the optimizer's floating-point
+    state. Buffers are left out: a mask buffer may hold -inf on purpose."""
+    params = {local_shard(p).data_ptr() for p in model.parameters()}
+    entries = {
+        f"model.{key}"
+        for key, value in model_sd.items()
+        if isinstance(value, torch.Tensor) and local_shard(value).data_ptr() in params
+    }
+    entries.update(
+        f"optim.{key}"
+        for key, value in optim_sd.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+    )
+    return entries
+
+
+def copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``model_sd`` with every tensor that is not a parameter (buffers such as BatchNorm statistics,
+    which a forward changes) replaced by a copy taken now; parameters stay shared for staging."""
+    params = {local_shard(p).data_ptr() for p in model.parameters()}
+    return {
+        key: value.detach().clone()
+        if isinstance(value, torch.Tensor) and local_shard(value).data_ptr() not in params
+        else value
+        for key, value in model_sd.items()
+    }
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor

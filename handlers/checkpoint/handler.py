@@ -23,7 +23,7 @@ from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
 
-__all__ = ["CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
+__all__ = ["CAPTURE", "CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
 
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 
@@ -33,6 +33,9 @@ _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 RESUME = Priority.RESTORE
 #: STEP_END: save when asked, the first act, once the step's metrics and validation are in.
 CHECKPOINT = Priority.ACT
+#: STEP_END: this rank's state (handlers, counters, RNG, data position) for the save started at
+#: CHECKPOINT, taken once every handler of the step has run, so it holds what they did at this step.
+CAPTURE = Priority.CLEANUP
 #: BEFORE_OPTIMIZER_STEP: wait until staging is done, after every handler that may veto the step and
 #: right before the optimizer changes the parameters being staged.
 STAGING_WAIT = Priority.CLEANUP
@@ -181,6 +184,7 @@ class AsyncCheckpointer(Handler):
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=STAGING_WAIT)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
+        trainer.add_event_handler(Events.STEP_END, self._capture_due, priority=CAPTURE)
         # whether every rank's save in flight is durable travels in the trainer's step agreement
         trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=RESUME)
@@ -223,6 +227,7 @@ class AsyncCheckpointer(Handler):
             self._start_save(0)
 
     def _on_step_start(self) -> None:
+        self._capture_due()  # a step that ended on a handled error skipped CAPTURE
         self.trainer.state.times["checkpoint"] = 0.0
 
     def _wait_staged(self) -> None:
@@ -254,8 +259,17 @@ class AsyncCheckpointer(Handler):
         if self._writer.inflight is not None and (all_done or want) and not hold:
             self._finish(wait=not all_done)
         if want:
-            self._start_save(step)
+            self._start_save(step, capture=False)  # the rank state once the step's handlers ran
         self._add_blocked(time.perf_counter() - start)
+
+    def _capture_due(self) -> None:
+        """The save started at this step's CHECKPOINT gets this rank's state, now that every
+        handler of the step has run; in ``mode="sync"`` it is then published."""
+        if not self._writer.state_due:
+            return
+        self._writer.write_state(self._capture(self._writer.inflight.step))
+        if self.mode == AsyncMode.SYNC:
+            self._finish(wait=False)
 
     def _save_pending(self) -> bool:
         """This rank's vote in the step agreement: its save in flight is not yet durable."""
@@ -278,6 +292,8 @@ class AsyncCheckpointer(Handler):
             self._wait_local()
 
     def _on_exception(self, _error: BaseException) -> None:
+        if self._writer.state_due:  # the step failed before its state was taken: never publish it
+            self._writer.write_state(None)
         self._wait_local()
 
     def _on_rollback(self) -> None:
@@ -347,22 +363,28 @@ class AsyncCheckpointer(Handler):
         watchdog = getattr(self.trainer, "watchdog", None) if self.trainer is not None else None
         return watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
 
-    def _start_save(self, step: int) -> None:
-        if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
-            self._finish(wait=True)
+    def _capture(self, step: int) -> dict[str, Any]:
         try:
-            extra = self._state.capture(step)
+            return self._state.capture(step)
         except Exception as e:  # e.g. a handler's state_dict() holds something JSON cannot carry
             raise CheckpointError(f"cannot save step {step}: {type(e).__name__}: {e}") from e
+
+    def _start_save(self, step: int, capture: bool = True) -> None:
+        if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
+            self._finish(wait=True)
+        extra = self._capture(step) if capture else None
         state = self.trainer.state
         metrics = self._store.ranking_metric(state.metrics, state.iteration)
         self._writer.start(step, self.trainer.model, self.trainer.optimizer, extra, metrics)
         self.last_saved_step = step
-        if self.mode == AsyncMode.SYNC:
+        if capture and self.mode == AsyncMode.SYNC:
             self._finish(wait=False)
 
     def _finish(self, wait: bool) -> None:
         """Publish the save in flight once every rank's write is durable (collective)."""
+        self._capture_due()
+        if self._writer.inflight is None:  # published by the capture (mode="sync")
+            return
         save = self._writer.finish(wait)
         self.last_checkpoint = save.final
         self.trainer.state.last_checkpoint = save.final

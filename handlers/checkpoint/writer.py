@@ -25,9 +25,11 @@ from hookloop.engine.checkpoint_io import CheckpointError
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
+    copy_buffers,
     last_line,
     quiet_single_process,
     reraise_interrupt,
+    trained_entries,
 )
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
@@ -133,6 +135,7 @@ class CheckpointWriter:
         self.wait_timeout_s = wait_timeout_s
         self._long_wait = long_wait
         self.inflight: Save | None = None
+        self._state_slot: tuple[str, str, Future] | None = None  # a rank state JSON still to come
         #: DCP's stager (``mode="async"``), made at the first save; its host buffers are reused.
         self.stager: Any = None
 
@@ -153,17 +156,21 @@ class CheckpointWriter:
         step: int,
         model: torch.nn.Module,
         optimizer: Any,
-        extra: dict[str, Any],
+        extra: dict[str, Any] | None,
         metrics: dict[str, float],
     ) -> None:
         """Start saving ``step`` (no save may be in flight): this rank's state JSON ``extra`` and
-        the model and optimizer through DCP; ``metrics`` go into the marker."""
+        the model and optimizer through DCP; ``metrics`` go into the marker. ``extra`` None: the
+        state JSON comes later, through :meth:`write_state` (the save is not done before it)."""
         name = io.step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session.id}")
         own_state = f"rank_{parallel.rank():05d}.json"
         try:
             os.makedirs(partial, exist_ok=True)
-            if self.mode is AsyncMode.SYNC:
+            if extra is None:
+                rank_file: Future = Future()
+                self._state_slot = (partial, own_state, rank_file)
+            elif self.mode is AsyncMode.SYNC:
                 with self._long_wait():
                     rank_file = done_future(write_rank_file(partial, own_state, extra))
             else:  # two fsyncs that training need not wait for: beside the DCP write
@@ -174,9 +181,9 @@ class CheckpointWriter:
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-        checked = _trained_entries(model_sd, optim_sd, model)  # finite or not: the writer says
+        checked = trained_entries(model_sd, optim_sd, model)  # finite or not: the writer says
         if self.mode is AsyncMode.ASYNC:  # staged later, while the next forward may change buffers
-            model_sd = _copy_buffers(model_sd, model)
+            model_sd = copy_buffers(model_sd, model)
         state_dict = {"model": model_sd, "optim": optim_sd}
         # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
         writer = io.RecordingWriter(partial, parallel.rank(), checked=checked)
@@ -203,7 +210,10 @@ class CheckpointWriter:
                         _stage_then_write, stager, state_dict, staged, kwargs
                     )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
+            if self._state_slot is not None:
+                self._state_slot = None
+            else:
+                _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
             reraise_interrupt(e)
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {last_line(e)}; free space or fix permissions of "
@@ -215,6 +225,24 @@ class CheckpointWriter:
         self.inflight = Save(
             step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=metrics
         )
+
+    @property
+    def state_due(self) -> bool:
+        """The save in flight waits for this rank's state JSON (:meth:`write_state`)."""
+        return self._state_slot is not None
+
+    def write_state(self, extra: dict[str, Any] | None) -> None:
+        """Write the save in flight's rank state JSON ``extra`` (in the background unless
+        ``mode="sync"``); None abandons the save: it fails, and nothing publishes it."""
+        partial, name, future = self._state_slot
+        self._state_slot = None
+        if extra is None:
+            future.set_exception(RuntimeError("the step ended before its state was captured"))
+        elif self.mode is AsyncMode.SYNC:
+            with self._long_wait():
+                _fill(future, write_rank_file, partial, name, extra)
+        else:
+            self._session.io_thread().submit(_fill, future, write_rank_file, partial, name, extra)
 
     def _get_stager(self) -> Any:
         """DCP's stager, used on the writer thread only: it keeps the host buffers of the first save
@@ -376,42 +404,13 @@ def _stage_then_write(
         dcp.save(host, **kwargs)
 
 
-def _trained_entries(model_sd: dict[str, Any], optim_sd: dict[str, Any], model: torch.nn.Module) -> set[str]:
-    """The entries whose values decide whether a saved state is known-good, by the names DCP gives
-    them (``model.<param>``, ``optim.<key>``): the parameters and the optimizer's floating-point
-    state. Buffers are left out: a mask buffer may hold -inf on purpose."""
-    params = {_local(p).data_ptr() for p in model.parameters()}
-    entries = {
-        f"model.{key}"
-        for key, value in model_sd.items()
-        if isinstance(value, torch.Tensor) and _local(value).data_ptr() in params
-    }
-    entries.update(
-        f"optim.{key}"
-        for key, value in optim_sd.items()
-        if isinstance(value, torch.Tensor) and value.is_floating_point()
-    )
-    return entries
+def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - the save's owner reports it when it finishes the save
+        future.set_exception(e)
 
 
 def _wait_quietly(future: Future, timeout: float) -> None:
     with contextlib.suppress(Exception):  # the caller reports the error that matters
         future.result(timeout=timeout)
-
-
-def _copy_buffers(model_sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    """``model_sd`` with every tensor that is not a parameter (buffers such as BatchNorm statistics,
-    which a forward changes) replaced by a copy taken now; parameters stay shared for staging."""
-    params = {_local(p).data_ptr() for p in model.parameters()}
-    return {
-        key: value.detach().clone()
-        if isinstance(value, torch.Tensor) and _local(value).data_ptr() not in params
-        else value
-        for key, value in model_sd.items()
-    }
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), any other tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor

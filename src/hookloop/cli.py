@@ -93,14 +93,15 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.stdout.write(annotated_yaml(cfg))
             return 0
-        model = training.check(cfg)
+        checked = training.check(cfg)
     except ConfigError as e:
         training.report_config_error(e)
         return 2
     if args.command == "check":
-        print(f"config ok: {args.config} (model {model.target}, run directory {cfg.train.run_dir})")
+        own = f", {len(checked.handlers)} handler(s) of its own" if checked.handlers else ""
+        print(f"config ok: {args.config} (model {checked.target}{own}, run directory {cfg.train.run_dir})")
         return 0
-    return training.train(cfg, model)
+    return training.train(cfg, checked=checked)
 
 
 def train_script(default_config: str | os.PathLike, argv: list[str] | None = None) -> int:

@@ -1,0 +1,312 @@
+"""A run wired from its config: :func:`build` makes everything ``hookloop train`` trains with, and
+:class:`Run` holds it, ready to inspect, extend with hooks, and run.
+
+::
+
+    from hookloop.train import build, load_training_config
+
+    cfg = load_training_config("my_run.yaml")
+    with build(cfg, handlers=[MyHook()]) as run:     # nothing has trained yet
+        run.trainer.on(Events.STEP_END(every=50))(lambda: print(run.trainer.state.loss))
+        exit_code = run.run()                         # the lifecycle of `hookloop train`
+
+The order is the one ``hookloop train`` has always had: the data (before any process group, so a
+data factory's error costs nothing), the process group and device mesh, the run directory and its
+``config.yaml``, the model (tensor parallel, activation checkpointing, compile, then the pipeline
+split or the data-parallel wrapper), the optimizer and LR schedule, the trainer, the shipped
+handlers the config enables, the config's ``handlers:`` entries, then the ``handlers`` given here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookloop.engine import (
+    ConfigError,
+    Events,
+    ExitCode,
+    Trainer,
+    TrainingAborted,
+    build_lr_scheduler,
+    init_distributed,
+    wrap_data_parallel,
+)
+from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
+from hookloop.engine.compile import compile_mode, compile_model
+from hookloop.engine.data import SampleTrace
+from hookloop.engine.parallel import DistInfo, destroy_distributed, parallel_mesh
+from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+from hookloop.engine.tensor_parallel import apply_tensor_parallel
+from hookloop.handlers import Priority, attach_handlers
+from hookloop.recipe import ResolvedModel
+from hookloop.run_data import build_data
+from hookloop.training_config import Checked, check, save_config
+
+__all__ = ["Run", "build", "build_optimizer"]
+
+logger = logging.getLogger("hookloop.train")
+
+
+def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the ``optimizer`` section names, over ``model``'s parameters."""
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def nan_injecting_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], bad: set[int], state_of: Callable[[], Any]
+) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` whose loss is NaN for the microbatches in ``bad`` (by ``microbatches_seen``,
+    which is the running microbatch's 0-based index while its loss is computed)."""
+
+    def loss(output: Any, targets: Any) -> torch.Tensor:
+        value = loss_fn(output, targets)
+        if torch.is_grad_enabled() and state_of().microbatches_seen in bad:  # training, not validation
+            value = value * float("nan")
+        return value
+
+    return loss
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a config's run trains with, built and attached, nothing run yet.
+
+    ``trainer`` is the :class:`~engine.Trainer` (model wrapped for the layout, optimizer, LR
+    schedule, shipped handlers and the given ones attached); ``model`` is the module it trains
+    (DDP/FSDP2-wrapped, or this rank's pipeline stages); ``handlers`` are every attached handler in
+    attach order. :meth:`run` trains with the lifecycle, exit codes and ``exit_status.json`` of
+    ``hookloop train``. A run holds the process group: leave it with :meth:`close` (or use the run
+    as a context manager).
+    """
+
+    config: Any
+    trainer: Trainer
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    train_loader: Any
+    val_loader: Any
+    sampler: Any
+    handlers: list[Any]
+    resolved: ResolvedModel
+    dist: DistInfo
+    run_dir: Path
+    dp_size: int
+    dp_rank: int
+    n_params: int  # of the whole model, before any split
+    _start: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
+
+    def run(self) -> int:
+        """Train to the config's end (or resume and finish); return the exit code
+        (:class:`~engine.ExitCode`: 0 finished, 75 stopped and resumable, 76 NaN give-up, 77 lost
+        peer, 2 a config error found while running, 130 a second Ctrl-C)."""
+        trainer = self.trainer
+        try:
+            state = trainer.run(self.train_loader)
+        except ConfigError as e:  # a setting only the running trainer can check (e.g. the data)
+            if self.dist.is_main:
+                print(f"config error: {e}", file=sys.stderr)
+            return 2
+        except TrainingAborted as e:  # NaN give-up (76), failed health check or lost peer (77), ...
+            print(f"stopped: {e} (exit code {e.exit_code}: {ExitCode(e.exit_code).name})", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
+            return 130
+        code = int(state.exit_code)
+        if self.dist.is_main:
+            meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
+            trained = f"loss {state.loss:.4f}" if state.step > self._start[0] else "no step left to train"
+            print(f"done: step {state.step}, {trained}, exit code {code} ({meaning})", flush=True)
+        return code
+
+    def close(self) -> None:
+        """Leave the process group (after the checkpoints are drained: :meth:`run` drains them)."""
+        destroy_distributed()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _log_summary(run: Run) -> None:
+    """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
+    resumes (so it runs at a priority below ``Priority.RESUME``)."""
+    trainer, state, cfg = run.trainer, run.trainer.state, run.config
+    if state.iteration > 0 and state.last_checkpoint:
+        start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
+    else:
+        start = "fresh (step 0)"
+    handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
+    n_params = run.n_params
+    tp, pp = cfg.distributed.tp_size, cfg.distributed.pp_size
+    logger.info("model: %s, %s parameters", run.resolved.target, f"{n_params:,}")
+    logger.info(
+        "world size %d (dp %d x tp %d x pp %d), precision %s",
+        run.dist.world_size, run.dp_size, tp, pp, cfg.train.precision,
+    )  # fmt: skip
+    logger.info("run directory: %s", trainer.run_dir)
+    logger.info("start: %s", start)
+    logger.info("handlers: %s", handlers)
+
+
+def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = None) -> Run:
+    """Build the run ``cfg`` (a :data:`~hookloop.train.TrainingConfig`) describes, with
+    ``handlers`` (objects with ``attach(trainer)``) attached after the config's own; nothing is
+    trained. Raises :class:`ConfigError` naming the field; a config error found here (by
+    :func:`~hookloop.train.check`, the data or a handler's constructor) leaves no process group
+    behind. ``checked`` is :func:`~hookloop.train.check`'s result, when the caller has it."""
+    checked = checked or check(cfg)
+    recipe = checked.model.recipe
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
+    # one replica share it. Built before the process group: a data error costs nothing.
+    dp, dp_rank = world // (tp * pp), rank // (tp * pp)
+    data = build_data(cfg, dp_rank, dp, recipe.collate_fn)
+    info = init_distributed(
+        cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **parallel_mesh(world, tp, pp)
+    )
+    try:
+        return _build(cfg, checked, info, data, dp, dp_rank, list(handlers))
+    except BaseException:
+        destroy_distributed()
+        raise
+
+
+def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_rank: int, extra: list) -> Run:
+    resolved, recipe = checked.model, checked.model.recipe
+    pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
+    run_dir = Path(cfg.train.run_dir)
+    if info.is_main:
+        save_config(cfg, run_dir)
+    device = torch.device(cfg.train.device) if cfg.train.device else info.device
+    model = resolved.build()
+    flops_per_token = resolved.flops_per_token(model, cfg)  # of the whole model, before any split
+    model = model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    # Tensor parallelism (without a pipeline; each stage's part is parallelized after the split),
+    # activation checkpointing, then compile, all in place (state-dict keys unchanged) and before
+    # the pipeline split or the data-parallel wrapper, as torchtitan orders them.
+    tp_mesh = info.mesh_dim("tp") if tp > 1 else None
+    if tp_mesh is not None and pp == 1:
+        apply_tensor_parallel(
+            model,
+            tp_mesh,
+            recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
+            loss_parallel=cfg.distributed.loss_parallel,
+        )
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if compile_mode(cfg.train.compile) is not None:
+        compile_model(model, cfg.train.compile)
+    runtime = None
+    if pp > 1:  # this rank's pipeline stages, wrapped for data parallel across replicas
+        runtime = build_pipeline(
+            model,
+            PipelineConfig.from_section(cfg.pipeline),
+            info,
+            recipe.loss_fn,
+            dp_mode=cfg.distributed.dp_mode,
+            tp_plan=recipe.tp_plan,
+            sequence_parallel=cfg.distributed.sequence_parallel,
+        )
+        model = runtime.module
+    else:
+        fsdp_precision = cfg.train.precision if cfg.distributed.dp_mode == "fsdp" else None
+        dp_mesh = info.mesh_dim("dp") if tp_mesh is not None else info.mesh
+        model = wrap_data_parallel(
+            model, cfg.distributed.dp_mode, mesh=dp_mesh, mixed_precision=fsdp_precision
+        )
+    loss_fn = recipe.loss_fn
+    if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
+        loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
+    optimizer = build_optimizer(cfg, model)
+    lr_scheduler = build_lr_scheduler(
+        optimizer, **dataclasses.asdict(cfg.lr), decay_steps_default=cfg.lr_decay_steps_default
+    )
+    trainer = Trainer(
+        model,
+        optimizer,
+        loss_fn,
+        lr_scheduler=lr_scheduler,
+        grad_clip_norm=cfg.train.grad_clip_norm,
+        device=device,
+        pipeline=runtime,
+        run_dir=run_dir,
+        hang_timeout_s=cfg.distributed.hang_timeout_s,
+        precision=cfg.train.precision,
+        tp_mesh=tp_mesh,
+        loss_parallel=cfg.distributed.loss_parallel,
+    )
+    # Every enabled shipped handler, built from its section and attached in handlers.HANDLER_ORDER
+    # (the step scheduler, checkpoints, the NaN detector, the curriculum, metrics, loggers,
+    # profiler, health and straggler checks), then the config's handlers: entries, then ``extra``.
+    attached = attach_handlers(
+        trainer,
+        cfg,
+        extra=extra,
+        dataloader=data.train,
+        dp_size=dp,
+        sampler=data.sampler,
+        run_dir=run_dir,
+        flops_per_token=flops_per_token,
+    )
+    if cfg.data.trace_samples:  # one file per data-parallel rank, by the replica's first rank
+        SampleTrace(
+            run_dir, data.train, rank=dp_rank, world_size=dp, write=info.rank % (tp * pp) == 0
+        ).attach(trainer)
+    if data.val is not None:
+        trainer.set_validation(data.val)
+    run = Run(
+        config=cfg,
+        trainer=trainer,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        train_loader=data.train,
+        val_loader=data.val,
+        sampler=data.sampler,
+        handlers=attached,
+        resolved=resolved,
+        dist=info,
+        run_dir=run_dir,
+        dp_size=dp,
+        dp_rank=dp_rank,
+        n_params=n_params,
+    )
+
+    def note_start() -> None:  # the step this process starts at, once the checkpointer has resumed
+        run._start[0] = trainer.state.iteration
+        if info.is_main:
+            _log_summary(run)
+
+    trainer.add_event_handler(Events.TRAIN_START, note_start, priority=Priority.RESUME - 1)
+    return run
