@@ -1,30 +1,34 @@
-"""Three hooks a user writes, each with an effect that happens in this run (seconds on a CPU).
+"""Hooks of your own on the front door: ``hookloop train`` attaches them from the config's
+``handlers:`` list next to the shipped checkpoints, logging and NaN rollback (a minute on 2 CPU
+cores, from the repository root)::
 
-    python examples/custom_hooks.py
-    python examples/custom_hooks.py grad_norms.every=5 early_stop.patience=4 train.run_dir=runs/hooks
+    python examples/custom_hooks.py            # = hookloop train examples/configs/custom_hooks.yaml
+    hookloop train examples/configs/custom_hooks.yaml handlers.0.every=5 train.run_dir=runs/hooks
 
-1. ``LayerGradNorms``, on ``BEFORE_OPTIMIZER_STEP`` every ``grad_norms.every`` steps: the gradient
-   norm of each layer (embeddings, every block, the head), printed and appended to
-   ``<run_dir>/grad_norms.jsonl``. At this event the gradients are reduced but not yet clipped, so
-   the layer norms sum in quadrature to ``state.grad_norm``, the norm before clipping.
-2. Early stopping on validation loss: ignite's own ``EarlyStopping`` on ``Events.VALIDATION_END``.
-   It calls ``trainer.terminate()``, a stop every data-parallel rank takes after the same step.
-3. A hook firing its own event: ``PlateauDetector`` registers ``PlateauEvents.PLATEAU`` and fires
-   it with ``trainer.fire(...)`` when the validation loss stops improving; ``HalveLROnPlateau``, a
-   separate handler that knows nothing about the detector, reacts by halving the learning rate.
+1. ``LayerGradNorms``, on ``BEFORE_OPTIMIZER_STEP`` every ``every`` steps: the gradient norm of each
+   layer (embeddings, every block, the head), printed and appended to ``<run_dir>/grad_norms.jsonl``.
+   At this event the gradients are reduced but not yet clipped, so the layer norms sum in
+   quadrature to ``state.grad_norm``, the norm before clipping.
+2. ``PlateauDetector`` registers ``PlateauEvents.PLATEAU`` and fires it with ``trainer.fire(...)``
+   when the validation loss stops improving; ``HalveLROnPlateau``, a separate handler that knows
+   nothing about the detector, reacts by halving the learning rate (the LR schedule's too, so the
+   halving is in the checkpoint). The detector is stateful: its best loss and count are in every
+   checkpoint, and a resumed run goes on counting.
+3. ``early_stop``: ignite's own ``EarlyStopping`` on ``Events.VALIDATION_END``, built by a factory
+   that names the ``trainer`` it needs; its ``terminate()`` is a stop every rank takes after the
+   same step, and its counters resume with the run too.
 
-The detector is a stateful ``hookloop.Handler`` with its own config section (a dataclass whose
-``validate`` holds the only copy of its rules); ``compose_config`` adds the sections to the run
-config, so ``plateau.patience=3`` works on the command line and is validated like a shipped
-section (see docs/writing_handlers.md). Validation runs every ``step_scheduler.val_every_steps``
-steps.
+Each class with a ``Config`` dataclass has its arguments validated like a shipped section
+(``hookloop check examples/configs/custom_hooks.yaml handlers.1.patience=0`` names
+``handlers[1].patience``); the others are checked against their signatures. The data is
+``small_docs``: 192 windows of the standard library's documentation, of which the model overfits
+the first 128, so the validation loss levels off and then rises: what the hooks watch for.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +36,32 @@ from typing import Any
 import torch
 from ignite.engine import EventEnum
 from ignite.handlers import EarlyStopping
+from torch.utils.data import Dataset
 
-from hookloop import ConfigError, Events, Handler, Trainer, check_int, check_number
-from hookloop.engine.data import TokenDataset, prepare_tokens, stdlib_docs_text
-from hookloop.handlers import compose_config, load_run_config
-from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from hookloop import Events, Handler, Priority, Trainer, check_int, check_number
+from hookloop.engine.data import stdlib_docs_text
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "custom_hooks.yaml"
+
+
+class Windows(Dataset):
+    """Byte windows of a text: ``(input_ids, labels)``, labels shifted by one."""
+
+    def __init__(self, text: str, seq_len: int) -> None:
+        self.ids = torch.tensor(list(text.encode()), dtype=torch.long)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.ids) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.ids[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+def small_docs(seq_len: int, windows: int = 192) -> Windows:
+    """The data (``data.target``): the first ``windows`` windows of the documentation."""
+    return Windows(stdlib_docs_text()[: windows * seq_len + 1], seq_len)
 
 
 # ------------------------------------------------------------------ 1. per-layer gradient norms
@@ -53,18 +78,29 @@ class GradNormsConfig:
 
 class LayerGradNorms(Handler):
     """Every ``every`` steps, the gradient norm of each top-level layer (``blocks.3`` counts as one),
-    measured before clipping; printed and appended to ``path`` (JSON lines) when given."""
+    measured before clipping; printed, and appended to ``<run_dir>/grad_norms.jsonl`` when given."""
 
     Config = GradNormsConfig
     section = "grad_norms"
 
-    def __init__(self, every: int = 25, path: str | Path | None = None) -> None:
+    def __init__(self, every: int = 25, run_dir: str | Path | None = None) -> None:
         GradNormsConfig(every=every).validate(prefix="LayerGradNorms")
-        self.every, self.path = every, Path(path) if path is not None else None
+        self.every = every
+        self.path = Path(run_dir) / "grad_norms.jsonl" if run_dir is not None else None
 
     def attach(self, trainer: Trainer) -> LayerGradNorms:
+        trainer.add_event_handler(Events.TRAIN_START, self.forget_undone, priority=Priority.OBSERVE)
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP(every=self.every), self.report)
         return super().attach(trainer)
+
+    def forget_undone(self, trainer: Trainer) -> None:
+        """A resumed run trains again the steps after its checkpoint: drop their old lines."""
+        if self.path is None or not self.path.exists():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line)["step"] <= trainer.state.step]
+        if len(kept) != len(rows):
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def report(self, trainer: Trainer) -> None:
         squares: dict[str, float] = {}
@@ -82,7 +118,7 @@ class LayerGradNorms(Handler):
                 f.write(json.dumps({"step": step, "grad_norm": total, "layers": norms}) + "\n")
 
 
-# ------------------------------------------------------------------ 3. a hook firing its own event
+# ------------------------------------------------------------------ 2. a hook firing its own event
 class PlateauEvents(EventEnum):
     """This example's own event; ``plateaus`` on the state counts its firings (filters read it)."""
 
@@ -142,7 +178,8 @@ class PlateauDetector(Handler):
 
 
 class HalveLROnPlateau:
-    """Reacts to ``PlateauEvents.PLATEAU``: halve every parameter group's learning rate."""
+    """Reacts to ``PlateauEvents.PLATEAU``: halve every parameter group's learning rate, and the LR
+    schedule's base rates (the schedule sets the rate at every step; its state is checkpointed)."""
 
     def attach(self, trainer: Trainer) -> HalveLROnPlateau:
         trainer.add_event_handler(PlateauEvents.PLATEAU, self.halve)
@@ -153,6 +190,9 @@ class HalveLROnPlateau:
         before = groups[0]["lr"]
         for group in groups:
             group["lr"] *= 0.5
+        schedule = trainer.lr_scheduler
+        if schedule is not None:
+            schedule.base_lrs = [lr * 0.5 for lr in schedule.base_lrs]
         trainer.state.lr = groups[0]["lr"]
         print(
             f"step {trainer.state.step:4d} plateau #{trainer.state.plateaus} "
@@ -161,106 +201,38 @@ class HalveLROnPlateau:
         )
 
 
-# ------------------------------------------------------------------ 2. early stop (ignite's own)
-@dataclass
-class EarlyStopConfig:
-    """The ``early_stop`` section: ignite ``EarlyStopping`` on the validation loss."""
+# ------------------------------------------------------------------ 3. early stop (ignite's own)
+class OnEvent:
+    """Attach an ignite handler (a callable taking the engine) to one event; its state, when it has
+    one (``EarlyStopping`` does), is checkpointed with the run."""
 
-    enabled: bool = True
-    patience: int = 3
-    min_delta: float = 0.02
+    def __init__(self, event: Any, handler: Any) -> None:
+        self.event, self.handler = event, handler
+        self.state_key = type(handler).__name__
 
-    def validate(self, prefix: str = "early_stop") -> None:
-        check_int(f"{prefix}.patience", self.patience, hint="validations without improvement")
-        check_number(f"{prefix}.min_delta", self.min_delta, low=0, hint="the smallest loss drop that counts")
+    def attach(self, trainer: Trainer) -> None:
+        trainer.add_event_handler(self.event, self.handler)
 
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.handler.state_dict())
 
-ExampleConfig = compose_config(grad_norms=GradNormsConfig, plateau=PlateauConfig, early_stop=EarlyStopConfig)
-DEFAULTS = [
-    "train.run_dir=runs/custom_hooks",
-    "train.seq_len=32",
-    "step_scheduler.max_steps=400",
-    "step_scheduler.val_every_steps=20",
-    "optimizer.lr=0.003",
-]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.handler.load_state_dict(state)
 
 
-def token_file(cache_dir: Path) -> Path:
-    path = cache_dir / "stdlib_docs.u8"
-    if not path.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        prepare_tokens([stdlib_docs_text()], path)
-    return path
-
-
-def main(argv: list[str]) -> int:
-    try:
-        cfg = load_run_config(None, [*DEFAULTS, *argv], schema=ExampleConfig)
-        if cfg.step_scheduler.val_every_steps is None:
-            raise ConfigError("step_scheduler.val_every_steps", "is null: the hooks react to validation")
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    torch.manual_seed(cfg.train.seed)
-    torch.set_num_threads(cfg.train.num_threads or 1)  # a model this small runs fastest on one thread
-    run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "grad_norms.jsonl").unlink(missing_ok=True)
-    tokens = TokenDataset(token_file(Path(cfg.data.cache_dir)), cfg.train.seq_len)
-    # A small training slice (about 4k tokens) that the model overfits within a few hundred steps:
-    # the validation loss levels off, then rises, which is what the hooks below watch for.
-    n_train, n_val = 128, 64
-    train_set = torch.utils.data.Subset(tokens, range(n_train))
-    val_set = torch.utils.data.Subset(tokens, range(len(tokens) - n_val, len(tokens)))
-    loader = torch.utils.data.DataLoader(
-        train_set, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(cfg.train.seed)
+def early_stop(trainer: Trainer, patience: int = 3, min_delta: float = 0.02) -> OnEvent:
+    """ignite's ``EarlyStopping`` on the validation loss (a higher score is better: the negated loss)."""
+    stopper = EarlyStopping(
+        patience=patience,
+        score_function=lambda engine: -engine.state.metrics["val_loss"],
+        trainer=trainer,
+        threshold=min_delta,
     )
-    model = GPT(GPTConfig(seq_len=cfg.train.seq_len, n_layers=2, d_model=64, n_heads=4))
-    trainer = Trainer(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr),
-        cross_entropy_loss,
-        grad_accum_steps=2,
-        grad_clip_norm=cfg.train.grad_clip_norm,
-    )
-    trainer.set_validation(
-        torch.utils.data.DataLoader(val_set, batch_size=16),
-        every_steps=cfg.step_scheduler.val_every_steps,
-    )
-
-    @trainer.on(Events.VALIDATION_END)
-    def show(engine: Trainer) -> None:
-        print(f"step {engine.state.step:4d} val_loss {engine.state.metrics['val_loss']:.4f}")
-
-    # 1. per-layer gradient norms (None when grad_norms.enabled=false)
-    norms = LayerGradNorms.from_config(cfg.grad_norms, path=run_dir / "grad_norms.jsonl")
-    if norms is not None:
-        norms.attach(trainer)
-    # 3. the detector fires PLATEAU; a separate handler reacts to it
-    detector = PlateauDetector.from_config(cfg.plateau)
-    if detector is not None:
-        detector.attach(trainer)
-        HalveLROnPlateau().attach(trainer)
-    # 2. ignite's EarlyStopping, unchanged: a higher score is better, so score the negated loss
-    if cfg.early_stop.enabled:
-        stopper = EarlyStopping(
-            patience=cfg.early_stop.patience,
-            score_function=lambda engine: -engine.state.metrics["val_loss"],
-            trainer=trainer,
-            threshold=cfg.early_stop.min_delta,
-        )
-        trainer.add_event_handler(Events.VALIDATION_END, stopper)
-
-    max_steps = cfg.step_scheduler.max_steps
-    state = trainer.run(loader, max_steps=max_steps)
-    how = f"stopped early: {state.stop_reason}" if state.step < max_steps else "reached max_steps"
-    print(
-        f"finished at step {state.step} of {max_steps} ({how}); plateaus: {getattr(state, 'plateaus', 0)}; "
-        f"final lr {trainer.optimizer.param_groups[0]['lr']:.2e}; "
-        f"val_loss {state.metrics.get('val_loss', float('nan')):.4f}"
-    )
-    return 0
+    return OnEvent(Events.VALIDATION_END, stopper)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from hookloop.cli import train_script
+    from hookloop.engine.parallel import exit_process
+
+    exit_process(train_script(DEFAULT_CONFIG))

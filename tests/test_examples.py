@@ -85,17 +85,18 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert proc.returncode == 2 and "model.d_model" in proc.stderr
 
 
-def test_custom_hooks_example_each_hook_acts(tmp_path):
-    """The three hooks of examples/custom_hooks.py each do what they are for in the demo run:
-    per-layer gradient norms that add up to state.grad_norm, a custom event fired and answered
-    (the learning rate halves), and an early stop before max_steps."""
+def test_custom_hooks_example_each_hook_acts_and_resumes(tmp_path):
+    """The three hooks of examples/custom_hooks.py, attached by the config's handlers: list, each
+    do what they are for in the demo run: per-layer gradient norms that add up to state.grad_norm,
+    a custom event fired and answered (the learning rate halves), and an early stop before
+    max_steps. Run again, it resumes, and the early stop's restored counters stop it at the next
+    validation (fresh counters would need three more)."""
     script = REPO / "examples" / "custom_hooks.py"
     run_dir = tmp_path / "run"
     # Clipping on (the config's 1.0): BEFORE_OPTIMIZER_STEP sees the gradients before clipping.
-    args = [f"train.run_dir={run_dir}", f"data.cache_dir={tmp_path / 'data'}"]
-    proc = run_process([sys.executable, str(script), *args], cwd=tmp_path, timeout=300)
+    proc = run_process([sys.executable, str(script), f"train.run_dir={run_dir}"], cwd=REPO, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out, err = proc.stdout, proc.stderr
     # 1. per-layer norms every 25 steps, summing in quadrature to the total norm
     rows = [json.loads(line) for line in (run_dir / "grad_norms.jsonl").read_text().splitlines()]
     assert rows and [r["step"] for r in rows] == list(range(25, 25 * len(rows) + 1, 25))
@@ -104,20 +105,26 @@ def test_custom_hooks_example_each_hook_acts(tmp_path):
         total = sum(n * n for n in row["layers"].values()) ** 0.5
         assert total == pytest.approx(row["grad_norm"], rel=1e-5), row
     assert "grad norms: tok_emb" in out
-    # 3. the detector fired its own event and the other handler halved the learning rate
+    # 2. the detector fired its own event and the other handler halved the learning rate
     halvings = [line for line in out.splitlines() if " plateau #" in line]
     assert halvings and "lr 3.00e-03 -> 1.50e-03" in halvings[0], out
-    # 2. EarlyStopping ended the run before max_steps
-    final = out.strip().splitlines()[-1]
-    assert final.startswith("finished at step ") and "of 400 (stopped early: " in final, final
-    assert int(final.split()[3]) < 400 and "EarlyStopping" in final, final
-    assert f"plateaus: {len(halvings)}" in final
+    # 3. EarlyStopping ended the run before max_steps, with a final checkpoint
+    stop = [line for line in err.splitlines() if "stopping after step" in line]
+    assert len(stop) == 1 and "terminate() called by EarlyStopping" in stop[0], err[-2000:]
+    step = int(stop[0].split("stopping after step ")[1].split(":")[0])
+    assert step < 400 and step % 20 == 0 and (run_dir / f"checkpoints/step_{step:08d}").is_dir()
+    assert f"done: step {step}, " in out
+    again = run_process([sys.executable, str(script), f"train.run_dir={run_dir}"], cwd=REPO, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_{step:08d} (step {step})" in again.stderr
+    assert f"stopping after step {step + 20}: terminate() called by EarlyStopping" in again.stderr
 
 
 def test_custom_hooks_settings_are_validated(tmp_path):
     script = REPO / "examples" / "custom_hooks.py"
-    proc = run_process([sys.executable, str(script), "plateau.patience=0"], cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("config error: plateau.patience"), proc.stderr
+    proc = run_process([sys.executable, str(script), "handlers.1.patience=0"], cwd=REPO, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: handlers[1].patience: must be an integer >= 1"), proc.stderr
 
 
 @pytest.mark.slow

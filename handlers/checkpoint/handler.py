@@ -292,8 +292,12 @@ class AsyncCheckpointer(Handler):
             self._wait_local()
 
     def _on_exception(self, _error: BaseException) -> None:
-        if self._writer.state_due:  # the step failed before its state was taken: never publish it
-            self._writer.write_state(None)
+        if self._writer.state_due:  # the step failed after its save started: its state as it is
+            try:
+                extra = self._state.capture(self._writer.inflight.step)
+            except Exception:  # noqa: BLE001 - already failing: then the save is never published
+                extra = None
+            self._writer.write_state(extra)
         self._wait_local()
 
     def _on_rollback(self) -> None:
