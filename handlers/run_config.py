@@ -169,7 +169,8 @@ class RunConfig:
         ckpt = self.checkpoint
         if ckpt.enabled and ckpt.keep_best:
             produced = self.produced_metrics()
-            if ckpt.metric not in produced:
+            # The run's own handlers may publish it: check_ranked_metric decides once they resolve.
+            if ckpt.metric not in produced and not self.handlers:
                 why = (
                     " (val_loss needs validation: data.val_fraction > 0 and step_scheduler.val_every_steps "
                     "or ckpt_every_steps)"
@@ -181,6 +182,22 @@ class RunConfig:
                     f"{ckpt.metric!r} is not a metric this run produces{why}; checkpoint.keep_best ranks "
                     f"by one of: {', '.join(sorted(produced))}",
                 )
+
+    def check_ranked_metric(self, publishers: Sequence[Any]) -> None:
+        """``checkpoint.metric`` (with ``keep_best``) is produced by the shipped sections or
+        declared by one of ``publishers`` (the factories of the ``handlers:`` entries) in its
+        ``publishes`` attribute, a list of the ``state.metrics`` names it writes."""
+        ckpt = self.checkpoint
+        if not (ckpt.enabled and ckpt.keep_best) or ckpt.metric in self.produced_metrics():
+            return
+        declared = {name for factory in publishers for name in getattr(factory, "publishes", ())}
+        if ckpt.metric not in declared:
+            raise ConfigError(
+                "checkpoint.metric",
+                f"{ckpt.metric!r} is not a metric this run produces; checkpoint.keep_best ranks by one of: "
+                f"{', '.join(sorted(self.produced_metrics() | declared))} (a handler of yours that writes "
+                "state.metrics[name] says so with publishes = ('name',))",
+            )
 
     def produced_metrics(self) -> set[str]:
         """The ``state.metrics`` entries this configuration publishes that can rank checkpoints

@@ -99,6 +99,7 @@ class StepCounter(Handler):
     """Counts the steps it saw; its count is checkpointed, so a resumed run continues it."""
 
     Config = StepCounterConfig
+    publishes = ("steps_counted",)  # what it writes into state.metrics: checkpoint.metric may rank by it
 
     def __init__(self, every: int = 1, run_dir: str = ".") -> None:
         self.every, self.run_dir, self.seen = every, Path(run_dir), 0
@@ -110,6 +111,7 @@ class StepCounter(Handler):
 
     def _count(self) -> None:
         self.seen += 1
+        self.trainer.state.metrics["steps_counted"] = self.seen
 
     def _write(self) -> None:
         out = {"seen": self.seen, "step": self.trainer.state.step}
@@ -239,6 +241,14 @@ def test_check_names_the_handler_entry_or_data_argument_at_fault(in_project, ove
     with pytest.raises(ConfigError) as e:
         check(config(*overrides))
     assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_checkpoints_rank_by_a_metric_a_handler_of_the_run_publishes(in_project):
+    best = ["checkpoint.keep_best=1", "checkpoint.metric_mode=max"]
+    check(config(*best, "checkpoint.metric=steps_counted"))  # StepCounter.publishes names it
+    with pytest.raises(ConfigError) as e:
+        check(config(*best, "checkpoint.metric=steps_seen"))
+    assert e.value.field == "checkpoint.metric" and "steps_counted" in str(e.value)
 
 
 def test_hookloop_check_exits_2_with_one_line_for_a_bad_handler_argument(project):

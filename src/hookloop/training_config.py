@@ -131,6 +131,8 @@ def check(cfg: Any) -> Checked:
     check_data(cfg)
     check_device(cfg)
     _check_layout(cfg, model)
+    if callable(getattr(cfg, "check_ranked_metric", None)):
+        cfg.check_ranked_metric([entry.factory for entry in entries])
     return Checked(model, tuple(entries))
 
 
