@@ -15,6 +15,9 @@ N_MB = 2  # microbatches per step
 MB = 2  # samples per microbatch on one data-parallel rank
 CLIP = 0.2  # small enough that every step clips: the norm must be the global one
 REL = 1e-5
+# The norm of gradients sharded over dp x tp is summed in another order than one process's; over 20
+# AdamW steps that drift reaches 2e-5 at one step (deterministic: the same value every run).
+REL_NORM = 5e-5
 GPT_ARGS = dict(n_heads=4)  # 2 layers, d_model 32, vocab 64, seq 16 (tests.conftest.tiny_gpt)
 
 
@@ -130,7 +133,7 @@ def _check(per_rank: list[dict], ref: dict) -> None:
     for rank, got in enumerate(per_rank):
         assert "DTensor" in got["param_kinds"], (rank, got["param_kinds"])
         assert got["loss"] == pytest.approx(ref["loss"], rel=REL), rank
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL), rank
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=REL_NORM), rank
         assert got["tokens"] == ref["tokens"], rank  # every token once: tokens/s and MFU are right
         assert min(got["grad_norm"]) > CLIP  # every step clipped
     covered: dict[str, torch.Tensor] = {}
