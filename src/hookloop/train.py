@@ -55,6 +55,7 @@ from hookloop.engine.data import (
 from hookloop.engine.parallel import destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT, apply_tensor_parallel
+from hookloop.engine.validation import build_metrics
 from hookloop.handlers import (
     Priority,
     RunConfig,
@@ -166,6 +167,7 @@ def check(cfg: Any) -> ResolvedModel:
     arguments, directories, checkpoint paths, data files, the device, and what the layout
     supports. Raises :class:`ConfigError` naming the field; creates nothing."""
     model = resolve_model(cfg)
+    build_metrics(cfg.validation)  # each validation metric's target and arguments
     check_run_paths(cfg)
     check_data_files(cfg)
     check_device(cfg)
@@ -444,7 +446,8 @@ def _train(cfg: Any, resolved: ResolvedModel, info: Any, pp: int) -> int:
             trainer
         )
     if val_loader is not None:
-        trainer.set_validation(val_loader)
+        metrics = build_metrics(cfg.validation)
+        trainer.set_validation(val_loader, metrics=metrics, dp_group=info.mesh_dim("dp"))
     start = [0]  # the step this process starts at, once the checkpointer has resumed
 
     def note_start() -> None:
