@@ -114,17 +114,13 @@ class ValidationConfig:
     """The ``validation`` section: ignite metrics computed over the validation data and published as
     ``state.metrics["val_<name>"]`` beside ``val_loss`` (logged by every logger, usable as
     ``checkpoint.metric``). Each is fed ``(model_output, targets)`` of every validation microbatch and
-    reduced over the data-parallel ranks only (see :mod:`engine.validation`)::
+    reduced over the data-parallel ranks only (see :mod:`engine.validation`). A ``val_accuracy`` to
+    keep checkpoints by wants ``checkpoint.metric_mode: max``."""
 
-        validation:
-          metrics:
-            accuracy: hookloop.engine:TokenAccuracy          # a Metric class or a factory
-            top5: {target: ignite.metrics:TopKCategoricalAccuracy, k: 5}
-    """
-
-    metrics: Dict[str, Any] = field(
-        default_factory=dict
-    )  # name -> Metric target or {target, args}: val_<name>
+    #: name -> the target of an ignite Metric class or factory (`ignite.metrics:Accuracy`,
+    #: `hookloop.engine:TokenAccuracy`, `my_metrics.py:build`), or `{target: ..., <its keyword
+    #: arguments>}`; published as `val_<name>`
+    metrics: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self, prefix: str = "validation") -> None:
         """Names and shapes; resolving the targets and checking their arguments is
