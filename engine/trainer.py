@@ -1033,7 +1033,7 @@ class Trainer(IgniteAdapter):
 
     def _maybe_validate(self) -> None:
         if self.validator.due():
-            self.validator.run()
+            self.validate()
 
     @property
     def evaluator(self) -> Engine:
