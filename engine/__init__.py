@@ -22,7 +22,9 @@ from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
+from hookloop.engine.token_accuracy import TokenAccuracy
 from hookloop.engine.trainer import Trainer, default_prepare_batch
+from hookloop.engine.validation import ValidationConfig, Validator, build_metrics
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "ExitCode",
     "HookloopError",
     "StepEvents",
+    "TokenAccuracy",
     "TrainState",
     "Trainer",
     "TrainingAborted",
@@ -73,6 +76,9 @@ __all__ = [
     "setup_logging",
     "lr_at",
     "validate_sections",
+    "ValidationConfig",
+    "Validator",
+    "build_metrics",
     "wrap_data_parallel",
 ]
 

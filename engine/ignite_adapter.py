@@ -21,6 +21,10 @@ these private hooks of ``ignite.engine.Engine``:
   starts the loop here.
 - ``every_event_filter``'s closure: a plain ``every=N`` filter is read as the number N so the
   registry can skip whole runs of filtered-out handlers with one modulo.
+- ``ignite.distributed.utils._model`` / ``_need_to_sync``: the computation model behind ``idist``,
+  which every ignite metric reduces through (``sync_all_reduce``, ``idist.all_reduce`` /
+  ``all_gather`` / ``broadcast``). :func:`ignite_world` points it at one process group for a block
+  (validation: the data-parallel ranks) through ignite's public ``ComputationModel`` base.
 
 ``tests/test_ignite_contract.py`` pins each behaviour relied on; ``setup.cfg`` bounds
 pytorch-ignite to the versions that test passes on (:data:`SUPPORTED_IGNITE`).
@@ -28,14 +32,18 @@ pytorch-ignite to the versions that test passes on (:data:`SUPPORTED_IGNITE`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping, MutableSequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from ignite.distributed.comp_models.base import ComputationModel
 from ignite.engine import Engine, Events
 from ignite.engine.events import CallableEventWithFilter
 
-__all__ = ["SUPPORTED_IGNITE", "IgniteAdapter", "base_event", "every_of"]
+__all__ = ["SUPPORTED_IGNITE", "IgniteAdapter", "base_event", "every_of", "ignite_world"]
 
 SUPPORTED_IGNITE = ">=0.5.5,<0.6"
 
@@ -242,3 +250,138 @@ class IgniteAdapter(Engine):
     def run_finished(self) -> bool:
         """Whether ignite regards the run as done (a later ``run()`` then starts afresh)."""
         return self._is_done(self.state) and self._internal_run_generator is None
+
+
+# ---------------------------------------------------------------------- ignite.distributed's world
+class GroupModel(ComputationModel):
+    """``idist``'s computation model over one process group: its ranks are ``idist``'s world
+    (``get_rank`` / ``get_world_size`` count inside it) and every collective without a ``group=``
+    runs over it; ``None`` is this rank alone (every collective returns its input).
+
+    Built from a group that exists, it runs no collective of its own: ignite's own model, built
+    lazily at the first ``idist`` call from the process group, creates a world-wide group and
+    all-reduces over it, which hangs when only some ranks get there (a pipeline's last stage)."""
+
+    name = "hookloop-group"
+    available_backends = ()
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self._size = 1 if group is None else dist.get_world_size(group)
+        self._rank = 0 if group is None else dist.get_rank(group)
+        backend = None if group is None else dist.get_backend(group)
+        self._backend = backend
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        self._nproc_per_node, self._nnodes, self._node = self._size, 1, 0
+
+    def _compute_nproc_per_node(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_world_size(self) -> int:
+        return self._size
+
+    def get_nproc_per_node(self) -> int:
+        return self._size
+
+    def get_nnodes(self) -> int:
+        return 1
+
+    def get_node_rank(self) -> int:
+        return 0
+
+    def device(self) -> torch.device:
+        return self._device or torch.device("cpu")
+
+    def backend(self) -> str | None:
+        return self._backend
+
+    def finalize(self) -> None:
+        pass
+
+    @staticmethod
+    def create_from_context() -> None:
+        return None
+
+    @staticmethod
+    def create_from_backend(backend: str, **kwargs: Any) -> ComputationModel:
+        raise NotImplementedError("GroupModel wraps an existing process group: GroupModel(group)")
+
+    @staticmethod
+    def spawn(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("GroupModel wraps an existing process group; launch with torchrun")
+
+    def _group(self, group: Any) -> Any:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(
+                f"inside ignite_world, pass a torch ProcessGroup as group= (or none), got {group!r}"
+            )
+        return self.group if group is None else group
+
+    def _do_all_reduce(self, tensor: torch.Tensor, op: str = "SUM", group: Any | None = None) -> torch.Tensor:
+        ops = {"SUM": dist.ReduceOp.SUM, "PRODUCT": dist.ReduceOp.PRODUCT, "MIN": dist.ReduceOp.MIN,
+               "MAX": dist.ReduceOp.MAX, "AND": dist.ReduceOp.BAND, "OR": dist.ReduceOp.BOR}  # fmt: skip
+        if op not in ops:
+            raise ValueError(f"Unsupported reduction operation: '{op}'")
+        target = self._group(group)
+        if target is not None and dist.get_world_size(target) > 1:
+            dist.all_reduce(tensor, ops[op], group=target)
+        return tensor
+
+    def _do_all_gather(self, tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+        target = self._group(group)
+        if tensor.ndimension() == 0:
+            tensor = tensor.unsqueeze(0)
+        if target is None or dist.get_world_size(target) == 1:
+            return tensor
+        output = [torch.zeros_like(tensor) for _ in range(dist.get_world_size(target))]
+        dist.all_gather(output, tensor, group=target)
+        return torch.cat(output, dim=0)
+
+    def _do_all_gather_object(self, tensor: Any, group: Any | None = None) -> list[Any]:
+        target = self._group(group)
+        if target is None or dist.get_world_size(target) == 1:
+            return [tensor]
+        output: list[Any] = [None] * dist.get_world_size(target)
+        dist.all_gather_object(output, tensor, group=target)
+        return output
+
+    def _do_broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.group is not None and self._size > 1:  # src counts inside the group
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.group is not None and self._size > 1:
+            dist.barrier(group=self.group)
+
+    def _do_new_group(self, ranks: list[int], **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "idist.new_group inside ignite_world: make the group before validation (dist.new_group "
+            "on every rank) and pass it as group="
+        )
+
+    def _rank_not_in_group(self, group: Any) -> bool:
+        return group is not None and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+@contextlib.contextmanager
+def ignite_world(group: Any) -> Iterator[GroupModel]:
+    """Within the block, ``ignite.distributed`` (``idist``) has ``group``'s ranks as its world (None:
+    this rank alone): an ignite metric's ``compute()`` reduces over them, whatever the rest of the
+    process group does. The model ``idist`` had before comes back afterwards, unchanged."""
+    from ignite.distributed import utils as idist_utils
+
+    saved = idist_utils._model, idist_utils._need_to_sync
+    model = GroupModel(group)
+    idist_utils._model, idist_utils._need_to_sync = model, False
+    try:
+        yield model
+    finally:
+        idist_utils._model, idist_utils._need_to_sync = saved

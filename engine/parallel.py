@@ -25,6 +25,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "collective_device",
+    "data_parallel_group",
     "is_peer_failure",
     "destroy_distributed",
     "exit_process",
@@ -294,6 +295,38 @@ def all_reduce_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     out = tensor.detach().to(collective_device(), copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out.to(tensor.device)
+
+
+def data_parallel_group(dp: Any = None, *, positions: tuple[int, ...] = ()) -> Any:
+    """The process group of this rank's data-parallel peers: the ranks holding the same part of the
+    model, whose samples differ (tensor-parallel ranks see the same samples, pipeline stages the
+    same batches). None when this rank is its own group (one process, or a data-parallel size of 1).
+
+    ``dp``: the group, given as a process group or a 1-D device mesh (``info.mesh_dim("dp")``).
+    Without it the group is found from ``positions``, this rank's place in the model (e.g. its
+    tensor-parallel rank and pipeline rank; none: the whole world is data-parallel): one all-gather
+    over the world and, when the peers are a strict part of it, new process groups. Every rank must
+    call it together."""
+    if world_size() == 1:
+        return None
+    if dp is not None:
+        if hasattr(dp, "get_group"):  # a 1-D device mesh
+            return dp.get_group() if dp.size() > 1 else None
+        return dp if dist.get_world_size(dp) > 1 else None
+    if not positions:
+        return dist.group.WORLD
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, tuple(positions))
+    peers: dict[Any, list[int]] = {}
+    for r, position in enumerate(everyone):
+        peers.setdefault(position, []).append(r)
+    groups = sorted(peers.values())
+    if len(groups) == 1:
+        return dist.group.WORLD
+    if all(len(g) == 1 for g in groups):
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine if len(peers[tuple(positions)]) > 1 else None
 
 
 def all_reduce_max(value: float, group: Any = None) -> float:

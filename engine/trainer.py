@@ -15,8 +15,7 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +30,7 @@ from hookloop.engine.agreement import (
     exit_code_votes,
     sum_over_ranks,
 )
-from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
+from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl
@@ -52,6 +51,7 @@ from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
+from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
 __all__ = ["Trainer", "default_prepare_batch"]
@@ -243,8 +243,6 @@ class Trainer(IgniteAdapter):
         self.max_steps: int | None = None
         self.max_epochs: int | None = None
         self.step_data = StepBatches(None, lambda: self.grad_accum_steps)
-        self._validation: tuple[Iterable, int | None, int | None] | None = None
-        self._evaluator: Engine | None = None
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
         #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
@@ -259,6 +257,8 @@ class Trainer(IgniteAdapter):
             )  # fmt: skip
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
+        #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
+        self.validator = Validator(self)
         self._in_step = False
         self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
@@ -335,14 +335,22 @@ class Trainer(IgniteAdapter):
         return loss_parallel()
 
     def set_validation(
-        self, data: Iterable, eval_iters: int | None = None, every_steps: int | None = None
+        self,
+        data: Iterable,
+        eval_iters: int | None = None,
+        every_steps: int | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        dp_group: Any = None,
     ) -> None:
         """Validate on ``data`` whenever ``state.should_validate`` is set (a scheduling handler sets it)
-        or every ``every_steps`` steps; at most ``eval_iters`` batches per validation."""
-        for name, value in (("eval_iters", eval_iters), ("every_steps", every_steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-        self._validation = (data, eval_iters, every_steps)
+        or every ``every_steps`` steps; at most ``eval_iters`` batches per validation.
+
+        ``metrics``: name -> ignite ``Metric``, fed ``(model_output, targets)`` of every validation
+        microbatch and published as ``state.metrics["val_<name>"]``, reduced over the data-parallel
+        ranks only. ``dp_group``: those ranks (a process group or a 1-D device mesh such as
+        ``info.mesh_dim("dp")``); None: found from the layout (see :mod:`engine.validation`)."""
+        self.validator.configure(data, eval_iters, every_steps, metrics, dp_group)
 
     # ------------------------------------------------------------------ event handlers
     def add_event_handler(  # type: ignore[override]
@@ -1021,76 +1029,23 @@ class Trainer(IgniteAdapter):
 
     # ------------------------------------------------------------------ validation
     def _validation_due(self) -> bool:
-        if self._validation is None:
-            return False
-        every = self._validation[2]
-        return self.state.should_validate or (every is not None and self.state.iteration % every == 0)
+        return self.validator.due()
 
     def _maybe_validate(self) -> None:
-        if self._validation_due():
+        if self.validator.due():
             self.validate()
 
     @property
     def evaluator(self) -> Engine:
-        """The ignite engine validation runs on: attach ignite metrics to it (its process function
-        returns ``(model_output, targets)``); their results join ``state.metrics`` before
-        VALIDATION_END. A pipeline-parallel trainer validates stage by stage without it."""
-        if self._evaluator is None:
-            self._evaluator = Engine(self._eval_step)
-            self._evaluator.logger.setLevel(logging.WARNING)
-        return self._evaluator
+        """The ignite engine validation runs on (:mod:`engine.validation`): attach ignite metrics to
+        it (its process function returns ``(model_output, targets)``); their results join
+        ``state.metrics`` before VALIDATION_END, reduced over the data-parallel ranks. Under
+        pipeline parallelism it runs on the rank holding the last stage, whose results reach every
+        rank."""
+        return self.validator.evaluator
 
-    def _eval_step(self, engine: Engine, microbatch: Any) -> tuple[Any, Any]:
-        if self.watchdog is not None:
-            self.watchdog.feed()
-        inputs, targets = self.prepare_batch(microbatch, self.device)
-        with self.loss_context(), self.autocast():
-            output, loss = forward_and_loss(self.model, inputs, targets, self.loss_fn)
-        if self.loss_parallel:
-            output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
-        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
-        # and however the samples are shared among ranks.
-        samples = count_batch(inputs)[0] or 1
-        engine.state.loss_total += loss.detach().double().cpu() * samples
-        engine.state.loss_samples += samples
-        return output, targets
-
-    @torch.no_grad()
     def validate(self) -> float:
         """Mean validation loss over the samples of every rank; published as ``state.metrics["val_loss"]``
-        (with the evaluator's ignite metrics) before VALIDATION_END fires."""
-        if self._validation is None:
-            raise RuntimeError("no validation data: call trainer.set_validation(data) first")
-        data, eval_iters, _ = self._validation
-        start = time.perf_counter()
-        model = self.model
-        was_training = model.training
-        model.eval()
-        metrics: dict[str, Any] = {}
-        try:
-            if self.pipeline is not None:  # forward through the stages, n_microbatches batches a pass
-                total = self.pipeline.validation_totals(data, eval_iters, self.step_context)
-            else:
-                evaluator = self.evaluator
-                length = data_length(data)
-                batches = eval_iters if length is None else min(length, eval_iters or length)
-                evaluator.state.loss_total = torch.zeros((), dtype=torch.float64)
-                evaluator.state.loss_samples = 0
-                if batches:
-                    evaluator.run(data, max_epochs=1, epoch_length=batches)
-                total = torch.stack(
-                    [evaluator.state.loss_total, torch.tensor(float(evaluator.state.loss_samples))]
-                )
-                metrics = dict(evaluator.state.metrics)
-        finally:
-            model.train(was_training)
-        if parallel.world_size() > 1:
-            total = parallel.all_reduce_sum(total)
-        if total[1] == 0:
-            raise ValueError("validation data yielded no batches: pass non-empty data to set_validation")
-        val_loss = float(total[0] / total[1])
-        self.state.metrics.update(metrics)
-        self.state.metrics["val_loss"] = val_loss
-        self.state.times["validation"] = time.perf_counter() - start
-        self.fire(Events.VALIDATION_END)
-        return val_loss
+        (with ``val_<name>`` of every metric and the evaluator's ignite metrics) before
+        VALIDATION_END fires."""
+        return self.validator.run()

@@ -7,7 +7,7 @@ import sys
 from typing import IO, Any
 
 from hookloop.engine.events import Events, Priority
-from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
+from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, is_validation_metric
 
 __all__ = ["ConsoleLogger"]
 
@@ -19,6 +19,17 @@ def _fmt(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else str(value)
 
 
+def _validation_parts(metrics: dict[str, float]) -> list[str]:
+    """``val_loss 2.3411``, then every other validation metric (``val_accuracy 0.4120``)."""
+    names = sorted((n for n in metrics if is_validation_metric(n)), key=lambda n: n != "val_loss")
+    return [
+        f"{name} {metrics[name]}"
+        if isinstance(metrics[name], int)
+        else f"{name} {_fmt(metrics[name], '.4f')}"
+        for name in names
+    ]
+
+
 class ConsoleLogger(MetricLogger):
     """Shows loss, lr and tokens/s as training runs.
 
@@ -27,9 +38,10 @@ class ConsoleLogger(MetricLogger):
     when only epochs limit the run; no total when neither is known), refreshed every
     ``refresh_every`` steps (tqdm redraws cost more than a tiny step). The rate and time left leave
     out the first step (warm-up, compilation). Otherwise it prints one plain line per log step to
-    ``stream``::
+    ``stream``, with ``val_loss`` and every ``val_<name>`` metric on a step that validated::
 
         step 120/1000 | loss 2.3411 (avg 2.4020) | lr 3.00e-04 | 18,204 tok/s | 0.0412 s/step
+        step 200/1000 | val_loss 2.2950 | val_accuracy 0.3418
     """
 
     priority = LOG_CONSOLE
@@ -125,11 +137,10 @@ class ConsoleLogger(MetricLogger):
             self.pbar.close()  # idempotent; the closed bar stays readable (its n, total, format_dict)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        validation = _validation_parts(metrics)
         if self.pbar is not None:
-            if "val_loss" in metrics:
-                self.pbar.write(
-                    f"step {step} | val_loss {_fmt(metrics['val_loss'], '.4f')}", file=self.stream
-                )
+            if validation:
+                self.pbar.write(" | ".join([f"step {step}", *validation]), file=self.stream)
             return
         max_steps = self.trainer.limits[0]
         parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
@@ -138,8 +149,7 @@ class ConsoleLogger(MetricLogger):
             if "loss_avg" in metrics:
                 loss += f" (avg {_fmt(metrics['loss_avg'], '.4f')})"
             parts.append(loss)
-        if "val_loss" in metrics:
-            parts.append(f"val_loss {_fmt(metrics['val_loss'], '.4f')}")
+        parts.extend(validation)
         if "lr" in metrics:
             parts.append(f"lr {_fmt(metrics['lr'], '.2e')}")
         if "tokens_per_s" in metrics:

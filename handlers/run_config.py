@@ -36,6 +36,7 @@ from hookloop.engine.config import (
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.lr import check_lr_schedule
+from hookloop.engine.validation import ValidationConfig
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.curriculum import PhaseCurriculum
@@ -91,6 +92,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     nan: NaNConfig = field(default_factory=NaNConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dataset_metrics: DatasetMetricsConfig = field(default_factory=DatasetMetricsConfig)
@@ -171,12 +173,14 @@ class RunConfig:
             produced = self.produced_metrics()
             # The run's own handlers may publish it: check_ranked_metric decides once they resolve.
             if ckpt.metric not in produced and not self.handlers:
-                why = (
-                    " (val_loss needs validation: data.val_fraction > 0 and step_scheduler.val_every_steps "
-                    "or ckpt_every_steps)"
-                    if ckpt.metric == "val_loss"
-                    else ""
-                )
+                why = ""
+                if ckpt.metric.startswith("val_"):
+                    why = (
+                        f" ({ckpt.metric} needs validation: data.val_fraction > 0 and "
+                        "step_scheduler.val_every_steps or ckpt_every_steps"
+                        + ("" if ckpt.metric == "val_loss" else ", and the metric in validation.metrics")
+                        + ")"
+                    )
                 raise ConfigError(
                     "checkpoint.metric",
                     f"{ckpt.metric!r} is not a metric this run produces{why}; checkpoint.keep_best ranks "
@@ -201,11 +205,13 @@ class RunConfig:
 
     def produced_metrics(self) -> set[str]:
         """The ``state.metrics`` entries this configuration publishes that can rank checkpoints
-        (``checkpoint.metric``): validation loss, training loss figures, per-dataset losses."""
+        (``checkpoint.metric``): validation loss and ``val_<name>`` of every validation metric,
+        training loss figures, per-dataset losses."""
         out: set[str] = set()
         sched = self.step_scheduler
         if self.data.val_fraction > 0 and sched.enabled and (sched.val_every_steps or sched.ckpt_every_steps):
             out.add("val_loss")
+            out.update(f"val_{name}" for name in self.validation.metrics)
         if self.metrics.enabled:
             out.update(("loss", "loss_avg", "grad_norm"))
         if sched.enabled:

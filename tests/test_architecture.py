@@ -45,6 +45,11 @@ IGNITE_PRIVATE = {
     "_state_dict_user_keys",
     "_check_and_set_max_epochs",
     "_check_and_set_max_iters",
+    "_need_to_sync",
+    "_do_all_reduce",
+    "_do_all_gather",
+    "_do_all_gather_object",
+    "_do_broadcast",
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}

@@ -120,6 +120,17 @@ def test_the_console_script_is_installed_and_checks(project):
         (["step_scheduler.max_stepz=3"], "step_scheduler.max_stepz"),
         (["data.datasets.docs=missing.u8"], "data.datasets.docs: missing.u8 is not a file"),
         (
+            ["validation.metrics.acc=ignite.metrics:Acuracy"],
+            "validation.metrics.acc.target: ignite.metrics has no",
+        ),
+        (
+            [
+                "validation.metrics.top.target=ignite.metrics:TopKCategoricalAccuracy",
+                "validation.metrics.top.kk=5",
+            ],
+            "validation.metrics.top.kk: is not an argument of ignite.metrics:TopKCategoricalAccuracy",
+        ),
+        (
             ["--nproc", "3", "distributed.pp_size=2"],
             "distributed.pp_size: (2) must divide the world size (3)",
         ),

@@ -160,3 +160,40 @@ def test_check_and_set_max_iters_refuses_to_go_below_the_iteration_reached():
     assert engine.state.max_iters == 5
     with pytest.raises(ValueError, match="Argument max_iters should be greater than or equal"):
         engine._check_and_set_max_iters(2)
+
+
+def test_metrics_reduce_through_the_model_behind_idist_which_ignite_world_swaps_and_restores():
+    """ignite's metrics reduce in ``compute()`` through ``idist`` (``sync_all_reduce``), which calls
+    the computation model in ``ignite.distributed.utils._model`` (``_need_to_sync`` False: used as
+    set). ``ignite_world`` installs its own there for a block and puts the previous one back."""
+    import ignite.distributed as idist
+    import torch
+    from ignite.distributed import utils as idist_utils
+    from ignite.metrics import Accuracy
+
+    calls = []
+
+    class Recording(ignite_adapter.GroupModel):
+        def get_world_size(self):
+            return 2  # pretend a peer: sync_all_reduce then reduces through _do_all_reduce
+
+        def _do_all_reduce(self, tensor, op="SUM", group=None):
+            calls.append(op)
+            return tensor * 2
+
+    before = idist_utils._model, idist_utils._need_to_sync
+    accuracy = Accuracy()
+    accuracy.update((torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0])))
+    saved = idist_utils._model, idist_utils._need_to_sync
+    idist_utils._model, idist_utils._need_to_sync = Recording(None), False
+    try:
+        assert idist.get_world_size() == 2
+        assert accuracy.compute() == 0.5  # both counts doubled: the ratio stays
+    finally:
+        idist_utils._model, idist_utils._need_to_sync = saved
+    assert calls == ["SUM", "SUM"]  # _num_correct and _num_examples
+    with ignite_adapter.ignite_world(None) as model:
+        assert idist_utils._model is model and idist.get_world_size() == 1 and idist.get_rank() == 0
+        assert idist.all_reduce(3.0) == 3.0 and idist.all_gather(torch.tensor(2)).tolist() == [2]
+        assert idist.broadcast(5.0, src=0) == 5.0
+    assert (idist_utils._model, idist_utils._need_to_sync) == before

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import Events, TokenAccuracy, Trainer
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import metric_tag
@@ -31,8 +31,8 @@ def _trainer(*, validate_every: int | None = None) -> Trainer:
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=SEQ, n_layers=1, d_model=32, n_heads=2))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
-    if validate_every:
-        trainer.set_validation(_tokens(2), every_steps=validate_every)
+    if validate_every:  # val_loss and a validation metric, val_accuracy
+        trainer.set_validation(_tokens(2), every_steps=validate_every, metrics={"accuracy": TokenAccuracy()})
     return trainer
 
 
@@ -89,11 +89,13 @@ def test_jsonl_records_match_published_metrics_and_append(tmp_path):
     trainer.run(_tokens(), max_steps=6)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3, 4, 6]
-    assert records[1].keys() == {"step", "time", "val_loss"}, "a validation-only step logs validation only"
+    assert records[1].keys() == {"step", "time", "val_loss", "val_accuracy"}, (
+        "a validation-only step logs validation"
+    )
     for r in records:
         want = expected[r["step"]]
         assert {k: r[k] for k in want} == want
-    assert "loss/docs" in records[0] and "val_loss" in records[3]
+    assert "loss/docs" in records[0] and "val_loss" in records[3] and "val_accuracy" in records[3]
     assert logger._file is None, "closed at TRAIN_END"
 
     # a second run (a resumed job) appends to the same file
@@ -159,12 +161,14 @@ def test_tensorboard_scalars_read_back_equal_published_metrics(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "perf/tokens_per_s", "val/loss", "loss/docs", "train/loss_avg"} <= tags
+    assert "val/accuracy" in tags
     for step, metrics in expected.items():
         for name, value in metrics.items():
             events = [e for e in acc.Scalars(metric_tag(name)) if e.step == step]
             assert len(events) == 1, (name, step)
             assert events[0].value == np.float32(value), (name, step)
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 4, 6]
+    assert [e.step for e in acc.Scalars("val/accuracy")] == [2, 4, 6]
 
 
 def test_console_plain_lines_when_not_a_tty():
@@ -176,7 +180,7 @@ def test_console_plain_lines_when_not_a_tty():
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("step 2/4 | loss ")
     assert "tok/s" in lines[0] and "lr " in lines[0] and "s/step" in lines[0]
-    assert "val_loss" in lines[1]
+    assert "val_loss" in lines[1] and "val_accuracy" in lines[1]
 
 
 def test_console_progress_bar_when_asked():
@@ -279,6 +283,7 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
     assert config["model"] == {"d_model": 32}
     history = _history(records)
     assert sorted(history) == [2, 3, 4]
+    assert {"val/loss", "val/accuracy"} <= history[3].keys()
     for step, metrics in expected.items():
         assert history[step] == {metric_tag(k): v for k, v in metrics.items()}, step
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -75,6 +75,8 @@ class PipelineRuntime:
         self.pp_size = dist.get_world_size(self.pp_group)
         self.pp_rank = dist.get_rank(self.pp_group)
         names = mesh.mesh_dim_names or ()
+        #: The data-parallel mesh dimension (the replicas of these stages), or None.
+        self.dp_mesh = mesh["dp"] if "dp" in names else None
         self.dp_size = mesh["dp"].size() if "dp" in names else 1
         self.dp_rank = mesh["dp"].get_local_rank() if "dp" in names else 0
         self.has_first = any(stage.is_first for stage in stages)
@@ -248,10 +250,11 @@ class PipelineRuntime:
         return sq.sqrt()[0].to(norm.device, norm.dtype)
 
     @torch.no_grad()
-    def _forward_only(self, pairs: list[tuple[Any, Any]]) -> torch.Tensor:
-        """Every microbatch's loss, forward only, stage after stage (schedule-independent: some
-        torch schedules cannot run ``eval``). Activations move with plain send/recv, their shape
-        sent first, so any count and size of microbatches works (a short last batch too)."""
+    def _forward_only(self, pairs: list[tuple[Any, Any]]) -> tuple[torch.Tensor, list[Any] | None]:
+        """Every microbatch's loss (on every pp rank) and output (on the last stage, else None),
+        forward only, stage after stage (schedule-independent: some torch schedules cannot run
+        ``eval``). Activations move with plain send/recv, their shape sent first, so any count and
+        size of microbatches works (a short last batch too)."""
         x = torch.cat([x for x, _ in pairs])
         local = dict(zip(self.stage_ids, self.module))
         owner = {s: r for r, ids in self._rank_stages.items() for s in ids}
@@ -265,12 +268,13 @@ class PipelineRuntime:
             if s < self.num_stages - 1 and owner[s + 1] != self.pp_rank:
                 self._send(h, owner[s + 1])
         values = torch.zeros(len(pairs), dtype=torch.float64, device=self._comm_device)
+        outputs = None
         if self.has_last:
-            outputs = torch.split(h, [x.shape[0] for x, _ in pairs])
+            outputs = list(torch.split(h, [x.shape[0] for x, _ in pairs]))
             for i, (_, y) in enumerate(pairs):
                 values[i] = float(self.loss_fn(outputs[i], y))
         dist.broadcast(values, src=self._loss_src, group=self.pp_group)
-        return values.cpu()
+        return values.cpu(), outputs
 
     def _send(self, t: torch.Tensor, pp_rank: int) -> None:
         dst = dist.get_global_rank(self.pp_group, pp_rank)
@@ -288,20 +292,26 @@ class PipelineRuntime:
         dist.recv(t, src=src, group=self.pp_group)
         return t.to(self.device)
 
-    def validation_totals(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> torch.Tensor:
-        """``[sum of sample losses, sample count]`` over ``data`` (``n_microbatches`` batches per
-        pass through the stages; each batch's mean loss weighted by its samples); the same on every
-        pp rank. ``ctx`` prepares the batches and gives the autocast context."""
-        total = torch.zeros(2, dtype=torch.float64)
+    def validation_batches(
+        self, data: Iterable, eval_iters: int | None, ctx: StepContext
+    ) -> Iterator[tuple[torch.Tensor, int, Any, Any]]:
+        """Validation through the stages: ``(loss, samples, output, targets)`` per microbatch of
+        ``data`` (at most ``eval_iters``), ``n_microbatches`` of them per forward pass; the loss on
+        every pp rank, the output on the last stage only (None elsewhere). Every pp rank must
+        iterate it to the end together. ``ctx`` prepares the batches and gives the autocast."""
         batches = data if eval_iters is None else itertools.islice(data, eval_iters)
         for group in iter_groups(batches, self.n_microbatches):
             prepared = [self._stage_pair(ctx, mb) for mb in group]
-            samples = torch.tensor([float(c[0] or 1) for _, _, c in prepared], dtype=torch.float64)
             with ctx.autocast():
-                losses = self._forward_only([(x, y) for x, y, _ in prepared])
-            total[0] += (losses.double() * samples).sum()
-            total[1] += samples.sum()
-        return total
+                losses, outputs = self._forward_only([(x, y) for x, y, _ in prepared])
+            for i, (_, y, counts) in enumerate(prepared):
+                yield losses[i], counts[0] or 1, outputs[i] if outputs is not None else None, y
+
+    def broadcast_from_last(self, obj: Any) -> Any:
+        """``obj`` of the rank holding the last stage, on every pp rank (pickled: small objects)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._loss_src, group=self.pp_group, device=self._comm_device)
+        return box[0]
 
 
 def build_pipeline(

@@ -54,7 +54,8 @@ class AsyncCheckpointer(Handler):
         metric: the ``state.metrics`` entry ranking checkpoints, read when a save starts (at
             STEP_END, after validation) and stored in the checkpoint's completion marker, so the
             ranking survives restarts. A checkpoint saved without it is kept by ``keep_last`` only.
-        metric_mode: ``"min"`` (lower is better, e.g. ``val_loss``) or ``"max"``.
+        metric_mode: ``"min"`` (lower is better, e.g. ``val_loss``) or ``"max"`` (higher is better, e.g.
+            ``val_accuracy`` of a ``validation.metrics`` entry named ``accuracy``).
         mode: ``"async"`` (the default: training waits only for what must not change mid-copy),
             ``"async_copy"`` or ``"sync"`` (see the module docstring); ``"async_staged"`` is an old
             name of ``"async"``.

@@ -47,6 +47,7 @@ from hookloop.engine.data import SampleTrace
 from hookloop.engine.parallel import DistInfo, destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
+from hookloop.engine.validation import build_metrics
 from hookloop.handlers import Priority, attach_handlers
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
@@ -284,7 +285,8 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
             run_dir, data.train, rank=dp_rank, world_size=dp, write=info.rank % (tp * pp) == 0
         ).attach(trainer)
     if data.val is not None:
-        trainer.set_validation(data.val)
+        metrics = build_metrics(cfg.validation)
+        trainer.set_validation(data.val, metrics=metrics, dp_group=info.mesh_dim("dp"))
     run = Run(
         config=cfg,
         trainer=trainer,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.validation import build_metrics
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT
 from hookloop.handlers import RunConfig, check_run_paths, compose_config, load_run_config
 from hookloop.handlers.handler_entries import HandlerEntry, check_handler_entries
@@ -126,6 +127,7 @@ def check(cfg: Any) -> Checked:
     arguments), directories, checkpoint paths, the device, and what the layout supports. Raises
     :class:`ConfigError` naming the field; creates nothing."""
     model = resolve_model(cfg)
+    build_metrics(cfg.validation)  # each validation metric's target and arguments
     entries = check_handler_entries(cfg.handlers)
     check_run_paths(cfg)
     check_data(cfg)

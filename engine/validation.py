@@ -1,0 +1,351 @@
+"""Validation: the evaluator, the mean validation loss, ignite metrics reduced over the
+data-parallel ranks only, the pipeline's case, and the ``validation`` config section.
+
+    trainer.set_validation(val_loader, every_steps=100, metrics={"accuracy": Accuracy()})
+    trainer.validate()  # state.metrics["val_loss"] and ["val_accuracy"], then VALIDATION_END
+
+What one validation does (the trainer runs it at STEP_END when it is due)::
+
+    model.eval(), no gradients
+    with ignite_world(dp_group):                       # idist's world: the data-parallel ranks
+        evaluator.run(microbatches)                    # at most eval_iters of them
+            per microbatch: output, loss = forward     # pipeline: the stages' forward, on the last stage
+                            loss_total += loss * samples
+                            metric.update((output, targets))      # every metric, ITERATION_COMPLETED
+            metric.compute() -> evaluator.state.metrics["val_<name>"]    # COMPLETED
+    pipeline: the last stage's metrics broadcast to every stage
+    val_loss = loss_total / samples, both summed over every rank
+    state.metrics: val_loss, val_<name> (and whatever else is attached to the evaluator)
+    VALIDATION_END
+
+**Reduction over the data-parallel ranks only.** An ignite metric reduces its state in
+``compute()`` through ``ignite.distributed`` (``sync_all_reduce``, ``idist.all_reduce`` /
+``all_gather`` / ``broadcast``), over idist's world: by default the whole process group. That is
+right for plain data parallelism only: the ranks of a tensor-parallel group see the same samples
+(a world-wide sum counts each sample tp times) and a pipeline's output exists on its last stage
+only (the other stages never call ``compute()``, and a world-wide collective hangs). So the
+evaluator runs inside :func:`~engine.ignite_adapter.ignite_world`, which makes idist's world the
+data-parallel group (:func:`engine.parallel.data_parallel_group`): every tensor-parallel rank then
+computes the same value over the ranks holding the same part of the model, and under a pipeline the
+last stages reduce among themselves, then broadcast the result to the other stages. Every rank
+publishes the same value, and, the validation shards being the same samples whatever the layout,
+the value a single process computes over them.
+
+What a custom :class:`ignite.metrics.Metric` must do to be reduced right: reduce its state through
+ignite (``@sync_all_reduce("_attr", "_other:MAX")`` on ``compute``, or ``idist.all_reduce`` /
+``all_gather`` / ``broadcast`` without a ``group=``), never with ``torch.distributed`` on the
+default group; and count each sample once per rank (sums and counts, not per-batch means), so the
+value does not depend on how the samples are batched or shared (a pipeline feeds the same samples
+in groups of ``n_microbatches``). :class:`~engine.token_accuracy.TokenAccuracy` is an example.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+from ignite.engine import Engine
+from ignite.metrics import Metric
+
+from hookloop.engine import parallel, tensor_parallel
+from hookloop.engine.batch import count_batch, forward_and_loss
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events
+from hookloop.engine.ignite_adapter import ignite_world
+from hookloop.engine.step_batches import data_length
+from hookloop.engine.targets import TARGET_HINT, bind_arguments, resolve_target
+
+if TYPE_CHECKING:
+    from hookloop.engine.trainer import Trainer
+
+__all__ = ["ValidationConfig", "Validator", "build_metrics", "check_metrics"]
+
+# OmegaConf resolves the section's annotations at run time: Dict the old way.
+# ruff: noqa: UP006, UP035
+
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+_UNSET = object()
+_END = object()
+
+
+def _check_name(name: Any, field_: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            field_, f"metric name {name!r}: use letters, digits and underscores (it is logged as val_<name>)"
+        )
+    if name == "loss":
+        raise ConfigError(
+            field_, "'loss' is taken: val_loss is always published; give the metric another name"
+        )
+
+
+def check_metrics(metrics: Mapping[str, Metric] | None, prefix: str = "metrics") -> dict[str, Metric]:
+    """``metrics`` (name -> ignite ``Metric``) checked: names that make ``val_<name>``, one
+    instance per name. Returns them as a dict."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{prefix} must be a mapping name -> ignite Metric, got {type(metrics).__name__}")
+    seen: dict[int, str] = {}
+    for name, metric in metrics.items():
+        _check_name(name, f"{prefix}.{name}")
+        if not isinstance(metric, Metric):
+            raise TypeError(
+                f"{prefix}[{name!r}] must be an ignite Metric (e.g. ignite.metrics.Accuracy()), got "
+                f"{type(metric).__name__}"
+            )
+        if id(metric) in seen:
+            raise ValueError(
+                f"{prefix}[{name!r}] is the same Metric object as {prefix}[{seen[id(metric)]!r}]: give each "
+                "name its own instance (each one is updated once per microbatch)"
+            )
+        seen[id(metric)] = name
+    return dict(metrics)
+
+
+@dataclass
+class ValidationConfig:
+    """The ``validation`` section: ignite metrics computed over the validation data and published as
+    ``state.metrics["val_<name>"]`` beside ``val_loss`` (logged by every logger, usable as
+    ``checkpoint.metric``). Each is fed ``(model_output, targets)`` of every validation microbatch and
+    reduced over the data-parallel ranks only (see :mod:`engine.validation`). A ``val_accuracy`` to
+    keep checkpoints by wants ``checkpoint.metric_mode: max``."""
+
+    #: name -> the target of an ignite Metric class or factory (`ignite.metrics:Accuracy`,
+    #: `hookloop.engine:TokenAccuracy`, `my_metrics.py:build`), or `{target: ..., <its keyword
+    #: arguments>}`; published as `val_<name>`
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "validation") -> None:
+        """Names and shapes; resolving the targets and checking their arguments is
+        :func:`build_metrics` (``hookloop check`` runs it before anything starts)."""
+        if not isinstance(self.metrics, Mapping):
+            raise ConfigError(
+                f"{prefix}.metrics", f"must be a mapping name -> metric target, got {self.metrics!r}"
+            )
+        for name, spec in self.metrics.items():
+            _check_name(name, f"{prefix}.metrics.{name}")
+            _target_and_args(spec, f"{prefix}.metrics.{name}")
+
+
+def _target_and_args(spec: Any, field_: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        target = args.pop("target", None)
+        if target is None:
+            raise ConfigError(
+                f"{field_}.target", f"is not set: name the metric class or factory, {TARGET_HINT}"
+            )
+        if not isinstance(target, str):
+            raise ConfigError(
+                f"{field_}.target", f"must name the metric class or factory, {TARGET_HINT}; got {target!r}"
+            )
+        return target, args
+    raise ConfigError(
+        field_, f"must be a target ({TARGET_HINT}) or {{target: ..., <its arguments>}}, got {spec!r}"
+    )
+
+
+def build_metrics(section: ValidationConfig, prefix: str = "validation") -> dict[str, Metric]:
+    """The metrics ``section`` names, built: each target resolved, its arguments checked against its
+    signature, then called. Errors are :class:`ConfigError` naming ``<prefix>.metrics.<name>.target``
+    or ``<prefix>.metrics.<name>.<argument>``; building a metric touches no process group, so
+    ``hookloop check`` runs this before anything starts."""
+    out: dict[str, Metric] = {}
+    for name, spec in section.metrics.items():
+        where = f"{prefix}.metrics.{name}"
+        target, args = _target_and_args(spec, where)
+        obj = resolve_target(target, f"{where}.target")
+        if isinstance(obj, Metric) or not callable(obj):
+            raise ConfigError(
+                f"{where}.target",
+                f"{target} is a {type(obj).__name__}: name an ignite Metric class or a factory returning one",
+            )
+        if isinstance(obj, type) and not issubclass(obj, Metric):
+            raise ConfigError(
+                f"{where}.target", f"{target} is a class but not an ignite Metric (ignite.metrics.Metric)"
+            )
+        bind_arguments(obj, args, prefix=where, target=target)
+        try:
+            metric = obj(**args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(where, f"{target}(...) refused its arguments: {e}") from None
+        if not isinstance(metric, Metric):
+            raise ConfigError(
+                f"{where}.target", f"{target} returned {type(metric).__name__}, not an ignite Metric"
+            )
+        out[name] = metric
+    return out
+
+
+class Validator:
+    """The trainer's validation (``trainer.validator``): what :meth:`Trainer.set_validation`
+    configures, :meth:`Trainer.validate` runs and ``trainer.evaluator`` is. See the module
+    docstring for one validation's order and the data-parallel reduction."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self.data: Iterable | None = None
+        self.eval_iters: int | None = None
+        self.every_steps: int | None = None
+        #: name -> ignite metric, attached to the evaluator as ``val_<name>``.
+        self.metrics: dict[str, Metric] = {}
+        self._dp: Any = None
+        self._group: Any = _UNSET
+        self._evaluator: Engine | None = None
+        self._loss_total = torch.zeros((), dtype=torch.float64)
+        self._samples = 0
+
+    def configure(
+        self,
+        data: Iterable,
+        eval_iters: int | None = None,
+        every_steps: int | None = None,
+        metrics: Mapping[str, Metric] | None = None,
+        dp_group: Any = None,
+    ) -> None:
+        for name, value in (("eval_iters", eval_iters), ("every_steps", every_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
+        metrics = check_metrics(metrics)
+        evaluator = self.evaluator
+        for metric in self.metrics.values():
+            metric.detach(evaluator)
+        for name, metric in metrics.items():
+            metric.attach(evaluator, f"val_{name}")
+        self.data, self.eval_iters, self.every_steps, self.metrics = data, eval_iters, every_steps, metrics
+        if dp_group is not self._dp:
+            self._dp, self._group = dp_group, _UNSET
+
+    def due(self) -> bool:
+        """Whether a validation runs at this step: asked for (``state.should_validate``) or every
+        ``every_steps`` steps."""
+        if self.data is None:
+            return False
+        state = self._trainer.state
+        return state.should_validate or (
+            self.every_steps is not None and state.iteration % self.every_steps == 0
+        )
+
+    @property
+    def evaluator(self) -> Engine:
+        """The ignite engine validation runs on; its process function returns ``(model_output,
+        targets)``. Under pipeline parallelism it runs on the rank holding the last stage only."""
+        if self._evaluator is None:
+            self._evaluator = Engine(self._step)
+            self._evaluator.logger.setLevel(logging.WARNING)
+        return self._evaluator
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group metrics reduce over (None: this rank alone); found at the first
+        validation (a collective every rank joins) unless ``set_validation(dp_group=...)`` gave it."""
+        if self._group is _UNSET:
+            trainer, runtime = self._trainer, self._trainer.pipeline
+            dp = self._dp
+            if dp is None and runtime is not None:
+                dp = runtime.dp_mesh
+            positions: tuple[int, ...] = ()
+            if trainer.tp_mesh is not None:
+                positions += (trainer.tp_mesh.get_local_rank(),)
+            if runtime is not None:
+                positions += (runtime.pp_rank,)
+            self._group = parallel.data_parallel_group(dp, positions=positions)
+        return self._group
+
+    @torch.no_grad()
+    def run(self) -> float:
+        """One validation; returns ``val_loss`` (see :meth:`Trainer.validate`)."""
+        if self.data is None:
+            raise RuntimeError("no validation data: call trainer.set_validation(data) first")
+        trainer = self._trainer
+        start = time.perf_counter()
+        group = self.dp_group
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        self._loss_total = torch.zeros((), dtype=torch.float64)
+        self._samples = 0
+        try:
+            with ignite_world(group):
+                metrics = self._run_pipeline() if trainer.pipeline is not None else self._run_local()
+        finally:
+            model.train(was_training)
+        total = torch.stack([self._loss_total, torch.tensor(float(self._samples), dtype=torch.float64)])
+        if parallel.world_size() > 1:
+            total = parallel.all_reduce_sum(total)
+        if total[1] == 0:
+            raise ValueError("validation data yielded no batches: pass non-empty data to set_validation")
+        val_loss = float(total[0] / total[1])
+        state = trainer.state
+        state.metrics.update(metrics)
+        state.metrics["val_loss"] = val_loss
+        state.times["validation"] = time.perf_counter() - start
+        trainer.fire(Events.VALIDATION_END)
+        return val_loss
+
+    def _run_local(self) -> dict[str, Any]:
+        data, eval_iters = self.data, self.eval_iters
+        length = data_length(data)
+        batches = eval_iters if length is None else min(length, eval_iters or length)
+        items = iter(data) if eval_iters is None else itertools.islice(data, eval_iters)
+        return self._run_evaluator(items, batches)
+
+    def _run_pipeline(self) -> dict[str, Any]:
+        """Every stage runs the forward passes; the evaluator (and its metrics) runs where the outputs
+        are, on the last stage, whose metrics then reach every stage."""
+        trainer = self._trainer
+        runtime = trainer.pipeline
+        items = runtime.validation_batches(self.data, self.eval_iters, trainer.step_context)
+        metrics: dict[str, Any] = {}
+        if runtime.has_last:
+            metrics = self._run_evaluator(items, None)
+        else:
+            for loss, samples, _, _ in items:
+                self._feed_watchdog()
+                self._add_loss(loss, samples)
+        return runtime.broadcast_from_last(metrics)
+
+    def _run_evaluator(self, items: Iterator[Any], epoch_length: int | None) -> dict[str, Any]:
+        first = next(items, _END)
+        if first is _END:
+            return {}
+        evaluator = self.evaluator
+        evaluator.run(itertools.chain([first], items), max_epochs=1, epoch_length=epoch_length)
+        return dict(evaluator.state.metrics)
+
+    def _step(self, engine: Engine, item: Any) -> tuple[Any, Any]:
+        """The evaluator's process function: one microbatch's loss into the totals; returns
+        ``(model_output, targets)`` for the metrics."""
+        self._feed_watchdog()
+        trainer = self._trainer
+        if trainer.pipeline is not None:  # the stages ran the forward: (loss, samples, output, targets)
+            loss, samples, output, targets = item
+        else:
+            inputs, targets = trainer.prepare_batch(item, trainer.device)
+            with trainer.loss_context(), trainer.autocast():
+                output, loss = forward_and_loss(trainer.model, inputs, targets, trainer.loss_fn)
+            if trainer.loss_parallel:
+                output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
+            samples = count_batch(inputs)[0] or 1
+        self._add_loss(loss, samples)
+        return output, targets
+
+    def _add_loss(self, loss: Any, samples: int) -> None:
+        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
+        # and however the samples are shared among ranks.
+        self._loss_total += torch.as_tensor(loss).detach().double().cpu() * samples
+        self._samples += samples
+
+    def _feed_watchdog(self) -> None:
+        watchdog = self._trainer.watchdog
+        if watchdog is not None:
+            watchdog.feed()
