@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.validation import build_metrics
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT
+from hookloop.engine.validation import build_metrics
 from hookloop.handlers import RunConfig, check_run_paths, compose_config, load_run_config
 from hookloop.handlers.handler_entries import HandlerEntry, check_handler_entries
 from hookloop.recipe import ResolvedModel, resolve_model
