@@ -48,6 +48,7 @@ from hookloop.engine.data import (
     MixtureSampler,
     SampleTrace,
     TokenDataset,
+    check_model_vocab,
     prepare_tokens,
     stdlib_docs_text,
     stdlib_source_files,
@@ -168,6 +169,7 @@ def check(cfg: Any) -> ResolvedModel:
     model = resolve_model(cfg)
     check_run_paths(cfg)
     check_data_files(cfg)
+    check_model_vocab(model.recipe.build, model.args, cfg.data.datasets)  # docs/data.md, "Vocabulary"
     check_device(cfg)
     if cfg.fault.nan_microbatches and model.recipe.loss_fn is None:
         raise ConfigError(
