@@ -15,6 +15,7 @@ import pty
 import re
 import select
 import shlex
+import signal
 import struct
 import subprocess
 import sys
@@ -488,3 +489,51 @@ def test_the_bpe_example_prepares_then_trains_below_the_uniform_loss(tmp_path):
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     uniform = math.log(vocab)
     assert losses[-1] < uniform - 1.0 and val[-1] < uniform - 1.0, (losses, val, uniform)
+
+
+def test_ctrl_c_leaves_no_token_file_cache_or_worker(tmp_path, bpe):
+    # A terminal's Ctrl-C reaches the whole process group: the command and its workers.
+    restore = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    out = tmp_path / "data" / "src.bin"
+    args = [
+        "-m",
+        "hookloop",
+        "prepare",
+        str(out),
+        "--from-stdlib-source",
+        "--tokenizer",
+        str(bpe),
+        "--num-proc",
+        "2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", restore, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[str] = []
+        while len(workers) < 2 and proc.poll() is None:  # tokenizing in two workers
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.02)
+            workers = subprocess.run(
+                ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+            ).stdout.split()
+        assert any(p.suffix == ".tmp" for p in out.parent.iterdir())
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr
+    assert stderr == f"hookloop prepare: interrupted; {out} was not written\n"
+    assert list(out.parent.iterdir()) == []
+    assert len(workers) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in workers)

@@ -104,8 +104,8 @@ class DataConfig:
     """Named datasets (a token file path, or ``stdlib_docs`` / ``stdlib_source``), their mixture
     weights (a dataset not named weighs 1.0), and an optional phase curriculum."""
 
-    #: name -> a token file path, or ``stdlib_docs`` / ``stdlib_source`` (the standard library's text,
-    #: tokenized on first use or by ``python -m hookloop.engine.data prepare``)
+    #: name -> a token file path (``hookloop prepare``), or ``stdlib_docs`` / ``stdlib_source`` (the
+    #: standard library's text, tokenized byte-level on first use)
     datasets: Dict[str, str] = field(default_factory=lambda: {"docs": "stdlib_docs"})
     weights: Dict[str, float] = field(default_factory=dict)  # name -> mixture weight (unnamed: 1.0)
     mix_temperature: float = 1.0  # draw source i with probability w_i ** (1 / T), normalised

@@ -363,6 +363,9 @@ def prepare_command(argv: Sequence[str] | None = None, prog: str = "hookloop pre
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {args.out} was not written", file=sys.stderr)
+        return 130
     return 0
 
 

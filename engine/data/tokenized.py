@@ -16,6 +16,7 @@ import collections
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ _worker: dict[str, Any] = {}
 
 
 def _start_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's: it ends the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: num_proc is the parallelism
     from tokenizers import Tokenizer
 
