@@ -268,6 +268,9 @@ def write_bad_inputs(tmp: Path) -> None:
     (tmp / "other.jsonl").write_text('{"body": "a"}\n')
     (tmp / "number.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
     pq.write_table(pa.table({"text": ["x", None]}), tmp / "holes.parquet")
+    (tmp / "broken.jsonl").write_text('{"text": "a"}\nnot json\n')
+    (tmp / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp / "empty.jsonl").write_text("")
     (tmp / "not_a_tokenizer.json").write_text('{"hello": 1}')
     (tmp / "empty_dir").mkdir()
 
@@ -285,6 +288,9 @@ BAD_INPUTS = [
         "--text-field: no record of other.jsonl has a field 'text' (its fields: body)",
     ),
     (["--files", "holes.parquet"], "--text-field: row 2 of holes.parquet holds nothing in 'text'"),
+    (["--files", "ok.txt", "broken.jsonl"], "--files: cannot read broken.jsonl as JSON lines (line 2 is not"),
+    (["--files", "ok.txt", "latin1.txt"], "--files: cannot read latin1.txt as UTF-8 text"),
+    (["--files", "empty.jsonl"], "--files: hold no document (empty files)"),
     (["--files", "ok.txt", "--tokenizer", "nothing_here"], "--tokenizer: nothing_here does not exist"),
     (
         ["--files", "ok.txt", "--tokenizer", "not_a_tokenizer.json"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -101,7 +102,7 @@ def _quiet(datasets: Any) -> Iterator[None]:
     was_enabled = datasets.is_progress_bar_enabled()
     level = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its read errors come back as ours
     try:
         yield
     finally:
@@ -117,13 +118,30 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _bad_json_line(path: Path) -> str | None:
+    """Where ``path`` stops being JSON lines (looked for only after ``datasets`` failed)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as e:
+                        return f"line {number} is not JSON: {e}"
+                    if not isinstance(record, dict):
+                        return f"line {number} is a JSON {type(record).__name__}, not an object"
+    except UnicodeDecodeError as e:
+        return f"not UTF-8: {e}"
+    return None
+
+
 def _load(datasets: Any, builder: str, files: Sequence[Path], cache_dir: Path, **kwargs: Any) -> Any:
     try:
         return datasets.load_dataset(
             builder, data_files=[str(f) for f in files], split="train", cache_dir=str(cache_dir), **kwargs
         )
     except Exception as e:  # datasets wraps parse and decode errors in DatasetGenerationError
-        culprit = files[0]
+        culprit, reason = files[0], _first_line(e)
         if builder == "text":  # which file is not UTF-8 (only looked for on failure)
             for f in files:
                 try:
@@ -131,10 +149,11 @@ def _load(datasets: Any, builder: str, files: Sequence[Path], cache_dir: Path, *
                 except (UnicodeDecodeError, OSError):
                     culprit = f
                     break
+        elif builder == "json":
+            reason = _bad_json_line(culprit) or reason
         kind = {"text": "UTF-8 text", "json": "JSON lines", "parquet": "Parquet"}[builder]
-        raise ConfigError(
-            "--files", f"cannot read {culprit} as {kind} ({_first_line(e)}); fix or drop the file"
-        ) from None
+        message = f"cannot read {culprit} as {kind} ({reason}); fix or drop the file"
+        raise ConfigError("--files", message) from None
 
 
 def _text_column(ds: Any, path: Path, text_field: str) -> Any:
@@ -180,8 +199,12 @@ def load_documents(
             group = list(group)
             if builder == "text":  # consecutive whole-file documents: one Arrow conversion
                 parts.append(_load(datasets, "text", group, cache, sample_by="document"))
-            else:  # per file, so an error can name the file and the record
-                parts += [_text_column(_load(datasets, builder, [f], cache), f, text_field) for f in group]
+            else:  # per file, so an error can name the file and the record; an empty file has none
+                for f in group:
+                    if f.stat().st_size:
+                        parts.append(_text_column(_load(datasets, builder, [f], cache), f, text_field))
+        if not parts:
+            raise ConfigError("--files", "hold no document (empty files); give files with text")
         ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     if len(ds) == 0:
         raise ConfigError("--files", "hold no document (empty files); give files with text")
