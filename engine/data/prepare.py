@@ -268,6 +268,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--num-proc", "parallelises tokenization: give --tokenizer or --train-tokenizer")
     if args.limit is not None and not args.from_stdlib_source:
         raise ConfigError("--limit", "only applies with --from-stdlib-source")
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError("--limit", f"must be a number of files >= 0, got {args.limit}")
 
 
 def _byte_documents(files: list[Path], text_field: str, cache_dir: Path) -> Iterable[Document]:
