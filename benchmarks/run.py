@@ -44,6 +44,7 @@ BENCHMARKS = {
     "checkpoint_throughput": "checkpoint_throughput.py",
     "checkpoint_pickle": "checkpoint_pickle.py",
     "data": "data.py",
+    "prepare": "prepare.py",
     "pipeline": "pipeline.py",
     "tensor_parallel": "tensor_parallel.py",
     "activation_memory": "activation_memory.py",

@@ -1,4 +1,6 @@
-"""Render a run's metrics log to a PNG: ``python -m hookloop.handlers.plot RUN_DIR [-o out.png]``.
+"""Render a run's metrics log to a PNG: ``hookloop plot RUN_DIR [-o out.png]``.
+
+``python -m hookloop.handlers.plot RUN_DIR`` is the same command.
 
 Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`~handlers.jsonl_logger.JSONLLogger`), falling back
 to ``RUN_DIR/progress.jsonl`` (written by :class:`~handlers.metrics.MetricsTracker`), and draws three
@@ -138,10 +140,9 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m hookloop.handlers.plot", description=__doc__.splitlines()[0]
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "python -m hookloop.handlers.plot") -> int:
+    """``hookloop plot`` (and ``python -m hookloop.handlers.plot``); returns the exit status."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="directory holding metrics.jsonl or progress.jsonl")
     parser.add_argument("-o", "--output", help="PNG path (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)

@@ -1,10 +1,13 @@
-"""``python -m hookloop.handlers.plot RUN_DIR`` renders a run's JSONL log to a PNG."""
+"""``hookloop plot RUN_DIR`` (or ``python -m hookloop.handlers.plot``) renders a run's JSONL log to a PNG."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import pytest
+
+from hookloop.cli import main as hookloop_main
 from hookloop.handlers.plot import load_records, main
 from tests.dist_utils import run_process
 
@@ -58,3 +61,18 @@ def test_falls_back_to_the_progress_log_and_explains_a_missing_log(tmp_path, cap
     out = tmp_path / "sub" / "p.png"
     assert main([str(tmp_path), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_is_a_subcommand_of_hookloop(tmp_path, capsys):
+    _write_run(tmp_path)
+    out = tmp_path / "p.png"
+    assert hookloop_main(["plot", str(tmp_path), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit) as exit_info:
+        hookloop_main(["plot"])
+    assert exit_info.value.code == 2 and "usage: hookloop plot [-h]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        hookloop_main(["--help"])
+    listing = capsys.readouterr().out
+    assert "prepare" in listing and "draw a run's metrics to a PNG" in listing

@@ -111,8 +111,8 @@ class DataConfig:
     with ``args``): one map-style Dataset, or a dict of named ones; its samples reach the model
     recipe's ``collate_fn`` as they are."""
 
-    #: name -> a token file path, or ``stdlib_docs`` / ``stdlib_source`` (the standard library's text,
-    #: tokenized on first use or by ``python -m hookloop.engine.data prepare``)
+    #: name -> a token file path (``hookloop prepare``), or ``stdlib_docs`` / ``stdlib_source`` (the
+    #: standard library's text, tokenized byte-level on first use)
     datasets: Dict[str, str] = field(default_factory=lambda: dict(DEFAULT_DATASETS))
     #: your data instead of token files: ``module:attribute`` or ``path/file.py:attribute`` of a
     #: factory returning a map-style Dataset (named after the attribute) or a dict name -> Dataset

@@ -1,9 +1,16 @@
 """Fixed-length training windows over a flat file of token ids.
 
 The file is a raw little-endian array of ``uint8``/``uint16``/``uint32`` ids (what
-:func:`engine.data.prepare_tokens` writes) read through ``numpy.memmap``, so a corpus much larger
-than RAM costs only the pages a batch touches. The dtype comes from the ``<path>.json`` sidecar
-written next to the file, or from the ``dtype`` argument when there is no sidecar.
+``hookloop prepare`` writes) read through ``numpy.memmap``, so a corpus much larger than RAM costs
+only the pages a batch touches. The dtype comes from the ``<path>.json`` sidecar written next to the
+file, or from the ``dtype`` argument when there is no sidecar.
+
+Two sidecar versions are read. Version 1, byte-level (:func:`engine.data.prepare_tokens`):
+``tokenizer: "utf8-bytes"``, ``dtype``, ``num_tokens``, ``num_documents``, ``separator`` (between
+documents) and, in files written since tokenizers came, ``vocab_size``. Version 2, tokenized
+(:mod:`engine.data.tokenized`): ``dtype``, ``vocab_size``, ``eos_id`` (after every document),
+``documents``, ``tokens`` and ``tokenizer`` (what was used). :func:`token_file_vocab_size` gives the
+ids a model needs for either.
 """
 
 from __future__ import annotations
@@ -19,9 +26,18 @@ from torch.utils.data import Dataset
 
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["SUPPORTED_TOKEN_DTYPES", "TokenDataset", "read_token_metadata", "sidecar_path"]
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "SUPPORTED_TOKEN_DTYPES",
+    "TokenDataset",
+    "read_token_metadata",
+    "sidecar_path",
+    "token_file_vocab_size",
+]
 
 SUPPORTED_TOKEN_DTYPES: tuple[str, ...] = ("uint8", "uint16", "uint32")
+BYTE_VOCAB_SIZE = 256
+"""The vocabulary of a byte-level token file: one id per byte value."""
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -44,6 +60,24 @@ def read_token_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not isinstance(meta, dict):
         raise ConfigError("path", f"sidecar {str(side)!r} must hold a JSON object, got {type(meta).__name__}")
     return meta
+
+
+def _vocab_size(meta: dict[str, Any]) -> int | None:
+    size = meta.get("vocab_size")
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    if meta.get("tokenizer") == "utf8-bytes":  # a byte-level sidecar written before vocab_size existed
+        separator = meta.get("separator", 0)
+        return max(BYTE_VOCAB_SIZE, separator + 1 if isinstance(separator, int) else 0)
+    return None
+
+
+def token_file_vocab_size(path: str | os.PathLike[str]) -> int | None:
+    """The ids a model needs for token file ``path`` (largest id + 1), from its sidecar: its
+    ``vocab_size``, or for a byte-level sidecar without one 256 (``separator + 1`` when larger).
+    None when there is no sidecar or it does not say."""
+    meta = read_token_metadata(path)
+    return None if meta is None else _vocab_size(meta)
 
 
 def _check_dtype(dtype: Any, field: str) -> np.dtype:
@@ -79,8 +113,8 @@ class TokenDataset(Dataset):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(
-                f"path: token file {str(self.path)!r} does not exist; create it with prepare_tokens "
-                "or `python -m hookloop.engine.data prepare`"
+                f"path: token file {str(self.path)!r} does not exist; create it with `hookloop prepare` "
+                "or prepare_tokens"
             )
         meta = read_token_metadata(self.path)
         meta_dtype = None if meta is None else meta.get("dtype")
@@ -116,6 +150,16 @@ class TokenDataset(Dataset):
                 f"{str(self.path)!r} holds {self.num_tokens} tokens but one window needs seq_len + 1 = "
                 f"{self.seq_len + 1}; use a smaller seq_len or a longer token file",
             )
+        expected = None if meta is None else meta.get("tokens", meta.get("num_tokens"))
+        if isinstance(expected, int) and expected != self.num_tokens:
+            raise ConfigError(
+                "path",
+                f"{str(self.path)!r} holds {self.num_tokens} tokens but its sidecar says {expected}: the "
+                "file is truncated or not the one the sidecar describes; prepare it again (hookloop prepare)",
+            )
+        #: ids a model needs (largest id + 1) and the end-of-document id, when the sidecar says
+        self.vocab_size: int | None = None if meta is None else _vocab_size(meta)
+        self.eos_id: int | None = None if meta is None else meta.get("eos_id")
         self._num_windows = (self.num_tokens - 1) // self.seq_len
         self._tokens: np.ndarray | None = None
 

@@ -3,6 +3,8 @@
     hookloop train CONFIG [section.field=value ...]     train (under torchrun too: -m hookloop train)
     hookloop check CONFIG [overrides] [--nproc N]        check everything a run can check up front
     hookloop config [CONFIG] [overrides] [--markdown]    the resolved config, every field explained
+    hookloop prepare OUT --files F ... [--tokenizer PATH] write a token file (docs/data.md)
+    hookloop plot RUN_DIR [-o PNG]                       draw a run's metrics
 
 ``train`` exits with the run's exit code (:class:`hookloop.engine.ExitCode`); every command exits
 with 2 and one line naming the field when the config is wrong, before any process group, data or
@@ -46,6 +48,11 @@ def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentPa
 
 
 COMMANDS = ("train", "check", "config")
+# Commands whose parser and work live in their own module: name -> (module, function, help).
+DELEGATED = {
+    "prepare": ("hookloop.engine.data.prepare", "prepare_command", "write a token file from text"),
+    "plot": ("hookloop.handlers.plot", "main", "draw a run's metrics to a PNG"),
+}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -56,6 +63,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         sub = parser.add_subparsers(dest="command", required=True)
         for command in COMMANDS:
             sub.add_parser(command, help=_command_parser(command).description, add_help=False)
+        for command, (_, _, help_text) in DELEGATED.items():
+            sub.add_parser(command, help=help_text, add_help=False)
         parser.parse_args(argv[:1])
     # Overrides may come before or after the options: parse them intermixed.
     args = _command_parser(argv[0]).parse_intermixed_args(argv[1:])
@@ -65,7 +74,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code."""
-    args = _parse(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, function, _ = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:], prog=f"hookloop {argv[0]}")
+    args = _parse(argv)
     if args.command == "config" and args.config is not None and "=" in args.config.name:
         if not args.config.exists():  # `hookloop config a.b=1`: overrides of the defaults
             args.overrides.insert(0, str(args.config))

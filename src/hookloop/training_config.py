@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hookloop.engine.data import check_model_vocab
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT
 from hookloop.engine.validation import build_metrics
@@ -131,6 +132,8 @@ def check(cfg: Any) -> Checked:
     entries = check_handler_entries(cfg.handlers)
     check_run_paths(cfg)
     check_data(cfg)
+    if cfg.data.target is None:  # token files say their vocabulary (docs/data.md, "Vocabulary")
+        check_model_vocab(model.recipe.build, model.args, cfg.data.datasets)
     check_device(cfg)
     _check_layout(cfg, model)
     if callable(getattr(cfg, "check_ranked_metric", None)):
