@@ -147,3 +147,30 @@ def test_fault_tolerance_demo_recovers_and_matches_the_uninterrupted_run(tmp_pat
     assert len(losses) == 2 and losses[0] == losses[1] and float(losses[0]) < 4.0
     # the killed run really stopped early: its own log ends without a "done" line
     assert "done:" not in (tmp_path / "demo" / "demo_killed.log").read_text()
+
+
+def test_digits_classifier_through_hookloop_train(tmp_path):
+    """examples/configs/digits.yaml: a classifier (not a language model) from a data factory, with
+    ignite's Accuracy as a validation metric: above 0.9 at the default length, the best checkpoint by
+    it kept beside the last two, and the same command again resumes and has nothing left to train."""
+    run_dir = tmp_path / "digits"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hookloop",
+        "train",
+        "examples/configs/digits.yaml",
+        f"train.run_dir={run_dir}",
+    ]
+    proc = run_process(cmd, cwd=REPO, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    accuracy = {row["step"]: row["val_accuracy"] for row in rows if "val_accuracy" in row}
+    assert sorted(accuracy) == [50, 100, 150, 200, 250, 300] and accuracy[300] >= 0.9, accuracy
+    assert all(row["tokens_seen"] == 0 for row in rows)  # images: samples, not tokens
+    kept = {int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")}
+    best = max(accuracy.values())
+    assert {250, 300} <= kept and len(kept) <= 3, (kept, accuracy)  # the last two ...
+    assert any(accuracy[step] == best for step in kept), (kept, accuracy)  # ... and a best one
+    again = run_process(cmd, cwd=REPO, timeout=200)
+    assert again.returncode == 0 and "nothing left to train" in again.stderr, again.stderr[-2000:]
