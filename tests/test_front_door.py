@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from hookloop import ConfigError
-from hookloop.engine.data import read_sample_traces
 from hookloop.train import build, check, load_training_config, train
 from tests.dist_utils import run_process, run_torchrun
+from tests.test_elastic_data import global_batches
 
 # A project of its own: samples that are dicts (not token-file tuples), a collate_fn that insists on
 # them, a stateful handler with a section of its own, and an ignite-style object from a factory.
@@ -325,14 +325,6 @@ def test_train_returns_the_exit_code_and_2_for_a_config_error(in_project, capsys
 
 
 # ------------------------------------------------------------------ data.target: the shipped guarantees
-def global_batches(run_dir: Path) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for steps in read_sample_traces(run_dir).values():
-        for step, ids in steps.items():
-            out.setdefault(step, []).extend(ids)
-    return {step: sorted(ids) for step, ids in sorted(out.items())}
-
-
 def val_losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
