@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,6 +135,10 @@ def _tokenize_in_workers(
     # tokenizers warn and turn parallelism off in the child; saying so up front keeps it quiet.
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Workers are born ignoring Ctrl-C (a SIGINT during a fork would otherwise print a worker's
+    # traceback before its initializer runs); the main process ends the pool on Ctrl-C.
+    main = threading.current_thread() is threading.main_thread()
+    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         pool = _pool_context().Pool(
             num_proc,
@@ -141,6 +146,8 @@ def _tokenize_in_workers(
             initargs=(tokenizer.tokenizer.to_str(), tokenizer.eos_id, dtype),
         )
     finally:
+        if main:
+            signal.signal(signal.SIGINT, previous_sigint)
         if previous is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
