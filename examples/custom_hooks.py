@@ -1,6 +1,6 @@
 """Hooks of your own on the front door: ``hookloop train`` attaches them from the config's
-``handlers:`` list next to the shipped checkpoints, logging and NaN rollback (a minute on 2 CPU
-cores, from the repository root)::
+``handlers:`` list next to the shipped checkpoints, logging and NaN rollback (about 10 seconds on
+2 idle CPU cores, from the repository root)::
 
     python examples/custom_hooks.py            # = hookloop train examples/configs/custom_hooks.yaml
     hookloop train examples/configs/custom_hooks.yaml handlers.0.every=5 train.run_dir=runs/hooks

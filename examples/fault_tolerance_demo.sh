@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fault tolerance end to end, on a CPU in a minute or two:
+# Fault tolerance end to end, on a CPU in about 20 seconds (2 idle cores):
 #
 #     bash examples/fault_tolerance_demo.sh [WORK_DIR]        # WORK_DIR: a fresh temp dir if omitted
 #
