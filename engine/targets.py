@@ -1,5 +1,6 @@
 """Targets: the code a config names, ``module:attribute`` or ``path/to/file.py:attribute``, and the
-arguments written beside it, checked against the signature before anything is built.
+arguments written beside it, checked against the signature before anything is built: the names,
+and the types where the signature's annotations say them (``d_model: int`` refuses ``abc``).
 
 Every place a config names code uses these two functions, so one rule holds everywhere::
 
@@ -18,6 +19,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import types
+import typing
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -107,7 +110,73 @@ def bind_arguments(
     ]
     if missing:
         raise ConfigError(f"{prefix}.{missing[0]}", f"is required by {target} and not set")
+    hints = _annotations(fn)
+    for key, value in args.items():
+        hint = hints.get(key, inspect.Parameter.empty)
+        if _fits(value, hint) is not False:
+            continue
+        shown = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+        why = ""
+        if isinstance(value, str) and _fits(_number(value), hint):
+            why = f"; YAML reads {value} as text: write it with a decimal point (e.g. 1.0e-3)"
+        raise ConfigError(
+            f"{prefix}.{key}",
+            f"got {value!r} ({type(value).__name__}), but {target} takes {key}: {shown}{why}",
+        )
     return dict(args)
+
+
+def _annotations(fn: Callable) -> dict[str, Any]:
+    """Parameter name -> its annotation, resolved; empty when the annotations cannot be evaluated
+    (a name only a type checker sees): types are then not checked."""
+    try:
+        params = inspect.signature(fn, eval_str=True).parameters
+    except Exception:  # noqa: BLE001 - unresolvable annotations: check names only
+        return {}
+    return {n: p.annotation for n, p in params.items()}
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _fits(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` (as a config gives it) fits annotation ``hint``: True, False, or None when
+    the annotation says something this check does not read (a class of the user's, a callable, ...),
+    which is never refused."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return None
+    if hint is None or hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or (hasattr(types, "UnionType") and origin is types.UnionType):
+        answers = [_fits(value, h) for h in typing.get_args(hint)]
+        if any(a is True for a in answers):
+            return True
+        return None if any(a is None for a in answers) else False
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, Mapping)
+    if hint in (list, tuple) or origin in (list, tuple):  # YAML has lists only: either is fine
+        if not isinstance(value, (list, tuple)):
+            return False
+        inner = [h for h in typing.get_args(hint) if h is not Ellipsis]
+        if len(inner) == 1 or (origin is tuple and inner and len(set(inner)) == 1):
+            return False if any(_fits(v, inner[0]) is False for v in value) else True
+        return True
+    return None
 
 
 def accepted_names(fn: Callable) -> set[str] | None:

@@ -454,14 +454,23 @@ def test_check_and_train_refuse_a_model_smaller_than_the_data(tmp_path, bpe, cap
     ]
 
 
-def test_a_model_without_a_vocab_size_argument_is_not_checked(tmp_path, bpe, capsys, monkeypatch):
+def test_a_model_without_a_vocab_size_argument_is_checked_on_the_first_microbatch(
+    tmp_path, bpe, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text(
         "import torch\n\ndef build(vocab: int = 64):\n    return torch.nn.Embedding(vocab, 8)\n"
     )
     (tmp_path / "run.yaml").write_text("model:\n  target: mine.py:build\nstep_scheduler:\n  max_steps: 2\n")
     assert run_prepare(capsys, "docs.bin", "--from-stdlib-docs", "--tokenizer", bpe)[0] == 0
-    assert hookloop_main(["check", "run.yaml", "data.datasets.docs=docs.bin", "train.run_dir=run"]) == 0
+    capsys.readouterr()
+    # No vocab_size to compare with the sidecar's: the first microbatch through the model finds it.
+    assert hookloop_main(["check", "run.yaml", "data.datasets.docs=docs.bin", "train.run_dir=run"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "config error: model: forward and loss on the first microbatch int64[8, 128] fail: "
+    )
+    assert "IndexError" in line and "does the model's vocabulary cover the data's?" in line
 
 
 # -------------------------------------------------------------------------------- the example, end to end

@@ -163,6 +163,19 @@ class TokenDataset(Dataset):
         self._num_windows = (self.num_tokens - 1) // self.seq_len
         self._tokens: np.ndarray | None = None
 
+    @classmethod
+    def from_tokens(cls, tokens: np.ndarray, seq_len: int, *, name: str = "<memory>") -> TokenDataset:
+        """The same windows over ``tokens`` held in memory (nothing read from or written to disk);
+        ``name`` stands for the path in messages. For one process: it does not pickle its ids."""
+        if tokens.ndim != 1 or tokens.size < seq_len + 1:
+            raise ConfigError("seq_len", f"{name} holds {tokens.size} tokens; one window needs {seq_len + 1}")
+        dataset = cls.__new__(cls)
+        dataset.path, dataset.dtype, dataset.seq_len = Path(name), tokens.dtype, int(seq_len)
+        dataset.num_tokens, dataset.vocab_size, dataset.eos_id = int(tokens.size), None, None
+        dataset._num_windows = (dataset.num_tokens - 1) // dataset.seq_len
+        dataset._tokens = tokens
+        return dataset
+
     def __len__(self) -> int:
         return self._num_windows
 

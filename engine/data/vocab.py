@@ -1,36 +1,109 @@
 """Does the model's vocabulary cover the data's? Checked before any run starts.
 
-The data's vocabulary is the largest over ``data.datasets``: a token file's from its sidecar
-(``vocab_size``; a byte-level file 256), the built-in ``stdlib_docs`` / ``stdlib_source`` corpora
-256 (they are tokenized byte-level). The model's is its ``vocab_size`` argument: set in the config's
-``model`` section, else the default of the factory's ``vocab_size`` parameter. A model factory
-without a ``vocab_size`` parameter is not checked, nor is a token file without a sidecar.
+The data's vocabulary is the largest over ``data.datasets``. The built-in ``stdlib_docs`` /
+``stdlib_source`` corpora have 256 (they are tokenized byte-level). A token file has what its
+sidecar says (``vocab_size``; a byte-level sidecar 256) and at least its largest id + 1, read from
+the file itself with ``numpy.memmap`` in chunks (a few milliseconds per 100 MB once the file is in
+the page cache): always when the sidecar does not say, and to verify the sidecar's word when the
+file is at most :data:`SCAN_BYTES` long (larger files are taken at the sidecar's word). The model's
+vocabulary is its ``vocab_size`` argument: set in the config's ``model`` section, else the default
+of the factory's ``vocab_size`` parameter. A factory without a ``vocab_size`` parameter is not
+checked here (the first microbatch through the model is, by ``hookloop check``).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from hookloop.engine.data.token_dataset import BYTE_VOCAB_SIZE, token_file_vocab_size
+import numpy as np
+
+from hookloop.engine.data.token_dataset import (
+    BYTE_VOCAB_SIZE,
+    SUPPORTED_TOKEN_DTYPES,
+    read_token_metadata,
+    token_file_vocab_size,
+)
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["BUILTIN_CORPORA", "check_model_vocab", "data_vocab_size"]
+__all__ = [
+    "BUILTIN_CORPORA",
+    "SCAN_BYTES",
+    "DataVocab",
+    "check_model_vocab",
+    "data_vocab",
+    "data_vocab_size",
+    "largest_token_id",
+    "model_vocab_size",
+]
 
 #: Dataset sources ``hookloop train`` tokenizes itself, byte-level.
 BUILTIN_CORPORA = ("stdlib_docs", "stdlib_source")
+#: Token files up to this size are read whole to verify their sidecar's ``vocab_size``.
+SCAN_BYTES = 1 << 30
+_CHUNK = 1 << 24  # ids per read: 16 Mi ids, at most 64 MB of memory at a time
+
+
+@dataclass(frozen=True)
+class DataVocab:
+    """The ids a dataset needs (largest id + 1), which dataset, and how it is known."""
+
+    size: int
+    name: str
+    origin: str
+
+
+def largest_token_id(path: str | Path, dtype: Any) -> int | None:
+    """The largest id in token file ``path`` of ``dtype`` (None for an empty file), read in chunks
+    so memory stays bounded whatever the file's size."""
+    if Path(path).stat().st_size == 0:
+        return None
+    ids = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
+    return max(int(ids[i : i + _CHUNK].max()) for i in range(0, ids.size, _CHUNK))
+
+
+def _file_vocab(name: str, source: str) -> DataVocab | None:
+    claim = token_file_vocab_size(source)
+    dtype = (read_token_metadata(source) or {}).get("dtype")
+    size = Path(source).stat().st_size
+    largest = None
+    if (
+        dtype in SUPPORTED_TOKEN_DTYPES
+        and size % np.dtype(dtype).itemsize == 0  # else the dataset refuses the file when built
+        and (claim is None or size <= SCAN_BYTES)
+    ):
+        largest = largest_token_id(source, dtype)
+    if largest is not None and (claim is None or largest >= claim):
+        said = "" if claim is None else f", above its sidecar's vocab_size {claim}"
+        return DataVocab(largest + 1, name, f"its largest token id is {largest}{said}")
+    if claim is not None:
+        return DataVocab(claim, name, "its sidecar's vocab_size")
+    return None
+
+
+def data_vocab(datasets: Mapping[str, str]) -> DataVocab | None:
+    """The largest vocabulary among ``datasets`` (name -> token file or built-in corpus); None when
+    no dataset says."""
+    best: DataVocab | None = None
+    for name, source in datasets.items():
+        if source in BUILTIN_CORPORA:
+            found = DataVocab(BYTE_VOCAB_SIZE, name, "a built-in byte-level corpus")
+        elif Path(source).is_file():
+            found = _file_vocab(name, source)
+        else:
+            found = None
+        if found is not None and (best is None or found.size > best.size):
+            best = found
+    return best
 
 
 def data_vocab_size(datasets: Mapping[str, str]) -> tuple[int, str] | None:
-    """The largest vocabulary among ``datasets`` (name -> token file or built-in corpus) and the
-    name of a dataset that has it; None when no dataset says."""
-    best: tuple[int, str] | None = None
-    for name, source in datasets.items():
-        size = BYTE_VOCAB_SIZE if source in BUILTIN_CORPORA else token_file_vocab_size(source)
-        if size is not None and (best is None or size > best[0]):
-            best = (size, name)
-    return best
+    """``(ids, dataset name)`` of :func:`data_vocab`."""
+    found = data_vocab(datasets)
+    return None if found is None else (found.size, found.name)
 
 
 def _model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> tuple[Any, bool]:
@@ -46,6 +119,13 @@ def _model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> tup
     return parameter.default, True
 
 
+def model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> int | None:
+    """The ``vocab_size`` the model built by ``build(**args)`` gets (set or the factory's default),
+    None when it takes none."""
+    vocab, _ = _model_vocab_size(build, args)
+    return None if isinstance(vocab, bool) or not isinstance(vocab, int) else vocab
+
+
 def check_model_vocab(
     build: Callable[..., Any], args: Mapping[str, Any], datasets: Mapping[str, str]
 ) -> None:
@@ -54,15 +134,13 @@ def check_model_vocab(
     vocab, from_default = _model_vocab_size(build, args)
     if isinstance(vocab, bool) or not isinstance(vocab, int):
         return
-    found = data_vocab_size(datasets)
-    if found is None or found[0] <= vocab:
+    found = data_vocab(datasets)
+    if found is None or found.size <= vocab:
         return
-    size, name = found
-    source = datasets[name]
-    origin = "a built-in byte-level corpus" if source in BUILTIN_CORPORA else "its sidecar's vocab_size"
     default = " (the factory's default)" if from_default else ""
     raise ConfigError(
         "model.vocab_size",
-        f"{vocab}{default} is smaller than the data's vocabulary: data.datasets.{name} ({source}) has "
-        f"{size} token ids ({origin}); set model.vocab_size={size} or more",
+        f"{vocab}{default} is smaller than the data's vocabulary: data.datasets.{found.name} "
+        f"({datasets[found.name]}) has {found.size} token ids ({found.origin}); set "
+        f"model.vocab_size={found.size} or more",
     )

@@ -14,7 +14,7 @@ only when a schedule is looked up or built.
 from hookloop.engine.pipeline.config import PipelineConfig, bubble_fraction
 from hookloop.engine.pipeline.runtime import PipelineRuntime, build_pipeline
 from hookloop.engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
-from hookloop.engine.pipeline.split import default_module_fqns, split_stage_module
+from hookloop.engine.pipeline.split import default_module_fqns, plan_stages, split_stage_module
 
 __all__ = [
     "PipelineConfig",
@@ -24,6 +24,7 @@ __all__ = [
     "build_pipeline",
     "default_module_fqns",
     "parse_schedule_csv",
+    "plan_stages",
     "resolve_schedule",
     "split_stage_module",
 ]

@@ -36,13 +36,45 @@ from hookloop.engine.errors import ConfigError
 from hookloop.engine.pipeline import hf_patches
 from hookloop.engine.pipeline.config import PipelineConfig
 from hookloop.engine.pipeline.schedules import losses_computed
-from hookloop.engine.pipeline.split import default_module_fqns, find_layer_container, split_stage_module
+from hookloop.engine.pipeline.split import find_layer_container, plan_stages, split_stage_module
 from hookloop.engine.step_batches import iter_groups
 from hookloop.engine.step_body import StepContext, StepResult, check_loss, grad_norm
 
-__all__ = ["PipelineRuntime", "build_pipeline"]
+__all__ = [
+    "PipelineRuntime",
+    "build_pipeline",
+    "forward_through_stages",
+    "pipeline_loss_fn",
+    "stage_module",
+    "stage_pair",
+]
 
 logger = logging.getLogger(__name__)
+
+
+def stage_pair(inputs: Any, targets: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a prepared microbatch as the stages take them: a dict microbatch
+    (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
+    if isinstance(inputs, Mapping):
+        extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
+        if "input_ids" not in inputs or extra:
+            raise TypeError(
+                f"pipeline stages take a dict microbatch's 'input_ids' (and 'labels') only, got keys "
+                f"{sorted(inputs)}: drop {extra or ['inputs_embeds']} or run without pipeline parallelism"
+            )
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                "pipeline stages apply a causal mask only: this microbatch's attention_mask hides "
+                "padding; pack sequences to full length (no padding) or drop the mask"
+            )
+        if targets is None:
+            raise ValueError(
+                "a dict microbatch without 'labels' under pipeline parallelism: the last stage's "
+                "loss needs them (Hugging Face convention: labels unshifted, equal to input_ids)"
+            )
+        inputs = inputs["input_ids"]
+    return inputs, targets
 
 
 class PipelineRuntime:
@@ -133,25 +165,7 @@ class PipelineRuntime:
         microbatch (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
         inputs, targets = ctx.prepare(microbatch)
         counts = count_batch(inputs)
-        if isinstance(inputs, Mapping):
-            extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
-            if "input_ids" not in inputs or extra:
-                raise TypeError(
-                    f"pipeline stages take a dict microbatch's 'input_ids' (and 'labels') only, got keys "
-                    f"{sorted(inputs)}: drop {extra or ['inputs_embeds']} or run without pipeline parallelism"
-                )
-            mask = inputs.get("attention_mask")
-            if mask is not None and not bool(mask.all()):
-                raise ValueError(
-                    "pipeline stages apply a causal mask only: this microbatch's attention_mask hides "
-                    "padding; pack sequences to full length (no padding) or drop the mask"
-                )
-            if targets is None:
-                raise ValueError(
-                    "a dict microbatch without 'labels' under pipeline parallelism: the last stage's "
-                    "loss needs them (Hugging Face convention: labels unshifted, equal to input_ids)"
-                )
-            inputs = inputs["input_ids"]
+        inputs, targets = stage_pair(inputs, targets)
         return inputs, targets, counts
 
     def _prepare(
@@ -365,30 +379,18 @@ def build_pipeline(
         raise ConfigError(
             "distributed.pp_size", f"is {pp_size}: a pipeline needs at least 2 ranks; train without one"
         )
-    n_layers = None
-    if cfg.module_fqns_per_model_part is None:
-        n_layers = len(list(model.get_submodule(find_layer_container(model)).children()))
-    plan = cfg.stage_plan(pp_size, n_layers)
+    plan, fqns = plan_stages(model, cfg, pp_size)
     num_stages = plan["num_stages"]
-    fqns = cfg.module_fqns_per_model_part or default_module_fqns(model, num_stages)
     device = getattr(dist_info, "device", None) or torch.device("cpu")
     dtype = cfg.torch_dtype
     dp_mesh = mesh["dp"] if "dp" in names and mesh["dp"].size() > 1 else None
     tp_mesh = mesh["tp"] if "tp" in names and mesh["tp"].size() > 1 else None
     stages = []
-    hf = hf_patches.is_hf_causal_lm(model)
-    prepare = None
-    if hf:  # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
+    if hf_patches.is_hf_causal_lm(model):
         hf_patches.check_hf_pipeline(model, cfg)
-        container = find_layer_container(model)
-        prepare = lambda part: hf_patches.layers_as_module_dict(part, container)  # noqa: E731
-        loss_fn = loss_fn or cfg.loss_fn or hf_patches.causal_lm_loss
+    loss_fn = pipeline_loss_fn(model, cfg, loss_fn)
     for stage_id in plan["rank_stages"][pp_rank]:
-        part = split_stage_module(model, fqns, stage_id, prepare).to(device=device, dtype=dtype)
-        if hf:
-            hf_patches.patch_stage_module(
-                part, patch_inner=cfg.patch_inner_model, patch_causal_lm=cfg.patch_causal_lm_model
-            )
+        part = stage_module(model, cfg, fqns, stage_id).to(device=device, dtype=dtype)
         if tp_mesh is not None:
             from hookloop.engine.tensor_parallel import apply_tensor_parallel
 
@@ -424,6 +426,46 @@ def build_pipeline(
     runtime.schedule = schedule
     logger.info("pipeline: %r", runtime)
     return runtime
+
+
+def pipeline_loss_fn(model: nn.Module, config: PipelineConfig, loss_fn: Callable | None) -> Callable | None:
+    """The last stage's loss: ``loss_fn``, else ``config.loss_fn``, else for a Hugging Face causal
+    LM its shifted cross entropy (:func:`~engine.pipeline.hf_patches.causal_lm_loss`)."""
+    if hf_patches.is_hf_causal_lm(model):
+        return loss_fn or config.loss_fn or hf_patches.causal_lm_loss
+    return loss_fn or config.loss_fn
+
+
+def stage_module(model: nn.Module, config: PipelineConfig, fqns: list[list[str]], stage_id: int) -> nn.Module:
+    """Stage ``stage_id``'s part of ``model`` (a copy keeping the modules ``fqns[stage_id]`` names),
+    with the pipeline forwards of a Hugging Face causal LM bound to it."""
+    hf = hf_patches.is_hf_causal_lm(model)
+    prepare = None
+    if hf:  # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
+        container = find_layer_container(model)
+        prepare = lambda part: hf_patches.layers_as_module_dict(part, container)  # noqa: E731
+    part = split_stage_module(model, fqns, stage_id, prepare)
+    if hf:
+        hf_patches.patch_stage_module(
+            part, patch_inner=config.patch_inner_model, patch_causal_lm=config.patch_causal_lm_model
+        )
+    return part
+
+
+@torch.no_grad()
+def forward_through_stages(
+    model: nn.Module, config: PipelineConfig | Any, fqns: list[list[str]], inputs: torch.Tensor
+) -> Any:
+    """The pipeline's forward in this one process: ``inputs`` through every stage's module in stage
+    order (what the ranks compute together), for checking a split before any process group exists."""
+    cfg = PipelineConfig.from_section(config)
+    h: Any = inputs
+    for stage_id in range(len(fqns)):
+        part = stage_module(model, cfg, fqns, stage_id)
+        if cfg.torch_dtype is not None:
+            part = part.to(dtype=cfg.torch_dtype)
+        h = part(h)
+    return h
 
 
 def _infer_shapes_without_ddp_sync(stage: Any) -> None:

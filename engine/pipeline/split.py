@@ -7,18 +7,25 @@ model and the model's own ``forward`` runs the stage as long as it skips parts t
 :mod:`engine.pipeline.hf_patches`). Modules without parameters stay on every stage. The default
 split puts the modules before the layer container (embeddings) on the first stage, the ones after
 it (norm, head) on the last, and spreads the layers evenly over the stages.
+
+Every stage holds at least one layer (a stage of only embeddings or only the head is refused: the
+models' stage forwards run the layers they hold): :func:`plan_stages` checks the split every rank
+will make, from the model alone (built on the meta device is enough), before any process group
+exists; ``hookloop check --nproc N`` runs it.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.pipeline.config import PipelineConfig
 
-__all__ = ["default_module_fqns", "find_layer_container", "split_stage_module"]
+__all__ = ["default_module_fqns", "find_layer_container", "plan_stages", "split_stage_module"]
 
 _LAYER_NAMES = ("layers", "blocks", "h", "layer")
 _FIELD = "pipeline.module_fqns_per_model_part"
@@ -53,10 +60,15 @@ def _layer_containers(module: nn.Module) -> list[str]:
 
 
 def default_module_fqns(
-    model: nn.Module, num_stages: int, layers_field: str = "pipeline.layers_per_stage"
+    model: nn.Module,
+    num_stages: int,
+    layers_field: str = "distributed.pp_size",
+    layers_hint: str | None = None,
 ) -> list[list[str]]:
     """Module names per stage: children before the layer container on stage 0, children after it
-    on the last stage, layers spread evenly (earlier stages take the remainder)."""
+    on the last stage, layers spread evenly (earlier stages take the remainder). Fewer layers than
+    stages is a :class:`ConfigError` on ``layers_field``; ``layers_hint`` names the model's own
+    setting of its layer count (``model.n_layers``) in the message."""
     container = find_layer_container(model)
     # Modules before the container (at each level of its dotted name) go first, after it last:
     # GPT: tok_emb, pos_emb | blocks | norm, head; Llama: model.embed_tokens | model.layers |
@@ -72,6 +84,17 @@ def default_module_fqns(
         parent, prefix = getattr(parent, name), f"{prefix}{name}."
     layer_keys = [f"{container}.{k}" for k, _ in parent.named_children()]
     n_layers = len(layer_keys)
+    if n_layers < num_stages:
+        more = (
+            f"{layers_hint} >= {num_stages}" if layers_hint else f"at least {num_stages} layers in the model"
+        )
+        raise ConfigError(
+            layers_field,
+            f"{n_layers} layer(s) in {container} cannot give each of {num_stages} pipeline stages one "
+            f"(stage {n_layers} would be empty of layers and fail at step 1); use fewer stages (a lower "
+            f"distributed.pp_size, a larger pipeline.layers_per_stage, or a schedule with one stage per "
+            f"rank) or {more}",
+        )
     base, extra = divmod(n_layers, num_stages)
     parts: list[list[str]] = []
     start = 0
@@ -81,14 +104,43 @@ def default_module_fqns(
         start += size
     parts[0] = before + parts[0]
     parts[-1] = parts[-1] + after
-    for s, part in enumerate(parts):
-        if not part:
-            raise ConfigError(
-                layers_field,
-                f"{n_layers} layers cannot fill {num_stages} stages (stage {s} would be empty); "
-                "use fewer stages (a larger layers_per_stage, round 'down', or a single-stage schedule)",
-            )
     return parts
+
+
+def plan_stages(
+    model: nn.Module, config: PipelineConfig, pp_size: int, *, layers_hint: str | None = None
+) -> tuple[dict[str, Any], list[list[str]]]:
+    """The schedule's plan (:meth:`PipelineConfig.stage_plan`) for ``pp_size`` pipeline ranks and
+    the module names of every stage, checked: every name exists, every parameter is in exactly one
+    stage, and every stage holds at least one layer. ``model`` may live on the meta device.
+    Errors name ``distributed.pp_size``, ``pipeline.layers_per_stage`` or
+    ``pipeline.module_fqns_per_model_part[s]``."""
+    fqns = config.module_fqns_per_model_part
+    if fqns is not None:
+        plan = config.stage_plan(pp_size)
+        _check_cover(model, fqns)
+        _check_layers_per_stage(model, fqns)
+        return plan, fqns
+    container = model.get_submodule(find_layer_container(model))
+    plan = config.stage_plan(pp_size, len(list(container.children())))
+    field = "pipeline.layers_per_stage" if config.layers_per_stage is not None else "distributed.pp_size"
+    fqns = default_module_fqns(model, plan["num_stages"], field, layers_hint)
+    _check_cover(model, fqns)
+    return plan, fqns
+
+
+def _check_layers_per_stage(model: nn.Module, fqns_per_stage: list[list[str]]) -> None:
+    try:
+        container = find_layer_container(model)
+    except ConfigError:  # no layer container to speak of: the names are the user's whole say
+        return
+    for s, part in enumerate(fqns_per_stage):
+        if not any(n == container or n.startswith(container + ".") for n in part):
+            raise ConfigError(
+                f"{_FIELD}[{s}]",
+                f"stage {s} ({part}) holds none of the layers in {container}: a stage's forward runs "
+                "the layers it holds; give every stage at least one",
+            )
 
 
 def split_stage_module(

@@ -108,13 +108,17 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.stdout.write(annotated_yaml(cfg))
             return 0
-        checked = training.check(cfg)
+        checked = training.check(cfg, world)
     except ConfigError as e:
         training.report_config_error(e)
         return 2
     if args.command == "check":
         own = f", {len(checked.handlers)} handler(s) of its own" if checked.handlers else ""
-        print(f"config ok: {args.config} (model {checked.target}{own}, run directory {cfg.train.run_dir})")
+        tried = f"; {checked.first_step.summary()}" if checked.first_step is not None else ""
+        print(
+            f"config ok: {args.config} (model {checked.target}{own}, run directory {cfg.train.run_dir})"
+            f"{tried}"
+        )
         return 0
     return training.train(cfg, checked=checked)
 

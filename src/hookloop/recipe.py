@@ -21,7 +21,9 @@ relative to the working directory). The attribute is either
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +33,17 @@ import torch.nn.functional as F
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.targets import TARGET_HINT, accepted_names, bind_arguments, resolve_target
 
-__all__ = ["ModelRecipe", "ResolvedModel", "resolve_model", "resolve_target", "token_cross_entropy"]
+__all__ = [
+    "ModelRecipe",
+    "ResolvedModel",
+    "model_error",
+    "resolve_model",
+    "resolve_target",
+    "token_cross_entropy",
+]
+
+#: What a factory raises for arguments it refuses; reported as one line naming ``model`` or the argument.
+REFUSALS = (ValueError, TypeError, AssertionError)
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -75,9 +87,13 @@ class ResolvedModel:
     target: str
     recipe: ModelRecipe
     args: dict[str, Any]
+    #: arguments the config left out and hookloop filled in (``seq_len`` from ``train.seq_len``)
+    filled: tuple[str, ...] = ()
 
-    def build(self) -> torch.nn.Module:
-        model = self.recipe.build(**self.args)
+    def build(self, device: torch.device | str | None = None) -> torch.nn.Module:
+        """The model, freshly built; with ``device`` (e.g. ``"meta"``) its tensors are made there."""
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = self.recipe.build(**self.args)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model.target {self.target} returned {type(model).__name__}, not an nn.Module")
         return model
@@ -108,14 +124,44 @@ def resolve_model(cfg: Any) -> ResolvedModel:
             "model.target", f"{target} is a {type(obj).__name__}: name a model factory or a ModelRecipe"
         )
     args = _bind(target, recipe.build, section, cfg)
+    filled = tuple(name for name in args if name not in section)
     if recipe.check is not None:
         try:
             recipe.check(args, cfg)
         except ConfigError:
             raise
-        except (TypeError, ValueError) as e:
-            raise ConfigError("model", str(e)) from None
-    return ResolvedModel(target, recipe, args)
+        except Exception as e:
+            error = model_error(e, args, filled)
+            if error is None:
+                raise
+            raise error from None
+    return ResolvedModel(target, recipe, args, filled)
+
+
+def model_error(
+    error: BaseException, args: Mapping[str, Any], filled: tuple[str, ...] = (), what: str = ""
+) -> ConfigError | None:
+    """``error`` from a model factory (or its ``check``) as one :class:`ConfigError` line: a
+    :data:`REFUSALS` exception, or one raised from one (Hugging Face wraps its config errors), names
+    the argument its message names (``model.d_model``; ``train.seq_len`` for the ``seq_len`` filled
+    in from it), else ``model``. None for other exceptions. ``what`` prefixes the message."""
+    if isinstance(error, ConfigError):
+        return error
+    refusal = error
+    while refusal is not None and not isinstance(refusal, REFUSALS):
+        refusal = refusal.__cause__
+    if refusal is None:
+        return None
+    gist = next((line.strip() for line in str(refusal).splitlines() if line.strip()), "")
+    gist = gist or type(refusal).__name__
+    field, at = "model", None
+    for name in args:
+        found = re.search(rf"(?<![\w])(?:model\.)?{re.escape(name)}\b", gist)
+        if found and (at is None or found.start() < at):
+            field, at = ("train.seq_len" if name in filled else f"model.{name}"), found.start()
+    if field != "model":
+        gist = re.sub(rf"^model\.{re.escape(field.rpartition('.')[2])}[:\s]+", "", gist)
+    return ConfigError(field, f"{what}{gist}")
 
 
 def _bind(target: str, build: Callable, section: Mapping[str, Any], cfg: Any) -> dict[str, Any]:

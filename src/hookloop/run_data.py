@@ -11,8 +11,9 @@ data-parallel ranks) that is the same whatever the world size.
 ``data.args`` are the factory's keyword arguments (``seq_len``, when it takes one and the config
 leaves it out, is ``train.seq_len``). A factory's samples reach the model recipe's ``collate_fn``
 exactly as its datasets return them (token files give ``(input_ids, labels, source_idx)``). It is
-called once per process, before any process group exists, with the global seed set; it must return
-the same samples in the same order every time (resume and every rank rely on it).
+called before any process group exists, with the global seed set: once by the check every run
+makes first (``hookloop check``, :mod:`hookloop.first_step`), once to build the data; it must
+return the same samples in the same order every time (resume and every rank rely on it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hookloop.engine.data import (
+    DOC_SEPARATOR,
     MixtureDataset,
     MixtureLoader,
     MixtureSampler,
@@ -38,6 +42,7 @@ __all__ = [
     "BUILTIN_SOURCES",
     "RunData",
     "build_data",
+    "builtin_tokens",
     "check_data",
     "named_datasets",
     "token_file",
@@ -90,19 +95,44 @@ def token_file(source: str, cache_dir: Path) -> Path:
     return path
 
 
-def named_datasets(cfg: Any) -> dict[str, Any]:
+def builtin_tokens(source: str) -> np.ndarray:
+    """The byte tokens of a built-in corpus, in memory: what :func:`token_file` writes for it."""
+    if source == "stdlib_docs":
+        docs = [stdlib_docs_text().encode("utf-8")]
+    else:
+        docs = [path.read_bytes() for path in stdlib_source_files()]
+    return np.frombuffer(bytes([DOC_SEPARATOR]).join(docs), dtype=np.uint8)
+
+
+def _token_dataset(name: str, source: str, cfg: Any, write_cache: bool) -> TokenDataset:
+    cache, seq_len = Path(cfg.data.cache_dir), cfg.train.seq_len
+    try:
+        if source in BUILTIN_SOURCES and not write_cache and not (cache / f"{source}.u8").exists():
+            return TokenDataset.from_tokens(builtin_tokens(source), seq_len, name=source)
+        return TokenDataset(token_file(source, cache), seq_len)
+    except ConfigError as e:  # the dataset's own argument names, as the config's fields
+        field = "train.seq_len" if e.field == "seq_len" else f"data.datasets.{name}"
+        raise ConfigError(field, str(e).partition(": ")[2]) from None
+
+
+def named_datasets(cfg: Any, *, write_cache: bool = True) -> dict[str, Any]:
     """Name -> map-style dataset: the token files of ``data.datasets`` (windows of
     ``train.seq_len`` tokens), or what ``data.target`` returns. Weights and phases are checked
-    against the names a target returned."""
+    against the names a target returned. A built-in corpus is tokenized into ``data.cache_dir`` on
+    first use; with ``write_cache=False`` one not made yet is tokenized in memory instead."""
     data = cfg.data
     if data.target is None:
-        cache = Path(data.cache_dir)
         return {
-            name: TokenDataset(token_file(source, cache), cfg.train.seq_len)
-            for name, source in data.datasets.items()
+            name: _token_dataset(name, source, cfg, write_cache) for name, source in data.datasets.items()
         }
     factory = resolve_target(data.target, "data.target")
-    made = factory(**_data_args(cfg, factory))
+    try:
+        made = factory(**_data_args(cfg, factory))
+    except ConfigError:
+        raise
+    except Exception as e:  # one line for the command; the cause stays chained for Python callers
+        gist = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise ConfigError("data.target", f"{data.target} fails: {type(e).__name__}: {gist}") from e
     if isinstance(made, Mapping):
         if not made:
             raise ConfigError(
@@ -150,14 +180,23 @@ class RunData:
     sampler: MixtureSampler
 
 
-def build_data(cfg: Any, rank: int, world: int, collate_fn: Callable | None = None) -> RunData:
+def build_data(
+    cfg: Any,
+    rank: int,
+    world: int,
+    collate_fn: Callable | None = None,
+    *,
+    num_workers: int | None = None,
+    write_cache: bool = True,
+) -> RunData:
     """Train loader over the weighted mixture (endless, resumable sampler) and a validation loader
     over ``data.val_samples`` held-out samples shared among the ``world`` data-parallel ranks
     (this process is ``rank``). ``collate_fn`` (default: torch's) turns a list of samples into a
-    microbatch."""
+    microbatch. ``num_workers`` overrides ``data.num_workers``; ``write_cache`` is
+    :func:`named_datasets`'."""
     from torch.utils.data import DataLoader, Subset
 
-    datasets = named_datasets(cfg)
+    datasets = named_datasets(cfg, write_cache=write_cache)
     train_parts, val_parts = {}, {}
     for name, ds in datasets.items():
         n_val = max(1, int(len(ds) * cfg.data.val_fraction)) if cfg.data.val_fraction > 0 else 0
@@ -183,7 +222,10 @@ def build_data(cfg: Any, rank: int, world: int, collate_fn: Callable | None = No
     # The loader's position is the sampler's right after the batches training received, also with
     # worker prefetch, so resume is exact and O(1).
     train = MixtureLoader(
-        sampler, cfg.train.local_batch_size, num_workers=cfg.data.num_workers, collate_fn=collate_fn
+        sampler,
+        cfg.train.local_batch_size,
+        num_workers=cfg.data.num_workers if num_workers is None else num_workers,
+        collate_fn=collate_fn,
     )
     val = None
     if val_parts and cfg.data.val_samples:

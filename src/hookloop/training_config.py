@@ -1,6 +1,6 @@
 """What ``hookloop train`` reads and checks: :data:`TrainingConfig` (every shipped section plus
 ``fault``), loading it, and :func:`check`, which finds every mistake it can before any process
-group, data or model exists (``hookloop check``).
+group exists (``hookloop check``), ending with step 1 tried (:mod:`hookloop.first_step`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hookloop.engine.data import check_model_vocab
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.tensor_parallel import NO_PLAN_HINT
 from hookloop.engine.validation import build_metrics
+from hookloop.first_step import FirstStep, try_first_step
 from hookloop.handlers import RunConfig, check_run_paths, compose_config, load_run_config
 from hookloop.handlers.handler_entries import HandlerEntry, check_handler_entries
 from hookloop.recipe import ResolvedModel, resolve_model
@@ -107,11 +108,12 @@ def report_config_error(error: ConfigError) -> None:
 
 @dataclass(frozen=True)
 class Checked:
-    """What :func:`check` resolved: the model (its target, recipe and bound arguments) and the
-    config's own handler entries."""
+    """What :func:`check` resolved: the model (its target, recipe and bound arguments), the
+    config's own handler entries, and what trying step 1 found."""
 
     model: ResolvedModel
     handlers: tuple[HandlerEntry, ...] = ()
+    first_step: FirstStep | None = None
 
     @property
     def target(self) -> str:
@@ -122,11 +124,16 @@ class Checked:
         return self.model.args
 
 
-def check(cfg: Any) -> Checked:
+def check(cfg: Any, world_size: int | None = None) -> Checked:
     """Everything that can be checked before a process group exists: the model target and its
-    arguments, the ``handlers:`` entries and theirs, the data (files, or ``data.target`` and its
-    arguments), directories, checkpoint paths, the device, and what the layout supports. Raises
+    arguments (names and annotated types), the ``handlers:`` entries and theirs, the data (files,
+    or ``data.target`` and its arguments), the vocabulary, directories, checkpoint paths, the
+    device, what the layout supports, then step 1 tried for ``world_size`` processes (default:
+    ``WORLD_SIZE``, else 1): the model built, the pipeline split, the first microbatch collated
+    and, for a small model, its forward and loss (:mod:`hookloop.first_step`). Raises
     :class:`ConfigError` naming the field; creates nothing."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model = resolve_model(cfg)
     build_metrics(cfg.validation)  # each validation metric's target and arguments
     entries = check_handler_entries(cfg.handlers)
@@ -138,7 +145,7 @@ def check(cfg: Any) -> Checked:
     _check_layout(cfg, model)
     if callable(getattr(cfg, "check_ranked_metric", None)):
         cfg.check_ranked_metric([entry.factory for entry in entries])
-    return Checked(model, tuple(entries))
+    return Checked(model, tuple(entries), try_first_step(cfg, model, world_size))
 
 
 def _check_layout(cfg: Any, model: ResolvedModel) -> None:

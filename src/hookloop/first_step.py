@@ -1,0 +1,264 @@
+"""Step 1, tried before anything starts: what ``hookloop check`` builds (and every ``hookloop
+train``, which checks first) so that a config it calls ok trains its first step.
+
+What would fail at step 1 is refused as one ``config error: <field>: ...`` line, before any process
+group exists:
+
+1. The model is built on the meta device (shapes, no memory, no time; for real when the meta device
+   cannot build it). A ``ValueError``, ``TypeError`` or ``AssertionError`` from its construction
+   (or an error raised from one) names the argument its message names (``model.d_model``), else
+   ``model``.
+2. With ``distributed.pp_size > 1``, the stage split every pipeline rank makes for the world size
+   (:func:`~engine.pipeline.plan_stages`): every stage must hold at least one layer.
+3. The data is built as the run builds it, for the first data-parallel rank (no worker processes;
+   no cache file is written: a built-in corpus not made yet is tokenized in memory), and its first
+   microbatch is drawn and collated by the recipe's ``collate_fn``. Errors name ``data.target``
+   (the factory) or ``data`` (its samples or their collation).
+4. The vocabulary: the first microbatch's largest token id against the model's ``vocab_size`` (or
+   a Hugging Face model's input embedding). Token files were read before (:mod:`engine.data.vocab`).
+5. When it is cheap, at most :data:`MAX_PARAMS` parameters and :data:`MAX_WORK` parameters x tokens
+   of the microbatch (a forward of about 2e10 FLOPs: a second or two on one CPU core), the model is
+   built for real and runs one forward and loss on that microbatch on CPU under ``torch.no_grad()``,
+   in fp32 and whole (through every pipeline stage in turn with ``pp_size > 1``; no tensor-parallel
+   plan, compile or activation checkpointing). A larger model skips this and :meth:`FirstStep.summary`
+   (the ``config ok`` line) says so.
+
+The random states of Python, NumPy and torch are as they were afterwards; nothing is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
+from hookloop.engine.data.vocab import model_vocab_size
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.pipeline import PipelineConfig, hf_patches, plan_stages
+from hookloop.engine.pipeline.runtime import forward_through_stages, pipeline_loss_fn, stage_pair
+from hookloop.engine.step_body import check_loss
+from hookloop.recipe import ResolvedModel, model_error
+from hookloop.run_data import build_data
+
+__all__ = ["MAX_PARAMS", "MAX_WORK", "FirstStep", "try_first_step"]
+
+#: Models with more parameters are not built for real by the check (their forward is not tried).
+MAX_PARAMS = 50_000_000
+#: Parameters x tokens of the first microbatch above which the forward is not tried.
+MAX_WORK = 10_000_000_000
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What :func:`try_first_step` found: the model's size, the first microbatch's inputs, the
+    pipeline stages' layer counts (None without a pipeline), and whether the forward ran (else
+    why not)."""
+
+    params: int
+    inputs: str
+    forward: bool
+    skipped: str = ""
+    stage_layers: tuple[int, ...] | None = None
+
+    def summary(self) -> str:
+        """One clause for the ``config ok`` line."""
+        stages = ""
+        if self.stage_layers is not None:
+            counts = "+".join(map(str, self.stage_layers))
+            stages = f", {len(self.stage_layers)} pipeline stages of {counts} layers"
+        if self.forward:
+            tried = f"first microbatch {self.inputs} ran forward and loss on CPU"
+        else:
+            tried = f"first microbatch {self.inputs} collated; forward not tried ({self.skipped})"
+        return f"{self.params:,} parameters{stages}; {tried}"
+
+
+@contextlib.contextmanager
+def _rng_kept(seed: int) -> Iterator[None]:
+    """Seeded as the run seeds before it builds (a data factory sees the same state both times);
+    the previous states restored afterwards."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def _gist(error: BaseException) -> str:
+    line = next((s.strip() for s in str(error).splitlines() if s.strip()), "")
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _describe(x: Any) -> str:
+    """``int64[8, 64]``, ``{input_ids: int64[8, 64]}``, ``(float32[32, 64], ...)``."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')}[{', '.join(map(str, x.shape))}]"
+    if isinstance(x, Mapping):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in x) + ")"
+    return type(x).__name__
+
+
+def _build(model: ResolvedModel, device: str | None) -> torch.nn.Module:
+    try:
+        return model.build(device)
+    except ConfigError:
+        raise
+    except Exception as e:
+        error = model_error(e, model.args, model.filled)
+        if error is not None:
+            raise error from None
+        raise ConfigError("model", f"{model.target} cannot be built: {_gist(e)}") from None
+
+
+def _token_ids(inputs: Any) -> torch.Tensor | None:
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+    if isinstance(ids, torch.Tensor) and ids.numel() and not ids.is_floating_point() and not ids.is_complex():
+        return ids
+    return None
+
+
+def _check_vocab(model: ResolvedModel, built: torch.nn.Module, inputs: Any) -> None:
+    ids = _token_ids(inputs)
+    if ids is None:
+        return
+    vocab, field = model_vocab_size(model.recipe.build, model.args), "model.vocab_size"
+    embeddings = getattr(built, "get_input_embeddings", None)
+    if vocab is None and hf_patches.is_hf_causal_lm(built) and callable(embeddings):
+        vocab, field = getattr(embeddings(), "num_embeddings", None), "model"
+    largest = int(ids.max())
+    if vocab is not None and largest >= vocab:
+        raise ConfigError(
+            field,
+            f"the model has {vocab} token ids but the data's first microbatch holds id {largest}; "
+            f"give the model a vocabulary of {largest + 1} or more, or data of its vocabulary",
+        )
+
+
+def try_first_step(cfg: Any, model: ResolvedModel, world_size: int) -> FirstStep:
+    """Build what step 1 needs and try it (see the module docs); raise :class:`ConfigError`
+    naming the field for what would fail."""
+    pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
+    with _rng_kept(cfg.train.seed):
+        built = _meta_model(model)
+        if built is None or _count(built) <= MAX_PARAMS:  # small (or unknown): the real thing
+            built = _build(model, None)
+        params = _count(built)
+        pipe, fqns = None, None
+        if pp > 1:
+            pipe = PipelineConfig.from_section(cfg.pipeline)
+            if hf_patches.is_hf_causal_lm(built):
+                hf_patches.check_hf_pipeline(built, pipe)
+            _, fqns = plan_stages(built, pipe, pp, layers_hint=_layers_hint(model, built))
+        dp = max(1, world_size // (tp * pp))
+        data = build_data(cfg, 0, dp, model.recipe.collate_fn, num_workers=0, write_cache=False)
+        inputs, targets = default_prepare_batch(_first_microbatch(data.train), torch.device("cpu"))
+        described = _describe(inputs)
+        layers = _stage_layers(built, fqns) if fqns is not None else None
+        _check_vocab(model, built, inputs)
+        samples, tokens = count_batch(inputs)
+        tokens = max(int(tokens), samples, 1)
+        if params > MAX_PARAMS or params * tokens > MAX_WORK:
+            skipped = (
+                f"{params:,} parameters x {tokens:,} tokens is above the check's bound of {MAX_PARAMS:,} "
+                f"parameters and {MAX_WORK:.0e} parameters x tokens"
+            )
+            return FirstStep(params, described, False, skipped, layers)
+        _forward(model, built, pipe, fqns, inputs, targets, described)
+        return FirstStep(params, described, True, "", layers)
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _meta_model(model: ResolvedModel) -> torch.nn.Module | None:
+    """The model on the meta device; None when the meta device cannot build it (or the factory
+    refuses its arguments: the real build reports that)."""
+    try:
+        return model.build("meta")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_microbatch(loader: Any) -> Any:
+    try:
+        return next(iter(loader))
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError("data", f"the first microbatch cannot be made: {_gist(e)}") from None
+
+
+def _layers_hint(model: ResolvedModel, built: torch.nn.Module) -> str | None:
+    """The ``model`` argument that sets the layer count (``model.n_layers``), when one does."""
+    from hookloop.engine.pipeline.split import find_layer_container
+
+    try:
+        n_layers = len(list(built.get_submodule(find_layer_container(built)).children()))
+    except ConfigError:
+        return None
+    names = [k for k, v in model.args.items() if "layer" in k and v == n_layers]
+    return f"model.{names[0]}" if len(names) == 1 else None
+
+
+def _stage_layers(built: torch.nn.Module, fqns: list[list[str]]) -> tuple[int, ...]:
+    from hookloop.engine.pipeline.split import find_layer_container
+
+    container = find_layer_container(built)
+    layers = {f"{container}.{name}" for name, _ in built.get_submodule(container).named_children()}
+    return tuple(
+        len(layers) if container in part else sum(1 for name in part if name in layers) for part in fqns
+    )
+
+
+def _forward(
+    model: ResolvedModel,
+    built: torch.nn.Module,
+    pipe: PipelineConfig | None,
+    fqns: list[list[str]] | None,
+    inputs: Any,
+    targets: Any,
+    described: str,
+) -> None:
+    ids = _token_ids(inputs)
+    loss_fn = model.recipe.loss_fn
+    try:
+        with torch.no_grad():
+            if pipe is None:
+                _, loss = forward_and_loss(built, inputs, targets, loss_fn)
+            else:
+                x, y = stage_pair(inputs, targets)
+                loss_fn = pipeline_loss_fn(built, pipe, loss_fn)
+                if loss_fn is None:
+                    raise ConfigError(
+                        "pipeline.loss_fn",
+                        f"is needed: model.target {model.target} computes its own loss, which the last "
+                        "pipeline stage cannot; give the recipe a loss_fn",
+                    )
+                loss = loss_fn(forward_through_stages(built, pipe, fqns, x), y)
+            check_loss(loss, loss_fn)
+    except ConfigError:
+        raise
+    except Exception as e:
+        hint = ""
+        if isinstance(e, IndexError) and ids is not None:
+            hint = (
+                f" (its largest token id is {int(ids.max())}: does the model's vocabulary cover the data's?)"
+            )
+        where = "through the pipeline stages " if pipe is not None else ""
+        raise ConfigError(
+            "model", f"forward and loss {where}on the first microbatch {described} fail: {_gist(e)}{hint}"
+        ) from None
