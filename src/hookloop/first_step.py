@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,9 @@ def try_first_step(cfg: Any, model: ResolvedModel, world_size: int) -> FirstStep
             pipe = PipelineConfig.from_section(cfg.pipeline)
             if hf_patches.is_hf_causal_lm(built):
                 hf_patches.check_hf_pipeline(built, pipe)
-            _, fqns = plan_stages(built, pipe, pp, layers_hint=_layers_hint(model, built))
+            with warnings.catch_warnings():  # the config's validation gave the schedule's warnings
+                warnings.simplefilter("ignore", UserWarning)
+                _, fqns = plan_stages(built, pipe, pp, layers_hint=_layers_hint(model, built))
         dp = max(1, world_size // (tp * pp))
         data = build_data(cfg, 0, dp, model.recipe.collate_fn, num_workers=0, write_cache=False)
         inputs, targets = default_prepare_batch(_first_microbatch(data.train), torch.device("cpu"))
