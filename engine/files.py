@@ -1,9 +1,9 @@
 """Writing files so a crash leaves the old version or the whole new one, and probing directories.
 
 The one place that knows how: checkpoints (markers, ``latest``, per-rank state), the exit status,
-the resolved config, a sample trace and a prepared token file's sidecar all write through
-:func:`atomic_write`; the run config and the checkpointer check their directories with
-:func:`check_writable_dir`.
+the resolved config and a prepared token file's sidecar all write through :func:`atomic_write`
+(a sample trace is appended to, and cut by truncation and :func:`fsync_file`); the run config and
+the checkpointer check their directories with :func:`check_writable_dir`.
 """
 
 from __future__ import annotations

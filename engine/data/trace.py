@@ -16,6 +16,15 @@ run are therefore gone before the resumed run trains those steps again, so each 
 at most once and the files together describe exactly the run's surviving history, also when the
 number of ranks changed (rank 0 cuts the files of ranks the new run no longer has).
 
+Damage: a line that is not a whole step's JSON (torn by a kill mid-write, or garbage) at the end of
+a file is cut the same way, with a warning naming the file and the line's number. A file's steps are
+in order, so the cut reads the file backwards from its end, in blocks, and stops at the first whole
+line of a step to keep: a start costs the lines cut, not the trace's length (time and memory).
+:func:`read_sample_traces` skips, with the same warning, a damaged line anywhere.
+
+Writers: one file per data-parallel rank, written by one process of its replica (the first of its
+tensor- and pipeline-parallel ranks; ``hookloop train`` chooses it).
+
 Sources it reads: a :class:`MixtureLoader` (exact with worker processes: only returned batches
 count), or a ``DataLoader`` without workers drawing from a :class:`MixtureSampler` (the map-style
 path: ``DataLoader(mixture, batch_size, sampler=MixtureSampler(...))``).
@@ -24,22 +33,26 @@ path: ``DataLoader(mixture, batch_size, sampler=MixtureSampler(...))``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hookloop.engine.data.loader import MixtureLoader
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
-from hookloop.engine.files import atomic_write
+from hookloop.engine.files import fsync_file
 
 __all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
 
+logger = logging.getLogger(__name__)
+
 _FILE = re.compile(r"^samples-rank(\d+)\.jsonl$")
+_BLOCK = 1 << 16  # bytes read at a time, backwards from a file's end
 
 
 def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -47,33 +60,100 @@ def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / f"samples-rank{rank}.jsonl"
 
 
+def _row(line: bytes) -> dict[str, Any] | None:
+    """The step row a whole line holds (``{"step": int, "ids": [...]}``), else None."""
+    if not line.endswith(b"\n"):
+        return None  # torn: the write that would have ended it never finished
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("ids"), list):
+        return None
+    step = row.get("step")
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _warn_damaged(path: Path, line_number: int, what: str) -> None:
+    logger.warning("%s line %d is not a whole step's JSON (torn or garbage): %s", path, line_number, what)
+
+
 def read_sample_traces(run_dir: str | os.PathLike) -> dict[int, dict[int, list[str]]]:
     """``{rank: {step: ids}}`` from every trace file in ``run_dir``. A step twice in one file is an
-    error (the resume rule guarantees it never is)."""
+    error (the resume rule guarantees it never is); a damaged line is skipped with a warning."""
     out: dict[int, dict[int, list[str]]] = {}
     for path in sorted(Path(run_dir).iterdir()):
         match = _FILE.match(path.name)
         if not match:
             continue
         steps: dict[int, list[str]] = {}
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["step"] in steps:
-                raise ValueError(f"{path} holds step {row['step']} twice")
-            steps[row["step"]] = row["ids"]
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                row = _row(line)
+                if row is None:
+                    if line.strip():
+                        _warn_damaged(path, number, "skipped")
+                    continue
+                if row["step"] in steps:
+                    raise ValueError(f"{path} holds step {row['step']} twice")
+                steps[row["step"]] = row["ids"]
         out[int(match.group(1))] = steps
     return out
 
 
+def _lines_backwards(f: IO[bytes], size: int) -> Iterator[tuple[int, bytes]]:
+    """``(offset, line)`` of each line of ``f`` (``size`` bytes), the last first; a line keeps its
+    newline. Memory: one block and the longest line."""
+    buf, buf_start, end = b"", size, size
+    while end > 0:
+        # The newline before the line ending at ``end`` (the byte at end - 1 may be its own newline).
+        while True:
+            at = buf.rfind(b"\n", 0, max(0, end - 1 - buf_start))
+            if at >= 0 or buf_start == 0:
+                break
+            start = max(0, buf_start - _BLOCK)
+            f.seek(start)
+            buf, buf_start = f.read(buf_start - start) + buf, start
+        line_start = buf_start + at + 1
+        yield line_start, buf[line_start - buf_start : end - buf_start]
+        buf, end = buf[: line_start - buf_start], line_start
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line starting at byte ``offset`` (counted in blocks: only a
+    damaged file pays for it)."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, _BLOCK * 16))
+            count, offset = count + block.count(b"\n"), offset - len(block)
+    return count + 1
+
+
 def _cut(path: Path, last_step: int) -> None:
-    """Keep the lines of steps ``<= last_step`` (atomically: a reader sees the old or the new file)."""
-    if not path.exists():
+    """Keep the lines up to the last whole line of a step ``<= last_step``: later steps and damaged
+    lines after it are cut (damaged ones with a warning). The file is read backwards from its end
+    and truncated in place (a reader sees the old or the new length)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
         return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-    if len(kept) == len(lines):
+    damaged: list[int] = []
+    with f:
+        size = keep = f.seek(0, os.SEEK_END)
+        for offset, line in _lines_backwards(f, size):
+            row = _row(line)
+            if row is not None and row["step"] <= last_step:
+                break
+            if row is None and line.strip():
+                damaged.append(offset)
+            keep = offset
+    if keep == size:
         return
-    atomic_write(path, "".join(kept))
+    for offset in reversed(damaged):
+        _warn_damaged(path, _line_number(path, offset), f"cut at resume to step {last_step}")
+    os.truncate(path, keep)
+    fsync_file(path)
 
 
 class SampleTrace:
@@ -85,7 +165,8 @@ class SampleTrace:
             ``num_workers=0`` whose sampler is a :class:`MixtureSampler`.
         rank, world_size: this process's data-parallel rank and the number of data-parallel ranks.
         write: False on processes that share a data-parallel rank's data without owning its file
-            (pipeline stages after the first); they still cut nothing and write nothing.
+            (every process of a replica but its first tensor- and pipeline-parallel rank): they
+            cut nothing and write nothing, so each file has one writer.
     """
 
     def __init__(
