@@ -77,7 +77,10 @@ from dataclasses import dataclass, field, replace
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.exit_codes import ExitCode
 
-__all__ = ["Decided", "Rollback", "StepControl"]
+__all__ = ["OTHER_RANK_STOP", "Decided", "Rollback", "StepControl", "merge_rollbacks", "shared_stop_reason"]
+
+#: The stop reason of a rank that did not ask for the stop every rank agreed on.
+OTHER_RANK_STOP = "stop requested on another rank"
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,10 @@ class StepControl:
     ) -> None:
         """Roll back at the end of this step (see :class:`Rollback` and the module docstring): the
         trainer fires ROLLBACK, which restores what this says; when nothing can be restored the run
-        ends with ``exit_code``. Ask from agreed values, so every rank asks alike."""
+        ends with ``exit_code``. Agreed like a stop: asked on one rank, every rank rolls back at the
+        end of the same step (:func:`merge_rollbacks` says what to restore when ranks ask
+        differently); a handler that promises not to ask after the step's agreement
+        (``asks_after_agreement = False``) asks from agreed values only."""
         self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
     def request_initial_save(self) -> None:
@@ -215,7 +221,7 @@ class StepControl:
         rank that did not ask names the other rank as the reason."""
         self.stop = True
         if self.stop_reason is None:
-            self.stop_reason = "stop requested on another rank"
+            self.stop_reason = OTHER_RANK_STOP
         if exit_code:
             self.exit_code = int(exit_code)
 
@@ -226,3 +232,30 @@ class StepControl:
         self.skip = False
         self.save = carry_save
         self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED
+
+
+def merge_rollbacks(requests: list[Rollback | None]) -> Rollback:
+    """One rollback for every rank from each rank's request (None: that rank did not ask): a
+    checkpoint at or before the earliest bound any rank gave, the data position kept only when every
+    asking rank keeps it, the largest exit code, and each asking rank's reason."""
+    asked = [(rank, r) for rank, r in enumerate(requests) if r is not None]
+    bounds = [r.at_or_before for _, r in asked if r.at_or_before is not None]
+    reasons = [f"rank {rank}: {r.reason}" for rank, r in asked if r.reason]
+    return Rollback(
+        min(bounds) if bounds else None,
+        all(r.keep_data_position for _, r in asked),
+        "; ".join(dict.fromkeys(reasons)) or None,
+        max(r.exit_code for _, r in asked),
+    )
+
+
+def shared_stop_reason(reasons: list[str | None], rank: int) -> str | None:
+    """The reason a stop every rank agreed on gives on ``rank``: its own, else that of the lowest
+    rank that asked (``reasons``: every rank's, in rank order), named."""
+    own = reasons[rank]
+    if own is not None and own != OTHER_RANK_STOP:
+        return own
+    for other, reason in enumerate(reasons):
+        if reason is not None and reason != OTHER_RANK_STOP:
+            return f"{reason} (asked on rank {other})"
+    return own

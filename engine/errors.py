@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "HookloopError", "PeerFailure", "TrainingAborted", "exit_code_of"]
+__all__ = ["ConfigError", "HookloopError", "PeerCrashed", "PeerFailure", "TrainingAborted", "exit_code_of"]
 
 
 class HookloopError(Exception):
@@ -36,6 +36,15 @@ class PeerFailure(TrainingAborted):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, 77)
+
+
+class PeerCrashed(TrainingAborted):
+    """Another rank failed with an error of its own (named in the message), which ended this rank's
+    run too; ``exit_code`` is that rank's (1 for an exception), ``rank`` the rank that failed."""
+
+    def __init__(self, message: str, rank: int, exit_code: int = 1) -> None:
+        self.rank = int(rank)
+        super().__init__(message, exit_code)
 
 
 def exit_code_of(error: BaseException) -> int:

@@ -9,7 +9,9 @@ node that is lost may be the one that holds rank 0)::
     {"code": 75, "meaning": "STOPPED", "reason": "SIGTERM received", "step": 1200,
      "checkpoint": "runs/gpt/checkpoints/step_00001200", "time": "2026-11-23T10:01:02+00:00"}
 
-A requeue script reads ``code`` (75: requeue; 0: done; anything else: look at the logs).
+A requeue script reads ``code`` (75: requeue; 0: done; anything else: look at the logs). A run
+ended by an error of one rank (an exception: code 1) also says ``"rank"``, the rank that failed,
+whose error ``reason`` names; a peer that vanished or went silent is 77.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def write_exit_status(
     reason: str,
     step: int | None = None,
     checkpoint: str | None = None,
+    rank: int | None = None,
 ) -> Path:
-    """Write ``run_dir/exit_status.json`` atomically (temporary file, fsync, rename)."""
+    """Write ``run_dir/exit_status.json`` atomically (temporary file, fsync, rename); ``rank``: the
+    rank whose error ended the run (a crash), else left out."""
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     try:
@@ -51,6 +55,8 @@ def write_exit_status(
         "checkpoint": None if checkpoint is None else str(checkpoint),
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    if rank is not None:
+        record["rank"] = int(rank)
     path = directory / EXIT_STATUS_FILE
     atomic_write(path, json.dumps(record, indent=1) + "\n")
     return path

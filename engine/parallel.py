@@ -364,6 +364,15 @@ def is_peer_failure(error: BaseException) -> bool:
     )
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (one ``all_gather_object``: for rare decisions only)."""
+    if world_size() == 1:
+        return [obj]
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def agree_any(flag: bool, group: Any = None) -> bool:
     """True on every rank when ``flag`` is true on any rank: how skip/stop/save are agreed."""
     if world_size() == 1:

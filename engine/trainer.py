@@ -33,8 +33,8 @@ from hookloop.engine.agreement import (
 from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
-from hookloop.engine.control import StepControl
-from hookloop.engine.errors import ConfigError, PeerFailure, exit_code_of
+from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
+from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, exit_code_of
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -48,6 +48,7 @@ from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
+from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
@@ -461,7 +462,11 @@ class Trainer(IgniteAdapter):
     def _stop(self) -> None:
         """The one way a run stops, whoever asked (a handler, :meth:`terminate`, a signal, the time
         limit, a health check): called once every rank agreed to (:attr:`control` holds the
-        decided stop), it ends ignite's loop after the current step or event."""
+        decided stop), it ends ignite's loop after the current step or event. Every rank gives the
+        reason of the rank that asked (one gather, once a run)."""
+        if parallel.world_size() > 1:
+            reasons = parallel.gather_objects(self.control.stop_reason)
+            self.control.stop_reason = shared_stop_reason(reasons, parallel.rank())
         logger.info("stopping after step %d: %s", self.state.iteration, self.control.stop_reason)
         super().terminate(self._skip_completed)
 
@@ -642,7 +647,8 @@ class Trainer(IgniteAdapter):
         try:
             state = self.start_loop(data, continuing)
         except BaseException as e:
-            self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}")
+            rank = e.rank if isinstance(e, PeerCrashed) else parallel.rank()
+            self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}", rank=rank)
             raise
         finally:
             if previous_sigint is not None:
@@ -674,14 +680,15 @@ class Trainer(IgniteAdapter):
 
         return signal.signal(signal.SIGINT, on_sigint)
 
-    def write_exit_status(self, code: int, reason: str) -> None:
+    def write_exit_status(self, code: int, reason: str, rank: int | None = None) -> None:
         """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
         script can requeue on 75 even when the launcher reports only failure or success.
 
         A lost peer or a hang (77) is also recorded by the first rank of every other node (torchrun's
         ``LOCAL_RANK`` 0), unless the file changed since this run started (rank 0 has recorded the
         end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
-        nothing else would tell the job script to requeue."""
+        nothing else would tell the job script to requeue. ``rank``: the rank whose error ended the
+        run (recorded for a crash)."""
         if self.run_dir is None:
             return
         if parallel.rank() != 0:
@@ -690,7 +697,7 @@ class Trainer(IgniteAdapter):
             if exit_status_identity(self.run_dir) != self._status_seen:
                 return
         write_exit_status(self.run_dir, code=code, reason=reason, step=self.state.iteration,
-                          checkpoint=getattr(self.state, "last_checkpoint", None))  # fmt: skip
+                          checkpoint=getattr(self.state, "last_checkpoint", None), rank=rank)  # fmt: skip
         self._status_seen = exit_status_identity(self.run_dir)  # this rank's own record may be refined
 
     def _on_watchdog_expired(self, reason: str) -> None:
@@ -760,6 +767,8 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _on_train_start(self) -> None:
+        if parallel.world_size() > 1:
+            clear_failure()  # a record of an earlier run in this launch's store names nothing now
         state = self.state
         self.control.start_run()
         state.clear_step_flags()
@@ -790,14 +799,25 @@ class Trainer(IgniteAdapter):
 
     def _end_step(self) -> None:
         """After the step's handlers: run what they deferred to the step's end (:meth:`at_step_end`),
-        carry out a rollback request (:mod:`engine.control`), then stop when every rank agreed to. A
-        stop asked for after the step's agreement is agreed here with a second small collective, run
-        only when some rank has handlers that could ask (the agreement said so); a checkpoint asked
-        for that late is carried to the next step."""
-        state = self.state
+        agree on late requests, carry out a rollback request (:mod:`engine.control`), then stop when
+        every rank agreed to. A stop or rollback asked for after the step's agreement (or a rollback
+        asked before it) is agreed here with a second small collective, run only when some rank has
+        handlers that could ask or asked (the step's agreement said so); a rollback some rank asked
+        for is then gathered (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that
+        late is carried to the next step."""
+        state, control = self.state, self.control
         while self._at_step_end:
             self._at_step_end.pop(0)()
-        rollback, step = self.control.decide_rollback(), state.step
+        stop = control.decided.stop
+        if self._late_agreement:  # stop and rollback requests of any rank, agreed
+            code = int(control.exit_code) if control.stop else 0
+            votes = sum_over_ranks([control.stop, control.rollback is not None, *exit_code_votes(code)])
+            if votes[0] > 0:
+                control.decide_stop(agreed_exit_code(votes[2:]))
+                stop = True
+            if votes[1] > 0 and parallel.world_size() > 1:
+                control.rollback = merge_rollbacks(parallel.gather_objects(control.rollback))
+        rollback, step = control.decide_rollback(), state.step
         if rollback is not None:  # the checkpointer restores what the request says
             try:
                 self.fire(Events.ROLLBACK)
@@ -806,14 +826,6 @@ class Trainer(IgniteAdapter):
         self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
         beyond = state.max_iters is not None and state.iteration > state.max_iters
-        control = self.control
-        stop = control.decided.stop
-        if self._late_agreement:
-            code = int(control.exit_code) if control.stop else 0
-            votes = sum_over_ranks([control.stop, *exit_code_votes(code)])
-            if votes[0] > 0:
-                control.decide_stop(agreed_exit_code(votes[1:]))
-                stop = True
         control.end_step(stop)
         state.clear_schedule_flags()
         if stop:
@@ -842,13 +854,15 @@ class Trainer(IgniteAdapter):
         if handled:
             self._handled(e)
             return
-        if parallel.is_peer_failure(e):
-            lost = PeerFailure(
+        if parallel.is_peer_failure(e):  # a peer's own error, when it recorded one; else a lost peer
+            lost = crashed_peer(e) or PeerFailure(
                 f"a collective failed because a peer is gone or hung: {str(e).splitlines()[0][:300]}"
             )
             self._failed.add(id(e))
             self._fail(lost)
             raise lost from e
+        if parallel.world_size() > 1 and not isinstance(e, PeerFailure | PeerCrashed):
+            record_failure(e, f"step {self.state.iteration}")  # the peers name it, not a lost peer
         self._fail(e)
         raise e
 
@@ -953,7 +967,7 @@ class Trainer(IgniteAdapter):
             control.skip,
             control.stop,
             control.save,
-            self._late_requests_possible(),
+            self._late_requests_possible() or control.rollback is not None,
             *exit_code_votes(int(control.exit_code) if control.stop else 0),
             *(slot.fill() for slot in slots),
         ]

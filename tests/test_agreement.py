@@ -186,9 +186,10 @@ def _stop_cases(rank: int, world: int) -> dict:
 def test_one_rank_asking_is_every_rank_doing_at_the_same_step():
     r0, r1 = run_distributed(_stop_cases, 2, timeout=150)
     assert r0["early"][:2] == r1["early"][:2] == (3, ExitCode.STOPPED)
-    assert r0["early"][2] == "rank 0 asked early" and r1["early"][2] == "stop requested on another rank"
+    # every rank gives the reason of the rank that asked, named
+    assert r0["early"][2] == "rank 0 asked early" and r1["early"][2] == "rank 0 asked early (asked on rank 0)"
     assert r0["late"][:2] == r1["late"][:2] == (4, 42)
-    assert r1["late"][2] == "rank 1 asked late" and r0["late"][2] == "stop requested on another rank"
+    assert r1["late"][2] == "rank 1 asked late" and r0["late"][2] == "rank 1 asked late (asked on rank 1)"
     assert r0["clash"] == r1["clash"] == (2, ExitCode.NAN_ABORT)
     assert r0["veto"] == r1["veto"] == (1, {1: False, 2: True, 3: False})
     assert r0["params"] == r1["params"]
