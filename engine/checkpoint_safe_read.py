@@ -5,7 +5,6 @@ reading DCP's index and non-tensor entries through the bounded allowlists of
 from __future__ import annotations
 
 import io
-import math
 import os
 import pickle
 import stat
@@ -19,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from hookloop.engine import checkpoint_pickle
-from hookloop.engine.checkpoint_layout import MARKER, CheckpointError
+from hookloop.engine.checkpoint_layout import MARKER, CheckpointError, CheckpointIndexBoundError, index_mb
 from hookloop.engine.checkpoint_manifest import CHECKSUM_ALGORITHM, file_checksum, read_manifest
 from hookloop.engine.checkpoint_pickle import PickleRefused
 
@@ -72,7 +71,8 @@ def verify_checkpoint(
     checkpointer). Files the manifest does not list are ignored; a listed file that is missing,
     has another size or another checksum is damage, and so is an unreadable marker or manifest. The
     rank that checks ``.metadata`` then also checks that it and every non-tensor entry are safe to
-    load (:func:`check_loadable`): a crafted index is damage too, so the loader falls back."""
+    load (:func:`check_loadable`): a crafted index is damage too, so the loader falls back. An intact
+    index larger than ``index_limit`` is no damage but a setting: CheckpointIndexBoundError."""
     try:
         files = read_manifest(path)
     except CheckpointError as e:
@@ -80,6 +80,7 @@ def verify_checkpoint(
     if files is None:
         return (check_loadable(path, index_limit) if rank == 0 else []), False
     problems = []
+    over: CheckpointIndexBoundError | None = None
     for name, entry in files.items():
         if entry.get("rank", 0) % world_size != rank:
             continue
@@ -87,7 +88,12 @@ def verify_checkpoint(
         if problem is not None:
             problems.append(problem)
         elif name == ".metadata":  # intact as written: now whether it is safe to load
-            problems.extend(check_loadable(path, index_limit))
+            try:
+                problems.extend(check_loadable(path, index_limit))
+            except CheckpointIndexBoundError as e:
+                over = e
+    if over is not None and not problems:
+        raise over
     return problems, True
 
 
@@ -127,26 +133,21 @@ def check_entry(data: bytes, where: str) -> None:
         ) from None
 
 
-def index_mb(size: int) -> float:
-    """The smallest ``checkpoint.max_index_mb`` (in tenths of a MiB) that lets an index of ``size``
-    bytes be read."""
-    return math.ceil(size / 2**20 * 10) / 10
-
-
-def _read_index(path: str, limit: int | None) -> bytes:
-    """The bytes of the ``.metadata`` at ``path``, or CheckpointError when it has more than ``limit``
-    (:data:`checkpoint_pickle.METADATA_MAX_BYTES` when None)."""
+def _read_index(path: str, limit: int | None, written: int | None = None) -> bytes:
+    """The bytes of the ``.metadata`` at ``path`` (``written`` bytes long by its manifest, when
+    known). More than ``limit`` (:data:`checkpoint_pickle.METADATA_MAX_BYTES` when None) is a
+    CheckpointIndexBoundError, a setting to raise; a size other than the manifest's is damage."""
     limit = checkpoint_pickle.METADATA_MAX_BYTES if limit is None else limit
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size > limit:
+            if size > limit and written is not None and size != written:
                 raise CheckpointError(
-                    f"{path} has {size} bytes, more than the {limit} ({limit / 2**20:.3g} MiB) a DCP "
-                    "checkpoint index may have (checkpoint.max_index_mb): if this run wrote it, set "
-                    f"checkpoint.max_index_mb to at least {index_mb(size):g}; otherwise the checkpoint "
-                    "is damaged or crafted: resume from an older one"
+                    f"{path} has {size} bytes, its manifest says {written}: the checkpoint is damaged; "
+                    "resume from an older one"
                 )
+            if size > limit:
+                raise CheckpointIndexBoundError(path, size, limit, "to read it (nothing was loaded)")
             data = f.read(limit + 1)
     except OSError as e:
         raise CheckpointError(
@@ -161,11 +162,14 @@ def _read_index(path: str, limit: int | None) -> bytes:
 def check_loadable(path: str | os.PathLike, index_limit: int | None = None) -> list[str]:
     """What makes checkpoint ``path`` unsafe to load beyond its manifest: its ``.metadata`` must
     unpickle within the bounds and every non-tensor entry must pass :func:`check_entry` (read from
-    the data files at the byte ranges the index gives). Empty: loadable."""
+    the data files at the byte ranges the index gives). Empty: loadable. An index over
+    ``index_limit`` raises CheckpointIndexBoundError."""
     directory = os.fspath(path)
     where = os.path.join(directory, ".metadata")
     try:
         metadata = load_metadata(_read_index(where, index_limit), where, index_limit)
+    except CheckpointIndexBoundError:
+        raise  # a setting, not damage: the caller decides
     except CheckpointError as e:
         return [str(e)]
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -217,7 +221,7 @@ class SafeReader(FileSystemReader):
                         f"{path} is not listed in the manifest of {os.path.join(directory, MARKER)}: "
                         "the checkpoint is damaged; resume from an older one"
                     )
-        data = _read_index(path, self.index_limit)
+        data = _read_index(path, self.index_limit, None if entry is None else entry["size"])
         if entry is not None:
             checksum = f"{zlib.crc32(data):08x}"
             if len(data) != entry["size"] or checksum != entry["checksum"]:

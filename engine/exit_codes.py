@@ -21,8 +21,9 @@ code   name                    meaning
 
 torchrun exits 1 whenever any worker fails, so these codes do not reach a job script through it:
 rank 0 of a trainer with a ``run_dir`` also records how the run ended in
-``run_dir/exit_status.json`` (:mod:`engine.exit_status`; not for exit 2, which happens before a
-run exists). ``docs/requeue.md`` has what a job script should do with each code.
+``run_dir/exit_status.json`` (:mod:`engine.exit_status`; for exit 2 only when a setting is found
+wrong while the run exists, e.g. ``checkpoint.max_index_mb``). ``docs/requeue.md`` has what a job
+script should do with each code.
 """
 
 from __future__ import annotations

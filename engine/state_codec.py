@@ -5,6 +5,7 @@ non-string dict keys tagged so they come back exactly."""
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any
 
 import numpy as np
@@ -52,26 +53,52 @@ def encode(obj: Any, where: str = "state") -> Any:
 
 
 def decode(obj: Any) -> Any:
+    """What :func:`encode` was given. A tagged value that does not describe its own bytes (a dtype
+    that is not one, a shape whose size is not the data's, an object array) is a ValueError, so a
+    crafted file costs no more memory than its size."""
     if isinstance(obj, list):
         return [decode(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if "__tensor__" in obj:
-        dtype = getattr(torch, obj["dtype"])
+        dtype = getattr(torch, str(obj["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"a tensor's dtype {str(obj['dtype'])[:80]!r} is not a torch dtype")
+        shape = _shape(obj["shape"])
         data = bytearray(base64.b64decode(obj["__tensor__"]))
+        _sized(data, shape, dtype.itemsize)
         if not data:
-            return torch.empty(obj["shape"], dtype=dtype)
+            return torch.empty(shape, dtype=dtype)
         if dtype == torch.bool:
-            return torch.frombuffer(data, dtype=torch.bool).reshape(obj["shape"]).clone()
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(obj["shape"]).clone()
+            return torch.frombuffer(data, dtype=torch.bool).reshape(shape).clone()
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape).clone()
     if "__ndarray__" in obj:
+        dtype = np.dtype(obj["dtype"])
+        if dtype.hasobject:
+            raise ValueError(f"an array's dtype {obj['dtype']!r} holds Python objects")
+        shape = _shape(obj["shape"])
         raw = base64.b64decode(obj["__ndarray__"])
-        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+        _sized(raw, shape, dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
     if "__tuple__" in obj:
         return tuple(decode(v) for v in obj["__tuple__"])
     if "__items__" in obj:
         return {_hashable(decode(k)): decode(v) for k, v in obj["__items__"]}
     return {k: decode(v) for k, v in obj.items()}
+
+
+def _shape(shape: Any) -> list[int]:
+    if not isinstance(shape, list) or len(shape) > 64:
+        raise ValueError(f"a shape must be a list of at most 64 sizes, got {str(shape)[:80]}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"a shape's sizes must be non-negative integers, got {str(shape)[:80]}")
+    return shape
+
+
+def _sized(data: bytes | bytearray, shape: list[int], itemsize: int) -> None:
+    size = math.prod(shape) * itemsize
+    if len(data) != size:
+        raise ValueError(f"shape {shape[:8]} takes {size} bytes, the data has {len(data)}")
 
 
 def _hashable(key: Any) -> Any:

@@ -822,6 +822,8 @@ class Trainer(IgniteAdapter):
             try:
                 self.fire(Events.ROLLBACK)
             except CheckpointError as e:
+                if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
+                    raise
                 raise rollback.failed(step, e) from e
         self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too

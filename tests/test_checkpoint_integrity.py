@@ -13,6 +13,9 @@ import os
 import shutil
 import sys
 import textwrap
+import zlib
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,6 +261,109 @@ def test_an_explicit_damaged_checkpoint_with_nothing_older_is_a_checkpoint_error
     assert str(only) in str(info.value)
     with pytest.raises(CheckpointError, match=r"\.metadata"):  # the reader alone: never a raw OSError
         io.SafeReader(only).read_metadata()
+
+
+# ------------------------------------------------------------------------------ crafted rank state
+def _rank_state(checkpoint) -> dict:
+    return json.loads((checkpoint / "rank_00000.json").read_text())
+
+
+def _retyped(**changes) -> Callable[[Path], bytes]:
+    """A rank state file of ``checkpoint`` with its entries at dotted ``changes`` replaced."""
+
+    def craft(checkpoint: Path) -> bytes:
+        state = _rank_state(checkpoint)
+        for dotted, value in changes.items():
+            *outer, last = dotted.split("__")
+            target = state
+            for key in outer:
+                target = target[key]
+            target[last] = value
+        return json.dumps(state).encode()
+
+    return craft
+
+
+CRAFTED_RANK_STATE: dict[str, Callable[[Path], bytes]] = {
+    "garbage": lambda _: b"\x00\xff not json at all {",
+    "not_an_object": lambda _: b"[1, 2, 3]",
+    "huge": lambda c: json.dumps({**_rank_state(c), "pad": "x" * (80 << 20)}).encode(),
+    "deep_nesting": lambda _: b"[" * 200_000 + b"]" * 200_000,
+    "nested_within_json_limits": lambda c: (
+        json.dumps(_rank_state(c))
+        .replace('"handlers": {}', '"handlers": {"x": ' + "[" * 500 + "]" * 500 + "}", 1)
+        .encode()
+    ),
+    "huge_integer": lambda c: (
+        json.dumps(_rank_state(c)).replace('"step": 4', '"step": ' + "9" * 5000, 1).encode()
+    ),
+    "step_as_string": _retyped(counters__step="4"),
+    "counters_as_list": _retyped(counters=[4, 1]),
+    "unknown_counter": _retyped(counters__max_iters=1),
+    "negative_counter": _retyped(counters__tokens_seen=-5),
+    "step_not_the_checkpoints": _retyped(step=3),
+    "rng_as_string": _retyped(rng="seeded"),
+    "torch_rng_short": _retyped(rng__torch={"__tensor__": "AAAA", "dtype": "uint8", "shape": [3]}),
+    "empty_tensor_of_huge_shape": _retyped(
+        rng__torch={"__tensor__": "", "dtype": "float32", "shape": [1 << 20, 1 << 20]}
+    ),
+    "dtype_that_is_a_function": _retyped(rng__torch={"__tensor__": "AAAA", "dtype": "load", "shape": [3]}),
+    "object_ndarray": _retyped(
+        rng__numpy={
+            "__tuple__": ["MT19937", {"__ndarray__": "AAAAAAAAAAA=", "dtype": "|O", "shape": [1]}, 0, 0, 0.0]
+        }
+    ),
+    "handlers_as_list": _retyped(handlers=["x"]),
+    "data_position_of_wrong_types": _retyped(data={"microbatches": "many", "steps": None}),
+    "epoch_length_as_float": _retyped(epoch_length=2.5),
+    "last_loss_as_dict": _retyped(last={"loss": {"x": 1}, "metrics": {}}),
+}
+
+
+def _plant_rank_state(checkpoint: Path, content: bytes) -> None:
+    """Write ``content`` as rank 0's state file and the manifest to match, as whoever crafted it would."""
+    (checkpoint / "rank_00000.json").write_bytes(content)
+    marker = json.loads((checkpoint / io.MARKER).read_text())
+    marker["manifest"]["files"]["rank_00000.json"].update(
+        size=len(content), checksum=f"{zlib.crc32(content):08x}"
+    )
+    (checkpoint / io.MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("craft", sorted(CRAFTED_RANK_STATE))
+def test_a_crafted_rank_state_file_falls_back_to_the_previous_checkpoint(tmp_path, craft, caplog):
+    """The manifest matches (whoever wrote the file wrote the manifest too): the file's content is
+    checked before anything is loaded, and a file the restore could not take is damage."""
+    states = _train(tmp_path)
+    newest = tmp_path / io.step_dir_name(4)
+    _plant_rank_state(newest, CRAFTED_RANK_STATE[craft](newest))
+    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
+        checkpointer, loaded = _resume(tmp_path)
+    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
+    assert _equal(loaded, states[2])
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(newest) in m and "rank_00000.json" in m and "damaged" in m for m in warned), warned
+
+
+def test_a_crafted_rank_state_file_is_damage_to_a_rollback_too(tmp_path):
+    trainer = _trainer()
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+    states: dict = {}
+    trainer.add_event_handler(
+        Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
+    )
+    trainer.run(token_batches(8, seed=1), max_steps=4)
+    newest = tmp_path / io.step_dir_name(4)
+    _plant_rank_state(newest, _retyped(counters__epoch="first")(newest))
+    assert checkpointer.restore_latest() == 2
+    assert _equal(_snapshot(trainer), states[2])
+
+
+def test_an_intact_rank_state_file_passes_the_check(tmp_path):
+    states = _train(tmp_path)
+    checkpointer, loaded = _resume(tmp_path)
+    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert _equal(loaded, states[4])
 
 
 # ------------------------------------------------------------------------------ full disk

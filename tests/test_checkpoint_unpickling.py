@@ -389,43 +389,39 @@ def test_calls_sizes_and_file_references_are_bounded(tmp_path, monkeypatch):
     _write_checkpoints(tmp_path / "other")
     intact = tmp_path / "other" / io.step_dir_name(4)
     monkeypatch.setattr(checkpoint_pickle, "METADATA_MAX_BYTES", 1000)
-    with pytest.raises(CheckpointError, match=r"more than the 1000 \(.*\) a DCP checkpoint index may have"):
+    with pytest.raises(CheckpointError, match=r"more than the 1000 \(.*\) this setting lets a run read"):
         io.SafeReader(intact).read_metadata()
-    assert io.verify_checkpoint(intact)[0], "verification must report it too"
+    with pytest.raises(io.CheckpointIndexBoundError):  # verification too: intact, but over the bound
+        io.verify_checkpoint(intact)
 
 
-def test_the_index_bound_is_the_checkpointers_setting_and_a_save_over_it_says_what_to_set(tmp_path, caplog):
+def test_the_index_bound_is_the_checkpointers_setting(tmp_path):
     """``checkpoint.max_index_mb`` bounds the index a resume reads (the module's default is only a
-    default): a run whose saves write a larger index is told at its first save what to set, a
-    resume with the small bound refuses every checkpoint naming the setting, and the same
-    checkpoints load with a bound that fits them."""
-    small = 0.01  # MiB: smaller than a tiny GPT's index (~40 kB)
-    trainer = _trainer()
-    AsyncCheckpointer(tmp_path / "ckpt", mode="sync", every_steps=2, max_index_mb=small).attach(trainer)
-    with caplog.at_level(logging.ERROR, logger="hookloop.handlers.checkpoint"):
-        trainer.run(token_batches(8, seed=1), max_steps=4)
-    size = (tmp_path / "ckpt" / io.step_dir_name(4) / ".metadata").stat().st_size
-    assert size > small * 2**20
-    told = [r.getMessage() for r in caplog.records if "checkpoint.max_index_mb" in r.getMessage()]
-    assert len(told) == 1, "said once, at the first save over the bound"
-    assert f"at least {io.index_mb(size):g} " in told[0] and io.index_mb(size) * 2**20 >= size
+    default): an intact index over it is refused naming the setting and the value that fits, by
+    the reader and by verification alike, and the same checkpoints load with that value (the run
+    side of it is in test_checkpoint_index_bound.py)."""
+    small = int(0.01 * 2**20)  # smaller than a tiny GPT's index (~90 kB)
+    _write_checkpoints(tmp_path / "ckpt")
     newest = tmp_path / "ckpt" / io.step_dir_name(4)
-    with pytest.raises(CheckpointError, match=r"more than the 10485 \(0.01 MiB\).*checkpoint.max_index_mb"):
-        io.SafeReader(newest, index_limit=int(small * 2**20)).read_metadata()
-    assert io.verify_checkpoint(newest, index_limit=int(small * 2**20))[0]
+    size = (newest / ".metadata").stat().st_size
+    assert size > small and io.index_mb(size) * 2**20 >= size
+    expected = rf"more than the 10485 \(0.01 MiB\).*checkpoint.max_index_mb to at least {io.index_mb(size):g}"
+    with pytest.raises(io.CheckpointIndexBoundError, match=expected) as info:
+        io.SafeReader(newest, index_limit=small).read_metadata()
+    assert isinstance(info.value, ConfigError) and info.value.field == "checkpoint.max_index_mb"
+    with pytest.raises(io.CheckpointIndexBoundError, match=expected):
+        io.verify_checkpoint(newest, index_limit=small)
     assert not io.verify_checkpoint(newest)[0], "within the default bound it is intact"
-    refusing = _trainer(seed=3)
-    AsyncCheckpointer(tmp_path / "ckpt", mode="sync", max_index_mb=small).attach(refusing)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
-        with pytest.raises(CheckpointError, match="every complete checkpoint to load from is damaged"):
-            refusing.run(token_batches(8, seed=1), max_steps=6)
-    refused = [r.getMessage() for r in caplog.records if "is damaged (" in r.getMessage()]
-    assert len(refused) == 2 and all("set checkpoint.max_index_mb to at least" in m for m in refused)
+    # an index over the bound that is not the one its manifest lists is damage, not a setting
+    (newest / ".metadata").write_bytes((newest / ".metadata").read_bytes() + b"\0")
+    assert "the manifest says" in str(io.verify_checkpoint(newest, index_limit=small)[0])
+    with pytest.raises(CheckpointError, match="its manifest says") as info:
+        io.SafeReader(newest, index_limit=small).read_metadata()
+    assert not isinstance(info.value, ConfigError)
     resumed = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync", max_index_mb=1).attach(resumed)
     resumed.run(token_batches(8, seed=1), max_steps=6)
-    assert checkpointer.resumed_from == str(newest)
+    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
 
 
 def test_max_index_mb_is_checked_up_front(tmp_path):

@@ -51,10 +51,11 @@ The package is a few rooms, each owning its state, and a thin handler:
 * :mod:`.reader`: choosing, verifying and loading a checkpoint; :mod:`.layout`: parameter names
   across a pipeline split and the layout difference;
 * :mod:`.rank_state`: the per-rank state JSON (counters, LR scheduler, handlers, data, RNG);
+  :mod:`.rank_file`: reading one without trusting it;
 * :mod:`.handler`: :class:`AsyncCheckpointer`, which wires events and policy to the rooms.
 """
 
-from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checkpoint_io import CheckpointError, CheckpointIndexBoundError, CheckpointLayoutError
 from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.layout import describe_layout_difference
@@ -69,6 +70,7 @@ __all__ = [
     "AsyncMode",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointIndexBoundError",
     "CheckpointLayoutError",
     "describe_layout_difference",
 ]

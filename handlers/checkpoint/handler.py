@@ -67,9 +67,10 @@ class AsyncCheckpointer(Handler):
             (step 0), or a directory of checkpoints (its newest intact one); used only when
             ``resume`` finds nothing to resume from.
         wait_timeout_s: the longest any local wait for a save may take before it is an error.
-        max_index_mb: the largest DCP index (``.metadata``) a resume reads, in MiB; a larger one is
-            refused as damaged (reading it is bounded, linear in its size). A save whose index is
-            larger logs an error naming the value to set.
+        max_index_mb: the largest DCP index (``.metadata``) a resume or rollback reads, in MiB
+            (reading it is bounded, linear in its size). A save whose index is larger stops the run
+            once published, and a resume that meets one refuses: both a config error (exit 2)
+            naming the value to set, never damage.
 
     Public surface (what a user or another handler may call): :meth:`wait` (drain the save in
     flight), :meth:`restore_latest` (roll back to the newest intact finite checkpoint),
@@ -204,7 +205,7 @@ class AsyncCheckpointer(Handler):
         self._started = True
         state = self.trainer.state
         if self.resume is not None:
-            path = self._reader.agreed_checkpoint(self.resume)
+            path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
             if path is not None:
                 self._load(path, rollback=False)
                 state.last_checkpoint = path
@@ -341,7 +342,9 @@ class AsyncCheckpointer(Handler):
         ``keep_data_position``: the data continues from where it is now instead of going back.
         Collective: every rank calls it (ROLLBACK is agreed)."""
         self.wait()
-        path = self._reader.agreed_checkpoint("auto", at_or_before=at_or_before, finite_only=True)
+        path = self._reader.agreed_checkpoint(
+            "auto", at_or_before=at_or_before, finite_only=True, check=self._state.check
+        )
         if path is None:
             limit = "" if at_or_before is None else f" at or before step {at_or_before}"
             raise CheckpointError(
@@ -394,6 +397,7 @@ class AsyncCheckpointer(Handler):
         self.last_checkpoint = save.final
         self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
+        self._store.check_index(save.final, save.index_size)  # over checkpoint.max_index_mb: exit 2
 
     def _wait_local(self) -> None:
         """Wait for this rank's own write only (no collective: a peer may be gone)."""

@@ -21,14 +21,13 @@ from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel, rng
 from hookloop.engine.checkpoint_io import CheckpointError
 from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
+from hookloop.handlers.checkpoint.rank_file import FORMAT, VERSION, rank_file, read_rank_file
 from hookloop.handlers.checkpoint.reader import CheckpointReader
 
 __all__ = ["FORMAT", "VERSION", "RankState"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
-FORMAT = "hookloop-checkpoint"
-VERSION = 1
 # Counters that count events fired (filters read them): a rollback keeps them monotonic.
 _EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks", "skipped_steps")
 
@@ -178,10 +177,18 @@ class RankState:
         for key in sorted(set(states) - set(registered)):
             logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
 
+    def check(self, path: str) -> list[str]:
+        """What makes checkpoint ``path``'s state file for this rank one the restore cannot take
+        (empty: none); the checkpointer treats it as damage, so the loader falls back."""
+        try:
+            read_rank_file(rank_file(path, parallel.rank())[0], self.trainer.state.counters(), _step_of(path))
+        except CheckpointError as e:
+            return [str(e)]
+        return []
+
     def _read_rank_state(self, path: str) -> dict[str, Any]:
-        own = os.path.join(path, f"rank_{parallel.rank():05d}.json")
-        if not os.path.exists(own):
-            own = os.path.join(path, "rank_00000.json")
+        own, borrowed = rank_file(path, parallel.rank())
+        if borrowed:
             logger.warning(
                 "%s was written by a different number of ranks: rank %d takes rank 0's data position "
                 "and RNG states (a MixtureLoader or MixtureSampler position is global, so the data "
@@ -189,13 +196,12 @@ class RankState:
                 path,
                 parallel.rank(),
             )
-        try:
-            extra = io.read_json(own)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {own}: {e}") from e
-        if extra.get("format") != FORMAT or extra.get("version") != VERSION:
-            raise CheckpointError(f"{own} is not a {FORMAT} v{VERSION} state file")
-        return extra
+        return read_rank_file(own, self.trainer.state.counters(), _step_of(path))
+
+
+def _step_of(path: str) -> int | None:
+    """The step a checkpoint directory's name says (None for a name that is not ``step_N``)."""
+    return io.parse_step(os.path.basename(os.path.normpath(path)))
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:

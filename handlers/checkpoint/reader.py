@@ -63,6 +63,7 @@ class CheckpointReader:
         field: str = "checkpoint.resume",
         at_or_before: int | None = None,
         finite_only: bool = False,
+        check: Callable[[str], list[str]] | None = None,
     ) -> str | None:
         """The checkpoint every rank loads, after verifying its manifest (collective).
 
@@ -73,7 +74,12 @@ class CheckpointReader:
         verifies its share of a candidate's files and the ranks exchange what they found, so all of
         them take the same decision even when only one of them saw the damage. ``finite_only``
         (a rollback): checkpoints whose marker records NaN/Inf in the saved parameters or optimizer
-        state are skipped too."""
+        state are skipped too. ``check``: what else is wrong with a candidate on this rank (the rank
+        state file it would load), damage like the rest.
+
+        An intact checkpoint whose index is over ``index_limit`` (``checkpoint.max_index_mb``) is no
+        damage: CheckpointIndexBoundError naming the value to set, and no older checkpoint is tried
+        (loading one would silently drop the steps since)."""
         if which != "auto":
             resolved = check_loadable(which, field)
             if resolved != which:  # a directory of checkpoints: its newest intact one
@@ -109,7 +115,14 @@ class CheckpointReader:
             raise CheckpointError(f"{listing_error}; fix the permissions of checkpoint.directory")
         damaged: list[str] = []
         for path in candidates:
-            problems, verified = self._verify_agreed(path)
+            problems, verified, over = self._verify_agreed(path, check)
+            if over is not None and not problems:
+                raise io.CheckpointIndexBoundError(
+                    path,
+                    *over,
+                    f"to {'roll back to' if finite_only else 'load'} it (nothing was loaded; older "
+                    "checkpoints are not tried in its place, which would drop the steps since)",
+                )
             if problems:
                 damaged.append(path)
                 logger.warning(
@@ -136,21 +149,33 @@ class CheckpointReader:
             )
         return None
 
-    def _verify_agreed(self, path: str) -> tuple[list[str], bool]:
-        """Every rank's problems with ``path`` (each rank checks its share of the files) and whether
-        it has a manifest at all; identical on every rank."""
+    def _verify_agreed(
+        self, path: str, check: Callable[[str], list[str]] | None = None
+    ) -> tuple[list[str], bool, tuple[int, int] | None]:
+        """Every rank's problems with ``path`` (each rank checks its share of the files, and what
+        ``check`` says), whether it has a manifest at all, and ``(size, limit)`` of its index when
+        that is intact but over the bound; identical on every rank."""
         rank, world = (parallel.rank(), parallel.world_size()) if self._session.group is not None else (0, 1)
+        over = None
         try:
             with self._long_wait():  # reading the checkpoint back: local, long on slow storage
-                problems, verified = io.verify_checkpoint(path, rank, world, self.index_limit)
+                try:
+                    problems, verified = io.verify_checkpoint(path, rank, world, self.index_limit)
+                except io.CheckpointIndexBoundError as e:
+                    problems, verified, over = [], True, (e.size, e.limit)
+                if check is not None:
+                    problems = [*problems, *check(path)]
         except Exception as e:  # noqa: BLE001 - must still join the exchange below, or the peers hang
             problems, verified = [f"verifying it failed: {type(e).__name__}: {e}"], True
         if self._session.group is None:
-            return problems, verified
+            return problems, verified, over
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (problems, verified), group=self._session.group)
-        everyone = [p if world == 1 else f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
-        return everyone, all(v for _, v in gathered)
+        dist.all_gather_object(gathered, (problems, verified, over), group=self._session.group)
+        everyone = [
+            p if world == 1 else f"rank {r}: {p}" for r, (ps, _, _) in enumerate(gathered) for p in ps
+        ]
+        over = next((o for _, _, o in gathered if o is not None), None)
+        return everyone, all(v for _, v, _ in gathered), over
 
     def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> dict[str, str] | None:
         """Refuse, before anything is read into the model, a checkpoint whose model parameters are

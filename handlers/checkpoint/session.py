@@ -69,6 +69,15 @@ class CheckpointSession:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t[0])
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Each of ``values``' largest over the ranks (one small all-reduce on training's group;
+        local with one rank)."""
+        if parallel.world_size() == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=parallel.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
     def close_threads(self) -> None:
         """Stop the threads once their work is done (they are made again on use)."""
         for executor in (self._write, self._io):

@@ -35,7 +35,7 @@ class CheckpointStore:
         session: names this run's partial, replaced and pruned directories; its file thread deletes
             pruned checkpoints.
         keep_last, keep_best, metric, metric_mode: what pruning keeps (see the checkpointer).
-        index_limit: the largest index a resume reads, in bytes (a save over it logs the fix).
+        index_limit: the largest index a resume reads, in bytes (see :meth:`check_index`).
         wait_timeout_s: the longest a wait for a deletion may take before it is left to finish.
         long_wait: a context manager around waits that are long by nature (the watchdog's pause).
         known_good: the newest step a detector trusts (None: none), read when pruning.
@@ -64,7 +64,6 @@ class CheckpointStore:
         self._long_wait = long_wait
         self._known_good = known_good
         self._metric_missing_warned = False
-        self._index_warned = False
         self._pruning: Future | None = None
 
     # ------------------------------------------------------------------------------ publishing
@@ -93,18 +92,6 @@ class CheckpointStore:
             }
             if finite is not None:
                 marker["finite"] = finite
-            index = files.get(".metadata", {}).get("size", 0)
-            if index > self.index_limit and not self._index_warned:
-                self._index_warned = True
-                logger.error(
-                    "the index (.metadata) of checkpoint %s has %d bytes, more than checkpoint.max_index_mb "
-                    "(%.3g MiB): resuming would refuse it as damaged; set checkpoint.max_index_mb to at "
-                    "least %g for this run and its resumes",
-                    final,
-                    index,
-                    self.index_limit / 2**20,
-                    io.index_mb(index),
-                )
             io.write_json_atomic(os.path.join(partial, io.MARKER), marker)
             if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{final}.replaced-{self._session.id}"
@@ -122,6 +109,20 @@ class CheckpointStore:
         except OSError as e:  # the new checkpoint is complete; old ones stay until the next save
             logger.warning("could not prune old checkpoints in %s (training goes on): %s", self.directory, e)
         return True
+
+    def check_index(self, final: str, size: int) -> None:
+        """A published checkpoint whose index has ``size`` bytes, more than ``index_limit``: no
+        resume or rollback could read it, so the run stops here with the setting to change
+        (CheckpointIndexBoundError, a config error: exit 2). The checkpoint is complete; a run with
+        the new value resumes from it."""
+        if size > self.index_limit:
+            raise io.CheckpointIndexBoundError(
+                os.path.join(final, ".metadata"),
+                size,
+                self.index_limit,
+                "and run again: this checkpoint is complete and the run resumes from it (the run "
+                "stops at this save, since no resume or rollback could read it)",
+            )
 
     # ------------------------------------------------------------------------------ pruning
     def prune(self) -> None:

@@ -31,6 +31,7 @@ from hookloop.handlers.checkpoint.dcp_calls import (
     reraise_interrupt,
     trained_entries,
 )
+from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 
@@ -59,6 +60,7 @@ class Save:
         self.done, self.staged = done, staged
         self.writer, self.rank_file = writer, rank_file
         self.metrics = dict(metrics or {})
+        self.index_size = 0  # of the published index (.metadata), in bytes: once published
 
     @property
     def finite(self) -> bool | None:
@@ -100,9 +102,17 @@ def all_of(futures: list[Future]) -> Future:
 
 
 def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Write this rank's state JSON durably into ``partial``; its manifest entries."""
+    """Write this rank's state JSON durably into ``partial``; its manifest entries. A file larger
+    than a resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
     io.write_json_atomic(os.path.join(partial, name), extra)
-    return io.checksum_files(partial, [name], parallel.rank())  # tens of kB
+    entries = io.checksum_files(partial, [name], parallel.rank())  # tens of kB
+    if entries[name]["size"] > MAX_BYTES:
+        raise CheckpointError(
+            f"the state of rank {parallel.rank()} takes {entries[name]['size']} bytes, more than the "
+            f"{MAX_BYTES} a resume reads: a handler's state_dict() holds too much (keep large tensors "
+            "in the model or the optimizer)"
+        )
+    return entries
 
 
 class CheckpointWriter:
@@ -298,6 +308,7 @@ class CheckpointWriter:
             ) from error
         files, finite = self._collect_entries(entries, save.finite if error is None else None)
         ok = True
+        index = 0  # the size of the index rank 0 published, agreed below
         if parallel.rank() == 0:
             with self._long_wait():  # file system work only: marker, renames, fsyncs, pruning
                 ok = self._store.publish(
@@ -309,8 +320,11 @@ class CheckpointWriter:
                     files=files,
                     finite=finite,
                 )
+            index = files.get(".metadata", {}).get("size", 0) if ok else 0
         if parallel.world_size() > 1:
-            ok = not self._session.agree_failed(not ok)
+            failed, index = self._session.agree_max([int(not ok), index])
+            ok = not failed
+        save.index_size = index
         if not ok:
             raise CheckpointError(
                 f"publishing the checkpoint of step {save.step} at {save.final} failed (see the error "
