@@ -48,6 +48,7 @@ from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
+from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
@@ -289,7 +290,7 @@ class Trainer(IgniteAdapter):
             self.watchdog.on_expire.append(self._on_watchdog_expired)
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
-        self.add_event_handler(Events.TRAIN_START, self._agree_boundary_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
@@ -301,6 +302,8 @@ class Trainer(IgniteAdapter):
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
         self._late_agreement = False
+        #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
+        self.run_start = RunStart(self.control)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -471,6 +474,20 @@ class Trainer(IgniteAdapter):
         if self.agree_any(control.stop):
             control.decide_stop()
             self._stop()
+
+    def _agree_start(self) -> None:
+        """TRAIN_START's end: every rank agrees none failed (:mod:`engine.run_start`), the run has
+        started (RUN_STARTED), then a stop asked for at TRAIN_START is carried out."""
+        stop = self.run_start.agree()
+        self.fire(Events.RUN_STARTED)
+        if stop:
+            self.control.decide_stop()
+            self._stop()
+
+    @property
+    def started(self) -> bool:
+        """Whether the current run has started: RUN_STARTED fired (nothing is written before)."""
+        return self.run_start.started
 
     def _start_epoch(self) -> None:
         self._epoch_start_step = self.state.iteration
@@ -682,7 +699,7 @@ class Trainer(IgniteAdapter):
         ``LOCAL_RANK`` 0), unless the file changed since this run started (rank 0 has recorded the
         end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
         nothing else would tell the job script to requeue."""
-        if self.run_dir is None:
+        if self.run_dir is None or not self.started:  # a start that failed leaves the record as it was
             return
         if parallel.rank() != 0:
             if code != ExitCode.HEALTH_CHECK_FAILED or not _first_on_node():
@@ -762,6 +779,7 @@ class Trainer(IgniteAdapter):
     def _on_train_start(self) -> None:
         state = self.state
         self.control.start_run()
+        self.run_start.begin()
         state.clear_step_flags()
         self._late_agreement = False
         self._skip_completed = False
@@ -828,6 +846,7 @@ class Trainer(IgniteAdapter):
         error is logged, and the original error still wins."""
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
+        self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
         self._in_step = False
         self._at_step_end.clear()
         entries = self.events.entries(Events.EXCEPTION)

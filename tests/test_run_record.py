@@ -216,9 +216,9 @@ def test_a_second_start_on_a_live_run_is_refused_and_the_first_finishes(project)
 
 def test_a_sigkilled_runs_lock_does_not_block_the_next_start(project):
     run_dir = project / "runs" / "my_run"
-    first = start("my_run.yaml", hold_entry(project), cwd=project)
+    first = start("my_run.yaml", "checkpoint.mode=sync", hold_entry(project), cwd=project)
     try:
-        wait_for(project / "held", first)
+        wait_for(project / "held", first)  # at step 3: the checkpoint of step 2 is complete
         assert json.loads((run_dir / ".hookloop.lock").read_text())["pid"] == first.pid
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
@@ -259,7 +259,7 @@ def test_under_torchrun_a_second_start_on_a_live_run_is_refused_by_every_rank(pr
         wait_for(project / "held", first)
         holder = json.loads((run_dir / ".hookloop.lock").read_text())
         before = snapshot(run_dir)
-        second = run_torchrun("hookloop", 2, common[1:], module=True, cwd=project, timeout=240)
+        second = run_torchrun("hookloop", 2, common[2:], module=True, cwd=project, timeout=240)
         assert first.poll() is None
         assert second.returncode != 0
         assert second.stderr.count("config error: train.run_dir: ") == 1, second.stderr
