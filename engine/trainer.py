@@ -112,7 +112,8 @@ class Trainer(IgniteAdapter):
             pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
             ``runtime.n_microbatches`` microbatches.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
-            watchdog fires, every thread's stack. None: neither file is written (stacks go to stderr).
+            watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
+            that fails writes neither). None: neither file is written (stacks go to stderr).
         hang_timeout_s: end the process with exit code 77 when the loop makes no progress (no event,
             no microbatch) for this many seconds, e.g. a peer stopped mid-collective; None disables
             the watchdog. A health check tightens the bound to its own ``timeout_s``.
@@ -284,7 +285,7 @@ class Trainer(IgniteAdapter):
         self.watchdog: ProgressWatchdog | None = (
             None
             if hang_timeout_s is None
-            else ProgressWatchdog(hang_timeout_s, dump_dir=run_dir, rank=parallel.rank())
+            else ProgressWatchdog(hang_timeout_s, rank=parallel.rank())  # dumps to run_dir once started
         )
         if self.watchdog is not None:
             self.watchdog.on_expire.append(self._on_watchdog_expired)
@@ -479,6 +480,8 @@ class Trainer(IgniteAdapter):
         """TRAIN_START's end: every rank agrees none failed (:mod:`engine.run_start`), the run has
         started (RUN_STARTED), then a stop asked for at TRAIN_START is carried out."""
         stop = self.run_start.agree()
+        if self.watchdog is not None:  # from now on a hang's stack dumps go to the run directory
+            self.watchdog.dump_dir = self.run_dir
         self.fire(Events.RUN_STARTED)
         if stop:
             self.control.decide_stop()
@@ -648,6 +651,7 @@ class Trainer(IgniteAdapter):
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
         """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
+            self.watchdog.dump_dir = None  # stacks go to stderr until this run has started
             if self.watchdog.heartbeats is None and parallel.world_size() > 1:
                 store = parallel.process_group_store()
                 if store is not None:  # a long wait on one rank is progress to the others

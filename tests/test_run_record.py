@@ -271,3 +271,31 @@ def test_under_torchrun_a_second_start_on_a_live_run_is_refused_by_every_rank(pr
     finally:
         kill_tree(first.pid)
     assert metric_steps(run_dir) == [1, 2, 3, 4]
+
+
+HANG_AT_START = """
+import sys
+import time
+
+import torch
+
+from hookloop import Events, Trainer
+
+model = torch.nn.Linear(4, 1)
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                  run_dir=sys.argv[1], hang_timeout_s=2)
+trainer.add_event_handler(Events.TRAIN_START, lambda: time.sleep(120))  # a resume that never ends
+trainer.run([(torch.randn(2, 4), torch.randn(2, 1))] * 2, max_steps=2)
+"""
+
+
+def test_a_hang_before_the_run_started_leaves_the_run_directory_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "exit_status.json").write_text('{"code": 75}\n')  # the last job's record
+    before = snapshot(run_dir)
+    (tmp_path / "hang.py").write_text(HANG_AT_START)
+    proc = run_process([sys.executable, str(tmp_path / "hang.py"), str(run_dir)], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 77, proc.stderr[-3000:]
+    assert "Thread" in proc.stderr and "hang.py" in proc.stderr, proc.stderr[-3000:]  # the stacks, on stderr
+    assert snapshot(run_dir) == before
