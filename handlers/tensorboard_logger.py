@@ -51,6 +51,11 @@ class TensorBoardLogger(MetricLogger):
             return None
         return cls(Path(run_dir) / "tensorboard", every_steps=cfg.log_interval)
 
+    def attach(self, trainer: Any) -> TensorBoardLogger:
+        if self.active:  # a missing backend fails here, before the run starts; files come at open()
+            import torch.utils.tensorboard  # noqa: F401
+        return super().attach(trainer)
+
     def open(self) -> None:
         log_dir = self.log_dir
         if self.all_ranks:

@@ -73,6 +73,11 @@ class WandBLogger(MetricLogger):
             every_steps=cfg.wandb_every_steps,
         )
 
+    def attach(self, trainer: Any) -> WandBLogger:
+        if self.active:  # a missing backend fails here, before the run starts; the W&B run at open()
+            import wandb  # noqa: F401
+        return super().attach(trainer)
+
     def open(self) -> None:
         import wandb
 
