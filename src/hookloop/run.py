@@ -210,6 +210,7 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     # one replica share it. Built before the process group: a data error costs nothing.
     dp, dp_rank = world // (tp * pp), rank // (tp * pp)
     data = build_data(cfg, dp_rank, dp, recipe.collate_fn)
+    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     info = init_distributed(
         cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **parallel_mesh(world, tp, pp)
     )
@@ -221,7 +222,8 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     except BaseException:
         if lock is not None:
             lock.release(remove_created=True)
-        destroy_distributed()
+        if joined:  # a process group this build found (another run's, the caller's) stays
+            destroy_distributed()
         raise
     run.lock = lock
     return run
