@@ -21,7 +21,8 @@ class TensorBoardLogger(MetricLogger):
     axis being the optimizer step; one event per logged step holds all its scalars.
 
     Writes through ``torch.utils.tensorboard.SummaryWriter`` (imported when the logger is
-    attached); ``logger.writer`` is that writer, for images or histograms of your own.
+    attached, created once the run has started: RUN_STARTED); ``logger.writer`` is that writer,
+    for images or histograms of your own.
 
     Args:
         log_dir: the event files' directory (``tensorboard --logdir`` it).

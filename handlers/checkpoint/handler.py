@@ -208,7 +208,7 @@ class AsyncCheckpointer(Handler):
         if not self._session.is_open:  # once: the checkpoint group and this run's session id
             self._session.open()
         # One run writes a checkpoint directory at a time: hold its lock unless the run directory's
-        # lock (hookloop train) covers it already (docs/checkpoint.md, "One run per directory").
+        # lock (hookloop train) covers it already (docs/requeue.md, "One run per run directory").
         uncovered = parallel.rank() == 0 and held_lock_covering(self.directory) is None
         lock = hold_run_dir(self.directory, field="checkpoint.directory", take=uncovered)  # collective
         self._lock = self._lock or lock
