@@ -47,9 +47,11 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hookloop.engine.errors import ConfigError
 
@@ -61,7 +63,9 @@ __all__ = [
     "RunDirInUse",
     "RunDirLock",
     "held_lock_covering",
+    "hold_for",
     "hold_run_dir",
+    "release_for",
     "read_holder",
 ]
 
@@ -167,11 +171,12 @@ class RunDirLock:
         self.path = self.directory / LOCK_FILE
         self.field = field
         self.holder: Holder | None = None  # ours once acquired
+        #: Within this process, who writes under the lock (see :func:`hold_for`); None: nobody yet.
+        self.user: object | None = None
         self._fd: int | None = None
         self._inode: tuple[int, int] | None = None
         self._created: list[Path] = []  # directories acquire() made, outermost last
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._beat_failed = False
 
     @property
     def held(self) -> bool:
@@ -195,8 +200,7 @@ class RunDirLock:
                 self._remove_created()
                 raise
             _held[self.key] = self
-        self._heartbeat = threading.Thread(target=self._beat, name="hookloop-run-lock", daemon=True)
-        self._heartbeat.start()
+        _start_heartbeat()
 
     def _create_directory(self) -> None:
         missing, path = [], self.directory.absolute()
@@ -277,22 +281,19 @@ class RunDirLock:
         )
 
     # ------------------------------------------------------------------------------ heartbeat
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                os.utime(self.path)
-            except OSError as e:  # the directory went away or turned read-only: say so once
-                logger.warning("cannot refresh the run directory lock %s: %s", self.path, e)
-                return
+    def _touch(self) -> None:
+        if self._fd is None or self._beat_failed:
+            return
+        try:
+            os.utime(self.path)
+        except OSError as e:  # the directory went away or turned read-only: say so once
+            self._beat_failed = True
+            logger.warning("cannot refresh the run directory lock %s: %s", self.path, e)
 
     # ------------------------------------------------------------------------------ release
     def release(self, *, remove_created: bool = False) -> None:
         """Give the lock up (the file goes). ``remove_created``: also remove the directories
         :meth:`acquire` created, those left empty (a start that never began leaves none behind)."""
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5.0)
-            self._heartbeat = None
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
@@ -332,8 +333,32 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+_beating: threading.Thread | None = None  # the heartbeat of every lock this process holds
+
+
+def _start_heartbeat() -> None:
+    global _beating
+    with _held_guard:
+        if _beating is None:
+            _beating = threading.Thread(target=_beat, name="hookloop-run-lock", daemon=True)
+            _beating.start()
+
+
+def _beat() -> None:
+    """Touch every lock this process holds each :data:`HEARTBEAT_S` seconds. One thread for the
+    process's life: locks come and go, no thread starts or ends with them."""
+    while True:
+        time.sleep(HEARTBEAT_S)
+        with _held_guard:
+            locks = list(_held.values())
+        for lock in locks:
+            lock._touch()
+
+
 def _drop_in_child() -> None:
     """A forked child (a data loader worker) must not keep its parent's locks alive."""
+    global _beating
+    _beating = None  # the parent's heartbeat thread does not exist here
     for lock in list(_held.values()):
         if lock._fd is not None:
             try:
@@ -357,22 +382,62 @@ def held_lock_covering(path: str | os.PathLike) -> RunDirLock | None:
     return None
 
 
-def hold_run_dir(
-    directory: str | os.PathLike, *, field: str = "train.run_dir", take: bool = True
-) -> RunDirLock | None:
-    """Take the lock on ``directory`` for every rank of this launch: rank 0 takes it (when its
-    ``take`` says so), and every rank learns the outcome from one agreed collective (under the
-    process group's timeout), so no rank writes before the launch holds the directory and no rank
-    is left waiting on a refusal. Returns the lock on rank 0 (None elsewhere, or when not taken);
-    raises :class:`RunDirInUse` on every rank when it is held (rank 0's names the holder; the
-    others' say only that rank 0 was refused, and stay quiet)."""
+def hold_run_dir(directory: str | os.PathLike, *, field: str = "train.run_dir") -> RunDirLock | None:
+    """Take the lock on ``directory`` for every rank of this launch: rank 0 takes it, and every
+    rank learns the outcome from one agreed collective (under the process group's timeout), so no
+    rank writes before the launch holds the directory and no rank is left waiting on a refusal.
+    Returns the lock on rank 0 (None elsewhere); raises :class:`RunDirInUse` on every rank when it
+    is held (rank 0's names the holder; the others' say only that rank 0 was refused, and stay
+    quiet)."""
+
+    def take() -> RunDirLock:
+        lock = RunDirLock(directory, field=field)
+        lock.acquire()
+        return lock
+
+    return _agreed(take, directory, field)
+
+
+def hold_for(user: object, directory: str | os.PathLike, *, field: str) -> RunDirLock | None:
+    """Hold ``directory`` for ``user``, one writer of it within a run (a checkpoint handler), on
+    every rank of the launch: under the lock this process holds on it or on a directory containing
+    it (the run directory's, taken by the composition root), claimed for ``user``; else under a
+    lock of its own, which is returned (rank 0) for the caller to release. Refused with
+    :class:`RunDirInUse` on every rank when another run holds it, or when another user of this
+    process (another trainer's) has claimed it. :func:`release_for` gives a claim up."""
+
+    def take() -> RunDirLock | None:
+        covering = held_lock_covering(directory)
+        if covering is None:
+            lock = RunDirLock(directory, field=field)
+            lock.acquire()
+            lock.user = user
+            return lock
+        if covering.user is not None and covering.user is not user:
+            raise RunDirInUse(
+                field, f"{directory} is in use by this process: wait for it to end, or pick another {field}"
+            )
+        covering.user = user
+        return None
+
+    return _agreed(take, directory, field)
+
+
+def release_for(user: object, directory: str | os.PathLike) -> None:
+    """Give up ``user``'s claim on the lock covering ``directory`` (see :func:`hold_for`)."""
+    covering = held_lock_covering(directory)
+    if covering is not None and covering.user is user:
+        covering.user = None
+
+
+def _agreed(take: Any, directory: str | os.PathLike, field: str) -> RunDirLock | None:
+    """``take()`` on rank 0, its outcome agreed by every rank (one collective) before any raises."""
     from hookloop.engine import parallel
 
     lock, refusal = None, None
-    if parallel.rank() == 0 and take:
-        lock = RunDirLock(directory, field=field)
+    if parallel.rank() == 0:
         try:
-            lock.acquire()
+            lock = take()
         except BaseException as e:  # noqa: BLE001 - every rank must hear of it before anyone raises
             lock, refusal = None, e
     if parallel.agree_any(refusal is not None):

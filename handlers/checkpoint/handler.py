@@ -17,7 +17,7 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
-from hookloop.engine.run_lock import held_lock_covering, hold_run_dir
+from hookloop.engine.run_lock import hold_for, release_for
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
@@ -207,10 +207,9 @@ class AsyncCheckpointer(Handler):
     def _on_train_start(self) -> None:
         if not self._session.is_open:  # once: the checkpoint group and this run's session id
             self._session.open()
-        # One run writes a checkpoint directory at a time: hold its lock unless the run directory's
-        # lock (hookloop train) covers it already (docs/requeue.md, "One run per run directory").
-        uncovered = parallel.rank() == 0 and held_lock_covering(self.directory) is None
-        lock = hold_run_dir(self.directory, field="checkpoint.directory", take=uncovered)  # collective
+        # One run writes a checkpoint directory at a time: under the run directory's lock (hookloop
+        # train) or one of its own (docs/requeue.md, "One run per run directory"); a collective.
+        lock = hold_for(self, self.directory, field="checkpoint.directory")
         self._lock = self._lock or lock
         if self._started:  # a later run() in this process continues; it does not reload
             return
@@ -436,11 +435,13 @@ class AsyncCheckpointer(Handler):
         self.resumed_from = path
 
     def _release_lock(self) -> None:
-        """Give up the directory's own lock (the run ended; a later run() takes it again); a start
-        that never began also removes the directory the lock created, if it stayed empty."""
+        """Give up the directory's own lock, or the claim on the run directory's (the run ended; a
+        later run() takes it again); a start that never began also removes the directory its own
+        lock created, if it stayed empty."""
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release(remove_created=not getattr(self.trainer, "started", True))
+        release_for(self, self.directory)
 
     def _add_blocked(self, seconds: float) -> None:
         times = self.trainer.state.times
