@@ -10,7 +10,7 @@ from hookloop.engine.compile import compile_model
 from hookloop.engine.config import load_config, validate_sections
 from hookloop.engine.control import Decided, Rollback, StepControl
 from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
-from hookloop.engine.errors import ConfigError, HookloopError, TrainingAborted
+from hookloop.engine.errors import ConfigError, HookloopError, StartRefused, TrainingAborted
 from hookloop.engine.events import EventHandle, Events, Priority, StepEvents
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, HandlerLike
@@ -53,6 +53,7 @@ __all__ = [
     "ExitCode",
     "HookloopError",
     "StepEvents",
+    "StartRefused",
     "TokenAccuracy",
     "TrainState",
     "Trainer",

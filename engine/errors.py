@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "HookloopError", "PeerCrashed", "PeerFailure", "TrainingAborted", "exit_code_of"]
+__all__ = [
+    "ConfigError",
+    "HookloopError",
+    "PeerCrashed",
+    "PeerFailure",
+    "StartRefused",
+    "TrainingAborted",
+    "exit_code_of",
+]
 
 
 class HookloopError(Exception):
@@ -47,10 +55,21 @@ class PeerCrashed(TrainingAborted):
         super().__init__(message, exit_code)
 
 
+class StartRefused(HookloopError):
+    """Another rank refused the run's start (a :class:`ConfigError` or another error at TRAIN_START,
+    before anything was written), so this rank does not start either and ends with the same
+    ``exit_code``. ``error`` is that error's one line (``config error: <field>: ...`` for a
+    config error), which rank 0 says once; ``rank`` is the rank that raised it."""
+
+    def __init__(self, error: str, exit_code: int, rank: int) -> None:
+        self.error, self.exit_code, self.rank = error, int(exit_code), int(rank)
+        super().__init__(f"the start was refused on rank {rank}: {error}")
+
+
 def exit_code_of(error: BaseException) -> int:
     """The process exit code an error stands for: its own ``exit_code`` (TrainingAborted),
     130 for Ctrl-C, 2 for a configuration error, else 1."""
-    if isinstance(error, TrainingAborted):
+    if isinstance(error, TrainingAborted | StartRefused):
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         return 130

@@ -8,6 +8,9 @@ lacks are members of :class:`StepEvents`, fired from inside the step body.
 Where each event fires, as a sketch of the loop (``state.step`` is 1-based from STEP_START on)::
 
     fire(TRAIN_START)                      # resume happens here (checkpointer runs first)
+    agree()                                # every rank got through TRAIN_START (engine/run_start.py)
+    fire(RUN_STARTED)                      # the run has started: from here on handlers may write
+                                           # to the run directory (nothing is written before)
     while not done:
         state.epoch += 1
         fire(EPOCH_START)
@@ -90,6 +93,7 @@ class StepEvents(EventEnum):
     CHECKPOINT_SAVED = "checkpoint_saved"
     ROLLBACK = "rollback"
     TRAIN_FAILED = "train_failed"
+    RUN_STARTED = "run_started"
 
 
 # The state counter each custom event's filters read (``every=``, ``once=``); the trainer
@@ -101,6 +105,7 @@ STEP_EVENT_TO_ATTR = {
     StepEvents.CHECKPOINT_SAVED: "checkpoints_saved",
     StepEvents.ROLLBACK: "rollbacks",
     StepEvents.TRAIN_FAILED: "epoch",
+    StepEvents.RUN_STARTED: "epoch",
 }
 
 
@@ -108,6 +113,7 @@ class Events:
     """All trainer events. Aliases of ignite's members where ignite has the moment."""
 
     TRAIN_START = IgniteEvents.STARTED
+    RUN_STARTED = StepEvents.RUN_STARTED
     EPOCH_START = IgniteEvents.EPOCH_STARTED
     STEP_START = IgniteEvents.ITERATION_STARTED
     MICROBATCH = StepEvents.MICROBATCH

@@ -34,7 +34,7 @@ from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
-from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, exit_code_of
+from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused, exit_code_of
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -49,6 +49,7 @@ from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
+from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
@@ -112,7 +113,8 @@ class Trainer(IgniteAdapter):
             pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
             ``runtime.n_microbatches`` microbatches.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
-            watchdog fires, every thread's stack. None: neither file is written (stacks go to stderr).
+            watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
+            that fails writes neither). None: neither file is written (stacks go to stderr).
         hang_timeout_s: end the process with exit code 77 when the loop makes no progress (no event,
             no microbatch) for this many seconds, e.g. a peer stopped mid-collective; None disables
             the watchdog. A health check tightens the bound to its own ``timeout_s``.
@@ -284,13 +286,13 @@ class Trainer(IgniteAdapter):
         self.watchdog: ProgressWatchdog | None = (
             None
             if hang_timeout_s is None
-            else ProgressWatchdog(hang_timeout_s, dump_dir=run_dir, rank=parallel.rank())
+            else ProgressWatchdog(hang_timeout_s, rank=parallel.rank())  # dumps to run_dir once started
         )
         if self.watchdog is not None:
             self.watchdog.on_expire.append(self._on_watchdog_expired)
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
-        self.add_event_handler(Events.TRAIN_START, self._agree_boundary_stop, priority=Priority.ENGINE_LAST)
+        self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
@@ -302,6 +304,8 @@ class Trainer(IgniteAdapter):
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
         self._late_agreement = False
+        #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
+        self.run_start = RunStart(self.control)
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -477,6 +481,22 @@ class Trainer(IgniteAdapter):
             control.decide_stop()
             self._stop()
 
+    def _agree_start(self) -> None:
+        """TRAIN_START's end: every rank agrees none failed (:mod:`engine.run_start`), the run has
+        started (RUN_STARTED), then a stop asked for at TRAIN_START is carried out."""
+        stop = self.run_start.agree()
+        if self.watchdog is not None:  # from now on a hang's stack dumps go to the run directory
+            self.watchdog.dump_dir = self.run_dir
+        self.fire(Events.RUN_STARTED)
+        if stop:
+            self.control.decide_stop()
+            self._stop()
+
+    @property
+    def started(self) -> bool:
+        """Whether the current run has started: RUN_STARTED fired (nothing is written before)."""
+        return self.run_start.started
+
     def _start_epoch(self) -> None:
         self._epoch_start_step = self.state.iteration
         self._agree_boundary_stop()
@@ -636,6 +656,7 @@ class Trainer(IgniteAdapter):
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
         """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
+            self.watchdog.dump_dir = None  # stacks go to stderr until this run has started
             if self.watchdog.heartbeats is None and parallel.world_size() > 1:
                 store = parallel.process_group_store()
                 if store is not None:  # a long wait on one rank is progress to the others
@@ -689,7 +710,7 @@ class Trainer(IgniteAdapter):
         end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
         nothing else would tell the job script to requeue. ``rank``: the rank whose error ended the
         run (recorded for a crash)."""
-        if self.run_dir is None:
+        if self.run_dir is None or not self.started:  # a start that failed leaves the record as it was
             return
         if parallel.rank() != 0:
             if code != ExitCode.HEALTH_CHECK_FAILED or not _first_on_node():
@@ -771,6 +792,7 @@ class Trainer(IgniteAdapter):
             clear_failure()  # a record of an earlier run in this launch's store names nothing now
         state = self.state
         self.control.start_run()
+        self.run_start.begin()
         state.clear_step_flags()
         self._late_agreement = False
         self._skip_completed = False
@@ -842,6 +864,7 @@ class Trainer(IgniteAdapter):
         error is logged, and the original error still wins."""
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
+        self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
         self._in_step = False
         self._at_step_end.clear()
         entries = self.events.entries(Events.EXCEPTION)
@@ -863,7 +886,7 @@ class Trainer(IgniteAdapter):
             self._failed.add(id(e))
             self._fail(lost)
             raise lost from e
-        if parallel.world_size() > 1 and not isinstance(e, PeerFailure | PeerCrashed):
+        if parallel.world_size() > 1 and not isinstance(e, PeerFailure | PeerCrashed | StartRefused):
             record_failure(e, f"step {self.state.iteration}")  # the peers name it, not a lost peer
         self._fail(e)
         raise e

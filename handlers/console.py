@@ -77,7 +77,7 @@ class ConsoleLogger(MetricLogger):
             stream = self.stream if self.stream is not None else sys.stderr
             use_bar = bool(getattr(stream, "isatty", lambda: False)())
         if use_bar and self.active:
-            trainer.add_event_handler(Events.TRAIN_START, self._open_bar, priority=self.priority)
+            trainer.add_event_handler(Events.RUN_STARTED, self._open_bar, priority=self.priority)
             trainer.add_event_handler(Events.STEP_END, self._advance_bar, priority=self.priority)
         return super().attach(trainer)
 

@@ -121,7 +121,8 @@ def _number(value: Any) -> float | int | None:
 class MetricLogger(Handler):
     """Base class: decides the log steps and collects the metrics; subclasses write them.
 
-    Subclasses implement :meth:`open` (called once, at attach, on active ranks), :meth:`write`
+    Subclasses implement :meth:`open` (called on active ranks once the run has started, at
+    RUN_STARTED: a refused start creates no file), :meth:`write`
     (``step`` and a ``{name: float}`` dict) and :meth:`close`, and may set :attr:`priority`.
 
     Args:
@@ -155,7 +156,7 @@ class MetricLogger(Handler):
 
     # ------------------------------------------------------------------ backend interface
     def open(self) -> None:
-        """Create files / runs. Called at attach on active ranks."""
+        """Create files / runs. Called on active ranks when the run has started (RUN_STARTED)."""
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
@@ -169,9 +170,8 @@ class MetricLogger(Handler):
     # ------------------------------------------------------------------ wiring
     def attach(self, trainer: Any) -> MetricLogger:
         if self.active:
-            self.open()
-            self._closed = False
             trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=self.priority)
+            trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=self.priority)
             trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=self.priority)
             trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=self.priority)
             trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=self.priority)
@@ -183,6 +183,8 @@ class MetricLogger(Handler):
         self._train_logged = -1
         # a MetricsTracker (attached in any order) publishes state.metrics_step on its log steps
         self._follow_tracker = self.trainer.get_handler("metrics_tracker") is not None
+
+    def _on_run_started(self) -> None:
         if self._closed:
             self.open()
             self._closed = False

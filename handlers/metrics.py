@@ -268,6 +268,8 @@ class MetricsTracker(Handler):
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = peak_flops_for_device(trainer.device)
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=TRACK)
+        # progress.jsonl says the run started only once it has (a refused start writes nothing)
+        trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=TRACK)
         # the data clock: the wait for the step's microbatches, before STEP_START
         started, completed = IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED
         trainer.add_event_handler(started, self._on_batch_started, priority=TIME)
@@ -313,6 +315,9 @@ class MetricsTracker(Handler):
         state.metrics_step = None
         # A StepScheduler publishes loss_avg every step over its own window: the tracker leaves it be.
         self._owns_loss_avg = self.trainer.get_handler("step_scheduler") is None
+
+    def _on_run_started(self) -> None:
+        state = self.trainer.state
         self._write_progress(
             {
                 "event": "start",

@@ -21,7 +21,8 @@ class TensorBoardLogger(MetricLogger):
     axis being the optimizer step; one event per logged step holds all its scalars.
 
     Writes through ``torch.utils.tensorboard.SummaryWriter`` (imported when the logger is
-    attached); ``logger.writer`` is that writer, for images or histograms of your own.
+    attached, created once the run has started: RUN_STARTED); ``logger.writer`` is that writer,
+    for images or histograms of your own.
 
     Args:
         log_dir: the event files' directory (``tensorboard --logdir`` it).
@@ -50,6 +51,11 @@ class TensorBoardLogger(MetricLogger):
         if not cfg.tensorboard:
             return None
         return cls(Path(run_dir) / "tensorboard", every_steps=cfg.log_interval)
+
+    def attach(self, trainer: Any) -> TensorBoardLogger:
+        if self.active:  # a missing backend fails here, before the run starts; files come at open()
+            import torch.utils.tensorboard  # noqa: F401
+        return super().attach(trainer)
 
     def open(self) -> None:
         log_dir = self.log_dir

@@ -28,7 +28,8 @@ class WandBLogger(MetricLogger):
 
     ``mode`` None leaves the choice to ``WANDB_MODE``; ``"offline"`` writes a local run directory
     under ``dir`` that ``wandb sync`` uploads later; ``"disabled"`` makes every call a no-op.
-    ``wandb`` is imported when the logger is attached; extra keyword arguments go to ``wandb.init``
+    ``wandb`` is imported when the logger is attached and ``wandb.init`` is called once the run has
+    started (RUN_STARTED); extra keyword arguments go to ``wandb.init``
     (``settings=wandb.Settings(...)``, ``id``/``resume`` to continue a run, ``tags``, ...).
     """
 
@@ -72,6 +73,11 @@ class WandBLogger(MetricLogger):
             config=config,
             every_steps=cfg.wandb_every_steps,
         )
+
+    def attach(self, trainer: Any) -> WandBLogger:
+        if self.active:  # a missing backend fails here, before the run starts; the W&B run at open()
+            import wandb  # noqa: F401
+        return super().attach(trainer)
 
     def open(self) -> None:
         import wandb

@@ -734,3 +734,34 @@ def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_
     scheduler.close()
     assert (state.step, state.epoch, state.exit_code) == (9, ref.state.epoch, 0)
     assert_bitwise(snapshot(second), snapshot(ref))
+
+
+def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_leaves_the_live_save(tmp_path):
+    """One run writes a checkpoint directory at a time: a second run on it is refused at TRAIN_START
+    (it holds no lock of its own yet) without creating, removing or sweeping anything, while the
+    first run's save is in flight; the first run publishes it and releases the directory at the end."""
+    from hookloop.engine.run_lock import LOCK_FILE, RunDirInUse
+
+    directory = tmp_path / "ckpt"
+    first = make_trainer()
+    live = AsyncCheckpointer(directory, mode="async", every_steps=1).attach(first)
+    seen = {}
+
+    @first.on(Events.STEP_END(once=2), priority=Priority.ACT - 1)  # the save of step 2 just started
+    def second_start() -> None:
+        partial = live._writer.inflight.partial
+        names = sorted(os.listdir(directory))
+        second = make_trainer(seed=1)
+        AsyncCheckpointer(directory, mode="sync", every_steps=1).attach(second)
+        with pytest.raises(RunDirInUse, match=r"checkpoint\.directory: .*ckpt is in use by this process"):
+            second.run(token_batches(4), max_steps=2)
+        seen.update(partial_kept=os.path.isdir(partial), names=(names, sorted(os.listdir(directory))))
+        seen["started"] = second.started
+
+    first.run(token_batches(6), max_steps=4)
+    live.close()
+    assert seen["partial_kept"] and seen["started"] is False
+    assert seen["names"][0] == seen["names"][1]  # the refused start added and removed nothing
+    assert LOCK_FILE in seen["names"][0]  # held by the first run while it ran ...
+    assert not (directory / LOCK_FILE).exists()  # ... and released at its end
+    assert io.read_latest(directory) == io.step_dir_name(4)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hookloop import ConfigError
+from hookloop.engine.run_lock import RunDirInUse
 from hookloop.train import build, check, load_training_config, train
 from tests.dist_utils import run_process, run_torchrun
 from tests.test_elastic_data import global_batches
@@ -295,7 +296,10 @@ def test_build_wires_everything_and_runs_nothing_until_run(in_project):
     recorder = Recorder()
     with build(cfg, handlers=[recorder]) as run:
         run_dir = in_project / "runs/built"
-        assert (run_dir / "config.yaml").is_file() and not list(run_dir.glob("checkpoints/step_*"))
+        # the run holds its directory; nothing is written there until it has started
+        assert [p.name for p in run_dir.iterdir()] == [".hookloop.lock"]
+        with pytest.raises(RunDirInUse, match="runs/built is in use by this process"):
+            build(cfg)  # one run per directory, in this process too
         assert run.trainer.state.iteration == 0 and recorder.steps == []
         assert run.trainer.model is run.model and run.trainer.optimizer is run.optimizer
         assert run.trainer.lr_scheduler is run.lr_scheduler and run.val_loader is not None
@@ -309,11 +313,29 @@ def test_build_wires_everything_and_runs_nothing_until_run(in_project):
         assert at[StepScheduler] < at[Recorder] < at[AsyncCheckpointer] < at[JSONLLogger]
         assert set(run.trainer.stateful) >= {"StepCounter", "LossFile"}  # both checkpointed
         assert run.run() == 0
+        assert (run_dir / "config.yaml").is_file()
+    assert not (run_dir / ".hookloop.lock").exists()  # released by close()
     assert recorder.steps == list(range(1, 9))
     status = json.loads((run_dir / "exit_status.json").read_text())
     assert status["code"] == 0 and status["step"] == 8
     saved = json.loads((run_dir / "checkpoints/step_00000008/rank_00000.json").read_text())
     assert {"StepCounter", "LossFile"} <= set(saved["handlers"])
+
+
+def test_a_build_refused_on_a_process_group_it_found_leaves_that_group_alone(in_project, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = config("train.run_dir=runs/in_group", "step_scheduler.max_steps=2")
+        with build(cfg) as run:
+            with pytest.raises(RunDirInUse):
+                build(cfg)
+            assert dist.is_initialized()  # the first run's group survives the refusal
+            assert run.run() == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_train_returns_the_exit_code_and_2_for_a_config_error(in_project, capsys):

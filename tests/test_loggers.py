@@ -352,3 +352,33 @@ def test_build_loggers_from_the_logging_section(tmp_path):
     assert loggers[0].path == tmp_path / "metrics.jsonl"
     assert loggers[1].log_dir == tmp_path / "tensorboard"
     assert loggers[2].progress_bar is False
+
+
+@pytest.mark.parametrize("backend", ["torch.utils.tensorboard", "wandb"])
+def test_a_missing_backend_fails_at_attach_and_nothing_is_created(tmp_path, monkeypatch, backend):
+    from hookloop.handlers.wandb_logger import WandBLogger
+
+    monkeypatch.setitem(sys.modules, backend, None)  # `import <backend>` raises ImportError
+    logger = (
+        TensorBoardLogger(tmp_path / "tb")
+        if backend.endswith("tensorboard")
+        else WandBLogger("hookloop-test", dir=tmp_path / "wb", mode="offline")
+    )
+    with pytest.raises(ImportError):
+        logger.attach(_trainer())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_logger_creates_its_files_only_once_the_run_has_started(tmp_path):
+    trainer = _trainer()
+    TensorBoardLogger(tmp_path / "tb", every_steps=1).attach(trainer)
+    JSONLLogger(tmp_path / "metrics.jsonl", every_steps=1).attach(trainer)
+    seen = {}
+    trainer.add_event_handler(
+        Events.TRAIN_START, lambda: seen.setdefault("start", sorted(os.listdir(tmp_path)))
+    )
+    after_loggers = lambda: seen.setdefault("run", sorted(os.listdir(tmp_path)))  # noqa: E731
+    trainer.add_event_handler(Events.RUN_STARTED, after_loggers, priority=-5000)
+    assert list(tmp_path.iterdir()) == []  # attached: nothing yet
+    trainer.run(_tokens(), max_steps=2)
+    assert seen == {"start": [], "run": ["metrics.jsonl", "tb"]}

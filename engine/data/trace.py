@@ -9,7 +9,8 @@ An id is ``"<dataset name>:<index within that dataset>"``, in the order the rank
 samples (microbatch by microbatch). The union of every rank's ``ids`` for a step is that step's
 global batch.
 
-Resume rule: at TRAIN_START (after a checkpoint was restored) every trace file in the run
+Resume rule: once the run has started (RUN_STARTED: a checkpoint was restored and every rank
+agreed to go on; a refused start touches no trace file) every trace file in the run
 directory is cut to the lines of steps ``<=`` the step the run starts from, and a rollback cuts this
 rank's file to the step restored. Lines of steps that trained after the last checkpoint of a killed
 run are therefore gone before the resumed run trains those steps again, so each file holds each step
@@ -210,6 +211,7 @@ class SampleTrace:
         # Where a handler that moves the mixture's phase runs too: after the restore (RESTORE), at the
         # start of OBSERVE on TRAIN_START and a little later on each step, late on ROLLBACK.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.OBSERVE)
+        trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=Priority.OBSERVE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.OBSERVE - 1e5)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.OBSERVE - 1e5)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.DEFAULT - 1e6)
@@ -218,6 +220,8 @@ class SampleTrace:
     def _on_train_start(self) -> None:
         self._take()  # nothing trained on yet: anything logged belongs to no step
         self._pending = []
+
+    def _on_run_started(self) -> None:
         if not self.write:
             return
         step = self.trainer.state.step

@@ -5,6 +5,7 @@ The work is the rooms': :mod:`.writer` (the save in flight), :mod:`.store` (the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
+from hookloop.engine.run_lock import hold_for, release_for
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
@@ -25,11 +27,14 @@ from hookloop.handlers.checkpoint.writer import CheckpointWriter
 
 __all__ = ["CAPTURE", "CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
 
+logger = logging.getLogger("hookloop.handlers.checkpoint")
+
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 
 # Where the checkpointer runs, relative to the phases of an event (engine.Priority).
-#: TRAIN_START and ROLLBACK: restore; STEP_START: reset the save timer; TRAIN_END / TRAIN_FAILED:
-#: the last save and the drain. Handlers after it see the restored step.
+#: TRAIN_START and ROLLBACK: restore; RUN_STARTED: clear a dead run's leftovers, the initial save;
+#: STEP_START: reset the save timer; TRAIN_END / TRAIN_FAILED: the last save and the drain.
+#: Handlers after it see the restored step.
 RESUME = Priority.RESTORE
 #: STEP_END: save when asked, the first act, once the step's metrics and validation are in.
 CHECKPOINT = Priority.ACT
@@ -114,7 +119,8 @@ class AsyncCheckpointer(Handler):
         self.index_limit = int(max_index_mb * 2**20)
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
         self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
-        check_writable_dir("checkpoint.directory", self.directory, create=True)
+        # created once the run has started: a refused start leaves no directory behind
+        check_writable_dir("checkpoint.directory", self.directory)
         if self.resume not in (None, "auto"):
             check_loadable(self.resume, "checkpoint.resume")
         if self.finetune_from is not None:
@@ -126,6 +132,9 @@ class AsyncCheckpointer(Handler):
         self.last_checkpoint: str | None = None
         self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
         self._started = False
+        self._initial_save_due = False
+        self._resumed_step: int | None = None  # said once the run has started
+        self._lock: Any = None  # the directory's own lock, when no lock this process holds covers it
         # The rooms, each given what it works with.
         self._session = CheckpointSession()
         self._store = CheckpointStore(
@@ -183,6 +192,7 @@ class AsyncCheckpointer(Handler):
         # the step's flags, metrics and validation are in; wait for staging last before the
         # optimizer changes the parameters.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=RESUME)
+        trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=RESUME)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._wait_staged, priority=STAGING_WAIT)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
@@ -198,8 +208,10 @@ class AsyncCheckpointer(Handler):
     def _on_train_start(self) -> None:
         if not self._session.is_open:  # once: the checkpoint group and this run's session id
             self._session.open()
-            if parallel.rank() == 0:
-                self._store.remove_stale_partials()
+        # One run writes a checkpoint directory at a time: under the run directory's lock (hookloop
+        # train) or one of its own (docs/requeue.md, "One run per run directory"); a collective.
+        lock = hold_for(self, self.directory, field="checkpoint.directory")
+        self._lock = self._lock or lock
         if self._started:  # a later run() in this process continues; it does not reload
             return
         self._started = True
@@ -208,6 +220,7 @@ class AsyncCheckpointer(Handler):
             path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
             if path is not None:
                 self._load(path, rollback=False)
+                self._resumed_step = state.iteration
                 state.last_checkpoint = path
                 max_steps = self.trainer.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
@@ -223,9 +236,21 @@ class AsyncCheckpointer(Handler):
             path = self._reader.agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
             if path is not None:
                 self._reader.load_weights(self.trainer.model, path)
-        if self.trainer.control.initial_save and state.iteration == 0:
-            # Something may roll back before the first regular save: keep the initial state (written
-            # in the background like any save, published at the next step's end).
+        # Something may roll back before the first regular save: keep the initial state (written
+        # in the background like any save, published at the next step's end), once started.
+        self._initial_save_due = self.trainer.control.initial_save and state.iteration == 0
+
+    def _on_run_started(self) -> None:
+        """The run has started (every rank agreed): only now is the directory written, so a refused
+        start leaves it as it was. Under this run's lock, no partial save is a live run's."""
+        os.makedirs(self.directory, exist_ok=True)
+        if parallel.rank() == 0:
+            self._store.remove_stale_partials()
+        if self._resumed_step is not None:
+            logger.info("resumed from %s (step %d)", self.resumed_from, self._resumed_step)
+            self._resumed_step = None
+        if self._initial_save_due:
+            self._initial_save_due = False
             self._start_save(0)
 
     def _on_step_start(self) -> None:
@@ -292,6 +317,7 @@ class AsyncCheckpointer(Handler):
             self.wait()
         else:
             self._wait_local()
+        self._release_lock()
 
     def _on_exception(self, _error: BaseException) -> None:
         if self._writer.state_due:  # the step failed after its save started: its state as it is
@@ -301,6 +327,7 @@ class AsyncCheckpointer(Handler):
                 extra = None
             self._writer.write_state(extra)
         self._wait_local()
+        self._release_lock()
 
     def _on_rollback(self) -> None:
         rollback = self.trainer.control.rollback  # None: nobody said; the newest, data position too
@@ -359,6 +386,7 @@ class AsyncCheckpointer(Handler):
         self._session.close_threads()
         self._writer.close()
         self._session.close()  # a later run() sets it up again
+        self._release_lock()
 
     # ------------------------------------------------------------------------------ private
     def _long_wait(self) -> Any:
@@ -409,6 +437,15 @@ class AsyncCheckpointer(Handler):
             path, rollback=rollback, keep_data_position=keep_data_position
         )
         self.resumed_from = path
+
+    def _release_lock(self) -> None:
+        """Give up the directory's own lock, or the claim on the run directory's (the run ended; a
+        later run() takes it again); a start that never began also removes the directory its own
+        lock created, if it stayed empty."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(remove_created=not getattr(self.trainer, "started", True))
+        release_for(self, self.directory)
 
     def _add_blocked(self, seconds: float) -> None:
         times = self.trainer.state.times

@@ -131,7 +131,8 @@ class RankState:
             self._position_data(position, epoch_length, counters["epoch"])
         elif not keep_data_position:
             self._rewind_data(position, epoch_length, counters)
-        logger.info("%s %s (step %d)", "rolled back to" if rollback else "resumed from", path, extra["step"])
+        if rollback:  # a resume is said once the run has started (the checkpointer, at RUN_STARTED)
+            logger.info("rolled back to %s (step %d)", path, extra["step"])
         return extra["step"]
 
     def _position_data(self, position: dict | None, epoch_length: int | None, epoch: int) -> None:

@@ -11,10 +11,15 @@
         exit_code = run.run()                         # the lifecycle of `hookloop train`
 
 The order is the one ``hookloop train`` has always had: the data (before any process group, so a
-data factory's error costs nothing), the process group and device mesh, the run directory and its
-``config.yaml``, the model (tensor parallel, activation checkpointing, compile, then the pipeline
-split or the data-parallel wrapper), the optimizer and LR schedule, the trainer, the shipped
-handlers the config enables, the config's ``handlers:`` entries, then the ``handlers`` given here.
+data factory's error costs nothing), the process group and device mesh, the run directory's lock
+(:mod:`engine.run_lock`: one run per directory, refused at once when another live run holds it),
+the model (tensor parallel, activation checkpointing, compile, then the pipeline split or the
+data-parallel wrapper), the optimizer and LR schedule, the trainer, the shipped handlers the config
+enables, the config's ``handlers:`` entries, then the ``handlers`` given here.
+
+Nothing is written to the run directory until the run has started from its resolved state
+(``Events.RUN_STARTED``: the resume at TRAIN_START succeeded and every rank agreed): ``config.yaml``
+is written then, and a start refused before that (exit code 2) leaves every file as it was.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from hookloop.engine import (
     ConfigError,
     Events,
     ExitCode,
+    StartRefused,
     Trainer,
     TrainingAborted,
     build_lr_scheduler,
@@ -46,6 +52,7 @@ from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.parallel import DistInfo, destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
 from hookloop.handlers import Priority, attach_handlers
@@ -118,6 +125,8 @@ class Run:
     dp_rank: int
     n_params: int  # of the whole model, before any split
     _start: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
+    #: The run directory's lock (rank 0; None elsewhere), held until :meth:`close`.
+    lock: RunDirLock | None = dataclasses.field(default=None, repr=False)
 
     def run(self) -> int:
         """Train to the config's end (or resume and finish); return the exit code
@@ -130,6 +139,10 @@ class Run:
             if self.dist.is_main:
                 print(f"config error: {e}", file=sys.stderr)
             return 2
+        except StartRefused as e:  # another rank refused the start: rank 0 says its error, once
+            if self.dist.is_main:
+                print(e.error, file=sys.stderr)
+            return e.exit_code
         except TrainingAborted as e:  # NaN give-up (76), failed health check or lost peer (77), ...
             print(f"stopped: {e} (exit code {e.exit_code}: {ExitCode(e.exit_code).name})", file=sys.stderr)
             return e.exit_code
@@ -144,7 +157,12 @@ class Run:
         return code
 
     def close(self) -> None:
-        """Leave the process group (after the checkpoints are drained: :meth:`run` drains them)."""
+        """Release the run directory and leave the process group (after the checkpoints are drained:
+        :meth:`run` drains them). A run that never started also removes the run directory its lock
+        created, when nothing else is in it."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release(remove_created=not self.trainer.started)
         destroy_distributed()
 
     def __enter__(self) -> Run:
@@ -192,22 +210,29 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     # one replica share it. Built before the process group: a data error costs nothing.
     dp, dp_rank = world // (tp * pp), rank // (tp * pp)
     data = build_data(cfg, dp_rank, dp, recipe.collate_fn)
+    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     info = init_distributed(
         cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **parallel_mesh(world, tp, pp)
     )
+    lock = None
     try:
-        return _build(cfg, checked, info, data, dp, dp_rank, list(handlers))
+        # One run per run directory: refused here, on every rank, before anything is built or written.
+        lock = hold_run_dir(cfg.train.run_dir, field="train.run_dir")
+        run = _build(cfg, checked, info, data, dp, dp_rank, list(handlers))
     except BaseException:
-        destroy_distributed()
+        if lock is not None:
+            lock.release(remove_created=True)
+        if joined:  # a process group this build found (another run's, the caller's) stays
+            destroy_distributed()
         raise
+    run.lock = lock
+    return run
 
 
 def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_rank: int, extra: list) -> Run:
     resolved, recipe = checked.model, checked.model.recipe
     pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
     run_dir = Path(cfg.train.run_dir)
-    if info.is_main:
-        save_config(cfg, run_dir)
     device = torch.device(cfg.train.device) if cfg.train.device else info.device
     model = resolved.build()
     flops_per_token = resolved.flops_per_token(model, cfg)  # of the whole model, before any split
@@ -305,10 +330,11 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
         n_params=n_params,
     )
 
-    def note_start() -> None:  # the step this process starts at, once the checkpointer has resumed
+    def note_start() -> None:  # the run has started (resumed, every rank agreed): now it is recorded
         run._start[0] = trainer.state.iteration
         if info.is_main:
+            save_config(cfg, run_dir)
             _log_summary(run)
 
-    trainer.add_event_handler(Events.TRAIN_START, note_start, priority=Priority.RESUME - 1)
+    trainer.add_event_handler(Events.RUN_STARTED, note_start, priority=Priority.RESUME - 1)
     return run

@@ -14,9 +14,10 @@ This is what ``hookloop train CONFIG [section.field=value ...]`` runs, under ``p
         exit_code = run.run()
 
 Everything that can be checked is checked (:func:`check`) before any process group, data or model
-exists; a config error exits with 2 and one line naming the field. The run directory
-(``train.run_dir``; null: ``runs/<config file stem>``) gets the resolved config as ``config.yaml``
-beside the metrics and checkpoints, and a second run in it resumes. Exit codes are
+exists; a config error exits with 2 and one line naming the field (under torchrun, said once by
+rank 0). The run directory (``train.run_dir``; null: ``runs/<config file stem>``) is held by one run
+at a time; once the run has started it gets the resolved config as ``config.yaml`` beside the
+metrics and checkpoints, and a later run in it resumes. Exit codes are
 :class:`hookloop.engine.ExitCode`'s.
 """
 

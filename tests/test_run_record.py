@@ -1,0 +1,301 @@
+"""The run directory is the user's record: a refused or failed start changes nothing in it, one run
+holds it at a time (a lock a dead run never keeps), and under torchrun a config error is said once.
+
+Every test runs real ``hookloop train`` processes on a tiny model of the user's own; a run that must
+stay alive while another start is tried waits in a hook of its own for a file the test writes, so
+what the test sees never depends on timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.launch import free_port
+from tests.dist_utils import REPO, kill_tree, run_process, run_torchrun
+
+MODEL = """
+import torch
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, dim, seq_len, vocab=256):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.embed(tokens)))
+
+def build(dim: int = 8, seq_len: int = 16):
+    return TinyLM(dim, seq_len)
+"""
+
+HOOKS = """
+import os
+import time
+from pathlib import Path
+
+from hookloop import Events
+from hookloop.engine import ConfigError
+
+
+class Refuse:
+    '''Refuses the start at TRAIN_START (after the resume), on one rank or on all.'''
+
+    def __init__(self, rank: int = -1):
+        self.rank = rank
+
+    def attach(self, trainer):
+        trainer.add_event_handler(Events.TRAIN_START, self.refuse)
+
+    def refuse(self):
+        if self.rank < 0 or int(os.environ.get("RANK", "0")) == self.rank:
+            raise ConfigError("handlers[0].rank", "refused by the test's hook")
+
+
+class Hold:
+    '''At step ``step``, says so in ``here`` (rank 0) and waits until ``go`` exists (at most 120 s).'''
+
+    def __init__(self, here: str, go: str, step: int = 3):
+        self.here, self.go, self.step = Path(here), Path(go), step
+
+    def attach(self, trainer):
+        trainer.add_event_handler(Events.STEP_END(once=self.step), self.hold)
+
+    def hold(self):
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.here.write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while not self.go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+"""
+
+CONFIG = """
+model:
+  target: my_models.py:build
+  dim: 8
+train:
+  seq_len: 16
+  local_batch_size: 2
+step_scheduler:
+  global_batch_size: 2
+  max_steps: 4
+  ckpt_every_steps: 2
+lr:
+  warmup_steps: 0
+logging:
+  log_interval: 1
+  console: false
+data:
+  cache_dir: data
+"""
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    (tmp_path / "my_models.py").write_text(MODEL)
+    (tmp_path / "my_hooks.py").write_text(HOOKS)
+    (tmp_path / "my_run.yaml").write_text(CONFIG)
+    return tmp_path
+
+
+def hookloop(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return run_process([sys.executable, "-m", "hookloop", *args], cwd=cwd, timeout=timeout)
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    """``hookloop train`` in the background, output to files beside the project."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = open(cwd / "background.out", "w")  # noqa: SIM115 -- closed by the child's exit
+    err = open(cwd / "background.err", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hookloop", "train", *args],
+        cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True,
+    )  # fmt: skip
+    out.close()
+    err.close()
+    return proc
+
+
+def wait_for(path: Path, proc: subprocess.Popen | None = None, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the background run ended ({proc.returncode}) before {path.name} appeared")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.05)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` (relative path -> bytes)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return {str(p.relative_to(directory)): p.read_bytes() for p in files}
+
+
+def hold_entry(project: Path, step: int = 3) -> str:
+    here, go = project / "held", project / "go"
+    return f"handlers=[{{target: 'my_hooks.py:Hold', here: '{here}', go: '{go}', step: {step}}}]"
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def test_a_refused_resume_changes_nothing_and_the_saved_config_continues(project):
+    first = hookloop("train", "my_run.yaml", cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = project / "runs" / "my_run"
+    before = snapshot(run_dir)
+    assert "config.yaml" in before and "exit_status.json" in before and "progress.jsonl" in before
+    for refused, field in (
+        (["model.dim=12"], "checkpoint.resume"),  # another model width: refused at the resume
+        (  # another global batch: refused by a handler at TRAIN_START, after the resume loaded
+            ["train.local_batch_size=4", "step_scheduler.global_batch_size=4"],
+            "step_scheduler.global_batch_size",
+        ),
+        (["handlers=[{target: 'my_hooks.py:Refuse'}]"], "handlers[0].rank"),  # a user's hook
+    ):
+        proc = hookloop("train", "my_run.yaml", *refused, "step_scheduler.max_steps=6", cwd=project)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"config error: {field}: "), proc.stderr
+        assert snapshot(run_dir) == before, f"{refused} changed the run directory"
+    # The documented way on still continues the run, from the saved config.
+    more = hookloop("train", str(run_dir / "config.yaml"), "step_scheduler.max_steps=6", cwd=project)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stderr and "(step 4)" in more.stderr
+    assert metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_refused_start_leaves_no_new_run_directory(project):
+    proc = hookloop(
+        "train", "my_run.yaml", "train.run_dir=runs/new/deeper", "handlers=[{target: 'my_hooks.py:Refuse'}]",
+        cwd=project,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "config error: handlers[0].rank: refused by the test's hook"
+    ], proc.stderr
+    assert not (project / "runs").exists()
+
+
+def test_a_second_start_on_a_live_run_is_refused_and_the_first_finishes(project):
+    run_dir = project / "runs" / "my_run"
+    first = start("my_run.yaml", "step_scheduler.max_steps=6", "step_scheduler.ckpt_every_steps=1",
+                  hold_entry(project), cwd=project)  # fmt: skip
+    try:
+        wait_for(project / "held", first)  # the first run is at step 3, a save of it in flight
+        lock = json.loads((run_dir / ".hookloop.lock").read_text())
+        assert lock["pid"] == first.pid
+        second = hookloop("train", "my_run.yaml", "step_scheduler.max_steps=6", cwd=project, timeout=120)
+        assert first.poll() is None  # refused while the first one holds the directory
+        assert second.returncode == 2, second.stderr[-3000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1, second.stderr
+        assert lines[0].startswith("config error: train.run_dir: ") and "runs/my_run" in lines[0]
+        assert f"pid {first.pid}" in lines[0] and lock["host"] in lines[0] and lock["started"] in lines[0]
+        (project / "go").write_text("")
+        assert first.wait(timeout=150) == 0, (project / "background.err").read_text()[-3000:]
+    finally:
+        kill_tree(first.pid)
+    assert metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["code"] == 0 and status["step"] == 6
+    assert not (run_dir / ".hookloop.lock").exists()  # released at the end
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if "step_" in p.name)
+    assert saved[-1] == "step_00000006"
+
+
+def test_a_sigkilled_runs_lock_does_not_block_the_next_start(project):
+    run_dir = project / "runs" / "my_run"
+    first = start("my_run.yaml", "checkpoint.mode=sync", hold_entry(project), cwd=project)
+    try:
+        wait_for(project / "held", first)  # at step 3: the checkpoint of step 2 is complete
+        assert json.loads((run_dir / ".hookloop.lock").read_text())["pid"] == first.pid
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        kill_tree(first.pid)
+    assert (run_dir / ".hookloop.lock").exists()  # left behind by the killed run
+    again = hookloop("train", "my_run.yaml", cwd=project)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr and "(step 2)" in again.stderr
+    assert not (run_dir / ".hookloop.lock").exists()
+
+
+@pytest.mark.distributed
+def test_under_torchrun_a_config_error_at_train_start_on_one_rank_is_said_once(project):
+    refuse_on_rank_1 = "handlers=[{target: 'my_hooks.py:Refuse', rank: 1}]"
+    args = ["train", "my_run.yaml", "train.local_batch_size=1", refuse_on_rank_1]
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=project, timeout=240)
+    assert proc.returncode != 0
+    said = "config error: handlers[0].rank: refused by the test's hook"
+    assert proc.stderr.count(said) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr.split("failed (exitcode")[0], proc.stderr  # the workers' part
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr  # both workers exit 2
+    assert not (project / "runs").exists()
+
+
+@pytest.mark.distributed
+def test_under_torchrun_a_second_start_on_a_live_run_is_refused_by_every_rank(project):
+    run_dir = project / "runs" / "my_run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    common = ["-m", "hookloop", "train", "my_run.yaml", "train.local_batch_size=1"]
+    with open(project / "first.err", "w") as err:
+        first = subprocess.Popen(
+            [*launch, f"--master-port={free_port()}", *common, hold_entry(project)],
+            cwd=project, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(project / "held", first)
+        holder = json.loads((run_dir / ".hookloop.lock").read_text())
+        before = snapshot(run_dir)
+        second = run_torchrun("hookloop", 2, common[2:], module=True, cwd=project, timeout=240)
+        assert first.poll() is None
+        assert second.returncode != 0
+        assert second.stderr.count("config error: train.run_dir: ") == 1, second.stderr
+        assert f"pid {holder['pid']}" in second.stderr
+        assert second.stderr.count("exitcode  : 2") == 2, second.stderr
+        assert snapshot(run_dir).keys() >= before.keys()
+        (project / "go").write_text("")
+        assert first.wait(timeout=180) == 0, (project / "first.err").read_text()[-3000:]
+    finally:
+        kill_tree(first.pid)
+    assert metric_steps(run_dir) == [1, 2, 3, 4]
+
+
+HANG_AT_START = """
+import sys
+import time
+
+import torch
+
+from hookloop import Events, Trainer
+
+model = torch.nn.Linear(4, 1)
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                  run_dir=sys.argv[1], hang_timeout_s=2)
+trainer.add_event_handler(Events.TRAIN_START, lambda: time.sleep(120))  # a resume that never ends
+trainer.run([(torch.randn(2, 4), torch.randn(2, 1))] * 2, max_steps=2)
+"""
+
+
+def test_a_hang_before_the_run_started_leaves_the_run_directory_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "exit_status.json").write_text('{"code": 75}\n')  # the last job's record
+    before = snapshot(run_dir)
+    (tmp_path / "hang.py").write_text(HANG_AT_START)
+    proc = run_process([sys.executable, str(tmp_path / "hang.py"), str(run_dir)], cwd=tmp_path, timeout=90)
+    assert proc.returncode == 77, proc.stderr[-3000:]
+    assert "Thread" in proc.stderr and "hang.py" in proc.stderr, proc.stderr[-3000:]  # the stacks, on stderr
+    assert snapshot(run_dir) == before
