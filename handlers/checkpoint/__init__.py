@@ -51,6 +51,8 @@ The package is a few rooms, each owning its state, and a thin handler:
 * :mod:`.reader`: choosing, verifying and loading a checkpoint; :mod:`.layout`: parameter names
   across a pipeline split and the layout difference;
 * :mod:`.rank_state`: the per-rank state JSON (counters, LR scheduler, handlers, data, RNG);
+* :mod:`.resume_settings`: the settings a checkpoint records and what a resume does with a changed
+  one (takes effect and is said, or is refused by name before anything loads);
 * :mod:`.handler`: :class:`AsyncCheckpointer`, which wires events and policy to the rooms.
 """
 
@@ -58,6 +60,7 @@ from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
 from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.layout import describe_layout_difference
+from hookloop.handlers.checkpoint.resume_settings import Recorded
 
 __all__ = [
     "CHECKPOINT",
@@ -70,5 +73,6 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "CheckpointLayoutError",
+    "Recorded",
     "describe_layout_difference",
 ]

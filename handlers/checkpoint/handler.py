@@ -19,6 +19,7 @@ from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
+from hookloop.handlers.checkpoint.resume_settings import Recorded, ResumeSettings
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
@@ -73,6 +74,7 @@ class AsyncCheckpointer(Handler):
 
     Public surface (what a user or another handler may call): :meth:`wait` (drain the save in
     flight), :meth:`restore_latest` (roll back to the newest intact finite checkpoint),
+    :meth:`record_settings` (settings of the run a checkpoint records and a resume checks),
     :meth:`close`, the properties :attr:`saving` and :attr:`staging`, and the read-only attributes
     ``directory``, ``mode``, ``last_saved_step``, ``last_checkpoint`` and ``resumed_from``.
     Everything else is private: the events drive it.
@@ -150,6 +152,7 @@ class AsyncCheckpointer(Handler):
         self._reader = CheckpointReader(
             self._store, self._session, index_limit=self.index_limit, long_wait=self._long_wait
         )
+        self._settings = ResumeSettings(self._session)
         self._state: RankState | None = None  # once attached: it works on the trainer
 
     @classmethod
@@ -176,7 +179,11 @@ class AsyncCheckpointer(Handler):
         if trainer.get_handler(AsyncCheckpointer) is not None:
             raise RuntimeError("the trainer already has a checkpointer attached; attach only one")
         self._state = RankState(
-            trainer, self._reader, load_optimizer=self.load_optimizer, long_wait=self._long_wait
+            trainer,
+            self._reader,
+            self._settings,
+            load_optimizer=self.load_optimizer,
+            long_wait=self._long_wait,
         )
         # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
         # the step's flags, metrics and validation are in; wait for staging last before the
@@ -349,6 +356,13 @@ class AsyncCheckpointer(Handler):
             )
         self._load(path, rollback=True, keep_data_position=keep_data_position)
         return self.trainer.state.iteration
+
+    def record_settings(self, settings: dict[str, Recorded]) -> None:
+        """Record ``settings`` (dotted config field -> :class:`Recorded`) in every checkpoint; a
+        resume says each one that changed, or refuses the change before anything loads when its
+        ``refuse`` gives the reason (docs/checkpoint.md, "Changing settings on resume"). The
+        optimizer's and LR schedule's settings are recorded without asking."""
+        self._settings.record(settings)
 
     def close(self) -> None:
         """Drain the save in flight and release the checkpoint process group and stager."""
