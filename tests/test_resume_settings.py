@@ -1,27 +1,33 @@
 """A resume honours the config or refuses it, and says which (docs/checkpoint.md, "Changing settings
-on resume"): with real ``hookloop train`` processes, a changed learning rate and weight decay take
-effect from the resumed step (in the optimizer's parameter groups and ``metrics.jsonl``) and are
-said in one lifecycle line with the checkpoint's old values; ``checkpoint.load_optimizer=false``
-keeps the configured rate; docs/requeue.md's advice after a NaN give-up (76) works as written; every
-refused change (optimizer kind, ``seq_len``, dataset list, global batch, seed, model width) is exit 2
-and one ``config error:`` line naming the field, found before anything loads and alike on every
-rank; a checkpoint written before checkpoints recorded their settings still resumes."""
+on resume"). Real ``hookloop train`` processes (one, or two under torchrun) follow docs/requeue.md's
+advice after a NaN give-up (76) as written, and show a refused change (optimizer kind, ``seq_len``,
+dataset list) as exit 2 and one ``config error:`` line naming the field, with no traceback, before
+anything loads, alike on every rank. The same composition built in this process shows the rest
+quickly: a changed learning rate and weight decay are in the optimizer's parameter groups from the
+resumed step (its state still the checkpoint's) and said in one lifecycle line with the
+checkpoint's old values; ``checkpoint.load_optimizer=false`` keeps the configured rate on every
+resumed step; a stretched decay end is said with its rate; the global batch, seed and model width
+are refused by name; a checkpoint written before checkpoints recorded their settings still
+resumes."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hookloop import Trainer
+from hookloop import Events, Trainer
 from hookloop.engine import ConfigError
 from hookloop.engine import checkpoint_io as io
 from hookloop.engine.data import prepare_tokens
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.handlers import AsyncCheckpointer
+from hookloop.train import build, load_training_config
+from hookloop.train import train as train_here
 from tests.dist_utils import run_process, run_torchrun
 
 # No position embedding: train.seq_len leaves the model's shapes alone, so only the settings check
@@ -118,67 +124,13 @@ def project(tmp_path) -> Path:
     return make_project(tmp_path)
 
 
-def test_a_changed_lr_and_weight_decay_take_effect_and_are_said(project):
-    ok(train(project))
-    assert settings_lines(train(project, "step_scheduler.max_steps=3").stderr) == [
-        "[hookloop] resuming at step 2 with settings from the checkpoint changed (checkpoint -> this run, "
-        "in effect from step 3): step_scheduler.max_steps 2 -> 3"
-    ]
-    resumed = train(
-        project, "step_scheduler.max_steps=5", "optimizer.lr=0.001", "optimizer.weight_decay=0.01"
-    )
-    ok(resumed)
-    assert settings_lines(resumed.stderr) == [
-        "[hookloop] resuming at step 3 with settings from the checkpoint changed (checkpoint -> this run, "
-        "in effect from step 4): optimizer.lr 0.0003 -> 0.001, optimizer.weight_decay 0.1 -> 0.01, "
-        "step_scheduler.max_steps 3 -> 5; learning rate 0.0003 -> 0.001"
-    ]
-    rows = metrics(project)
-    assert [rows[s]["lr"] for s in (1, 2, 3)] == [3e-4] * 3
-    assert [rows[s]["lr"] for s in (4, 5)] == [1e-3] * 2
-    # What the optimizer trained with, from its parameter groups at the save of step 5.
-    group = rank_state(project, 5)["settings"]["optimizer"]["groups"][0]
-    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.01 and group["betas"] == [0.9, 0.95]
-    # Nothing changed: nothing to say.
-    again = train(project, "step_scheduler.max_steps=6", "optimizer.lr=0.001", "optimizer.weight_decay=0.01")
-    ok(again)
-    assert settings_lines(again.stderr) == [
-        "[hookloop] resuming at step 5 with settings from the checkpoint changed (checkpoint -> this run, "
-        "in effect from step 6): step_scheduler.max_steps 5 -> 6"
-    ]
-
-
-def test_load_optimizer_false_keeps_the_configured_learning_rate(project):
-    ok(train(project))
-    resumed = train(
-        project, "step_scheduler.max_steps=3", "optimizer.lr=0.002", "checkpoint.load_optimizer=false"
-    )
-    ok(resumed)
-    (line,) = settings_lines(resumed.stderr)
-    assert "optimizer.lr 0.0003 -> 0.002" in line
-    assert "checkpoint.load_optimizer=false: the optimizer's state starts fresh" in line
-    assert metrics(project)[3]["lr"] == 0.002
-    assert rank_state(project, 3)["settings"]["optimizer"]["groups"][0]["lr"] == 0.002
-
-
-def test_a_changed_decay_end_is_said_with_the_learning_rate_it_gives(project):
-    """``lr.decay_steps`` null follows ``step_scheduler.max_steps``: raising it stretches the decay,
-    from the resumed step on, and the line says so with the rate before and after."""
-    ok(train(project, "lr.decay_style=linear", "lr.min_lr=0.0001"))
-    resumed = train(project, "lr.decay_style=linear", "lr.min_lr=0.0001", "step_scheduler.max_steps=4")
-    ok(resumed)
-    (line,) = settings_lines(resumed.stderr)
-    assert "lr.decay_steps (null: step_scheduler.max_steps) 2 -> 4" in line
-    assert line.endswith("; learning rate 0.0001 -> 0.0002")
-    schedule = dict(peak_lr=3e-4, decay_style="linear", min_lr=1e-4, decay_steps=4)
-    assert metrics(project)[3]["lr"] == pytest.approx(lr_at(3, **schedule))
-
-
+# ------------------------------------------------------------------ real hookloop train processes
 def test_requeue_advice_after_a_nan_give_up_works_as_written(project):
     """docs/requeue.md, exit code 76: "look at the data around the logged steps, lower the learning
-    rate, then resume". Step 4's loss is NaN (its microbatch is poisoned); the run stops with 76 and
-    its last checkpoint is step 2's. The data is fixed (the poison removed) and the learning rate
-    lowered: the resumed run trains from step 3 on the lowered schedule."""
+    rate (``optimizer.lr=...``), then resume". Step 4's loss is NaN (its microbatch is poisoned);
+    the run stops with 76 and its last checkpoint is step 2's. The data is fixed (the poison
+    removed) and the learning rate lowered: the resumed run trains from step 3 on the lowered
+    schedule and says so."""
     schedule = ["lr.decay_style=cosine", "lr.decay_steps=6", "step_scheduler.max_steps=6"]
     gave_up = train(project, *schedule, "fault.nan_microbatches=[3]")
     assert gave_up.returncode == 76, gave_up.stderr[-3000:]
@@ -186,11 +138,13 @@ def test_requeue_advice_after_a_nan_give_up_works_as_written(project):
     resumed = train(project, *schedule, "optimizer.lr=0.0001")
     ok(resumed)
     (line,) = settings_lines(resumed.stderr)
-    assert "resuming at step 2" in line and "optimizer.lr 0.0003 -> 0.0001" in line
+    assert "resuming at step 2" in line and "in effect from step 3): optimizer.lr 0.0003 -> 0.0001" in line
     rows = metrics(project)
     for step in (3, 4, 5):  # (the rate after step 6 is 0 in both schedules)
         assert rows[step]["lr"] == pytest.approx(lr_at(step, peak_lr=1e-4, decay_steps=6))
         assert rows[step]["lr"] < lr_at(step, peak_lr=3e-4, decay_steps=6) / 2
+    group = rank_state(project, 6)["settings"]["optimizer"]["groups"][0]
+    assert group["lr"] == 1e-4  # the base rate the optimizer trained the resumed steps with
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +159,20 @@ def checkpoint_files(project: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize(
-    "override, field, fix",
-    [
-        ("optimizer.name=sgd", "optimizer.name", "checkpoint.load_optimizer=false"),
-        ("train.seq_len=8", "train.seq_len", "set train.seq_len=16"),
-        ("data.datasets.b=b.u8", "data.datasets", "set data.datasets back to {a: a.u8}"),
-        ("step_scheduler.global_batch_size=8", "step_scheduler.global_batch_size", "global_batch_size=4"),
-        ("train.seed=1", "train.seed", "set train.seed=0"),
-        ("model.dim=24", "model.dim", "set model.dim=16"),
-    ],
-)
-def test_a_refused_change_is_one_line_naming_the_field_before_anything_loads(trained, override, field, fix):
+REFUSALS = [
+    ("optimizer.name=sgd", "optimizer.name", "set checkpoint.load_optimizer=false"),
+    ("train.seq_len=8", "train.seq_len", "set train.seq_len=16"),
+    ("data.datasets.b=b.u8", "data.datasets", "set data.datasets back to {a: a.u8}"),
+    ("step_scheduler.global_batch_size=8", "step_scheduler.global_batch_size", "global_batch_size=4"),
+    ("train.seed=1", "train.seed", "set train.seed=0"),
+    ("model.dim=24", "model.dim", "set model.dim=16"),
+]
+
+
+@pytest.mark.parametrize("override, field, fix", REFUSALS[:3])
+def test_hookloop_train_refuses_a_change_with_exit_2_and_one_line(trained, override, field, fix):
+    """The real CLI: exit 2, one ``config error:`` line naming the field and the way on, no
+    traceback, nothing loaded, the checkpoints untouched."""
     before = checkpoint_files(trained)
     line = refused(train(trained, "step_scheduler.max_steps=3", override), field)
     assert fix in line and "train.run_dir=<new dir>" in line, line
@@ -242,11 +198,132 @@ def test_every_rank_refuses_alike_under_torchrun(tmp_path):
     assert "Traceback" not in workers, proc.stderr[-3000:]
 
 
-def test_a_checkpoint_without_recorded_settings_still_resumes_and_says_so(project):
+# ------------------------------------------------------------------ the same run, built in this process
+class Rates:
+    """Records, before each optimizer step, what the optimizer steps with: every group's
+    ``(lr, weight_decay)`` and its state's step count (0: fresh state)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[list[tuple[float, float]], int]] = {}
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+        trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._record)
+
+    def _record(self) -> None:
+        optimizer = self.trainer.optimizer
+        counts = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+        groups = [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+        self.seen[self.trainer.state.step] = (groups, max(counts, default=0))
+
+
+@pytest.fixture
+def in_project(project, monkeypatch) -> Path:
+    monkeypatch.chdir(project)
+    return project
+
+
+def run_here(*overrides: str) -> tuple[int, Rates]:
+    """``hookloop train run.yaml *overrides`` in this process (the project is the working
+    directory); returns the exit code and what the optimizer stepped with."""
+    rates = Rates()
+    with build(load_training_config("run.yaml", list(overrides)), handlers=[rates]) as run:
+        code = run.run()
+    return code, rates
+
+
+def said(caplog) -> list[str]:
+    """The settings lines logged since the last call."""
+    lines = [r.getMessage() for r in caplog.records if "settings from the checkpoint" in r.getMessage()]
+    caplog.clear()
+    return lines
+
+
+def test_a_changed_lr_and_weight_decay_take_effect_and_are_said(in_project, caplog):
+    caplog.set_level(logging.INFO, logger="hookloop")
+    assert run_here()[0] == 0
+    # Only what changed is said: the unchanged rate and decay are not.
+    assert run_here("step_scheduler.max_steps=3")[0] == 0
+    assert said(caplog) == [
+        "resuming at step 2 with settings from the checkpoint changed (checkpoint -> this run, "
+        "in effect from step 3): step_scheduler.max_steps 2 -> 3"
+    ]
+    code, rates = run_here("step_scheduler.max_steps=5", "optimizer.lr=0.001", "optimizer.weight_decay=0.01")
+    assert code == 0
+    assert said(caplog) == [
+        "resuming at step 3 with settings from the checkpoint changed (checkpoint -> this run, "
+        "in effect from step 4): optimizer.lr 0.0003 -> 0.001, optimizer.weight_decay 0.1 -> 0.01, "
+        "step_scheduler.max_steps 3 -> 5; learning rate 0.0003 -> 0.001"
+    ]
+    # The optimizer's state is the checkpoint's (3 steps taken), its hyperparameters this run's.
+    assert rates.seen == {4: ([(1e-3, 0.01)], 3), 5: ([(1e-3, 0.01)], 4)}
+    rows = metrics(in_project)
+    assert [rows[s]["lr"] for s in (1, 2, 3, 4, 5)] == [3e-4] * 3 + [1e-3] * 2
+    # The rate and decay unchanged: not said, and they stay.
+    code, rates = run_here("step_scheduler.max_steps=6", "optimizer.lr=0.001", "optimizer.weight_decay=0.01")
+    assert code == 0 and rates.seen == {6: ([(1e-3, 0.01)], 5)}
+    assert said(caplog) == [
+        "resuming at step 5 with settings from the checkpoint changed (checkpoint -> this run, "
+        "in effect from step 6): step_scheduler.max_steps 5 -> 6"
+    ]
+
+
+def test_load_optimizer_false_keeps_the_configured_rate_and_decay(in_project, caplog):
+    """Without the optimizer's state the rate is the configured one too, on every resumed step (not
+    the base rate the LR scheduler saved)."""
+    caplog.set_level(logging.INFO, logger="hookloop")
+    assert run_here()[0] == 0
+    fresh = ["checkpoint.load_optimizer=false", "optimizer.lr=0.002", "optimizer.weight_decay=0.01"]
+    code, rates = run_here("step_scheduler.max_steps=4", *fresh)
+    assert code == 0
+    assert said(caplog) == [
+        "resuming at step 2 with settings from the checkpoint changed (checkpoint -> this run, "
+        "in effect from step 3): checkpoint.load_optimizer=false: the optimizer's state starts fresh, "
+        "optimizer.lr 0.0003 -> 0.002, optimizer.weight_decay 0.1 -> 0.01, step_scheduler.max_steps 2 -> 4; "
+        "learning rate 0.0003 -> 0.002"
+    ]
+    assert rates.seen == {3: ([(2e-3, 0.01)], 0), 4: ([(2e-3, 0.01)], 1)}
+    assert [metrics(in_project)[s]["lr"] for s in (3, 4)] == [2e-3, 2e-3]
+
+
+def test_a_changed_decay_end_is_said_with_the_learning_rate_it_gives(in_project, caplog):
+    """``lr.decay_steps`` null follows ``step_scheduler.max_steps``: raising it stretches the decay,
+    from the resumed step on, and the line says so with the rate before and after."""
+    caplog.set_level(logging.INFO, logger="hookloop")
+    linear = ["lr.decay_style=linear", "lr.min_lr=0.0001"]
+    assert run_here(*linear)[0] == 0
+    code, rates = run_here(*linear, "step_scheduler.max_steps=4")
+    assert code == 0
+    (line,) = said(caplog)
+    assert "lr.decay_steps (null: step_scheduler.max_steps) 2 -> 4" in line
+    assert line.endswith("; learning rate 0.0001 -> 0.0002")
+    schedule = dict(peak_lr=3e-4, decay_style="linear", min_lr=1e-4, decay_steps=4)
+    for step in (3, 4):
+        assert rates.seen[step][0][0][0] == pytest.approx(lr_at(step - 1, **schedule))
+        assert metrics(in_project)[step]["lr"] == pytest.approx(lr_at(step, **schedule))
+
+
+@pytest.mark.parametrize("override, field, fix", REFUSALS[3:])
+def test_a_refused_change_is_one_line_naming_the_field_before_anything_loads(
+    trained, monkeypatch, capsys, override, field, fix
+):
+    monkeypatch.chdir(trained)
+    before = checkpoint_files(trained)
+    cfg = load_training_config("run.yaml", ["step_scheduler.max_steps=3", override])
+    assert train_here(cfg, handlers=[Rates()]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("config error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"config error: {field}: "), err
+    assert fix in errors[0] and "train.run_dir=<new dir>" in errors[0], errors[0]
+    assert checkpoint_files(trained) == before
+
+
+def test_a_checkpoint_without_recorded_settings_still_resumes_and_says_so(in_project, caplog):
     """A checkpoint written before checkpoints recorded their settings: its rank state has no
     ``settings`` entry (the manifest is rewritten to match, as that version wrote it)."""
-    ok(train(project))
-    step = project / "runs/run/checkpoints" / io.step_dir_name(2)
+    caplog.set_level(logging.INFO, logger="hookloop")
+    assert run_here()[0] == 0
+    step = in_project / "runs/run/checkpoints" / io.step_dir_name(2)
     state_file = step / "rank_00000.json"
     state = json.loads(state_file.read_text())
     del state["settings"]
@@ -255,14 +332,14 @@ def test_a_checkpoint_without_recorded_settings_still_resumes_and_says_so(projec
     size, crc = io.file_checksum(state_file)
     marker["manifest"]["files"]["rank_00000.json"].update(size=size, checksum=crc)
     (step / io.MARKER).write_text(json.dumps(marker))
-    resumed = train(project, "step_scheduler.max_steps=3", "optimizer.lr=0.001")
-    ok(resumed)
-    (line,) = settings_lines(resumed.stderr)
+    code, rates = run_here("step_scheduler.max_steps=3", "optimizer.lr=0.001")
+    assert code == 0
+    (line,) = said(caplog)
     assert "not recorded in the checkpoint (an earlier version wrote it)" in line, line
-    assert metrics(project)[3]["lr"] == 1e-3
+    assert rates.seen == {3: ([(1e-3, 0.1)], 2)}
 
 
-# ------------------------------------------------------------------------------ in one process
+# ------------------------------------------------------------------ a bare Trainer
 DATA = [(torch.randn(8, 4, generator=torch.Generator().manual_seed(i)), torch.zeros(8, 1)) for i in range(8)]
 
 
