@@ -44,7 +44,10 @@ class CheckpointLayoutError(CheckpointError, ConfigError):
 
     Also a :class:`ConfigError` naming the field that chose the checkpoint (``checkpoint.resume``),
     since the fix is a setting: resume with the layout that wrote it or start fresh. Raised before
-    anything is loaded, so the running model and the saved checkpoints are untouched."""
+    anything is loaded, so the running model and the saved checkpoints are untouched.
+    ``difference`` says how the layouts differ, in a few words."""
+
+    difference: str = ""
 
 
 class CheckpointIndexBoundError(CheckpointError, ConfigError):

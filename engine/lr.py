@@ -29,7 +29,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from hookloop.engine.checks import check_choice, check_int, check_number
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["DECAY_STYLES", "WSD_DECAY_STYLES", "build_lr_scheduler", "check_lr_schedule", "lr_at"]
+__all__ = [
+    "DECAY_STYLES",
+    "LRSchedule",
+    "WSD_DECAY_STYLES",
+    "build_lr_scheduler",
+    "check_lr_schedule",
+    "lr_at",
+]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential")
@@ -145,6 +152,36 @@ def _decay(style: str, r: float) -> float:
     return 2.0 * (0.5**r) - 1.0  # exponential
 
 
+class LRSchedule(LambdaLR):
+    """The ``LambdaLR`` :func:`build_lr_scheduler` makes, knowing its own settings: ``settings`` are
+    :func:`lr_at`'s arguments (``decay_steps`` resolved) and ``decay_steps_from`` names what a null
+    ``decay_steps`` stood for (None when it was set), so a checkpoint can record the schedule it
+    was trained with. Neither is part of :meth:`state_dict`: the schedule is the config's, its
+    position (``last_epoch``) and base rates are the state."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, settings: dict, decay_steps_from: str | None
+    ) -> None:
+        self._settings = dict(settings)
+        self._decay_steps_from = decay_steps_from
+        peak = settings["peak_lr"]
+        super().__init__(optimizer, lambda s: lr_at(s, **self._settings) / peak)
+
+    @property
+    def settings(self) -> dict:
+        return dict(self._settings)
+
+    @property
+    def decay_steps_from(self) -> str | None:
+        return self._decay_steps_from
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("_settings", None)
+        state.pop("_decay_steps_from", None)
+        return state
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -157,14 +194,19 @@ def build_lr_scheduler(
     wsd_decay_style: str = "exponential",
     peak_lr: float | None = None,
     decay_steps_default: int | None = None,
-) -> LambdaLR:
-    """A ``LambdaLR`` that follows :func:`lr_at` for every parameter group. ``decay_steps_default``
-    stands in for a null ``decay_steps`` (as in :func:`check_lr_schedule`)."""
+    default_name: str = "",
+) -> LRSchedule:
+    """An :class:`LRSchedule` (a ``LambdaLR``) that follows :func:`lr_at` for every parameter group.
+    ``decay_steps_default`` stands in for a null ``decay_steps`` (as in :func:`check_lr_schedule`);
+    ``default_name`` names it (``step_scheduler.max_steps``) in what the schedule says of itself."""
     peak = float(peak_lr if peak_lr is not None else optimizer.param_groups[0]["lr"])
     params = dict(
         peak_lr=peak,
         warmup_steps=warmup_steps,
-        decay_steps=decay_steps if decay_steps is not None else decay_steps_default,
+        # a default stands in only where the style decays: the other styles never read it
+        decay_steps=decay_steps
+        if decay_steps is not None or decay_style not in _DECAYING
+        else decay_steps_default,
         decay_style=decay_style,
         min_lr=min_lr,
         warmup_init=warmup_init,
@@ -172,4 +214,5 @@ def build_lr_scheduler(
         wsd_decay_style=wsd_decay_style,
     )
     check_lr_schedule(**params)
-    return LambdaLR(optimizer, lambda s: lr_at(s, **params) / peak)
+    from_default = decay_steps is None and params["decay_steps"] is not None
+    return LRSchedule(optimizer, params, (default_name or "its default") if from_default else None)

@@ -52,6 +52,8 @@ The package is a few rooms, each owning its state, and a thin handler:
   across a pipeline split and the layout difference;
 * :mod:`.rank_state`: the per-rank state JSON (counters, LR scheduler, handlers, data, RNG);
   :mod:`.rank_file`: reading one without trusting it;
+* :mod:`.resume_settings`: the settings a checkpoint records and what a resume does with a changed
+  one (takes effect and is said, or is refused by name before anything loads);
 * :mod:`.handler`: :class:`AsyncCheckpointer`, which wires events and policy to the rooms.
 """
 
@@ -59,6 +61,7 @@ from hookloop.engine.checkpoint_io import CheckpointError, CheckpointIndexBoundE
 from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.layout import describe_layout_difference
+from hookloop.handlers.checkpoint.resume_settings import Recorded
 
 __all__ = [
     "CHECKPOINT",
@@ -72,5 +75,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndexBoundError",
     "CheckpointLayoutError",
+    "Recorded",
     "describe_layout_difference",
 ]

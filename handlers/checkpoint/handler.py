@@ -5,7 +5,6 @@ The work is the rooms': :mod:`.writer` (the save in flight), :mod:`.store` (the 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from typing import Any
@@ -17,17 +16,15 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
-from hookloop.engine.run_lock import hold_for, release_for
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
+from hookloop.handlers.checkpoint.resume_settings import Recorded, ResumeSettings
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
 
 __all__ = ["CAPTURE", "CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
-
-logger = logging.getLogger("hookloop.handlers.checkpoint")
 
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 
@@ -79,6 +76,7 @@ class AsyncCheckpointer(Handler):
 
     Public surface (what a user or another handler may call): :meth:`wait` (drain the save in
     flight), :meth:`restore_latest` (roll back to the newest intact finite checkpoint),
+    :meth:`record_settings` (settings of the run a checkpoint records and a resume checks),
     :meth:`close`, the properties :attr:`saving` and :attr:`staging`, and the read-only attributes
     ``directory``, ``mode``, ``last_saved_step``, ``last_checkpoint`` and ``resumed_from``.
     Everything else is private: the events drive it.
@@ -133,8 +131,6 @@ class AsyncCheckpointer(Handler):
         self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
         self._started = False
         self._initial_save_due = False
-        self._resumed_step: int | None = None  # said once the run has started
-        self._lock: Any = None  # the directory's own lock, when no lock this process holds covers it
         # The rooms, each given what it works with.
         self._session = CheckpointSession()
         self._store = CheckpointStore(
@@ -160,6 +156,7 @@ class AsyncCheckpointer(Handler):
         self._reader = CheckpointReader(
             self._store, self._session, index_limit=self.index_limit, long_wait=self._long_wait
         )
+        self._settings = ResumeSettings(self._session)
         self._state: RankState | None = None  # once attached: it works on the trainer
 
     @classmethod
@@ -186,7 +183,11 @@ class AsyncCheckpointer(Handler):
         if trainer.get_handler(AsyncCheckpointer) is not None:
             raise RuntimeError("the trainer already has a checkpointer attached; attach only one")
         self._state = RankState(
-            trainer, self._reader, load_optimizer=self.load_optimizer, long_wait=self._long_wait
+            trainer,
+            self._reader,
+            self._settings,
+            load_optimizer=self.load_optimizer,
+            long_wait=self._long_wait,
         )
         # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
         # the step's flags, metrics and validation are in; wait for staging last before the
@@ -208,10 +209,7 @@ class AsyncCheckpointer(Handler):
     def _on_train_start(self) -> None:
         if not self._session.is_open:  # once: the checkpoint group and this run's session id
             self._session.open()
-        # One run writes a checkpoint directory at a time: under the run directory's lock (hookloop
-        # train) or one of its own (docs/requeue.md, "One run per run directory"); a collective.
-        lock = hold_for(self, self.directory, field="checkpoint.directory")
-        self._lock = self._lock or lock
+        self._session.hold(self, self.directory)  # one run writes a checkpoint directory at a time
         if self._started:  # a later run() in this process continues; it does not reload
             return
         self._started = True
@@ -220,7 +218,6 @@ class AsyncCheckpointer(Handler):
             path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
             if path is not None:
                 self._load(path, rollback=False)
-                self._resumed_step = state.iteration
                 state.last_checkpoint = path
                 max_steps = self.trainer.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
@@ -246,9 +243,7 @@ class AsyncCheckpointer(Handler):
         os.makedirs(self.directory, exist_ok=True)
         if parallel.rank() == 0:
             self._store.remove_stale_partials()
-        if self._resumed_step is not None:
-            logger.info("resumed from %s (step %d)", self.resumed_from, self._resumed_step)
-            self._resumed_step = None
+        self._state.say_resumed()
         if self._initial_save_due:
             self._initial_save_due = False
             self._start_save(0)
@@ -380,6 +375,12 @@ class AsyncCheckpointer(Handler):
         self._load(path, rollback=True, keep_data_position=keep_data_position)
         return self.trainer.state.iteration
 
+    def record_settings(self, settings: dict[str, Recorded]) -> None:
+        """Record ``settings`` (dotted config field -> :class:`Recorded`) in every checkpoint, as
+        the optimizer's and LR schedule's are; a resume says each change or refuses it by name
+        (docs/checkpoint.md, "Changing settings on resume")."""
+        self._settings.record(settings)
+
     def close(self) -> None:
         """Drain the save in flight and release the checkpoint process group and stager."""
         self.wait()
@@ -439,13 +440,7 @@ class AsyncCheckpointer(Handler):
         self.resumed_from = path
 
     def _release_lock(self) -> None:
-        """Give up the directory's own lock, or the claim on the run directory's (the run ended; a
-        later run() takes it again); a start that never began also removes the directory its own
-        lock created, if it stayed empty."""
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release(remove_created=not getattr(self.trainer, "started", True))
-        release_for(self, self.directory)
+        self._session.release(self, self.directory, started=getattr(self.trainer, "started", True))
 
     def _add_blocked(self, seconds: float) -> None:
         times = self.trainer.state.times

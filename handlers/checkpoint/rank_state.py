@@ -19,10 +19,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel, rng
-from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
 from hookloop.handlers.checkpoint.rank_file import FORMAT, VERSION, rank_file, read_rank_file
 from hookloop.handlers.checkpoint.reader import CheckpointReader
+from hookloop.handlers.checkpoint.resume_settings import ResumePlan, ResumeSettings
 
 __all__ = ["FORMAT", "VERSION", "RankState"]
 
@@ -38,17 +40,26 @@ class RankState:
     Args:
         trainer: the trainer whose state is saved and restored.
         reader: loads the model (and optimizer) from the checkpoint, after its layout check.
+        settings: records the run's settings and decides what a resume does with changed ones.
         load_optimizer: restore the optimizer state too.
         long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(
-        self, trainer: Any, reader: CheckpointReader, *, load_optimizer: bool, long_wait: Callable[[], Any]
+        self,
+        trainer: Any,
+        reader: CheckpointReader,
+        settings: ResumeSettings,
+        *,
+        load_optimizer: bool,
+        long_wait: Callable[[], Any],
     ) -> None:
         self.trainer = trainer
         self._reader = reader
+        self._settings = settings
         self.load_optimizer = load_optimizer
         self._long_wait = long_wait
+        self._resumed: tuple[str, int, str | None] | None = None  # path, step, settings line: said at start
 
     def capture(self, step: int) -> dict[str, Any]:
         """This rank's state JSON for a save of ``step``."""
@@ -74,6 +85,8 @@ class RankState:
             "rng": rng.capture_rng(self._data_generators()),
             # What the run last reported, so a resumed run that trains no further step still says it.
             "last": {"loss": float(state.loss), "metrics": _numeric(state.metrics)},
+            # What it was trained with, so a resume can tell what changed (resume_settings).
+            "settings": self._settings.capture(trainer),
         }
 
     def _data_generators(self) -> list[torch.Generator]:
@@ -81,11 +94,12 @@ class RankState:
         return rng.data_generators(step_data.data) if step_data is not None else []
 
     def load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> int:
-        """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it."""
+        """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it, or
+        a ConfigError naming the setting a resume refuses to change."""
         try:
             with self._long_wait():
                 return self._restore(path, rollback=rollback, keep_data_position=keep_data_position)
-        except CheckpointError:
+        except (CheckpointError, ConfigError):
             raise
         except Exception as e:
             raise CheckpointError(
@@ -93,26 +107,56 @@ class RankState:
                 "optimizer and handlers that wrote it, or start fresh (checkpoint.resume=None)"
             ) from e
 
+    def _plan(self, path: str, *, rollback: bool) -> tuple[dict[str, Any], ResumePlan]:
+        """This rank's state file and what the resume does with this run's settings, decided before
+        anything loads; a resume's refusal (or a state file this rank cannot read) is raised on
+        every rank alike."""
+        error, extra, plan = None, None, None
+        try:
+            extra = self._read_rank_state(path)
+            scheduler = io.decode(extra["lr_scheduler"]) if extra.get("lr_scheduler") is not None else None
+            plan = self._settings.plan(
+                self.trainer,
+                extra.get("settings"),
+                scheduler,
+                step=extra["step"],
+                load_optimizer=self.load_optimizer,
+            )
+            error = None if rollback else plan.refusal
+        except Exception as e:  # noqa: BLE001 - every rank must join the agreement below
+            error = e
+        if not rollback:
+            self._settings.agree(error)
+        elif error is not None:
+            raise error
+        return extra, plan
+
     def _restore(self, path: str, *, rollback: bool, keep_data_position: bool) -> int:
         trainer, state = self.trainer, self.trainer.state
-        extra = self._read_rank_state(path)
-        if self.load_optimizer:
-            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=STATE_DICT_OPTIONS)
-            state_dict = {"model": model_sd, "optim": optim_sd}
-            self._reader.load(path, state_dict)
-            set_state_dict(
-                trainer.model,
-                trainer.optimizer,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optim"],
-                options=STATE_DICT_OPTIONS,
-            )
-        else:
-            state_dict = {"model": get_model_state_dict(trainer.model)}
-            self._reader.load(path, state_dict)
-            set_model_state_dict(trainer.model, state_dict["model"])
+        extra, plan = self._plan(path, rollback=rollback)
+        try:
+            if self.load_optimizer:
+                model_sd, optim_sd = get_state_dict(
+                    trainer.model, trainer.optimizer, options=STATE_DICT_OPTIONS
+                )
+                state_dict = {"model": model_sd, "optim": optim_sd}
+                self._reader.load(path, state_dict)
+                set_state_dict(
+                    trainer.model,
+                    trainer.optimizer,
+                    model_state_dict=state_dict["model"],
+                    optim_state_dict=state_dict["optim"],
+                    options=STATE_DICT_OPTIONS,
+                )
+            else:
+                state_dict = {"model": get_model_state_dict(trainer.model)}
+                self._reader.load(path, state_dict)
+                set_model_state_dict(trainer.model, state_dict["model"])
+        except CheckpointLayoutError as e:  # named by the model setting that changed, if one did
+            raise plan.layout_error(e) from None
         if trainer.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
             trainer.lr_scheduler.load_state_dict(io.decode(extra["lr_scheduler"]))
+        lrs = self._settings.honour(trainer, plan)  # this run's hyperparameters and schedule
         self._load_handlers(extra.get("handlers", {}), rollback)
         counters = dict(extra["counters"])
         if rollback:
@@ -133,7 +177,18 @@ class RankState:
             self._rewind_data(position, epoch_length, counters)
         if rollback:  # a resume is said once the run has started (the checkpointer, at RUN_STARTED)
             logger.info("rolled back to %s (step %d)", path, extra["step"])
+        else:  # said once the run has started, with the settings that changed since the checkpoint
+            self._resumed = (path, extra["step"], plan.line(lrs))
         return extra["step"]
+
+    def say_resumed(self) -> None:
+        """Say the resume (every rank) and the settings it changed (rank 0), once the run started."""
+        if self._resumed is not None:
+            path, step, line = self._resumed
+            logger.info("resumed from %s (step %d)", path, step)
+            if line is not None and parallel.rank() == 0:
+                logger.info("%s", line)
+            self._resumed = None
 
     def _position_data(self, position: dict | None, epoch_length: int | None, epoch: int) -> None:
         """Before the first epoch starts: counters so ignite re-enters the saved epoch at the saved

@@ -206,13 +206,15 @@ class CheckpointReader:
         difference = describe_layout_difference(stored, wanted)
         if difference is None:
             return None
-        raise CheckpointLayoutError(
+        error = CheckpointLayoutError(
             field,
             f"checkpoint {path} holds another model layout: {difference}; resume it with the settings "
             "that wrote it, or start a fresh run with train.run_dir=<new dir> (checkpoint.resume=null "
             "also starts fresh, but saves over this directory's checkpoints); nothing was loaded or "
             "changed",
         )
+        error.difference = difference
+        raise error
 
     def load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
         names = self._check_compatible(path, state_dict, field)

@@ -1,6 +1,7 @@
 """What the checkpoint wing shares for the length of a run: the gloo process group its saves and
 loads talk on (so they never collide with training's collectives), the session id that names this
-run's partial directories, and the two threads that do the work training need not wait for."""
+run's partial directories, the two threads that do the work training need not wait for, and the hold
+on the checkpoint directory (one run writes it at a time)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from hookloop.engine import intra_op, parallel
 from hookloop.engine.intra_op import use_one_intra_op_thread
+from hookloop.engine.run_lock import hold_for, release_for
 
 __all__ = ["CheckpointSession"]
 
@@ -26,6 +28,7 @@ class CheckpointSession:
         self.id = ""
         self._io: ThreadPoolExecutor | None = None
         self._write: ThreadPoolExecutor | None = None
+        self._lock: Any = None  # the directory's own lock, when no lock this process holds covers it
 
     @property
     def is_open(self) -> bool:
@@ -77,6 +80,21 @@ class CheckpointSession:
         t = torch.tensor(values, dtype=torch.int64, device=parallel.collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(v) for v in t.tolist()]
+
+    def hold(self, owner: object, directory: str) -> None:
+        """Hold ``directory`` for ``owner`` (a collective): under the run directory's lock (hookloop
+        train) or one of its own (docs/requeue.md, "One run per run directory")."""
+        lock = hold_for(owner, directory, field="checkpoint.directory")
+        self._lock = self._lock or lock
+
+    def release(self, owner: object, directory: str, *, started: bool) -> None:
+        """Give up the directory's own lock, or ``owner``'s claim on the run directory's (a later
+        run() takes it again); a start that never began (``started`` false) also removes the
+        directory its own lock created, if it stayed empty."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(remove_created=not started)
+        release_for(owner, directory)
 
     def close_threads(self) -> None:
         """Stop the threads once their work is done (they are made again on use)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -97,6 +98,21 @@ class ResolvedModel:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model.target {self.target} returned {type(model).__name__}, not an nn.Module")
         return model
+
+    def settings(self) -> dict[str, Any]:
+        """``target`` and the arguments the model is built with, the build function's plain
+        defaults (numbers, strings, booleans, None) included: what a checkpoint records of it."""
+        try:
+            params = inspect.signature(self.recipe.build).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        defaults = {
+            p.name: p.default
+            for p in params
+            if p.kind in kinds and (p.default is None or isinstance(p.default, bool | int | float | str))
+        }
+        return {"target": self.target, **defaults, **self.args}
 
     def flops_per_token(self, model: torch.nn.Module, cfg: Any) -> float:
         if self.recipe.flops_per_token is not None:

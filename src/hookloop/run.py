@@ -55,9 +55,10 @@ from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
-from hookloop.handlers import Priority, attach_handlers
+from hookloop.handlers import AsyncCheckpointer, Priority, attach_handlers
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
+from hookloop.run_settings import resume_settings
 from hookloop.training_config import Checked, check, save_config
 
 __all__ = ["Run", "build", "build_optimizer"]
@@ -276,7 +277,10 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
         loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
     optimizer = build_optimizer(cfg, model)
     lr_scheduler = build_lr_scheduler(
-        optimizer, **dataclasses.asdict(cfg.lr), decay_steps_default=cfg.lr_decay_steps_default
+        optimizer,
+        **dataclasses.asdict(cfg.lr),
+        decay_steps_default=cfg.lr_decay_steps_default,
+        default_name="step_scheduler.max_steps",
     )
     trainer = Trainer(
         model,
@@ -305,6 +309,9 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
         run_dir=run_dir,
         flops_per_token=flops_per_token,
     )
+    checkpointer = trainer.get_handler(AsyncCheckpointer)
+    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
+        checkpointer.record_settings(resume_settings(cfg, resolved))
     if cfg.data.trace_samples:  # one file per data-parallel rank, by the replica's first rank
         SampleTrace(
             run_dir, data.train, rank=dp_rank, world_size=dp, write=info.rank % (tp * pp) == 0
