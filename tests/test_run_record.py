@@ -156,7 +156,7 @@ def test_a_refused_resume_changes_nothing_and_the_saved_config_continues(project
     before = snapshot(run_dir)
     assert "config.yaml" in before and "exit_status.json" in before and "progress.jsonl" in before
     for refused, field in (
-        (["model.dim=12"], "checkpoint.resume"),  # another model width: refused at the resume
+        (["model.dim=12"], "model.dim"),  # another model width: refused at the resume, by name
         (  # another global batch: refused by a handler at TRAIN_START, after the resume loaded
             ["train.local_batch_size=4", "step_scheduler.global_batch_size=4"],
             "step_scheduler.global_batch_size",
