@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from ignite.engine import Engine
 
-from hookloop.engine import parallel, tensor_parallel
+from hookloop.engine import parallel, run_limits, tensor_parallel
 from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
@@ -51,7 +51,7 @@ from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
+from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
@@ -548,110 +548,11 @@ class Trainer(IgniteAdapter):
         continues with its epoch length; a finished one starts afresh. Returns the state;
         ``state.exit_code`` tells how it ended.
         """
-        # ignite's argument checks, in ignite's order and words (with what to do in hookloop)
-        if data is not None and not isinstance(data, Iterable):
-            raise TypeError(
-                f"Argument data should be iterable: an iterable of microbatches (or None with epoch_length), "
-                f"got {type(data).__name__}"
-            )
-        if max_epochs is not None and max_iters is not None:
-            raise ValueError(
-                "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
-                "or max_iters. (To end at whichever comes first, pass max_steps=N with max_epochs=M.)"
-            )
-        steps_name = "max_steps"
-        if max_iters is not None:
-            if max_steps is not None and max_steps != max_iters:
-                raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
-            max_steps, steps_name = max_iters, "max_iters"
-        for name, value in (
-            (steps_name, max_steps),
-            ("max_epochs", max_epochs),
-            ("epoch_length", epoch_length),
-        ):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-            if value < 1 and name == "epoch_length":
-                raise ConfigError(
-                    name, f"Input data has zero size. Please provide non-empty data (epoch_length={value})"
-                )
-            if value < 1:
-                raise ConfigError(
-                    name, f"Argument {name} is invalid. Please, set a correct {name} positive value"
-                )
-        if data is not None and data_length(data) == 0:
-            raise ValueError(
-                "Input data has zero size. Please provide non-empty data (len(data) == 0: pass a non-empty "
-                "dataset or loader)"
-            )
+        continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
         state = self.state
-        self._check_limit_kind(max_steps, max_epochs)
-        if max_epochs is not None and state.max_epochs is not None:
-            self.extend_max_epochs(max_epochs)  # ignite's check: not below the epoch reached
-        if max_steps is not None and state.max_iters is not None:
-            if max_steps < state.iteration:
-                raise ValueError(
-                    f"Argument {steps_name} should be greater than or equal to the start iteration defined "
-                    f"in the state: {max_steps} vs {state.iteration}. Please, set engine.state.max_iters = "
-                    "None before calling engine.run() in order to restart the training from the beginning."
-                )
-            state.max_iters = max_steps
-        new_run = (state.max_epochs is None and state.max_iters is None) or self.run_finished
-        if new_run:
-            if data is None and epoch_length is None and state.epoch_length is None:
-                raise ValueError(
-                    "epoch_length should be provided if data is None: run(None, epoch_length=N) runs N "
-                    "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
-                    "into (inputs, targets)"
-                )
-            max_steps = self.max_steps if max_steps is None else max_steps
-            max_epochs = self.max_epochs if max_epochs is None else max_epochs
-            if max_epochs is None and max_steps is None:
-                max_epochs = 1
-            self.step_data = StepBatches(NO_DATA if data is None else data, lambda: self.grad_accum_steps)
-            if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
-                epoch_length = self.step_data.steps_per_pass() or state.epoch_length
-            state.iteration = state.epoch = 0
-            state.max_epochs, state.max_iters, state.epoch_length = max_epochs, max_steps, epoch_length
-            state.reset_counters()
-            self.forget_run()
-        else:
-            source = NO_DATA if data is None else data
-            if self.step_data.data is not source:
-                self.step_data = StepBatches(source, lambda: self.grad_accum_steps)
-            if state.epoch_length is None and data is None and epoch_length is None:
-                raise ValueError("epoch_length should be provided if data is None")
-            if state.epoch_length is None:
-                state.epoch_length = epoch_length or self.step_data.steps_per_pass()
-            elif epoch_length is not None and epoch_length != state.epoch_length:
-                raise ValueError(
-                    "Argument epoch_length should be same as in the state, but given "
-                    f"{epoch_length} vs {state.epoch_length}. (A run continues with its epoch length; "
-                    "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
-                )
         both = state.max_iters is not None and state.max_epochs is not None
         self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
-        return self._run_guarded(data, continuing=not new_run)
-
-    def _check_limit_kind(self, max_steps: int | None, max_epochs: int | None) -> None:
-        """ignite's rule: a run started with one kind of limit (epochs or steps) is not switched to
-        the other while it exists; a run started with both (``max_steps`` and ``max_epochs``) may
-        extend either."""
-        state = self.state
-        if max_steps is not None and state.max_epochs is not None and state.max_iters is None:
-            raise ValueError(
-                "To switch from max_epochs to max_iters mode during resume, you must first reset by "
-                "setting 'engine.state.max_epochs = None' before calling run(). (The run was started "
-                f"with max_epochs={state.max_epochs}; a step limit is max_steps or max_iters.)"
-            )
-        if max_epochs is not None and state.max_iters is not None and state.max_epochs is None:
-            raise ValueError(
-                "To switch from max_iters to max_epochs mode during resume, you must first reset by "
-                "setting 'engine.state.max_iters = None' before calling run(). (The run was started "
-                f"with max_steps={state.max_iters}.)"
-            )
+        return self._run_guarded(data, continuing=continuing)
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
         """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
