@@ -12,9 +12,7 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,7 +32,7 @@ from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
-from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused, exit_code_of
+from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -44,11 +42,11 @@ from hookloop.engine.events import (
     StepEvents,
 )
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
+from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
@@ -69,13 +67,6 @@ _AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SA
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
-
-
-def _first_on_node() -> bool:
-    """Whether this process is its node's first worker: torchrun's ``LOCAL_RANK`` 0 (``RANK`` and
-    ``LOCAL_RANK`` differ on every node but the first). Without ``LOCAL_RANK``, only rank 0 is."""
-    local = os.environ.get("LOCAL_RANK")
-    return local == "0" if local is not None else parallel.rank() == 0
 
 
 class _StateAttribute:
@@ -271,9 +262,6 @@ class Trainer(IgniteAdapter):
         self._epoch_start_step = 0
         self._empty_epochs = 0
         self._epoch_limit: int | None = None
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self._status_seen: tuple[int, int, int] | None = None  # exit_status.json when the run started
-        self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
             or not isinstance(hang_timeout_s, (int, float))
@@ -306,6 +294,10 @@ class Trainer(IgniteAdapter):
         self._late_agreement = False
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
         self.run_start = RunStart(self.control)
+        #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
+        self.run_end = RunEnd(
+            self.control, self.run_start, lambda: self.state, run_dir, graceful_sigint=graceful_sigint
+        )
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -563,64 +555,27 @@ class Trainer(IgniteAdapter):
                 if store is not None:  # a long wait on one rank is progress to the others
                     self.watchdog.heartbeats = PeerHeartbeats(store, parallel.rank(), parallel.world_size())
             self.watchdog.start()
-        previous_sigint = self._install_sigint()
-        if self.run_dir is not None:
-            self._status_seen = exit_status_identity(self.run_dir)
         try:
-            state = self.start_loop(data, continuing)
-        except BaseException as e:
-            rank = e.rank if isinstance(e, PeerCrashed) else parallel.rank()
-            self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}", rank=rank)
-            raise
+            with self.run_end.running():  # Ctrl-C stops gracefully; an error is recorded
+                state = self.start_loop(data, continuing)
         finally:
-            if previous_sigint is not None:
-                signal.signal(signal.SIGINT, previous_sigint)
             if self.watchdog is not None:
                 self.watchdog.stop()
         self._explain_handled_end()
         self.write_exit_status(int(self.control.exit_code), self.control.stop_reason or "finished")
         return state
 
-    def _install_sigint(self) -> Any:
-        """First Ctrl-C: an agreed stop after this step with a final checkpoint; second: interrupt."""
-        if not self.graceful_sigint or threading.current_thread() is not threading.main_thread():
-            return None
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return None  # someone else (a handler listing SIGINT, the user) handles it
-
-        def on_sigint(signum: int, frame: Any) -> None:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            control = self.control
-            control.request_save()
-            control.request_stop(
-                "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again "
-                "to interrupt at once",
-                ExitCode.STOPPED,
-            )
-            if parallel.rank() == 0:
-                print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
-
-        return signal.signal(signal.SIGINT, on_sigint)
+    @property
+    def run_dir(self) -> Path | None:
+        """Where the run writes ``exit_status.json`` and a hang's stack dumps (``Trainer(run_dir=...)``)."""
+        return self.run_end.run_dir
 
     def write_exit_status(self, code: int, reason: str, rank: int | None = None) -> None:
         """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
-        script can requeue on 75 even when the launcher reports only failure or success.
-
-        A lost peer or a hang (77) is also recorded by the first rank of every other node (torchrun's
-        ``LOCAL_RANK`` 0), unless the file changed since this run started (rank 0 has recorded the
-        end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
-        nothing else would tell the job script to requeue. ``rank``: the rank whose error ended the
-        run (recorded for a crash)."""
-        if self.run_dir is None or not self.started:  # a start that failed leaves the record as it was
-            return
-        if parallel.rank() != 0:
-            if code != ExitCode.HEALTH_CHECK_FAILED or not _first_on_node():
-                return
-            if exit_status_identity(self.run_dir) != self._status_seen:
-                return
-        write_exit_status(self.run_dir, code=code, reason=reason, step=self.state.iteration,
-                          checkpoint=getattr(self.state, "last_checkpoint", None), rank=rank)  # fmt: skip
-        self._status_seen = exit_status_identity(self.run_dir)  # this rank's own record may be refined
+        script can requeue on 75 even when the launcher reports only failure or success; a lost
+        peer or a hang (77) also on the first worker of every other node (:mod:`engine.run_end`).
+        ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        self.run_end.write(code, reason, rank=rank)
 
     def _on_watchdog_expired(self, reason: str) -> None:
         self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
