@@ -253,8 +253,6 @@ class Trainer(IgniteAdapter):
         self.step_context = StepContext(self)
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
-        self._in_step = False
-        self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
         self._failed: set[int] = set()
         self._handled_errors = 0
@@ -282,7 +280,6 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
-        self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
@@ -607,11 +604,6 @@ class Trainer(IgniteAdapter):
             and self.step_data.steps >= length
         )
 
-    @property
-    def finished(self) -> bool:
-        """Whether the last run reached its end (its step or epoch limit)."""
-        return self.run_finished
-
     def set_data(self, data: Iterable) -> None:
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
         from ``data``, grouped as before; the epoch length is unchanged."""
@@ -658,34 +650,15 @@ class Trainer(IgniteAdapter):
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
-    def _enter_step(self) -> None:
-        self._in_step = True
-
-    def at_step_end(self, action: Callable[[], Any]) -> None:
-        """Run ``action()`` once this step's STEP_END handlers have all run (at the trainer's own
-        end of the step, ``Priority.ENGINE_LAST``, before its stop decision); outside a step, now.
-
-        For what changes the state the step's handlers report on: every handler of that STEP_END
-        firing, whatever its priority, sees the step as it was. A rollback asked for on
-        ``control.request_rollback`` is carried out right after these actions (the trainer fires
-        ROLLBACK; see :mod:`engine.control`). Actions run in the order they were given; one that
-        raises ends the run through the usual error path."""
-        if not self._in_step:
-            action()
-            return
-        self._at_step_end.append(action)
-
     def _end_step(self) -> None:
-        """After the step's handlers: run what they deferred to the step's end (:meth:`at_step_end`),
-        agree on late requests, carry out a rollback request (:mod:`engine.control`), then stop when
-        every rank agreed to. A stop or rollback asked for after the step's agreement (or a rollback
-        asked before it) is agreed here with a second small collective, run only when some rank has
-        handlers that could ask or asked (the step's agreement said so); a rollback some rank asked
-        for is then gathered (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that
-        late is carried to the next step."""
+        """After the step's handlers: agree on late requests, carry out a rollback request
+        (:mod:`engine.control`), then stop when every rank agreed to. A stop or rollback asked for
+        after the step's agreement (or a rollback asked before it) is agreed here with a second
+        small collective, run only when some rank has handlers that could ask or asked (the step's
+        agreement said so); a rollback some rank asked for is then gathered
+        (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that late is carried to
+        the next step."""
         state, control = self.state, self.control
-        while self._at_step_end:
-            self._at_step_end.pop(0)()
         stop = control.decided.stop
         if self._late_agreement:  # stop and rollback requests of any rank, agreed
             code = int(control.exit_code) if control.stop else 0
@@ -703,7 +676,6 @@ class Trainer(IgniteAdapter):
                 if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
                     raise
                 raise rollback.failed(step, e) from e
-        self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
         beyond = state.max_iters is not None and state.iteration > state.max_iters
         control.end_step(stop)
@@ -721,8 +693,6 @@ class Trainer(IgniteAdapter):
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
         self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
-        self._in_step = False
-        self._at_step_end.clear()
         entries = self.events.entries(Events.EXCEPTION)
         handled = bool(entries)
         for entry in entries:
