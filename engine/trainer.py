@@ -246,9 +246,12 @@ class Trainer(IgniteAdapter):
         self.step_body: StepBody = pipeline
         if pipeline is None:
             self.step_body = LocalStepBody(
-                model, self._params, tp_mesh=self.tp_mesh, grad_scaler=self.grad_scaler,
+                model,
+                self._params,
+                tp_mesh=self.tp_mesh,
+                grad_scaler=self.grad_scaler,
                 loss_parallel=self.loss_parallel,
-            )  # fmt: skip
+            )
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
@@ -734,8 +737,10 @@ class Trainer(IgniteAdapter):
             logger.warning(
                 "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
                 "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
-                what, state.iteration, state.epoch,
-            )  # fmt: skip
+                what,
+                state.iteration,
+                state.epoch,
+            )
         if self.limits_reached():
             self._explain_handled_end()
 
