@@ -56,12 +56,12 @@ from agreed values (e.g. in its agreement slot's ``on_agreed``, or from a counte
 move), so every rank asks alike and every rank's ROLLBACK restores together (the restore is
 collective). The request also says what to do when nothing can be restored (``reason``,
 ``exit_code``). The trainer carries it out at the end of that step, once every STEP_END handler has
-seen the step that triggered it (at its own ``Priority.ENGINE_LAST``, after the actions deferred
-with ``trainer.at_step_end`` and before the late stop agreement): it records the request as
-``decided.rollback``, fires ROLLBACK (the checkpointer restores, then the other ROLLBACK handlers,
-the requester's own bookkeeping among them, see the restored state), and clears the request. When
-the restore fails with a ``CheckpointError`` (no intact checkpoint at or before the target), the run
-ends with ``TrainingAborted`` and the requested exit code, checkpoints left as they are.
+seen the step that triggered it (at its own ``Priority.ENGINE_LAST``, before the late stop
+agreement): it records the request as ``decided.rollback``, fires ROLLBACK (the checkpointer
+restores, then the other ROLLBACK handlers, the requester's own bookkeeping among them, see the
+restored state), and clears the request. When the restore fails with a ``CheckpointError`` (no
+intact checkpoint at or before the target), the run ends with ``TrainingAborted`` and the requested
+exit code, checkpoints left as they are.
 
 A request that must be the same on every rank is made from agreed values (in a slot's
 ``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``, ``stop``).

@@ -14,11 +14,12 @@ these private hooks of ``ignite.engine.Engine``:
 - ``_event_handlers``: ignite's table of ``(handler, args, kwargs)`` lists by event, which ignite's
   time profilers read and edit (insert first/last, wrap in place). Here it is a live view of the
   registry, so what they do takes effect in hookloop's dispatch.
-- ``_is_done``, ``_internal_run_generator``, ``_check_and_set_max_epochs``: whether a run is
-  finished, and extending one (``run()`` continues an unfinished run, as ignite does).
+- ``_is_done``, ``_internal_run_generator``, ``_check_and_set_max_epochs`` /
+  ``_check_and_set_max_iters``: whether a run is finished, and extending one (``run()`` continues
+  an unfinished run, as ignite does).
 - ``_internal_run`` / ``_internal_run_legacy``: ignite's loop over the current state. The trainer's
-  ``run()`` sets the state up itself (ignite's rules plus a step and an epoch limit together) and
-  starts the loop here.
+  ``run()`` sets the state up itself (:mod:`engine.run_limits`: ignite's rules plus a step and an
+  epoch limit together) and starts the loop here.
 - ``every_event_filter``'s closure: a plain ``every=N`` filter is read as the number N so the
   registry can skip whole runs of filtered-out handlers with one modulo.
 - ``ignite.distributed.utils._model`` / ``_need_to_sync``: the computation model behind ``idist``,

@@ -12,9 +12,7 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from ignite.engine import Engine
 
-from hookloop.engine import parallel, tensor_parallel
+from hookloop.engine import parallel, run_limits, tensor_parallel
 from hookloop.engine.agreement import (
     N_EXIT_VOTES,
     StepAgreement,
@@ -34,7 +32,7 @@ from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_layout import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
-from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused, exit_code_of
+from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -44,14 +42,14 @@ from hookloop.engine.events import (
     StepEvents,
 )
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
+from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
+from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
@@ -69,13 +67,6 @@ _AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SA
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
-
-
-def _first_on_node() -> bool:
-    """Whether this process is its node's first worker: torchrun's ``LOCAL_RANK`` 0 (``RANK`` and
-    ``LOCAL_RANK`` differ on every node but the first). Without ``LOCAL_RANK``, only rank 0 is."""
-    local = os.environ.get("LOCAL_RANK")
-    return local == "0" if local is not None else parallel.rank() == 0
 
 
 class _StateAttribute:
@@ -255,15 +246,16 @@ class Trainer(IgniteAdapter):
         self.step_body: StepBody = pipeline
         if pipeline is None:
             self.step_body = LocalStepBody(
-                model, self._params, tp_mesh=self.tp_mesh, grad_scaler=self.grad_scaler,
+                model,
+                self._params,
+                tp_mesh=self.tp_mesh,
+                grad_scaler=self.grad_scaler,
                 loss_parallel=self.loss_parallel,
-            )  # fmt: skip
+            )
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
-        self._in_step = False
-        self._at_step_end: list[Callable[[], Any]] = []  # see at_step_end()
         self._skip_completed = False
         self._failed: set[int] = set()
         self._handled_errors = 0
@@ -271,9 +263,6 @@ class Trainer(IgniteAdapter):
         self._epoch_start_step = 0
         self._empty_epochs = 0
         self._epoch_limit: int | None = None
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self._status_seen: tuple[int, int, int] | None = None  # exit_status.json when the run started
-        self.graceful_sigint = bool(graceful_sigint)
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
             or not isinstance(hang_timeout_s, (int, float))
@@ -294,7 +283,6 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_START, self._start_epoch, priority=Priority.ENGINE_LAST)
-        self.add_event_handler(Events.STEP_START, self._enter_step, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
@@ -306,6 +294,10 @@ class Trainer(IgniteAdapter):
         self._late_agreement = False
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
         self.run_start = RunStart(self.control)
+        #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
+        self.run_end = RunEnd(
+            self.control, self.run_start, lambda: self.state, run_dir, graceful_sigint=graceful_sigint
+        )
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -548,110 +540,11 @@ class Trainer(IgniteAdapter):
         continues with its epoch length; a finished one starts afresh. Returns the state;
         ``state.exit_code`` tells how it ended.
         """
-        # ignite's argument checks, in ignite's order and words (with what to do in hookloop)
-        if data is not None and not isinstance(data, Iterable):
-            raise TypeError(
-                f"Argument data should be iterable: an iterable of microbatches (or None with epoch_length), "
-                f"got {type(data).__name__}"
-            )
-        if max_epochs is not None and max_iters is not None:
-            raise ValueError(
-                "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
-                "or max_iters. (To end at whichever comes first, pass max_steps=N with max_epochs=M.)"
-            )
-        steps_name = "max_steps"
-        if max_iters is not None:
-            if max_steps is not None and max_steps != max_iters:
-                raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
-            max_steps, steps_name = max_iters, "max_iters"
-        for name, value in (
-            (steps_name, max_steps),
-            ("max_epochs", max_epochs),
-            ("epoch_length", epoch_length),
-        ):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
-            if value < 1 and name == "epoch_length":
-                raise ConfigError(
-                    name, f"Input data has zero size. Please provide non-empty data (epoch_length={value})"
-                )
-            if value < 1:
-                raise ConfigError(
-                    name, f"Argument {name} is invalid. Please, set a correct {name} positive value"
-                )
-        if data is not None and data_length(data) == 0:
-            raise ValueError(
-                "Input data has zero size. Please provide non-empty data (len(data) == 0: pass a non-empty "
-                "dataset or loader)"
-            )
+        continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
         state = self.state
-        self._check_limit_kind(max_steps, max_epochs)
-        if max_epochs is not None and state.max_epochs is not None:
-            self.extend_max_epochs(max_epochs)  # ignite's check: not below the epoch reached
-        if max_steps is not None and state.max_iters is not None:
-            if max_steps < state.iteration:
-                raise ValueError(
-                    f"Argument {steps_name} should be greater than or equal to the start iteration defined "
-                    f"in the state: {max_steps} vs {state.iteration}. Please, set engine.state.max_iters = "
-                    "None before calling engine.run() in order to restart the training from the beginning."
-                )
-            state.max_iters = max_steps
-        new_run = (state.max_epochs is None and state.max_iters is None) or self.run_finished
-        if new_run:
-            if data is None and epoch_length is None and state.epoch_length is None:
-                raise ValueError(
-                    "epoch_length should be provided if data is None: run(None, epoch_length=N) runs N "
-                    "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
-                    "into (inputs, targets)"
-                )
-            max_steps = self.max_steps if max_steps is None else max_steps
-            max_epochs = self.max_epochs if max_epochs is None else max_epochs
-            if max_epochs is None and max_steps is None:
-                max_epochs = 1
-            self.step_data = StepBatches(NO_DATA if data is None else data, lambda: self.grad_accum_steps)
-            if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
-                epoch_length = self.step_data.steps_per_pass() or state.epoch_length
-            state.iteration = state.epoch = 0
-            state.max_epochs, state.max_iters, state.epoch_length = max_epochs, max_steps, epoch_length
-            state.reset_counters()
-            self.forget_run()
-        else:
-            source = NO_DATA if data is None else data
-            if self.step_data.data is not source:
-                self.step_data = StepBatches(source, lambda: self.grad_accum_steps)
-            if state.epoch_length is None and data is None and epoch_length is None:
-                raise ValueError("epoch_length should be provided if data is None")
-            if state.epoch_length is None:
-                state.epoch_length = epoch_length or self.step_data.steps_per_pass()
-            elif epoch_length is not None and epoch_length != state.epoch_length:
-                raise ValueError(
-                    "Argument epoch_length should be same as in the state, but given "
-                    f"{epoch_length} vs {state.epoch_length}. (A run continues with its epoch length; "
-                    "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
-                )
         both = state.max_iters is not None and state.max_epochs is not None
         self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
-        return self._run_guarded(data, continuing=not new_run)
-
-    def _check_limit_kind(self, max_steps: int | None, max_epochs: int | None) -> None:
-        """ignite's rule: a run started with one kind of limit (epochs or steps) is not switched to
-        the other while it exists; a run started with both (``max_steps`` and ``max_epochs``) may
-        extend either."""
-        state = self.state
-        if max_steps is not None and state.max_epochs is not None and state.max_iters is None:
-            raise ValueError(
-                "To switch from max_epochs to max_iters mode during resume, you must first reset by "
-                "setting 'engine.state.max_epochs = None' before calling run(). (The run was started "
-                f"with max_epochs={state.max_epochs}; a step limit is max_steps or max_iters.)"
-            )
-        if max_epochs is not None and state.max_iters is not None and state.max_epochs is None:
-            raise ValueError(
-                "To switch from max_iters to max_epochs mode during resume, you must first reset by "
-                "setting 'engine.state.max_iters = None' before calling run(). (The run was started "
-                f"with max_steps={state.max_iters}.)"
-            )
+        return self._run_guarded(data, continuing=continuing)
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
         """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
@@ -662,64 +555,27 @@ class Trainer(IgniteAdapter):
                 if store is not None:  # a long wait on one rank is progress to the others
                     self.watchdog.heartbeats = PeerHeartbeats(store, parallel.rank(), parallel.world_size())
             self.watchdog.start()
-        previous_sigint = self._install_sigint()
-        if self.run_dir is not None:
-            self._status_seen = exit_status_identity(self.run_dir)
         try:
-            state = self.start_loop(data, continuing)
-        except BaseException as e:
-            rank = e.rank if isinstance(e, PeerCrashed) else parallel.rank()
-            self.write_exit_status(exit_code_of(e), f"{type(e).__name__}: {e}", rank=rank)
-            raise
+            with self.run_end.running():  # Ctrl-C stops gracefully; an error is recorded
+                state = self.start_loop(data, continuing)
         finally:
-            if previous_sigint is not None:
-                signal.signal(signal.SIGINT, previous_sigint)
             if self.watchdog is not None:
                 self.watchdog.stop()
         self._explain_handled_end()
         self.write_exit_status(int(self.control.exit_code), self.control.stop_reason or "finished")
         return state
 
-    def _install_sigint(self) -> Any:
-        """First Ctrl-C: an agreed stop after this step with a final checkpoint; second: interrupt."""
-        if not self.graceful_sigint or threading.current_thread() is not threading.main_thread():
-            return None
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return None  # someone else (a handler listing SIGINT, the user) handles it
-
-        def on_sigint(signum: int, frame: Any) -> None:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            control = self.control
-            control.request_save()
-            control.request_stop(
-                "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again "
-                "to interrupt at once",
-                ExitCode.STOPPED,
-            )
-            if parallel.rank() == 0:
-                print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
-
-        return signal.signal(signal.SIGINT, on_sigint)
+    @property
+    def run_dir(self) -> Path | None:
+        """Where the run writes ``exit_status.json`` and a hang's stack dumps (``Trainer(run_dir=...)``)."""
+        return self.run_end.run_dir
 
     def write_exit_status(self, code: int, reason: str, rank: int | None = None) -> None:
         """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
-        script can requeue on 75 even when the launcher reports only failure or success.
-
-        A lost peer or a hang (77) is also recorded by the first rank of every other node (torchrun's
-        ``LOCAL_RANK`` 0), unless the file changed since this run started (rank 0 has recorded the
-        end itself, e.g. the crash that took it down): when the node holding rank 0 is the one lost,
-        nothing else would tell the job script to requeue. ``rank``: the rank whose error ended the
-        run (recorded for a crash)."""
-        if self.run_dir is None or not self.started:  # a start that failed leaves the record as it was
-            return
-        if parallel.rank() != 0:
-            if code != ExitCode.HEALTH_CHECK_FAILED or not _first_on_node():
-                return
-            if exit_status_identity(self.run_dir) != self._status_seen:
-                return
-        write_exit_status(self.run_dir, code=code, reason=reason, step=self.state.iteration,
-                          checkpoint=getattr(self.state, "last_checkpoint", None), rank=rank)  # fmt: skip
-        self._status_seen = exit_status_identity(self.run_dir)  # this rank's own record may be refined
+        script can requeue on 75 even when the launcher reports only failure or success; a lost
+        peer or a hang (77) also on the first worker of every other node (:mod:`engine.run_end`).
+        ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        self.run_end.write(code, reason, rank=rank)
 
     def _on_watchdog_expired(self, reason: str) -> None:
         self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
@@ -750,11 +606,6 @@ class Trainer(IgniteAdapter):
             and self.step_data is not None
             and self.step_data.steps >= length
         )
-
-    @property
-    def finished(self) -> bool:
-        """Whether the last run reached its end (its step or epoch limit)."""
-        return self.run_finished
 
     def set_data(self, data: Iterable) -> None:
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
@@ -802,34 +653,15 @@ class Trainer(IgniteAdapter):
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
-    def _enter_step(self) -> None:
-        self._in_step = True
-
-    def at_step_end(self, action: Callable[[], Any]) -> None:
-        """Run ``action()`` once this step's STEP_END handlers have all run (at the trainer's own
-        end of the step, ``Priority.ENGINE_LAST``, before its stop decision); outside a step, now.
-
-        For what changes the state the step's handlers report on: every handler of that STEP_END
-        firing, whatever its priority, sees the step as it was. A rollback asked for on
-        ``control.request_rollback`` is carried out right after these actions (the trainer fires
-        ROLLBACK; see :mod:`engine.control`). Actions run in the order they were given; one that
-        raises ends the run through the usual error path."""
-        if not self._in_step:
-            action()
-            return
-        self._at_step_end.append(action)
-
     def _end_step(self) -> None:
-        """After the step's handlers: run what they deferred to the step's end (:meth:`at_step_end`),
-        agree on late requests, carry out a rollback request (:mod:`engine.control`), then stop when
-        every rank agreed to. A stop or rollback asked for after the step's agreement (or a rollback
-        asked before it) is agreed here with a second small collective, run only when some rank has
-        handlers that could ask or asked (the step's agreement said so); a rollback some rank asked
-        for is then gathered (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that
-        late is carried to the next step."""
+        """After the step's handlers: agree on late requests, carry out a rollback request
+        (:mod:`engine.control`), then stop when every rank agreed to. A stop or rollback asked for
+        after the step's agreement (or a rollback asked before it) is agreed here with a second
+        small collective, run only when some rank has handlers that could ask or asked (the step's
+        agreement said so); a rollback some rank asked for is then gathered
+        (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that late is carried to
+        the next step."""
         state, control = self.state, self.control
-        while self._at_step_end:
-            self._at_step_end.pop(0)()
         stop = control.decided.stop
         if self._late_agreement:  # stop and rollback requests of any rank, agreed
             code = int(control.exit_code) if control.stop else 0
@@ -847,7 +679,6 @@ class Trainer(IgniteAdapter):
                 if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
                     raise
                 raise rollback.failed(step, e) from e
-        self._in_step = False
         # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
         beyond = state.max_iters is not None and state.iteration > state.max_iters
         control.end_step(stop)
@@ -865,8 +696,6 @@ class Trainer(IgniteAdapter):
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
         self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
-        self._in_step = False
-        self._at_step_end.clear()
         entries = self.events.entries(Events.EXCEPTION)
         handled = bool(entries)
         for entry in entries:
@@ -908,8 +737,10 @@ class Trainer(IgniteAdapter):
             logger.warning(
                 "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
                 "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
-                what, state.iteration, state.epoch,
-            )  # fmt: skip
+                what,
+                state.iteration,
+                state.epoch,
+            )
         if self.limits_reached():
             self._explain_handled_end()
 

@@ -76,7 +76,6 @@ class ProgressWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_expire: list[Callable[[str], None]] = []
-        self.expired_path: Path | None = None
         #: With several ranks: how this rank's long waits show as progress to its peers, and how
         #: theirs show to it (None: one process, or no store).
         self.heartbeats: PeerHeartbeats | None = None
@@ -177,7 +176,7 @@ class ProgressWatchdog:
             f"no progress for {idle:.1f}s (bound {self.timeout_s:g}s) on rank {self.rank}: "
             "a peer is hung or gone, or a step blocked"
         ) + (f" ({peers})" if peers else "")
-        path = self._dump(reason)
+        path = dump_stacks(self.dump_dir, self.rank, reason)
         where = f"; stacks of every thread in {path}" if path else ""
         logger.critical("%s%s; exiting with code %d", reason, where, self.exit_code)
         for callback in list(self.on_expire):
@@ -189,12 +188,6 @@ class ProgressWatchdog:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(self.exit_code)
-
-    def _dump(self, reason: str) -> Path | None:
-        path = dump_stacks(self.dump_dir, self.rank, reason)
-        if path is not None:
-            self.expired_path = path
-        return path
 
 
 @dataclasses.dataclass

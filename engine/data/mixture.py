@@ -56,13 +56,6 @@ class MixtureDataset(Dataset):
     def __len__(self) -> int:
         return self._total
 
-    def source_index(self, name: str) -> int:
-        """Position of source ``name`` in :attr:`names`."""
-        try:
-            return self.names.index(name)
-        except ValueError:
-            raise KeyError(f"name: unknown dataset {name!r}; known: {list(self.names)}") from None
-
     def locate(self, index: int) -> tuple[int, int]:
         """``(source_idx, local_idx)`` of global ``index`` (negative indices count from the end)."""
         i = int(index)

@@ -1,0 +1,152 @@
+"""The limits of one ``Trainer.run()``: ignite's argument checks and state set-up, with steps.
+
+ignite's ``Engine.run`` checks its arguments and sets up the state (a new run, or one to continue)
+before its loop. The trainer keeps ignite's rules and words but adds a step limit that combines
+with an epoch limit (``max_steps=N, max_epochs=M``: whichever comes first), default limits a
+scheduling handler sets (``trainer.max_steps`` / ``trainer.max_epochs``) and microbatches grouped
+into steps, so it sets the state up here and then starts ignite's loop
+(:meth:`engine.ignite_adapter.IgniteAdapter.start_loop`). Where ignite's own check says the same
+(a limit not below the progress reached) it is ignite's check that runs, through the adapter's
+``extend_max_epochs`` / ``extend_max_iters``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
+
+__all__ = ["check_limit_kind", "check_run_arguments", "set_up_run"]
+
+
+def check_run_arguments(
+    data: Any,
+    max_epochs: int | None,
+    max_iters: int | None,
+    epoch_length: int | None,
+    max_steps: int | None,
+) -> tuple[int | None, str]:
+    """ignite's checks of ``run()``'s arguments, in ignite's order and words (with what to do in
+    hookloop). Returns the step limit and the name it was given under (``max_iters`` is
+    ``max_steps`` under ignite's rules: not together with ``max_epochs``)."""
+    if data is not None and not isinstance(data, Iterable):
+        raise TypeError(
+            f"Argument data should be iterable: an iterable of microbatches (or None with epoch_length), "
+            f"got {type(data).__name__}"
+        )
+    if max_epochs is not None and max_iters is not None:
+        raise ValueError(
+            "Arguments max_iters and max_epochs are mutually exclusive. Please provide only max_epochs "
+            "or max_iters. (To end at whichever comes first, pass max_steps=N with max_epochs=M.)"
+        )
+    steps_name = "max_steps"
+    if max_iters is not None:
+        if max_steps is not None and max_steps != max_iters:
+            raise ConfigError("max_iters", f"({max_iters}) contradicts max_steps ({max_steps}); pass one")
+        max_steps, steps_name = max_iters, "max_iters"
+    for name, value in ((steps_name, max_steps), ("max_epochs", max_epochs), ("epoch_length", epoch_length)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
+        if value < 1 and name == "epoch_length":
+            raise ConfigError(
+                name, f"Input data has zero size. Please provide non-empty data (epoch_length={value})"
+            )
+        if value < 1:
+            raise ConfigError(
+                name, f"Argument {name} is invalid. Please, set a correct {name} positive value"
+            )
+    if data is not None and data_length(data) == 0:
+        raise ValueError(
+            "Input data has zero size. Please provide non-empty data (len(data) == 0: pass a non-empty "
+            "dataset or loader)"
+        )
+    return max_steps, steps_name
+
+
+def check_limit_kind(state: Any, max_steps: int | None, max_epochs: int | None) -> None:
+    """ignite's rule: a run started with one kind of limit (epochs or steps) is not switched to
+    the other while it exists; a run started with both (``max_steps`` and ``max_epochs``) may
+    extend either."""
+    if max_steps is not None and state.max_epochs is not None and state.max_iters is None:
+        raise ValueError(
+            "To switch from max_epochs to max_iters mode during resume, you must first reset by "
+            "setting 'engine.state.max_epochs = None' before calling run(). (The run was started "
+            f"with max_epochs={state.max_epochs}; a step limit is max_steps or max_iters.)"
+        )
+    if max_epochs is not None and state.max_iters is not None and state.max_epochs is None:
+        raise ValueError(
+            "To switch from max_iters to max_epochs mode during resume, you must first reset by "
+            "setting 'engine.state.max_iters = None' before calling run(). (The run was started "
+            f"with max_steps={state.max_iters}.)"
+        )
+
+
+def _extend_limits(engine: Any, max_steps: int | None, max_epochs: int | None, steps_name: str) -> None:
+    """Raise the current run's limits through ignite's own check (not below the epoch or step
+    reached); its message names the step limit as the caller gave it."""
+    state = engine.state
+    check_limit_kind(state, max_steps, max_epochs)
+    if max_epochs is not None and state.max_epochs is not None:
+        engine.extend_max_epochs(max_epochs)
+    if max_steps is not None and state.max_iters is not None:
+        try:
+            engine.extend_max_iters(max_steps)
+        except ValueError as e:
+            raise ValueError(str(e).replace("Argument max_iters", f"Argument {steps_name}", 1)) from None
+
+
+def set_up_run(
+    engine: Any,
+    data: Iterable | None,
+    max_epochs: int | None = None,
+    max_iters: int | None = None,
+    epoch_length: int | None = None,
+    max_steps: int | None = None,
+) -> bool:
+    """Check ``run()``'s arguments and set ``engine``'s state up for its loop, as ignite's ``run``
+    does; returns whether the run continues an unfinished one (else it starts afresh).
+
+    ``engine`` is the :class:`~engine.Trainer`: its ``state``, its default limits (``max_steps`` /
+    ``max_epochs``), its ``step_data`` (replaced for a new data source) and the adapter's
+    ``extend_max_epochs`` / ``extend_max_iters`` / ``run_finished`` / ``forget_run``."""
+    max_steps, steps_name = check_run_arguments(data, max_epochs, max_iters, epoch_length, max_steps)
+    state = engine.state
+    _extend_limits(engine, max_steps, max_epochs, steps_name)
+    new_run = (state.max_epochs is None and state.max_iters is None) or engine.run_finished
+    source = NO_DATA if data is None else data
+    if new_run:
+        if data is None and epoch_length is None and state.epoch_length is None:
+            raise ValueError(
+                "epoch_length should be provided if data is None: run(None, epoch_length=N) runs N "
+                "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
+                "into (inputs, targets)"
+            )
+        max_steps = engine.max_steps if max_steps is None else max_steps
+        max_epochs = engine.max_epochs if max_epochs is None else max_epochs
+        if max_epochs is None and max_steps is None:
+            max_epochs = 1
+        engine.step_data = StepBatches(source, lambda: engine.grad_accum_steps)
+        if epoch_length is None:  # the data's steps per pass, else the last run's (ignite's rule)
+            epoch_length = engine.step_data.steps_per_pass() or state.epoch_length
+        state.iteration = state.epoch = 0
+        state.max_epochs, state.max_iters, state.epoch_length = max_epochs, max_steps, epoch_length
+        state.reset_counters()
+        engine.forget_run()
+        return False
+    if engine.step_data.data is not source:
+        engine.step_data = StepBatches(source, lambda: engine.grad_accum_steps)
+    if state.epoch_length is None and data is None and epoch_length is None:
+        raise ValueError("epoch_length should be provided if data is None")
+    if state.epoch_length is None:
+        state.epoch_length = epoch_length or engine.step_data.steps_per_pass()
+    elif epoch_length is not None and epoch_length != state.epoch_length:
+        raise ValueError(
+            "Argument epoch_length should be same as in the state, but given "
+            f"{epoch_length} vs {state.epoch_length}. (A run continues with its epoch length; "
+            "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
+        )
+    return True

@@ -1,0 +1,109 @@
+"""``engine.run_end``: the Ctrl-C rule and the exit status record, in-process without a trainer."""
+
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from hookloop.engine import parallel, run_end
+from hookloop.engine.control import StepControl
+from hookloop.engine.errors import PeerCrashed
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.exit_status import read_exit_status, write_exit_status
+from hookloop.engine.run_end import SIGINT_STOP_REASON, RunEnd
+
+
+def make(run_dir, *, started: bool = True, graceful_sigint: bool = True):
+    control = StepControl()
+    state = SimpleNamespace(iteration=12, last_checkpoint="ckpt/step_12")
+    started_flag = SimpleNamespace(started=started)
+    return RunEnd(control, started_flag, lambda: state, run_dir, graceful_sigint=graceful_sigint), control
+
+
+def test_nothing_is_written_before_the_run_started_or_without_a_run_dir(tmp_path):
+    end, _ = make(tmp_path, started=False)
+    end.write(0, "finished")
+    assert read_exit_status(tmp_path) is None
+    end, _ = make(None)
+    end.write(0, "finished")  # no run directory: nowhere to write, no error
+
+
+def test_rank_zero_records_code_reason_step_and_checkpoint(tmp_path):
+    end, _ = make(tmp_path)
+    end.write(int(ExitCode.STOPPED), "SIGTERM received")
+    record = read_exit_status(tmp_path)
+    assert (record["code"], record["meaning"], record["reason"]) == (75, "STOPPED", "SIGTERM received")
+    assert (record["step"], record["checkpoint"]) == (12, "ckpt/step_12")
+    assert "rank" not in record
+
+
+def test_an_error_is_recorded_with_the_rank_whose_error_it_was(tmp_path):
+    end, _ = make(tmp_path)
+    with pytest.raises(RuntimeError), end.running():
+        raise RuntimeError("boom")
+    record = read_exit_status(tmp_path)
+    assert (record["code"], record["reason"], record["rank"]) == (1, "RuntimeError: boom", 0)
+    end.record_error(PeerCrashed("rank 3 failed", rank=3))
+    assert read_exit_status(tmp_path)["rank"] == 3
+
+
+@pytest.fixture
+def rank_one(monkeypatch):
+    monkeypatch.setattr(parallel, "rank", lambda: 1)
+
+
+def test_another_nodes_first_worker_records_only_a_77_rank_zero_has_not_recorded(
+    tmp_path, monkeypatch, rank_one
+):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    end, _ = make(tmp_path)
+    with end.running():
+        end.write(int(ExitCode.STOPPED), "not this rank's to say")
+        assert read_exit_status(tmp_path) is None
+        end.write(int(ExitCode.HEALTH_CHECK_FAILED), "peer lost")
+        assert read_exit_status(tmp_path)["reason"] == "peer lost"
+        end.write(int(ExitCode.HEALTH_CHECK_FAILED), "refined")  # its own record may be refined
+        assert read_exit_status(tmp_path)["reason"] == "refined"
+    with end.running():
+        write_exit_status(tmp_path, code=1, reason="rank 0 recorded the end")  # since the run began
+        end.write(int(ExitCode.HEALTH_CHECK_FAILED), "peer lost")
+    assert read_exit_status(tmp_path)["reason"] == "rank 0 recorded the end"
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first worker
+    assert not run_end.first_on_node()
+
+
+def test_first_ctrl_c_asks_for_a_stop_with_a_checkpoint_second_interrupts(tmp_path, capsys):
+    end, control = make(tmp_path)
+    before = signal.getsignal(signal.SIGINT)
+    assert before is signal.default_int_handler
+    with end.running():
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        assert control.stop and control.save and control.exit_code == ExitCode.STOPPED
+        assert control.stop_reason == SIGINT_STOP_REASON
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the second interrupts
+    assert signal.getsignal(signal.SIGINT) is before
+    assert SIGINT_STOP_REASON in capsys.readouterr().err
+
+
+def test_ctrl_c_is_left_alone_when_not_graceful_off_the_main_thread_or_taken(tmp_path):
+    end, _ = make(tmp_path, graceful_sigint=False)
+    with end.running():
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    end, _ = make(tmp_path)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(end._install_sigint()))
+    thread.start()
+    thread.join()
+    assert seen == [None]
+
+    def own(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGINT, own)
+    try:
+        with end.running():
+            assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, previous)
