@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from hookloop.engine.pickle_bounds import (
+from hookloop.engine.checkpoint_format.pickle_bounds import (
     ATOMS,
     MAX_CALL_VALUES,
     MAX_DEPTH,
