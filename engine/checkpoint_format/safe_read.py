@@ -119,9 +119,9 @@ def load_metadata(data: bytes, where: str | os.PathLike, index_limit: int | None
 
 def check_entry(data: bytes, where: str) -> None:
     """Refuse (CheckpointError naming ``where``) the bytes of a non-tensor entry that
-    ``torch.load(weights_only=True)`` should not be given: see :func:`dcp_pickles.check_entry`."""
+    ``torch.load(weights_only=True)`` should not be given: see :func:`dcp_pickles.check_entry_pickle`."""
     try:
-        dcp_pickles.check_entry(data)
+        dcp_pickles.check_entry_pickle(data)
     except PickleRefused as e:
         raise CheckpointError(
             f"{where} {e}; refusing to load it: the checkpoint is damaged or crafted"

@@ -426,7 +426,7 @@ class AsyncCheckpointer(Handler):
         self.last_checkpoint = save.final
         self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
-        self._store.check_index(save.final, save.index_size)  # over checkpoint.max_index_mb: exit 2
+        self._store.check_index_bound(save.final, save.index_size)  # over checkpoint.max_index_mb: exit 2
 
     def _wait_local(self) -> None:
         """Wait for this rank's own write only (no collective: a peer may be gone)."""

@@ -45,7 +45,7 @@ class CheckpointStore:
         session: names this run's partial, replaced and pruned directories; its file thread deletes
             pruned checkpoints.
         keep_last, keep_best, metric, metric_mode: what pruning keeps (see the checkpointer).
-        index_limit: the largest index a resume reads, in bytes (see :meth:`check_index`).
+        index_limit: the largest index a resume reads, in bytes (see :meth:`check_index_bound`).
         wait_timeout_s: the longest a wait for a deletion may take before it is left to finish.
         long_wait: a context manager around waits that are long by nature (the watchdog's pause).
         known_good: the newest step a detector trusts (None: none), read when pruning.
@@ -120,7 +120,7 @@ class CheckpointStore:
             logger.warning("could not prune old checkpoints in %s (training goes on): %s", self.directory, e)
         return True
 
-    def check_index(self, final: str, size: int) -> None:
+    def check_index_bound(self, final: str, size: int) -> None:
         """A published checkpoint whose index has ``size`` bytes, more than ``index_limit``: no
         resume or rollback could read it, so the run stops here with the setting to change
         (CheckpointIndexBoundError, a config error: exit 2). The checkpoint is complete; a run with
