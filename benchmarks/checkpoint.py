@@ -45,22 +45,24 @@ from pathlib import Path
 
 import torch
 
-from hookloop.engine import Events, Trainer, checkpoint_io
+from hookloop.engine import Events, Trainer
+from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, RecordingWriter
+from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
 from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 
-WRITERS: list[checkpoint_io.RecordingWriter] = []
+WRITERS: list[RecordingWriter] = []
 
 
 def _keep_writers() -> None:
     """Keep every DCP writer the checkpointer makes, to read its checksum timings after the run."""
-    init = checkpoint_io.RecordingWriter.__init__
+    init = RecordingWriter.__init__
 
     def keeping(self, *args, **kwargs) -> None:
         init(self, *args, **kwargs)
         WRITERS.append(self)
 
-    checkpoint_io.RecordingWriter.__init__ = keeping
+    RecordingWriter.__init__ = keeping
 
 
 def build(width: int) -> Trainer:
@@ -115,7 +117,7 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
     if checkpointer is not None:
         checkpointer.close()
         start = time.perf_counter()
-        problems, verified = checkpoint_io.verify_checkpoint(checkpointer.last_checkpoint)
+        problems, verified = verify_checkpoint(checkpointer.last_checkpoint)
         verify = time.perf_counter() - start
         assert verified and not problems, problems
     writers = WRITERS[writers_before:]
@@ -212,7 +214,7 @@ def main() -> None:
         )
     verify = statistics.median(r["verify"] for mode in modes[1:] for r in runs[mode])
     print(
-        f"manifest ({checkpoint_io.CHECKSUM_ALGORITHM}): durable with checksums / without (durable minus "
+        f"manifest ({CHECKSUM_ALGORITHM}): durable with checksums / without (durable minus "
         "exposed): "
         + ", ".join(f"{mode} {durable_ratio(mode):.3f}" for mode in modes[1:])
         + f"; verifying the newest checkpoint on load: {verify * 1e3:.0f} ms"

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import write_result  # noqa: E402
 
 from hookloop.engine import Trainer  # noqa: E402
-from hookloop.engine import checkpoint_pickle as cp  # noqa: E402
+from hookloop.engine.checkpoint_format import dcp_pickles as cp  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 

@@ -1,7 +1,12 @@
 """hookloop's core: the :class:`Trainer`, its :class:`Events` and :class:`TrainState`, the step
 bodies, parallelism set-up, learning-rate schedules and configuration.
 
-Importing ``hookloop.engine`` is cheap: no logger backends (TensorBoard, W&B) are imported here.
+The checkpoint format (what a checkpoint looks like on disk, how to read one without trusting it)
+is the package :mod:`hookloop.engine.checkpoint_format`, imported module by module; saving and
+loading are the checkpointer's (:mod:`hookloop.handlers.checkpoint`).
+
+Importing ``hookloop.engine`` is cheap: no logger backends (TensorBoard, W&B) and no
+``torch.distributed.checkpoint`` are imported here.
 """
 
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing

@@ -1,6 +1,7 @@
 """Capturing and restoring RNG states: python, numpy, torch (CPU and every CUDA device) and the
-generators that decide a data source's order, in the JSON form :mod:`hookloop.engine.state_codec`
-writes. Checkpoints keep them per rank; a data source replaying a pass keeps them too."""
+generators that decide a data source's order, in the JSON form
+:mod:`hookloop.engine.checkpoint_format.state_codec` writes. Checkpoints keep them per rank; a data
+source replaying a pass keeps them too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookloop.engine.state_codec import decode, encode
+from hookloop.engine.checkpoint_format.state_codec import decode, encode
 
 __all__ = ["capture_rng", "data_generators", "restore_rng"]
 

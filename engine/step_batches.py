@@ -22,8 +22,8 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from hookloop.engine import checkpoint_io
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.rng import capture_rng, data_generators, restore_rng
 
 __all__ = ["NO_DATA", "NoData", "StepBatches", "data_length", "iter_groups", "steps_in"]
 
@@ -154,8 +154,8 @@ class StepBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next pass at ``state``'s position. The RNG states current at this call are
         reinstated once the data is positioned, so set them before calling."""
-        generators = checkpoint_io.data_generators(self.data)
-        self._resume = {**state, "rng_after": checkpoint_io.capture_rng(generators)}
+        generators = data_generators(self.data)
+        self._resume = {**state, "rng_after": capture_rng(generators)}
 
     def _counted(self, it: Iterator, pending: Any) -> Iterator:
         """The microbatches of ``it`` (after ``pending``, one already fetched), each counted in
@@ -178,7 +178,7 @@ class StepBatches:
 
     def __iter__(self) -> Iterator[list]:
         accum = self.grad_accum_steps
-        generators = checkpoint_io.data_generators(self.data)
+        generators = data_generators(self.data)
         resume, self._resume = self._resume, None
         saved_batch = resume.get("global_batch") if resume is not None else None
         current_batch = self.global_batch()
@@ -205,12 +205,12 @@ class StepBatches:
         if resume is not None and "source" in resume:
             self.stateful_source().load_state_dict(resume["source"])
         if replay and resume.get("pass_start_rng") is not None:
-            checkpoint_io.restore_rng(resume["pass_start_rng"], generators)
+            restore_rng(resume["pass_start_rng"], generators)
         if resumed_at > 0:
             self._pass_start_rng = resume.get("pass_start_rng")
             self.consumed, self.steps = resumed_at, resume["steps"]
         else:
-            self._pass_start_rng = checkpoint_io.capture_rng(generators)
+            self._pass_start_rng = capture_rng(generators)
         it = iter(self.data)
         if replay:
             skip += resumed_at
@@ -224,7 +224,7 @@ class StepBatches:
             # Fetch the first microbatch before the RNG goes back: whatever the source draws at its
             # first next() (a DataLoader's base seed) must not shift the restored stream.
             pending = next(it, _END)
-            checkpoint_io.restore_rng(resume["rng_after"], generators)
+            restore_rng(resume["rng_after"], generators)
             if pending is _END:
                 return
         yielded = False

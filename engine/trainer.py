@@ -29,7 +29,7 @@ from hookloop.engine.agreement import (
     sum_over_ranks,
 )
 from hookloop.engine.batch import default_prepare_batch
-from hookloop.engine.checkpoint_layout import CheckpointError
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
 from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused

@@ -391,7 +391,9 @@ class PhaseCurriculum(Handler):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue right after the step ``state_dict`` was taken at (load the trainer counters too)."""
-        from hookloop.engine.checkpoint_io import CheckpointError  # a bad state is a checkpoint problem
+        from hookloop.engine.checkpoint_format.errors import (
+            CheckpointError,  # a bad state is a checkpoint problem
+        )
 
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-from hookloop.engine.checkpoint_io import CheckpointError, resolve_checkpoint
+from hookloop.engine.checkpoint_format.directory import resolve_checkpoint
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.config import (
     DataConfig,
     DistributedConfig,

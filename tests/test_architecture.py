@@ -10,6 +10,11 @@
 - Handlers do not import each other (the loggers' shared base and the run composition aside); a
   handler that is a package (``handlers/checkpoint/``) imports its own modules, and its rooms never
   import the handler module that wires them.
+- The checkpoint format (``engine/checkpoint_format/``) is one package with no facade: its
+  ``__init__`` hands no names on, its modules import only each other and the engine's errors, file
+  helpers and thread setting (never a handler, never the trainer), and only the modules whose classes
+  extend DCP's (``manifest``, ``safe_read``) import ``torch.distributed.checkpoint`` when imported,
+  so ``import hookloop`` loads no DCP.
 - The checkpoint wing's modules stay under :data:`MAX_LINES` lines each, every other module under
   :data:`PROJECT_MAX_LINES`.
 - Only ``engine/files.py`` fsyncs: every durable or atomic write goes through it.
@@ -27,6 +32,8 @@ from __future__ import annotations
 import ast
 import configparser
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,17 +60,20 @@ IGNITE_PRIVATE = {
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
 SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
-# Modules held to the size bound: the checkpoint wing (the handler package and the engine's readers,
-# writers and pickle bounds beside it) and the file helpers.
+# Modules held to the size bound: the checkpoint wing (the handler package and the checkpoint format
+# it reads and writes) and the file helpers.
 MAX_LINES = 450
 BOUNDED = (
     "handlers/checkpoint/*.py",
-    "engine/checkpoint_*.py",
-    "engine/pickle_bounds.py",
+    "engine/checkpoint_format/*.py",
     "engine/files.py",
     "engine/rng.py",
-    "engine/state_codec.py",
 )
+CHECKPOINT_FORMAT = "hookloop.engine.checkpoint_format"
+# What the format package may import besides its own modules: the engine's leaves.
+FORMAT_MAY_IMPORT = {"hookloop.engine.errors", "hookloop.engine.files", "hookloop.engine.intra_op"}
+# The format's modules whose classes extend DCP's: the only ones that load it when imported.
+FORMAT_DCP_MODULES = {f"{CHECKPOINT_FORMAT}.manifest", f"{CHECKPOINT_FORMAT}.safe_read"}
 # Every other module: the trainer (the loop, its agreement and its stop) is the largest room.
 PROJECT_MAX_LINES = 1100
 FSYNC = re.compile(r"\bos\.fsync\(|^\s*def fsync_", re.M)
@@ -495,3 +505,68 @@ def test_the_engine_checks_find_planted_mentions(tmp_path):
     )
     assert len(_dynamic_handler_imports(source)) == 2
     assert _dynamic_handler_imports('importlib.import_module("hookloop.engine.x")\n') == []
+
+
+def test_the_checkpoint_format_is_one_package_without_a_facade():
+    """Each part of the format is imported by its own module name: the package hands nothing on."""
+    path = modules()[CHECKPOINT_FORMAT]
+    assert path == REPO / "engine" / "checkpoint_format" / "__init__.py"
+    tree = ast.parse(path.read_text())
+    assert [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))] == []
+    assert {
+        "errors",
+        "directory",
+        "manifest",
+        "safe_read",
+        "dcp_pickles",
+        "pickle_bounds",
+        "state_codec",
+    } <= {name.rsplit(".", 1)[1] for name in modules() if name.startswith(CHECKPOINT_FORMAT + ".")}
+
+
+def test_the_checkpoint_format_imports_no_handler_and_no_trainer():
+    offenders = {
+        name: sorted(d for d in deps if not d.startswith(CHECKPOINT_FORMAT) and d not in FORMAT_MAY_IMPORT)
+        for name, deps in graph().items()
+        if name == CHECKPOINT_FORMAT or name.startswith(CHECKPOINT_FORMAT + ".")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _module_level_dcp_imports(path: Path) -> list[str]:
+    """``torch.distributed.checkpoint`` imports at a module's top level (not inside a function)."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        found += [f"{node.lineno}: {n}" for n in names if n.startswith("torch.distributed.checkpoint")]
+    return found
+
+
+def test_only_the_formats_dcp_classes_load_dcp_when_imported():
+    offenders = {
+        name: hits
+        for name, path in modules().items()
+        if name.startswith("hookloop.engine") and name not in FORMAT_DCP_MODULES
+        for hits in [_module_level_dcp_imports(path)]
+        if hits
+    }
+    assert offenders == {}
+    assert all(_module_level_dcp_imports(modules()[name]) for name in FORMAT_DCP_MODULES)
+
+
+def test_importing_hookloop_loads_no_distributed_checkpoint(tmp_path):
+    """``import hookloop`` (the engine) stays free of ``torch.distributed.checkpoint``: the
+    checkpoint handler loads it when it is imported, to save and load."""
+    code = (
+        "import sys, hookloop\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"import hookloop loaded: {out.stdout.strip()}"

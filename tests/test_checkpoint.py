@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Events, ExitCode, Priority, Trainer
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import (
+    MARKER,
+    complete_checkpoints,
+    is_complete,
+    read_json,
+    read_latest,
+    step_dir_name,
+)
+from hookloop.engine.checkpoint_format.safe_read import SafeReader
 from hookloop.handlers import load_run_config
 from hookloop.handlers.checkpoint import (
     AsyncCheckpointer,
@@ -115,13 +123,13 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
     state = first.run(shuffled_loader(), max_steps=12)
     assert state.step == stop and state.exit_code == ExitCode.STOPPED
     assert saved == sorted({3, 6, stop} & set(range(1, stop + 1)))
-    assert io.read_latest(tmp_path) == io.step_dir_name(stop)
+    assert read_latest(tmp_path) == step_dir_name(stop)
 
     seed_all(99)  # a different process would start from other RNG states
     second = make_trainer(seed=5)
     checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=3).attach(second)
     second.run(shuffled_loader(), max_steps=12)
-    assert checkpointer.resumed_from == os.path.join(tmp_path, io.step_dir_name(stop))
+    assert checkpointer.resumed_from == os.path.join(tmp_path, step_dir_name(stop))
     assert (second.state.step, second.state.epoch) == (ref.state.step, ref.state.epoch)
     assert second.state.tokens_seen == ref.state.tokens_seen
     assert second.lr_scheduler.state_dict() == ref.lr_scheduler.state_dict()
@@ -139,7 +147,7 @@ def test_the_last_step_save_follows_the_runs_own_step_limit(tmp_path):
     trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
     state = trainer.run(shuffled_loader(), max_steps=5)
     assert state.step == 5 and saved == [5]
-    assert io.read_latest(tmp_path) == io.step_dir_name(5)
+    assert read_latest(tmp_path) == step_dir_name(5)
 
 
 class CountingSource:
@@ -215,15 +223,15 @@ def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_
         if checkpointer._writer.inflight is not None:  # a save of this step just started
             step = engine.state.step
             partial = checkpointer._writer.inflight.partial
-            observed.append((step, io.read_latest(tmp_path), io.is_complete(partial)))
+            observed.append((step, read_latest(tmp_path), is_complete(partial)))
 
     trainer.run(token_batches(12), max_steps=6)
     for step, latest, complete in observed:
-        assert latest != io.step_dir_name(step) and not complete
+        assert latest != step_dir_name(step) and not complete
     assert len(observed) == 6
-    complete, torn = io.complete_checkpoints(tmp_path)
+    complete, torn = complete_checkpoints(tmp_path)
     assert [s for s, _ in complete] == [6, 5] and not torn
-    assert io.read_latest(tmp_path) == io.step_dir_name(6)
+    assert read_latest(tmp_path) == step_dir_name(6)
     assert not [n for n in os.listdir(tmp_path) if "partial" in n]
     # a requeued job that already reached max_steps trains nothing more
     again = make_trainer(seed=2)
@@ -249,27 +257,27 @@ def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind
     directory = tmp_path / "ckpt"
     directory.mkdir()
     for step in (1, 2):  # complete: the run resumes from step 2, then keep_last=1 prunes both
-        (directory / io.step_dir_name(step)).symlink_to(outside / io.step_dir_name(step))
-    (directory / io.step_dir_name(0)).symlink_to(torn)  # torn and older than the newest: pruned
-    (directory / f"{io.step_dir_name(9)}.pruned-0000abcd").symlink_to(outside / io.step_dir_name(3))
-    (directory / f"{io.step_dir_name(9)}.partial-0000abcd").symlink_to(torn)
-    (directory / io.step_dir_name(3)).symlink_to(outside / io.step_dir_name(3) / "nothing")  # dangling
+        (directory / step_dir_name(step)).symlink_to(outside / step_dir_name(step))
+    (directory / step_dir_name(0)).symlink_to(torn)  # torn and older than the newest: pruned
+    (directory / f"{step_dir_name(9)}.pruned-0000abcd").symlink_to(outside / step_dir_name(3))
+    (directory / f"{step_dir_name(9)}.partial-0000abcd").symlink_to(torn)
+    (directory / step_dir_name(3)).symlink_to(outside / step_dir_name(3) / "nothing")  # dangling
     trainer = make_trainer(seed=1)
     checkpointer = AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1).attach(trainer)
     trainer.run(token_batches(8), max_steps=5)
     checkpointer.close()
-    assert checkpointer.resumed_from == str(directory / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(directory / step_dir_name(2))
     assert tree_bytes(outside) == before  # every marker and data file outside is where it was
-    assert sorted(os.listdir(directory)) == ["latest", io.step_dir_name(5)]
+    assert sorted(os.listdir(directory)) == ["latest", step_dir_name(5)]
     # a save of a step whose directory is a link replaces the link, not its target
-    (directory / io.step_dir_name(5)).rename(directory / "real")
-    (directory / io.step_dir_name(5)).symlink_to(outside / io.step_dir_name(3))
+    (directory / step_dir_name(5)).rename(directory / "real")
+    (directory / step_dir_name(5)).symlink_to(outside / step_dir_name(3))
     again = make_trainer(seed=1)
     AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1, resume=None).attach(again)
     again.run(token_batches(10), max_steps=5)
     assert tree_bytes(outside) == before
-    assert sorted(os.listdir(directory)) == ["latest", "real", io.step_dir_name(5)]
-    assert not (directory / io.step_dir_name(5)).is_symlink()
+    assert sorted(os.listdir(directory)) == ["latest", "real", step_dir_name(5)]
+    assert not (directory / step_dir_name(5)).is_symlink()
 
 
 def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
@@ -277,16 +285,16 @@ def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
     trainer.run(token_batches(8), max_steps=4)
     # A crash mid-save of step 6: files present, data truncated, no completion marker.
-    torn = tmp_path / io.step_dir_name(6)
-    shutil.copytree(tmp_path / io.step_dir_name(4), torn)
-    os.remove(torn / io.MARKER)
+    torn = tmp_path / step_dir_name(6)
+    shutil.copytree(tmp_path / step_dir_name(4), torn)
+    os.remove(torn / MARKER)
     for f in torn.glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:10])
     resumed = make_trainer(seed=1)
     checkpointer = AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8), max_steps=5)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(4))
     assert any(str(torn) in r.getMessage() for r in caplog.records)
     with pytest.raises(CheckpointError, match="incomplete"):
         AsyncCheckpointer(tmp_path / "other", resume=torn)
@@ -344,9 +352,9 @@ def test_finetune_from_loads_weights_only_and_starts_at_step_zero(tmp_path):
     source.run(token_batches(4), max_steps=2)
     weights = {f"p.{n}": p.detach().clone() for n, p in source.model.named_parameters()}
     tuned = make_trainer(seed=4)
-    AsyncCheckpointer(
-        tmp_path / "ft", mode="sync", finetune_from=tmp_path / "pre" / io.step_dir_name(2)
-    ).attach(tuned)
+    AsyncCheckpointer(tmp_path / "ft", mode="sync", finetune_from=tmp_path / "pre" / step_dir_name(2)).attach(
+        tuned
+    )
     at_start: dict = {}
     params_at_train_start(tuned, at_start, optimizer=False)
     tuned.run(token_batches(4), max_steps=1)
@@ -457,8 +465,8 @@ def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path
     AsyncCheckpointer(tmp_path, **options).attach(trainer)
     scripted_metric(trainer, {s: sign * v for s, v in first.items()})
     trainer.run(token_batches(20), max_steps=6)
-    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [6, 4]  # last 1; best 2: 4 and 6
-    marker = io.read_json(tmp_path / io.step_dir_name(4) / io.MARKER)
+    assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [6, 4]  # last 1; best 2: 4 and 6
+    marker = read_json(tmp_path / step_dir_name(4) / MARKER)
     assert marker["metrics"] == {"val_loss": sign * 1.0}
 
     # A new process resumes at step 6: the ranking reads the values stored in the markers.
@@ -467,7 +475,7 @@ def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path
     scripted_metric(again, {7: sign * 0.5, 8: sign * 9.0, 9: sign * 8.0})
     again.run(token_batches(20), max_steps=9)
     assert again.state.step == 9
-    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [9, 7, 4]  # last 1; best: 7, 4
+    assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [9, 7, 4]  # last 1; best: 7, 4
 
 
 def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_path, caplog):
@@ -477,7 +485,7 @@ def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_
     scripted_metric(trainer, {3: 2.0})
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         trainer.run(token_batches(20), max_steps=5)
-    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [5, 3]
+    assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [5, 3]
     warned = [r for r in caplog.records if "checkpoint.metric 'val_loss'" in r.getMessage()]
     assert len(warned) == 1
 
@@ -492,7 +500,7 @@ def test_keep_best_never_prunes_the_newest_known_good_checkpoint(tmp_path):
         engine.control.protected_step = min(engine.state.step, 2)
 
     trainer.run(token_batches(20), max_steps=4)
-    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [4, 2, 1]
+    assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [4, 2, 1]
 
 
 def test_keep_best_settings_are_validated_naming_the_field(tmp_path):
@@ -519,12 +527,12 @@ def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp
     @trainer.on(Events.STEP_START)
     def _block_step_4(engine):
         if engine.state.step == 4:  # the save of step 4 cannot create its directory
-            (tmp_path / f"{io.step_dir_name(4)}.partial-{checkpointer._session.id}").write_text("in the way")
+            (tmp_path / f"{step_dir_name(4)}.partial-{checkpointer._session.id}").write_text("in the way")
 
     with pytest.raises(CheckpointError, match="step 4"):
         trainer.run(token_batches(12), max_steps=6)
-    assert io.read_latest(tmp_path) == io.step_dir_name(2)
-    assert [s for s, _ in io.complete_checkpoints(tmp_path)[0]] == [2]
+    assert read_latest(tmp_path) == step_dir_name(2)
+    assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [2]
 
 
 def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
@@ -537,7 +545,7 @@ def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
     trainer.run(token_batches(2), max_steps=1)
-    path = tmp_path / io.step_dir_name(1)
+    path = tmp_path / step_dir_name(1)
 
     class Evil:
         def __reduce__(self):
@@ -546,16 +554,16 @@ def test_metadata_that_needs_arbitrary_unpickling_is_refused(tmp_path):
     payload = pickle.dumps(Evil())
     (path / ".metadata").write_bytes(payload)
     with pytest.raises(CheckpointError, match="does not match its manifest"):
-        io.SafeReader(path).read_metadata()
+        SafeReader(path).read_metadata()
     resumed = make_trainer()
     AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
     with pytest.raises(CheckpointError, match="damaged"):
         resumed.run(token_batches(2), max_steps=2)
-    marker = json.loads((path / io.MARKER).read_text())
+    marker = json.loads((path / MARKER).read_text())
     marker["manifest"]["files"][".metadata"].update(size=len(payload), checksum=f"{zlib.crc32(payload):08x}")
-    (path / io.MARKER).write_text(json.dumps(marker))
+    (path / MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        io.SafeReader(path).read_metadata()
+        SafeReader(path).read_metadata()
     resumed = make_trainer()  # verification refuses it too: damage, and nothing older to fall back to
     AsyncCheckpointer(tmp_path, mode="sync").attach(resumed)
     with pytest.raises(CheckpointError, match="every complete checkpoint to load from is damaged"):
@@ -583,7 +591,7 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
         during_save = attempt % 2 == 1
         target = min(progress + rng.randint(3, 6), steps - 3)
         delay = 0.0 if during_save else rng.uniform(0.0, 0.03)
-        complete_before = {p for _, p in io.complete_checkpoints(directory)[0]}
+        complete_before = {p for _, p in complete_checkpoints(directory)[0]}
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
         )
@@ -611,9 +619,9 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
     assert_bitwise(torch.load(out, weights_only=True), expected)
     # The last checkpoint's per-rank state (counters, data position, RNG, LR scheduler, handlers)
     # equals the uninterrupted run's, field by field.
-    final = io.step_dir_name(steps)
-    ours = io.read_json(directory / final / "rank_00000.json")
-    theirs = io.read_json(tmp_path / "reference" / final / "rank_00000.json")
+    final = step_dir_name(steps)
+    ours = read_json(directory / final / "rank_00000.json")
+    theirs = read_json(tmp_path / "reference" / final / "rank_00000.json")
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if ours[k] != theirs[k]] == []
 
@@ -673,21 +681,21 @@ def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp
         single = plain_trainer(2)
         AsyncCheckpointer(tmp_path / "single", mode="sync").attach(single)
         single.run(token_batches(4), max_steps=2)
-        load_from = str(tmp_path / "single" / io.step_dir_name(2))
+        load_from = str(tmp_path / "single" / step_dir_name(2))
         single_state = full_snapshot(single)
     results = run_distributed(_dist_resume_worker, 2, dp_mode, str(tmp_path / "dist"), load_from, timeout=150)
     for r in results:
         assert r["bitwise"], f"{dp_mode}: resumed run differs from the uninterrupted one"
-        assert r["steps"] == (6, str(tmp_path / "dist" / io.step_dir_name(3)))
+        assert r["steps"] == (6, str(tmp_path / "dist" / step_dir_name(3)))
     if dp_mode == "fsdp":
         assert_bitwise(from_numpy(results[0]["loaded_from_1"]), single_state)
         # 2 -> 1: the FSDP2 checkpoint of step 3 loads into one plain process
         one = plain_trainer(7)
-        ck = AsyncCheckpointer(tmp_path / "one", resume=tmp_path / "dist" / io.step_dir_name(3)).attach(one)
+        ck = AsyncCheckpointer(tmp_path / "one", resume=tmp_path / "dist" / step_dir_name(3)).attach(one)
         loaded: dict = {}
         params_at_train_start(one, loaded)
         one.run(token_batches(8), max_steps=4)
-        assert ck.resumed_from.endswith(io.step_dir_name(3)) and one.state.step == 4
+        assert ck.resumed_from.endswith(step_dir_name(3)) and one.state.step == 4
         assert_bitwise(loaded, from_numpy(results[0]["checkpoint_3"]))
 
 
@@ -727,7 +735,7 @@ def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_
     state = first.run(data)
     scheduler.close()
     assert (state.step, state.exit_code) == (6, ExitCode.STOPPED)
-    assert io.read_latest(tmp_path) == io.step_dir_name(6)
+    assert read_latest(tmp_path) == step_dir_name(6)
     seed_all(5)
     second, scheduler = build(3, data, tmp_path)
     state = second.run(data)
@@ -764,4 +772,4 @@ def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_leaves_the_l
     assert seen["names"][0] == seen["names"][1]  # the refused start added and removed nothing
     assert LOCK_FILE in seen["names"][0]  # held by the first run while it ran ...
     assert not (directory / LOCK_FILE).exists()  # ... and released at its end
-    assert io.read_latest(directory) == io.step_dir_name(4)
+    assert read_latest(directory) == step_dir_name(4)

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from hookloop.engine import Events, Trainer
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import is_complete, parse_step, step_dir_name
+from hookloop.engine.checkpoint_format.errors import index_mb
+from hookloop.engine.checkpoint_format.safe_read import SafeReader, verify_checkpoint
 from hookloop.engine.errors import ConfigError, exit_code_of
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
@@ -38,7 +40,7 @@ def _trainer(seed: int = 0) -> Trainer:
 
 
 def _needed(checkpoint) -> float:
-    return io.index_mb((checkpoint / ".metadata").stat().st_size)
+    return index_mb((checkpoint / ".metadata").stat().st_size)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -47,8 +49,8 @@ def test_a_save_over_the_bound_fails_the_run_at_that_save_naming_the_value(tmp_p
     AsyncCheckpointer(tmp_path, mode=mode, every_steps=2, max_index_mb=SMALL).attach(trainer)
     with pytest.raises(ConfigError) as info:
         trainer.run(token_batches(8, seed=1), max_steps=8)
-    first = tmp_path / io.step_dir_name(2)
-    assert io.is_complete(first), "the checkpoint is published: the fix resumes from it"
+    first = tmp_path / step_dir_name(2)
+    assert is_complete(first), "the checkpoint is published: the fix resumes from it"
     needed = _needed(first)
     error = info.value
     assert error.field == "checkpoint.max_index_mb" and exit_code_of(error) == 2
@@ -68,7 +70,7 @@ def test_a_resume_over_the_bound_names_the_setting_and_does_not_fall_back(tmp_pa
     trainer = _trainer()
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
     trainer.run(token_batches(8, seed=1), max_steps=4)
-    newest = tmp_path / io.step_dir_name(4)
+    newest = tmp_path / step_dir_name(4)
     refusing = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path, mode="sync", max_index_mb=SMALL).attach(refusing)
     before = {n: p.detach().clone() for n, p in refusing.model.named_parameters()}
@@ -84,8 +86,8 @@ def test_a_resume_over_the_bound_names_the_setting_and_does_not_fall_back(tmp_pa
     assert all(torch.equal(p, before[n]) for n, p in refusing.model.named_parameters())
     # the reader alone says the same
     with pytest.raises(ConfigError, match="checkpoint.max_index_mb.*at least"):
-        io.SafeReader(newest, index_limit=int(SMALL * 2**20)).read_metadata()
-    assert not io.verify_checkpoint(newest)[0], "within the default bound it is intact"
+        SafeReader(newest, index_limit=int(SMALL * 2**20)).read_metadata()
+    assert not verify_checkpoint(newest)[0], "within the default bound it is intact"
 
 
 def test_a_nan_rollback_never_meets_an_own_checkpoint_over_the_bound(tmp_path):
@@ -116,8 +118,8 @@ def test_the_command_exits_2_at_the_save_and_on_resume_and_resumes_with_the_valu
     assert "checkpoint.max_index_mb" in first.stderr
     status = json.loads((run_dir / "exit_status.json").read_text())
     assert status["code"] == 2 and status["meaning"] == "CONFIG_ERROR"
-    saved = run_dir / "checkpoints" / io.step_dir_name(io.parse_step(status["checkpoint"].split("/")[-1]))
-    assert status["checkpoint"] == str(saved) and io.is_complete(saved)
+    saved = run_dir / "checkpoints" / step_dir_name(parse_step(status["checkpoint"].split("/")[-1]))
+    assert status["checkpoint"] == str(saved) and is_complete(saved)
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_") and p != saved]
     needed = _needed(saved)
     assert f"checkpoint.max_index_mb to at least {needed:g}" in status["reason"]
@@ -132,5 +134,5 @@ def test_the_command_exits_2_at_the_save_and_on_resume_and_resumes_with_the_valu
 
     fixed = hookloop("train", "my_run.yaml", f"checkpoint.max_index_mb={needed:g}", cwd=project, timeout=300)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
-    assert f"resumed from {saved} (step {io.parse_step(saved.name)})" in fixed.stderr
+    assert f"resumed from {saved} (step {parse_step(saved.name)})" in fixed.stderr
     assert "done: step 8, loss " in fixed.stdout

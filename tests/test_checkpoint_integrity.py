@@ -21,7 +21,14 @@ import pytest
 import torch
 
 from hookloop.engine import Events, Trainer
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import MARKER, read_latest, step_dir_name
+from hookloop.engine.checkpoint_format.manifest import (
+    RecordingWriter,
+    file_checksum,
+    read_manifest,
+    read_marker,
+)
+from hookloop.engine.checkpoint_format.safe_read import SafeReader, verify_checkpoint
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
@@ -72,14 +79,14 @@ def _resume(directory, **kwargs) -> tuple[AsyncCheckpointer, dict]:
 
 def _tensor_span(checkpoint) -> tuple[str, int, int]:
     """``(file, offset, length)`` of the largest stored tensor entry (its bytes are mostly raw data)."""
-    metadata = io.SafeReader(checkpoint).read_metadata()
+    metadata = SafeReader(checkpoint).read_metadata()
     info = max(metadata.storage_data.values(), key=lambda s: s.length)
     return info.relative_path, info.offset, info.length
 
 
 def flip_tensor_bytes(checkpoint, name: str | None = None) -> str:
     """Invert 16 bytes in the middle of a tensor's data inside a ``.distcp`` file."""
-    metadata = io.SafeReader(checkpoint).read_metadata()
+    metadata = SafeReader(checkpoint).read_metadata()
     spans = [s for s in metadata.storage_data.values() if name is None or s.relative_path == name]
     info = max(spans, key=lambda s: s.length)
     path = os.path.join(checkpoint, info.relative_path)
@@ -105,7 +112,7 @@ def _delete_metadata(checkpoint) -> str:
 
 def _replace_metadata(checkpoint) -> str:
     """A well-formed index that belongs to another checkpoint (same layout, different save)."""
-    shutil.copy(checkpoint.parent / io.step_dir_name(2) / ".metadata", checkpoint / ".metadata")
+    shutil.copy(checkpoint.parent / step_dir_name(2) / ".metadata", checkpoint / ".metadata")
     return ".metadata"
 
 
@@ -144,27 +151,27 @@ DAMAGE = {
 # ------------------------------------------------------------------------------ manifest
 def test_the_marker_lists_every_file_with_its_size_and_checksum(tmp_path):
     _train(tmp_path, mode="async")
-    checkpoint = tmp_path / io.step_dir_name(4)
-    marker = io.read_marker(checkpoint)
+    checkpoint = tmp_path / step_dir_name(4)
+    marker = read_marker(checkpoint)
     assert marker["step"] == 4 and marker["manifest"]["algorithm"] == "crc32"
     files = marker["manifest"]["files"]
-    on_disk = sorted(n for n in os.listdir(checkpoint) if n != io.MARKER)
+    on_disk = sorted(n for n in os.listdir(checkpoint) if n != MARKER)
     assert sorted(files) == on_disk and ".metadata" in files and "rank_00000.json" in files
     for name, entry in files.items():
-        assert (entry["size"], entry["checksum"]) == io.file_checksum(checkpoint / name)
+        assert (entry["size"], entry["checksum"]) == file_checksum(checkpoint / name)
         assert entry["rank"] == 0
-    assert io.verify_checkpoint(checkpoint) == ([], True)
+    assert verify_checkpoint(checkpoint) == ([], True)
 
 
 # ------------------------------------------------------------------------------ fallback
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, caplog):
     states = _train(tmp_path)
-    newest = tmp_path / io.step_dir_name(4)
+    newest = tmp_path / step_dir_name(4)
     name = DAMAGE[damage](newest)
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(2))
     assert _equal(loaded, states[2])
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(newest) in m and name in m and "damaged" in m for m in warned), warned
@@ -173,37 +180,37 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
 @pytest.mark.parametrize("mode", ["sync", "async_copy"])
 def test_flipped_bytes_are_caught_in_every_save_mode(tmp_path, mode):
     states = _train(tmp_path, mode=mode)
-    flip_tensor_bytes(tmp_path / io.step_dir_name(4))
+    flip_tensor_bytes(tmp_path / step_dir_name(4))
     checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(2))
     assert _equal(loaded, states[2])
 
 
 def test_every_checkpoint_damaged_is_a_checkpoint_error_naming_them(tmp_path):
     _train(tmp_path)
     for step in (2, 4):
-        flip_tensor_bytes(tmp_path / io.step_dir_name(step))
+        flip_tensor_bytes(tmp_path / step_dir_name(step))
     with pytest.raises(CheckpointError, match="damaged") as info:
         _resume(tmp_path)
-    assert str(tmp_path / io.step_dir_name(2)) in str(info.value)
-    assert str(tmp_path / io.step_dir_name(4)) in str(info.value)
+    assert str(tmp_path / step_dir_name(2)) in str(info.value)
+    assert str(tmp_path / step_dir_name(4)) in str(info.value)
 
 
 def test_an_unreadable_marker_is_damage(tmp_path, caplog):
     states = _train(tmp_path)
-    (tmp_path / io.step_dir_name(4) / io.MARKER).write_text('{"step": 4, "manifest": {"algor')
+    (tmp_path / step_dir_name(4) / MARKER).write_text('{"step": 4, "manifest": {"algor')
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(2))
     assert _equal(loaded, states[2])
-    assert any(io.MARKER in r.getMessage() for r in caplog.records)
+    assert any(MARKER in r.getMessage() for r in caplog.records)
 
 
 def test_unlisted_extra_files_are_ignored(tmp_path):
     states = _train(tmp_path)
-    (tmp_path / io.step_dir_name(4) / "notes.txt").write_text("copied here by hand")
+    (tmp_path / step_dir_name(4) / "notes.txt").write_text("copied here by hand")
     checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(4))
     assert _equal(loaded, states[4])
 
 
@@ -211,12 +218,12 @@ def test_a_checkpoint_without_manifest_loads_with_an_unverified_warning(tmp_path
     """Checkpoints written before markers carried a manifest still load."""
     states = _train(tmp_path)
     for step in (2, 4):
-        marker = tmp_path / io.step_dir_name(step) / io.MARKER
+        marker = tmp_path / step_dir_name(step) / MARKER
         legacy = {k: v for k, v in json.loads(marker.read_text()).items() if k != "manifest"}
         marker.write_text(json.dumps(legacy))
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(4))
     assert _equal(loaded, states[4])
     assert any("unverified" in r.getMessage() for r in caplog.records)
 
@@ -229,18 +236,18 @@ def test_rollback_skips_a_damaged_newest_checkpoint(tmp_path):
         Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
     )
     trainer.run(token_batches(8, seed=1), max_steps=4)
-    flip_tensor_bytes(tmp_path / io.step_dir_name(4))
+    flip_tensor_bytes(tmp_path / step_dir_name(4))
     assert checkpointer.restore_latest() == 2
     assert _equal(_snapshot(trainer), states[2])
 
 
 def test_finetune_from_a_damaged_checkpoint_takes_the_older_one_beside_it(tmp_path, caplog):
     states = _train(tmp_path / "pre")
-    _delete_metadata(tmp_path / "pre" / io.step_dir_name(4))
+    _delete_metadata(tmp_path / "pre" / step_dir_name(4))
     trainer = _trainer(seed=5)
-    AsyncCheckpointer(
-        tmp_path / "ft", mode="sync", finetune_from=tmp_path / "pre" / io.step_dir_name(4)
-    ).attach(trainer)
+    AsyncCheckpointer(tmp_path / "ft", mode="sync", finetune_from=tmp_path / "pre" / step_dir_name(4)).attach(
+        trainer
+    )
     loaded: dict = {}
     trainer.add_event_handler(
         Events.TRAIN_START,
@@ -254,13 +261,13 @@ def test_finetune_from_a_damaged_checkpoint_takes_the_older_one_beside_it(tmp_pa
 
 def test_an_explicit_damaged_checkpoint_with_nothing_older_is_a_checkpoint_error(tmp_path):
     _train(tmp_path, steps=2)
-    only = tmp_path / io.step_dir_name(2)
+    only = tmp_path / step_dir_name(2)
     _delete_metadata(only)
     with pytest.raises(CheckpointError, match="damaged") as info:
         _resume(tmp_path / "elsewhere", resume=only)
     assert str(only) in str(info.value)
     with pytest.raises(CheckpointError, match=r"\.metadata"):  # the reader alone: never a raw OSError
-        io.SafeReader(only).read_metadata()
+        SafeReader(only).read_metadata()
 
 
 # ------------------------------------------------------------------------------ crafted rank state
@@ -323,11 +330,11 @@ CRAFTED_RANK_STATE: dict[str, Callable[[Path], bytes]] = {
 def _plant_rank_state(checkpoint: Path, content: bytes) -> None:
     """Write ``content`` as rank 0's state file and the manifest to match, as whoever crafted it would."""
     (checkpoint / "rank_00000.json").write_bytes(content)
-    marker = json.loads((checkpoint / io.MARKER).read_text())
+    marker = json.loads((checkpoint / MARKER).read_text())
     marker["manifest"]["files"]["rank_00000.json"].update(
         size=len(content), checksum=f"{zlib.crc32(content):08x}"
     )
-    (checkpoint / io.MARKER).write_text(json.dumps(marker))
+    (checkpoint / MARKER).write_text(json.dumps(marker))
 
 
 @pytest.mark.parametrize("craft", sorted(CRAFTED_RANK_STATE))
@@ -335,11 +342,11 @@ def test_a_crafted_rank_state_file_falls_back_to_the_previous_checkpoint(tmp_pat
     """The manifest matches (whoever wrote the file wrote the manifest too): the file's content is
     checked before anything is loaded, and a file the restore could not take is damage."""
     states = _train(tmp_path)
-    newest = tmp_path / io.step_dir_name(4)
+    newest = tmp_path / step_dir_name(4)
     _plant_rank_state(newest, CRAFTED_RANK_STATE[craft](newest))
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(2))
     assert _equal(loaded, states[2])
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(newest) in m and "rank_00000.json" in m and "damaged" in m for m in warned), warned
@@ -353,7 +360,7 @@ def test_a_crafted_rank_state_file_is_damage_to_a_rollback_too(tmp_path):
         Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
     )
     trainer.run(token_batches(8, seed=1), max_steps=4)
-    newest = tmp_path / io.step_dir_name(4)
+    newest = tmp_path / step_dir_name(4)
     _plant_rank_state(newest, _retyped(counters__epoch="first")(newest))
     assert checkpointer.restore_latest() == 2
     assert _equal(_snapshot(trainer), states[2])
@@ -362,7 +369,7 @@ def test_a_crafted_rank_state_file_is_damage_to_a_rollback_too(tmp_path):
 def test_an_intact_rank_state_file_passes_the_check(tmp_path):
     states = _train(tmp_path)
     checkpointer, loaded = _resume(tmp_path)
-    assert checkpointer.resumed_from == str(tmp_path / io.step_dir_name(4))
+    assert checkpointer.resumed_from == str(tmp_path / step_dir_name(4))
     assert _equal(loaded, states[4])
 
 
@@ -372,7 +379,7 @@ _FULL_DISK = textwrap.dedent(
     import json, os, sys
     import torch
     from hookloop.engine import Events, Trainer
-    from hookloop.engine import checkpoint_io as io
+    from hookloop.engine.checkpoint_format.directory import complete_checkpoints, read_latest
     from hookloop.models.gpt import cross_entropy_loss
     from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
     from tests.conftest import tiny_gpt, token_batches
@@ -404,8 +411,8 @@ _FULL_DISK = textwrap.dedent(
         out["error"], out["message"] = "CheckpointError", str(e)
     except BaseException as e:
         out["error"], out["message"] = type(e).__name__, str(e)[-500:]
-    out["latest"] = io.read_latest(directory)
-    out["complete"] = [s for s, _ in io.complete_checkpoints(directory)[0]]
+    out["latest"] = read_latest(directory)
+    out["complete"] = [s for s, _ in complete_checkpoints(directory)[0]]
     os.remove(filler)
     second = trainer(1)
     resumed = AsyncCheckpointer(directory, mode=mode).attach(second)
@@ -433,8 +440,8 @@ def test_a_save_into_a_full_disk_is_a_checkpoint_error_and_keeps_the_previous_ch
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert result["error"] == "CheckpointError", result
     assert "step 4" in result["message"] and str(directory) in result["message"]
-    assert result["latest"] == io.step_dir_name(2) and result["complete"] == [2]
-    assert result["resumed_from"] == str(directory / io.step_dir_name(2))
+    assert result["latest"] == step_dir_name(2) and result["complete"] == [2]
+    assert result["resumed_from"] == str(directory / step_dir_name(2))
 
 
 def test_a_failing_background_write_is_a_checkpoint_error(tmp_path, monkeypatch):
@@ -443,18 +450,18 @@ def test_a_failing_background_write_is_a_checkpoint_error(tmp_path, monkeypatch)
 
     trainer = _trainer()
     AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
-    original = io.RecordingWriter.write_data
+    original = RecordingWriter.write_data
 
     def failing(self, plan, planner):
         if "step_00000004" in str(self.path):
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(self, plan, planner)
 
-    monkeypatch.setattr(io.RecordingWriter, "write_data", failing)
+    monkeypatch.setattr(RecordingWriter, "write_data", failing)
     with pytest.raises(CheckpointError, match="step 4") as info:
         trainer.run(token_batches(12, seed=1), max_steps=6)
     assert "No space left on device" in str(info.value)
-    assert io.read_latest(tmp_path) == io.step_dir_name(2)
+    assert read_latest(tmp_path) == step_dir_name(2)
 
 
 # ------------------------------------------------------------------------------ two ranks
@@ -483,11 +490,11 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
     )
     first.run(data, max_steps=4)
     ck.close()
-    newest = os.path.join(directory, io.step_dir_name(4))
+    newest = os.path.join(directory, step_dir_name(4))
     own = sorted(
         n for n in os.listdir(newest) if n.startswith("__1_") and n.endswith(".distcp")
     )  # DCP's naming
-    assert all(io.read_manifest(newest)[n]["rank"] == 1 for n in own)
+    assert all(read_manifest(newest)[n]["rank"] == 1 for n in own)
     dist.barrier()
     if rank == 1:
         flip_tensor_bytes(newest, own[0])
@@ -516,7 +523,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
 
 def test_two_ranks_agree_on_the_fallback_when_only_one_rank_sees_the_damage(tmp_path):
     results = run_distributed(_one_rank_damaged_worker, 2, str(tmp_path), timeout=150)
-    expected = str(tmp_path / io.step_dir_name(2))
+    expected = str(tmp_path / step_dir_name(2))
     for r in results:
         assert r["resumed_from"] == expected and r["equal_step_2"], r
         assert any(r["damaged_file"] in m and "damaged" in m for m in r["warnings"]), r["warnings"]

@@ -23,7 +23,14 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from hookloop.engine import ConfigError, Events, Trainer
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import (
+    complete_checkpoints,
+    parse_step,
+    read_latest,
+    step_dir_name,
+)
+from hookloop.engine.checkpoint_format.manifest import RecordingWriter
+from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
 from hookloop.handlers import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
@@ -87,7 +94,7 @@ def checkpoint_content(world: int, path: str, reader_dir: str) -> dict[str, torc
     """What the checkpoint at ``path`` restores into a freshly built trainer."""
     trainer, checkpointer = build(world, reader_dir, resume=path)
     torch.manual_seed(9)  # other weights than the run that wrote it
-    trainer.run(data(), max_steps=io.parse_step(os.path.basename(path)))  # nothing left to train
+    trainer.run(data(), max_steps=parse_step(os.path.basename(path)))  # nothing left to train
     checkpointer.close()
     assert checkpointer.resumed_from == path
     return state_of(trainer)
@@ -151,16 +158,16 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
     except RuntimeError as e:
         out["error"] = str(e)
     out["saving_after_run"] = checkpointer.saving
-    out["latest"] = io.read_latest(directory)
-    out["complete"] = [s for s, _ in io.complete_checkpoints(directory)[0]]
+    out["latest"] = read_latest(directory)
+    out["complete"] = [s for s, _ in complete_checkpoints(directory)[0]]
     out["partial"] = sorted(n for n in os.listdir(directory) if ".partial-" in n)
     if scenario != "fail":
         checkpointer.close()
-    path = os.path.join(directory, io.step_dir_name(at))
+    path = os.path.join(directory, step_dir_name(at))
     if at in out["complete"]:
         out["saved_vs_checkpoint"] = differences(saved, checkpoint_content(world, path, directory + "-r"))
     if scenario == "rollback":
-        step_2 = checkpoint_content(world, os.path.join(directory, io.step_dir_name(2)), directory + "-r2")
+        step_2 = checkpoint_content(world, os.path.join(directory, step_dir_name(2)), directory + "-r2")
         out["rollback_vs_step_2"] = differences(out.pop("after_rollback"), step_2)
     return out
 
@@ -179,14 +186,14 @@ def check(out: dict[str, Any], scenario: str, world: int) -> None:
         assert out["complete"] == [5, 4, 3, 2]
     if scenario == "end":
         assert out["error"] is None and out["saving_after_run"] is False
-        assert out["latest"] == io.step_dir_name(4) and out["complete"] == [4, 2]
+        assert out["latest"] == step_dir_name(4) and out["complete"] == [4, 2]
     if scenario == "fail":
         assert "a handler failed" in out["error"]
         if world == 1:  # no peer to agree with: the drained save is published
-            assert out["latest"] == io.step_dir_name(4) and out["complete"] == [4, 2]
+            assert out["latest"] == step_dir_name(4) and out["complete"] == [4, 2]
         else:  # no collective on the failure path: it stays a partial directory, never loaded
-            assert out["latest"] == io.step_dir_name(2) and out["complete"] == [2]
-            assert [n.split(".")[0] for n in out["partial"]] == [io.step_dir_name(4)]
+            assert out["latest"] == step_dir_name(2) and out["complete"] == [2]
+            assert [n.split(".")[0] for n in out["partial"]] == [step_dir_name(4)]
             return
     # the checkpoint holds bitwise the state of the step it was saved at
     assert out["saved_vs_checkpoint"] == [], f"step {at}'s checkpoint differs: {out['saved_vs_checkpoint']}"
@@ -269,9 +276,9 @@ def test_kill_9_while_staging_publishes_nothing_and_resume_takes_the_previous_ch
         _kill(procs)
     assert all(proc.returncode == -signal.SIGKILL for proc in procs)
     names = sorted(os.listdir(directory))
-    assert [s for s, _ in io.complete_checkpoints(directory)[0]] == [2]  # step 4 never became one
-    assert io.read_latest(directory) == io.step_dir_name(2)
-    assert any(n.startswith(f"{io.step_dir_name(stall)}.partial-") for n in names), names
+    assert [s for s, _ in complete_checkpoints(directory)[0]] == [2]  # step 4 never became one
+    assert read_latest(directory) == step_dir_name(2)
+    assert any(n.startswith(f"{step_dir_name(stall)}.partial-") for n in names), names
 
     procs = _start(directory, steps, out, [], world)
     try:
@@ -280,9 +287,9 @@ def test_kill_9_while_staging_publishes_nothing_and_resume_takes_the_previous_ch
         _kill(procs)
     for rank, (proc, stdout) in enumerate(zip(procs, results)):
         assert proc.returncode == 0, _stderr(out, rank)
-        assert f"RESUMED {directory / io.step_dir_name(2)}" in stdout
-    assert io.read_latest(directory) == io.step_dir_name(steps)
-    problems, verified = io.verify_checkpoint(str(directory / io.step_dir_name(steps)))
+        assert f"RESUMED {directory / step_dir_name(2)}" in stdout
+    assert read_latest(directory) == step_dir_name(steps)
+    problems, verified = verify_checkpoint(str(directory / step_dir_name(steps)))
     assert verified and problems == []
     if world == 1:  # the resumed run ends bitwise where an uninterrupted one does
         reference, ref_checkpointer = ckpt_train.build(str(tmp_path / "reference"))
@@ -338,13 +345,13 @@ def test_a_dcp_writer_on_another_thread_uses_one_intra_op_thread_and_on_its_own_
     torch.set_num_threads(2)
     seen: dict[str, int] = {}
 
-    def save(name: str, writer: io.RecordingWriter) -> None:
+    def save(name: str, writer: RecordingWriter) -> None:
         dcp.save({"w": torch.randn(300, 300)}, storage_writer=writer, no_dist=True)
         seen[name] = torch.get_num_threads()
 
-    elsewhere = io.RecordingWriter(tmp_path / "a")
+    elsewhere = RecordingWriter(tmp_path / "a")
     thread = threading.Thread(target=save, args=("thread", elsewhere))
     thread.start()
     thread.join(timeout=60)
-    save("owner", io.RecordingWriter(tmp_path / "b"))
+    save("owner", RecordingWriter(tmp_path / "b"))
     assert seen == {"thread": 1, "owner": 2}

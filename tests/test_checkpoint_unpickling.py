@@ -20,9 +20,17 @@ import zlib
 import pytest
 import torch
 
-from hookloop.engine import Trainer, checkpoint_pickle
-from hookloop.engine import checkpoint_io as io
-from hookloop.engine.checkpoint_pickle import MetadataUnpickler
+from hookloop.engine import Trainer
+from hookloop.engine.checkpoint_format import dcp_pickles
+from hookloop.engine.checkpoint_format.dcp_pickles import MetadataUnpickler
+from hookloop.engine.checkpoint_format.directory import MARKER, step_dir_name
+from hookloop.engine.checkpoint_format.errors import CheckpointIndexBoundError, index_mb
+from hookloop.engine.checkpoint_format.safe_read import (
+    SafeReader,
+    check_entry,
+    load_metadata,
+    verify_checkpoint,
+)
 from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from hookloop.models.gpt import cross_entropy_loss
@@ -175,11 +183,11 @@ def _write_checkpoints(directory, steps: int = 4) -> None:
 def _plant(checkpoint, payload: bytes, *, update_manifest: bool) -> None:
     (checkpoint / ".metadata").write_bytes(payload)
     if update_manifest:  # as if whoever planted it also rewrote the manifest to match
-        marker = json.loads((checkpoint / io.MARKER).read_text())
+        marker = json.loads((checkpoint / MARKER).read_text())
         marker["manifest"]["files"][".metadata"].update(
             size=len(payload), checksum=f"{zlib.crc32(payload):08x}"
         )
-        (checkpoint / io.MARKER).write_text(json.dumps(marker))
+        (checkpoint / MARKER).write_text(json.dumps(marker))
 
 
 # ------------------------------------------------------------------------------ tests
@@ -188,7 +196,7 @@ def test_crafted_metadata_is_refused_by_the_unpickler_and_runs_nothing(tmp_path,
     marker = tmp_path / "owned"
     payload = PAYLOADS[name](marker)
     with pytest.raises(CheckpointError, match="somewhere/.metadata"):
-        io.load_metadata(payload, "somewhere/.metadata")
+        load_metadata(payload, "somewhere/.metadata")
     assert not marker.exists()
 
 
@@ -200,17 +208,17 @@ def test_crafted_metadata_with_a_matching_manifest_is_refused_and_the_run_falls_
     Nothing runs."""
     marker = tmp_path / "owned"
     _write_checkpoints(tmp_path / "ckpt")
-    newest = tmp_path / "ckpt" / io.step_dir_name(4)
+    newest = tmp_path / "ckpt" / step_dir_name(4)
     _plant(newest, PAYLOADS[name](marker), update_manifest=True)
     with pytest.raises(CheckpointError, match=str(newest / ".metadata")):
-        io.SafeReader(newest).read_metadata()
-    problems, verified = io.verify_checkpoint(newest)
+        SafeReader(newest).read_metadata()
+    problems, verified = verify_checkpoint(newest)
     assert verified and len(problems) == 1 and str(newest / ".metadata") in problems[0]
     resumed = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(resumed)
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8, seed=1), max_steps=6)
-    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / step_dir_name(2))
     assert any(str(newest / ".metadata") in r.getMessage() for r in caplog.records)
     assert not marker.exists()
 
@@ -221,15 +229,15 @@ def test_crafted_metadata_without_a_matching_manifest_is_never_unpickled(tmp_pat
     the previous checkpoint and never unpickles a byte of the planted file."""
     marker = tmp_path / "owned"
     _write_checkpoints(tmp_path / "ckpt")
-    newest = tmp_path / "ckpt" / io.step_dir_name(4)
+    newest = tmp_path / "ckpt" / step_dir_name(4)
     _plant(newest, PAYLOADS[name](marker), update_manifest=False)
     with pytest.raises(CheckpointError, match="does not match its manifest"):
-        io.SafeReader(newest).read_metadata()
+        SafeReader(newest).read_metadata()
     resumed = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(resumed)
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
         resumed.run(token_batches(8, seed=1), max_steps=5)
-    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / step_dir_name(2))
     assert any(str(newest) in r.getMessage() and ".metadata" in r.getMessage() for r in caplog.records)
     assert not marker.exists()
 
@@ -239,7 +247,7 @@ def test_build_cannot_rewrite_an_allowed_class():
 
     before = dict(vars(Metadata))
     with pytest.raises(CheckpointError, match="BUILD"):
-        io.load_metadata(payload_build_on_class(None), "x/.metadata")
+        load_metadata(payload_build_on_class(None), "x/.metadata")
     assert dict(vars(Metadata)) == before
 
 
@@ -248,7 +256,7 @@ def test_real_metadata_of_every_kind_uses_only_allowlisted_globals(tmp_path):
     distributed layouts (DDP, FSDP2, pipeline stages) load through it in their own tests."""
     _write_checkpoints(tmp_path)
     for step in (2, 4):
-        metadata = io.SafeReader(tmp_path / io.step_dir_name(step)).read_metadata()
+        metadata = SafeReader(tmp_path / step_dir_name(step)).read_metadata()
         assert any(k.startswith("optim.state.") for k in metadata.state_dict_metadata)
         assert any(k.startswith("model.") for k in metadata.state_dict_metadata)
 
@@ -276,9 +284,9 @@ def test_allowed_names_cannot_reach_anything_else():
 
 def test_valid_pickle_that_is_not_an_index_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a DCP checkpoint index"):
-        io.load_metadata(pickle.dumps({"state_dict_metadata": {}}), tmp_path / ".metadata")
+        load_metadata(pickle.dumps({"state_dict_metadata": {}}), tmp_path / ".metadata")
     with pytest.raises(CheckpointError, match="not a readable DCP checkpoint index"):
-        io.load_metadata(pickle.dumps([1, 2, 3])[:-3], tmp_path / ".metadata")
+        load_metadata(pickle.dumps([1, 2, 3])[:-3], tmp_path / ".metadata")
 
 
 # ------------------------------------------------------------------------------ resources
@@ -320,7 +328,7 @@ def torch_save_raw(payload: bytes) -> bytes:
 
 
 def _index(checkpoint):
-    return checkpoint_pickle.load_index((checkpoint / ".metadata").read_bytes())
+    return dcp_pickles.load_index((checkpoint / ".metadata").read_bytes())
 
 
 def _rewrite_index(checkpoint, metadata) -> None:
@@ -345,14 +353,14 @@ def _plant_entry(checkpoint, entry: bytes) -> str:
 
 def test_a_deeply_nested_tuple_is_refused_at_the_depth_bound(tmp_path):
     where = tmp_path / ".metadata"
-    bound = checkpoint_pickle.MAX_DEPTH
+    bound = dcp_pickles.MAX_DEPTH
     with pytest.raises(CheckpointError, match=rf"{where} nests tuples more than {bound} levels deep"):
-        io.load_metadata(deep_key_pickle(checkpoint_pickle.MAX_DEPTH + 1), where)
+        load_metadata(deep_key_pickle(dcp_pickles.MAX_DEPTH + 1), where)
     with pytest.raises(CheckpointError, match="nests tuples"):  # the million-deep one: no SIGSEGV
-        io.load_metadata(deep_key_pickle(1_000_000), where)
+        load_metadata(deep_key_pickle(1_000_000), where)
     # a tuple as deep as the bound is no problem of nesting (it is no index either)
     with pytest.raises(CheckpointError, match="dictionary key"):
-        io.load_metadata(deep_key_pickle(checkpoint_pickle.MAX_DEPTH - 1), where)
+        load_metadata(deep_key_pickle(dcp_pickles.MAX_DEPTH - 1), where)
 
 
 def test_dictionary_keys_that_share_a_hash_are_refused(tmp_path):
@@ -360,39 +368,39 @@ def test_dictionary_keys_that_share_a_hash_are_refused(tmp_path):
 
     where = tmp_path / ".metadata"
     with pytest.raises(CheckpointError, match="uses a builtins.int as a dictionary key"):
-        io.load_metadata(int_flood_pickle(20_000), where)
+        load_metadata(int_flood_pickle(20_000), where)
     # DCP's own keys can be crafted to collide too: offsets 0, +-P, +-2P, ... all hash alike.
     colliding = [MetadataIndex("w", torch.Size([k * _P61])) for k in (0, 1, -1, 2, -2, 3, -3, 4, -4)]
     assert len({hash(k) for k in colliding}) == 1 and len(set(colliding)) == 9
-    allowed = dict.fromkeys(colliding[: checkpoint_pickle.MAX_SAME_HASH])
+    allowed = dict.fromkeys(colliding[: dcp_pickles.MAX_SAME_HASH])
     with pytest.raises(CheckpointError, match="is not a DCP checkpoint index"):  # within the bound
-        io.load_metadata(pickle.dumps(allowed), where)
-    bound = checkpoint_pickle.MAX_SAME_HASH
+        load_metadata(pickle.dumps(allowed), where)
+    bound = dcp_pickles.MAX_SAME_HASH
     with pytest.raises(CheckpointError, match=f"more than {bound} keys with one hash"):
-        io.load_metadata(pickle.dumps(dict.fromkeys(colliding)), where)
+        load_metadata(pickle.dumps(dict.fromkeys(colliding)), where)
 
 
 def test_calls_sizes_and_file_references_are_bounded(tmp_path, monkeypatch):
     _write_checkpoints(tmp_path / "ckpt")
-    checkpoint = tmp_path / "ckpt" / io.step_dir_name(4)
+    checkpoint = tmp_path / "ckpt" / step_dir_name(4)
     where = checkpoint / ".metadata"
     with pytest.raises(CheckpointError, match="passes more than 128 values to REDUCE of torch.Size"):
-        io.load_metadata(pickle.dumps(torch.Size([1] * 200)), where)
+        load_metadata(pickle.dumps(torch.Size([1] * 200)), where)
     # an index that points the reader at a file outside the checkpoint
     metadata = _index(checkpoint)
     key = next(iter(metadata.storage_data))
     metadata.storage_data[key].relative_path = "/etc/passwd"
     _rewrite_index(checkpoint, metadata)
     with pytest.raises(CheckpointError, match="'/etc/passwd', not a file of the checkpoint"):
-        io.SafeReader(checkpoint).read_metadata()
+        SafeReader(checkpoint).read_metadata()
     # a file larger than an index may be is refused before a byte of it is unpickled
     _write_checkpoints(tmp_path / "other")
-    intact = tmp_path / "other" / io.step_dir_name(4)
-    monkeypatch.setattr(checkpoint_pickle, "METADATA_MAX_BYTES", 1000)
+    intact = tmp_path / "other" / step_dir_name(4)
+    monkeypatch.setattr(dcp_pickles, "METADATA_MAX_BYTES", 1000)
     with pytest.raises(CheckpointError, match=r"more than the 1000 \(.*\) this setting lets a run read"):
-        io.SafeReader(intact).read_metadata()
-    with pytest.raises(io.CheckpointIndexBoundError):  # verification too: intact, but over the bound
-        io.verify_checkpoint(intact)
+        SafeReader(intact).read_metadata()
+    with pytest.raises(CheckpointIndexBoundError):  # verification too: intact, but over the bound
+        verify_checkpoint(intact)
 
 
 def test_the_index_bound_is_the_checkpointers_setting(tmp_path):
@@ -402,26 +410,26 @@ def test_the_index_bound_is_the_checkpointers_setting(tmp_path):
     side of it is in test_checkpoint_index_bound.py)."""
     small = int(0.01 * 2**20)  # smaller than a tiny GPT's index (~90 kB)
     _write_checkpoints(tmp_path / "ckpt")
-    newest = tmp_path / "ckpt" / io.step_dir_name(4)
+    newest = tmp_path / "ckpt" / step_dir_name(4)
     size = (newest / ".metadata").stat().st_size
-    assert size > small and io.index_mb(size) * 2**20 >= size
-    expected = rf"more than the 10485 \(0.01 MiB\).*checkpoint.max_index_mb to at least {io.index_mb(size):g}"
-    with pytest.raises(io.CheckpointIndexBoundError, match=expected) as info:
-        io.SafeReader(newest, index_limit=small).read_metadata()
+    assert size > small and index_mb(size) * 2**20 >= size
+    expected = rf"more than the 10485 \(0.01 MiB\).*checkpoint.max_index_mb to at least {index_mb(size):g}"
+    with pytest.raises(CheckpointIndexBoundError, match=expected) as info:
+        SafeReader(newest, index_limit=small).read_metadata()
     assert isinstance(info.value, ConfigError) and info.value.field == "checkpoint.max_index_mb"
-    with pytest.raises(io.CheckpointIndexBoundError, match=expected):
-        io.verify_checkpoint(newest, index_limit=small)
-    assert not io.verify_checkpoint(newest)[0], "within the default bound it is intact"
+    with pytest.raises(CheckpointIndexBoundError, match=expected):
+        verify_checkpoint(newest, index_limit=small)
+    assert not verify_checkpoint(newest)[0], "within the default bound it is intact"
     # an index over the bound that is not the one its manifest lists is damage, not a setting
     (newest / ".metadata").write_bytes((newest / ".metadata").read_bytes() + b"\0")
-    assert "the manifest says" in str(io.verify_checkpoint(newest, index_limit=small)[0])
+    assert "the manifest says" in str(verify_checkpoint(newest, index_limit=small)[0])
     with pytest.raises(CheckpointError, match="its manifest says") as info:
-        io.SafeReader(newest, index_limit=small).read_metadata()
+        SafeReader(newest, index_limit=small).read_metadata()
     assert not isinstance(info.value, ConfigError)
     resumed = _trainer(seed=3)
     checkpointer = AsyncCheckpointer(tmp_path / "ckpt", mode="sync", max_index_mb=1).attach(resumed)
     resumed.run(token_batches(8, seed=1), max_steps=6)
-    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / io.step_dir_name(2))
+    assert checkpointer.resumed_from == str(tmp_path / "ckpt" / step_dir_name(2))
 
 
 def test_max_index_mb_is_checked_up_front(tmp_path):
@@ -436,18 +444,18 @@ def test_non_tensor_entries_are_checked_before_torch_loads_them():
     for value in [(0.9, 0.999), {"extra": torch.ones(2, 3), "ids": [1, 2, (3, 4)], 5: None, "s": {"x"}}]:
         ok = __import__("io").BytesIO()
         torch.save(value, ok)
-        io.check_entry(ok.getvalue(), "entry 'betas'")  # what torch.save writes passes
+        check_entry(ok.getvalue(), "entry 'betas'")  # what torch.save writes passes
     for payload, match in [
         (deep_key_pickle(1_000_000, protocol=2), "entry 'x' nests tuples"),
         (int_flood_pickle(20_000, protocol=2), "entry 'x' has more than 8 keys with one hash"),
     ]:
         with pytest.raises(CheckpointError, match=match):
-            io.check_entry(torch_save_raw(payload), "entry 'x'")
+            check_entry(torch_save_raw(payload), "entry 'x'")
     with pytest.raises(CheckpointError, match="not in torch.save's format"):
-        io.check_entry(pickle.dumps(0.9), "entry 'x'")
-    big = torch_save_raw(pickle.dumps(b"x" * (checkpoint_pickle.ENTRY_MAX_BYTES + 10), protocol=2))
+        check_entry(pickle.dumps(0.9), "entry 'x'")
+    big = torch_save_raw(pickle.dumps(b"x" * (dcp_pickles.ENTRY_MAX_BYTES + 10), protocol=2))
     with pytest.raises(CheckpointError, match="pickle, more than the"):
-        io.check_entry(big, "entry 'x'")
+        check_entry(big, "entry 'x'")
 
 
 # ------------------------------------------------------------------------------ a real resume
@@ -504,15 +512,15 @@ def test_a_crafted_pickle_in_the_newest_checkpoint_is_skipped_on_resume(trained_
     project = tmp_path / "project"
     shutil.copytree(trained_project, project)
     checkpoints = project / "runs" / "run" / "checkpoints"
-    named = plant(checkpoints / io.step_dir_name(8))
+    named = plant(checkpoints / step_dir_name(8))
     resumed = run_process(
         [sys.executable, "-m", "hookloop", "train", "run.yaml", "step_scheduler.max_steps=10"],
         cwd=project,
         timeout=120,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"checkpoint {checkpoints / io.step_dir_name(8)} is damaged" in resumed.stderr
+    assert f"checkpoint {checkpoints / step_dir_name(8)} is damaged" in resumed.stderr
     assert named in resumed.stderr, resumed.stderr[-3000:]
-    assert f"resumed from {checkpoints / io.step_dir_name(4)} (step 4)" in resumed.stderr
+    assert f"resumed from {checkpoints / step_dir_name(4)} (step 4)" in resumed.stderr
     status = json.loads((project / "runs" / "run" / "exit_status.json").read_text())
     assert status["code"] == 0 and status["step"] == 10

@@ -147,7 +147,7 @@ def _await_file(path: Path, procs: list[subprocess.Popen]) -> None:
 
 
 def _complete_steps(run_dir: Path) -> list[int]:
-    from hookloop.engine.checkpoint_io import complete_checkpoints
+    from hookloop.engine.checkpoint_format.directory import complete_checkpoints
 
     return [step for step, _ in complete_checkpoints(run_dir / "checkpoints")[0]]
 

@@ -62,7 +62,7 @@ def _written_since(status: dict, started: float) -> bool:
 
 
 def _complete(root: Path) -> list[int]:
-    from hookloop.engine.checkpoint_io import complete_checkpoints
+    from hookloop.engine.checkpoint_format.directory import complete_checkpoints
 
     return [step for step, _ in complete_checkpoints(root / "run" / "checkpoints")[0]]
 

@@ -236,7 +236,7 @@ def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp
 
 
 def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path):
-    from hookloop.engine.checkpoint_io import read_latest
+    from hookloop.engine.checkpoint_format.directory import read_latest
 
     poisoned = set(range(9, 40))
     trainer, detector, log, data = _rollback_run(tmp_path, poisoned=poisoned, max_rollbacks=1)

@@ -22,7 +22,8 @@ import torch
 
 from hookloop import Events, Trainer
 from hookloop.engine import ConfigError
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import MARKER, step_dir_name
+from hookloop.engine.checkpoint_format.manifest import file_checksum
 from hookloop.engine.data import prepare_tokens
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.handlers import AsyncCheckpointer
@@ -101,7 +102,7 @@ def metrics(project: Path) -> dict[int, dict]:
 
 def rank_state(project: Path, step: int) -> dict:
     return json.loads(
-        (project / "runs/run/checkpoints" / io.step_dir_name(step) / "rank_00000.json").read_text()
+        (project / "runs/run/checkpoints" / step_dir_name(step) / "rank_00000.json").read_text()
     )
 
 
@@ -323,15 +324,15 @@ def test_a_checkpoint_without_recorded_settings_still_resumes_and_says_so(in_pro
     ``settings`` entry (the manifest is rewritten to match, as that version wrote it)."""
     caplog.set_level(logging.INFO, logger="hookloop")
     assert run_here()[0] == 0
-    step = in_project / "runs/run/checkpoints" / io.step_dir_name(2)
+    step = in_project / "runs/run/checkpoints" / step_dir_name(2)
     state_file = step / "rank_00000.json"
     state = json.loads(state_file.read_text())
     del state["settings"]
     state_file.write_text(json.dumps(state))
-    marker = json.loads((step / io.MARKER).read_text())
-    size, crc = io.file_checksum(state_file)
+    marker = json.loads((step / MARKER).read_text())
+    size, crc = file_checksum(state_file)
     marker["manifest"]["files"]["rank_00000.json"].update(size=size, checksum=crc)
-    (step / io.MARKER).write_text(json.dumps(marker))
+    (step / MARKER).write_text(json.dumps(marker))
     code, rates = run_here("step_scheduler.max_steps=3", "optimizer.lr=0.001")
     assert code == 0
     (line,) = said(caplog)

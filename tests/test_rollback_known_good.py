@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from hookloop.engine import Events, ExitCode, Trainer
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.directory import MARKER, complete_checkpoints, parse_step
+from hookloop.engine.checkpoint_format.manifest import read_marker
 from hookloop.handlers import Priority, attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
@@ -204,7 +205,7 @@ def test_a_checkpoint_of_nan_weights_with_a_finite_loss_is_never_a_rollback_targ
     assert restored == [7]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     markers = {
-        io.parse_step(p.name): json.loads((p / io.MARKER).read_text())
+        parse_step(p.name): json.loads((p / MARKER).read_text())
         for p in (tmp_path / "checkpoints").glob("step_*")
     }
     assert all(m["finite"] is True for m in markers.values()), markers.keys()
@@ -224,5 +225,5 @@ def test_the_marker_records_whether_the_saved_state_is_finite(tmp_path, mode):
 
     trainer.run(token_batches(4), max_steps=2)
     checkpointer.close()
-    finite = {s: io.read_marker(p)["finite"] for s, p in io.complete_checkpoints(tmp_path)[0]}
+    finite = {s: read_marker(p)["finite"] for s, p in complete_checkpoints(tmp_path)[0]}
     assert finite == {1: True, 2: False}

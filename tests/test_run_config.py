@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Events, Trainer
-from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_int, check_str
 from hookloop.engine.config import PipelineSection
 from hookloop.engine.data import MixtureDataset, MixtureSampler

@@ -3,8 +3,8 @@
 What a checkpoint holds: model and optimizer through ``torch.distributed.checkpoint`` (DCP, sharded
 and reshardable), and per rank as JSON: the LR scheduler, the trainer's counters, every stateful
 handler registered with the trainer, the data position and the RNG states (python, numpy, torch,
-CUDA, the data's own generators). The on-disk layout and the safe readers are in
-:mod:`hookloop.engine.checkpoint_io`.
+CUDA, the data's own generators). The on-disk format and the safe readers are in
+:mod:`hookloop.engine.checkpoint_format`.
 
 When it saves (at STEP_END, after the StepScheduler has set its flags): on
 ``trainer.control.decided.save``, every ``every_steps`` steps, at the last step, when the run stops
@@ -40,7 +40,8 @@ Loading (resume, rollback, ``finetune_from``) first verifies the chosen checkpoi
 manifest, every rank checking a share of the files; a damaged checkpoint is named in a warning and
 the next older complete one is loaded instead, the same one on every rank. Checkpoints without a
 manifest (written by an earlier version) load with a warning that they are unverified. Every failure
-to save or load leaves as a ``CheckpointError`` naming the path.
+to save or load leaves as a ``CheckpointError`` naming the path (the errors are defined in
+:mod:`hookloop.engine.checkpoint_format.errors` and named here for users).
 
 The package is a few rooms, each owning its state, and a thin handler:
 
@@ -48,8 +49,8 @@ The package is a few rooms, each owning its state, and a thin handler:
 * :mod:`.session`: the checkpoint process group, the session id and the background threads;
 * :mod:`.writer`: the save in flight (starting, staging, waiting, publishing through the store);
 * :mod:`.store`: the directory (marker, ``latest``, pruning, the ranking metric, candidates);
-* :mod:`.reader`: choosing, verifying and loading a checkpoint; :mod:`.layout`: parameter names
-  across a pipeline split and the layout difference;
+* :mod:`.reader`: choosing, verifying and loading a checkpoint; :mod:`.model_layout`: parameter
+  names across a pipeline split and how a checkpoint's model layout differs from this model's;
 * :mod:`.rank_state`: the per-rank state JSON (counters, LR scheduler, handlers, data, RNG);
   :mod:`.rank_file`: reading one without trusting it;
 * :mod:`.resume_settings`: the settings a checkpoint records and what a resume does with a changed
@@ -57,10 +58,14 @@ The package is a few rooms, each owning its state, and a thin handler:
 * :mod:`.handler`: :class:`AsyncCheckpointer`, which wires events and policy to the rooms.
 """
 
-from hookloop.engine.checkpoint_io import CheckpointError, CheckpointIndexBoundError, CheckpointLayoutError
+from hookloop.engine.checkpoint_format.errors import (
+    CheckpointError,
+    CheckpointIndexBoundError,
+    CheckpointLayoutError,
+)
 from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
-from hookloop.handlers.checkpoint.layout import describe_layout_difference
+from hookloop.handlers.checkpoint.model_layout import describe_layout_difference
 from hookloop.handlers.checkpoint.resume_settings import Recorded
 
 __all__ = [

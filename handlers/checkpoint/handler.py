@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
@@ -18,7 +18,7 @@ from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
-from hookloop.handlers.checkpoint.reader import CheckpointReader, check_loadable
+from hookloop.handlers.checkpoint.reader import CheckpointReader, resolve_checkpoint_setting
 from hookloop.handlers.checkpoint.resume_settings import Recorded, ResumeSettings
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
@@ -120,9 +120,9 @@ class AsyncCheckpointer(Handler):
         # created once the run has started: a refused start leaves no directory behind
         check_writable_dir("checkpoint.directory", self.directory)
         if self.resume not in (None, "auto"):
-            check_loadable(self.resume, "checkpoint.resume")
+            resolve_checkpoint_setting(self.resume, "checkpoint.resume")
         if self.finetune_from is not None:
-            check_loadable(self.finetune_from, "checkpoint.finetune_from")
+            resolve_checkpoint_setting(self.finetune_from, "checkpoint.finetune_from")
 
         self.trainer: Any = None
         self.last_saved_step: int | None = None
@@ -426,7 +426,7 @@ class AsyncCheckpointer(Handler):
         self.last_checkpoint = save.final
         self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)
-        self._store.check_index(save.final, save.index_size)  # over checkpoint.max_index_mb: exit 2
+        self._store.check_index_bound(save.final, save.index_size)  # over checkpoint.max_index_mb: exit 2
 
     def _wait_local(self) -> None:
         """Wait for this rank's own write only (no collective: a peer may be gone)."""

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookloop.engine.checkpoint_io import CheckpointError, decode
+from hookloop.engine.checkpoint_format.errors import CheckpointError
+from hookloop.engine.checkpoint_format.state_codec import decode
 
 __all__ = ["FORMAT", "MAX_BYTES", "MAX_DEPTH", "VERSION", "rank_file", "read_rank_file"]
 

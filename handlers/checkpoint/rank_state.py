@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel, rng
-from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checkpoint_format.directory import parse_step
+from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checkpoint_format.state_codec import decode, encode
 from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
 from hookloop.handlers.checkpoint.rank_file import FORMAT, VERSION, rank_file, read_rank_file
@@ -66,7 +67,7 @@ class RankState:
         trainer, state = self.trainer, self.trainer.state
         handlers = {}
         for key, obj in trainer.stateful.items():
-            handlers[key] = io.encode(obj.state_dict(), f"handler {key!r} state_dict()")
+            handlers[key] = encode(obj.state_dict(), f"handler {key!r} state_dict()")
         data = trainer.step_data.state_dict() if trainer.step_data is not None else None
         scheduler = trainer.lr_scheduler
         return {
@@ -79,9 +80,9 @@ class RankState:
             # only once the save is published, after these counters were taken).
             "counters": {**state.counters(), "checkpoints_saved": state.checkpoints_saved + 1},
             "epoch_length": state.epoch_length,
-            "lr_scheduler": None if scheduler is None else io.encode(scheduler.state_dict(), "lr_scheduler"),
+            "lr_scheduler": None if scheduler is None else encode(scheduler.state_dict(), "lr_scheduler"),
             "handlers": handlers,
-            "data": io.encode(data, "data position"),
+            "data": encode(data, "data position"),
             "rng": rng.capture_rng(self._data_generators()),
             # What the run last reported, so a resumed run that trains no further step still says it.
             "last": {"loss": float(state.loss), "metrics": _numeric(state.metrics)},
@@ -114,7 +115,7 @@ class RankState:
         error, extra, plan = None, None, None
         try:
             extra = self._read_rank_state(path)
-            scheduler = io.decode(extra["lr_scheduler"]) if extra.get("lr_scheduler") is not None else None
+            scheduler = decode(extra["lr_scheduler"]) if extra.get("lr_scheduler") is not None else None
             plan = self._settings.plan(
                 self.trainer,
                 extra.get("settings"),
@@ -155,14 +156,14 @@ class RankState:
         except CheckpointLayoutError as e:  # named by the model setting that changed, if one did
             raise plan.layout_error(e) from None
         if trainer.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(io.decode(extra["lr_scheduler"]))
+            trainer.lr_scheduler.load_state_dict(decode(extra["lr_scheduler"]))
         lrs = self._settings.honour(trainer, plan)  # this run's hyperparameters and schedule
         self._load_handlers(extra.get("handlers", {}), rollback)
         counters = dict(extra["counters"])
         if rollback:
             for name in (*_EVENT_COUNTERS, "epoch"):
                 counters.pop(name, None)
-        position = io.decode(extra["data"]) if extra.get("data") is not None else None
+        position = decode(extra["data"]) if extra.get("data") is not None else None
         epoch_length = extra.get("epoch_length")
         state.load_counters(counters)
         rng.restore_rng(extra["rng"], self._data_generators())
@@ -229,7 +230,7 @@ class RankState:
             if key not in states:
                 logger.warning("handler state %r is not in the checkpoint; it starts fresh", key)
                 continue
-            obj.load_state_dict(io.decode(states[key]))
+            obj.load_state_dict(decode(states[key]))
         for key in sorted(set(states) - set(registered)):
             logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
 
@@ -257,7 +258,7 @@ class RankState:
 
 def _step_of(path: str) -> int | None:
     """The step a checkpoint directory's name says (None for a name that is not ``step_N``)."""
-    return io.parse_step(os.path.basename(os.path.normpath(path)))
+    return parse_step(os.path.basename(os.path.normpath(path)))
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:

@@ -15,11 +15,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checkpoint_format.directory import MARKER, parse_step, resolve_checkpoint
+from hookloop.engine.checkpoint_format.errors import (
+    CheckpointError,
+    CheckpointIndexBoundError,
+    CheckpointLayoutError,
+)
+from hookloop.engine.checkpoint_format.safe_read import SafeLoadPlanner, SafeReader, verify_checkpoint
 from hookloop.handlers.checkpoint.dcp_calls import last_line, quiet_single_process
-from hookloop.handlers.checkpoint.layout import (
+from hookloop.handlers.checkpoint.model_layout import (
     STAGE_PREFIX,
     back_to_names,
     describe_layout_difference,
@@ -29,7 +34,7 @@ from hookloop.handlers.checkpoint.layout import (
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore, not_finite
 
-__all__ = ["CheckpointReader", "check_loadable"]
+__all__ = ["CheckpointReader", "resolve_checkpoint_setting"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
@@ -81,7 +86,7 @@ class CheckpointReader:
         damage: CheckpointIndexBoundError naming the value to set, and no older checkpoint is tried
         (loading one would silently drop the steps since)."""
         if which != "auto":
-            resolved = check_loadable(which, field)
+            resolved = resolve_checkpoint_setting(which, field)
             if resolved != which:  # a directory of checkpoints: its newest intact one
                 if parallel.rank() == 0:
                     logger.info(
@@ -96,7 +101,7 @@ class CheckpointReader:
                 listing[0] = [
                     path
                     for path in self._store.candidates(which)
-                    if at_or_before is None or (io.parse_step(os.path.basename(path)) or 0) <= at_or_before
+                    if at_or_before is None or (parse_step(os.path.basename(path)) or 0) <= at_or_before
                 ]
                 if finite_only:
                     for path in [path for path in listing[0] if not_finite(path)]:
@@ -117,7 +122,7 @@ class CheckpointReader:
         for path in candidates:
             problems, verified, over = self._verify_agreed(path, check)
             if over is not None and not problems:
-                raise io.CheckpointIndexBoundError(
+                raise CheckpointIndexBoundError(
                     path,
                     *over,
                     f"to {'roll back to' if finite_only else 'load'} it (nothing was loaded; older "
@@ -138,7 +143,7 @@ class CheckpointReader:
                     "checkpoint %s has no manifest in its %s marker (written by an earlier version): "
                     "loading it unverified",
                     path,
-                    io.MARKER,
+                    MARKER,
                 )
             return path
         if damaged:
@@ -160,8 +165,8 @@ class CheckpointReader:
         try:
             with self._long_wait():  # reading the checkpoint back: local, long on slow storage
                 try:
-                    problems, verified = io.verify_checkpoint(path, rank, world, self.index_limit)
-                except io.CheckpointIndexBoundError as e:
+                    problems, verified = verify_checkpoint(path, rank, world, self.index_limit)
+                except CheckpointIndexBoundError as e:
                     problems, verified, over = [], True, (e.size, e.limit)
                 if check is not None:
                     problems = [*problems, *check(path)]
@@ -184,7 +189,7 @@ class CheckpointReader:
         written with pipeline stages and loaded without them (or the reverse) is this model's
         under other names: the map from this rank's parameter names to the checkpoint's is
         returned (None when the names are the same)."""
-        index = io.SafeReader(path, index_limit=self.index_limit).read_metadata()
+        index = SafeReader(path, index_limit=self.index_limit).read_metadata()
         stored = {
             k.removeprefix("model."): tuple(getattr(v, "size", ()))
             for k, v in index.state_dict_metadata.items()
@@ -229,8 +234,8 @@ class CheckpointReader:
             try:
                 dcp.load(
                     target,
-                    storage_reader=io.SafeReader(path, index_limit=self.index_limit),
-                    planner=io.SafeLoadPlanner(),
+                    storage_reader=SafeReader(path, index_limit=self.index_limit),
+                    planner=SafeLoadPlanner(),
                     process_group=self._session.group,
                     no_dist=self._session.group is None,
                 )
@@ -256,10 +261,10 @@ class CheckpointReader:
         logger.info("fine-tuning from the model weights of %s (starting at step 0)", path)
 
 
-def check_loadable(path: str, field: str) -> str:
+def resolve_checkpoint_setting(path: str, field: str) -> str:
     """The complete checkpoint ``path`` names (itself, or the newest complete one in a directory of
     checkpoints); a CheckpointError naming ``field`` otherwise."""
     try:
-        return io.resolve_checkpoint(path)[0]
+        return resolve_checkpoint(path)[0]
     except CheckpointError as e:
         raise CheckpointError(f"{field}: {e}") from None

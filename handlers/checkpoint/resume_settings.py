@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hookloop.engine.checkpoint_io import CheckpointError, CheckpointLayoutError
+from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointLayoutError
 from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint.session import CheckpointSession
 

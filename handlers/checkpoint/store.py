@@ -16,9 +16,19 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checkpoint_format.directory import (
+    MARKER,
+    complete_checkpoints,
+    parse_step,
+    read_json,
+    read_latest,
+    write_json_atomic,
+    write_latest,
+)
+from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
+from hookloop.engine.checkpoint_format.manifest import make_manifest, read_marker
+from hookloop.engine.files import fsync_dir
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
 __all__ = ["CheckpointStore", "delete_tree", "not_finite"]
@@ -35,7 +45,7 @@ class CheckpointStore:
         session: names this run's partial, replaced and pruned directories; its file thread deletes
             pruned checkpoints.
         keep_last, keep_best, metric, metric_mode: what pruning keeps (see the checkpointer).
-        index_limit: the largest index a resume reads, in bytes (see :meth:`check_index`).
+        index_limit: the largest index a resume reads, in bytes (see :meth:`check_index_bound`).
         wait_timeout_s: the longest a wait for a deletion may take before it is left to finish.
         long_wait: a context manager around waits that are long by nature (the watchdog's pause).
         known_good: the newest step a detector trusts (None: none), read when pruning.
@@ -88,18 +98,18 @@ class CheckpointStore:
                 "mode": mode,
                 "time": time.time(),
                 "metrics": metrics,
-                "manifest": io.make_manifest(files),
+                "manifest": make_manifest(files),
             }
             if finite is not None:
                 marker["finite"] = finite
-            io.write_json_atomic(os.path.join(partial, io.MARKER), marker)
+            write_json_atomic(os.path.join(partial, MARKER), marker)
             if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{final}.replaced-{self._session.id}"
                 os.replace(final, trash)
                 delete_tree(trash)
             os.replace(partial, final)
-            io.fsync_dir(self.directory)
-            io.write_latest(self.directory, os.path.basename(final))
+            fsync_dir(self.directory)
+            write_latest(self.directory, os.path.basename(final))
         except OSError as e:
             logger.error("could not publish checkpoint %s: %s", final, e)
             return False
@@ -110,13 +120,13 @@ class CheckpointStore:
             logger.warning("could not prune old checkpoints in %s (training goes on): %s", self.directory, e)
         return True
 
-    def check_index(self, final: str, size: int) -> None:
+    def check_index_bound(self, final: str, size: int) -> None:
         """A published checkpoint whose index has ``size`` bytes, more than ``index_limit``: no
         resume or rollback could read it, so the run stops here with the setting to change
         (CheckpointIndexBoundError, a config error: exit 2). The checkpoint is complete; a run with
         the new value resumes from it."""
         if size > self.index_limit:
-            raise io.CheckpointIndexBoundError(
+            raise CheckpointIndexBoundError(
                 os.path.join(final, ".metadata"),
                 size,
                 self.index_limit,
@@ -132,16 +142,16 @@ class CheckpointStore:
         outside the checkpoint directory is touched: a step directory that is a symbolic link
         loses the link only (its target, marker included, stays as it was)."""
         self.wait_pruned()
-        complete, torn = io.complete_checkpoints(self.directory)
+        complete, torn = complete_checkpoints(self.directory)
         newest = complete[0][0] if complete else -1
         doomed: list[str] = []
         for path in torn:  # left by a deletion that a crash interrupted (a save in flight is .partial)
-            step = io.parse_step(os.path.basename(path))
+            step = parse_step(os.path.basename(path))
             if step is not None and step < newest:
                 doomed.append(path)
         keep = {path for _, path in complete[: self.keep_last]}
         keep.update(self.best(complete))
-        latest = io.read_latest(self.directory)
+        latest = read_latest(self.directory)
         if latest:
             keep.add(os.path.join(self.directory, latest))
         good = self._known_good()
@@ -158,7 +168,7 @@ class CheckpointStore:
                 doomed.append(path)
                 continue
             try:
-                os.remove(os.path.join(path, io.MARKER))  # incomplete first, so a reader never loads it
+                os.remove(os.path.join(path, MARKER))  # incomplete first, so a reader never loads it
             except OSError as e:
                 logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
                 continue
@@ -223,7 +233,7 @@ class CheckpointStore:
         ranked = []
         for step, path in complete:
             try:
-                value = io.read_json(os.path.join(path, io.MARKER)).get("metrics", {}).get(self.metric)
+                value = read_json(os.path.join(path, MARKER)).get("metrics", {}).get(self.metric)
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(value, int | float) and math.isfinite(value):
@@ -234,16 +244,16 @@ class CheckpointStore:
     def candidates(self, which: str) -> list[str]:
         """Rank 0: the checkpoints to try, newest first (see :meth:`CheckpointReader.agreed_checkpoint`)."""
         if which != "auto":
-            step = io.parse_step(os.path.basename(which))
+            step = parse_step(os.path.basename(which))
             parent = os.path.dirname(which)
-            older = [path for s, path in io.complete_checkpoints(parent)[0] if step is not None and s < step]
+            older = [path for s, path in complete_checkpoints(parent)[0] if step is not None and s < step]
             return [which, *older]
-        complete, torn = io.complete_checkpoints(self.directory)
+        complete, torn = complete_checkpoints(self.directory)
         newest = complete[0][0] if complete else -1
         for path in torn:
-            step_of = io.parse_step(os.path.basename(path))
+            step_of = parse_step(os.path.basename(path))
             if step_of is not None and step_of > newest:
-                logger.warning("skipping incomplete checkpoint %s (no %s marker)", path, io.MARKER)
+                logger.warning("skipping incomplete checkpoint %s (no %s marker)", path, MARKER)
         return [path for _, path in complete]
 
     def remove_stale_partials(self) -> None:
@@ -274,6 +284,6 @@ def not_finite(path: str) -> bool:
     """Whether checkpoint ``path``'s marker records NaN/Inf in its saved parameters or optimizer
     state (markers of earlier versions record nothing: they count as finite)."""
     try:
-        return io.read_marker(path).get("finite", True) is False
+        return read_marker(path).get("finite", True) is False
     except CheckpointError:
         return False  # verification reports the damaged marker

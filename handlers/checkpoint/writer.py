@@ -19,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from hookloop.engine import checkpoint_io as io
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_io import CheckpointError
+from hookloop.engine.checkpoint_format.directory import step_dir_name, write_json_atomic
+from hookloop.engine.checkpoint_format.errors import CheckpointError
+from hookloop.engine.checkpoint_format.manifest import RecordingWriter, checksum_files
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
@@ -52,7 +53,7 @@ class Save:
         final: str,
         done: Future,
         staged: Future | None,
-        writer: io.RecordingWriter | None = None,
+        writer: RecordingWriter | None = None,
         rank_file: Future | None = None,
         metrics: dict[str, float] | None = None,
     ) -> None:
@@ -104,8 +105,8 @@ def all_of(futures: list[Future]) -> Future:
 def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Write this rank's state JSON durably into ``partial``; its manifest entries. A file larger
     than a resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
-    io.write_json_atomic(os.path.join(partial, name), extra)
-    entries = io.checksum_files(partial, [name], parallel.rank())  # tens of kB
+    write_json_atomic(os.path.join(partial, name), extra)
+    entries = checksum_files(partial, [name], parallel.rank())  # tens of kB
     if entries[name]["size"] > MAX_BYTES:
         raise CheckpointError(
             f"the state of rank {parallel.rank()} takes {entries[name]['size']} bytes, more than the "
@@ -172,7 +173,7 @@ class CheckpointWriter:
         """Start saving ``step`` (no save may be in flight): this rank's state JSON ``extra`` and
         the model and optimizer through DCP; ``metrics`` go into the marker. ``extra`` None: the
         state JSON comes later, through :meth:`write_state` (the save is not done before it)."""
-        name = io.step_dir_name(step)
+        name = step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session.id}")
         own_state = f"rank_{parallel.rank():05d}.json"
         try:
@@ -196,7 +197,7 @@ class CheckpointWriter:
             model_sd = copy_buffers(model_sd, model)
         state_dict = {"model": model_sd, "optim": optim_sd}
         # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
-        writer = io.RecordingWriter(partial, parallel.rank(), checked=checked)
+        writer = RecordingWriter(partial, parallel.rank(), checked=checked)
         group = self._session.group
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,

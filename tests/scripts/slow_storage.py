@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from hookloop.engine import TrainingAborted
-from hookloop.engine import checkpoint_io as io
+from hookloop.engine.checkpoint_format.manifest import RecordingWriter
 from hookloop.engine.parallel import exit_process, init_distributed, wrap_data_parallel
 from hookloop.handlers.checkpoint import AsyncCheckpointer
+from hookloop.handlers.checkpoint import reader as checkpoint_reader
 from hookloop.handlers.health_check import HealthCheck
 
 
@@ -41,22 +42,22 @@ def main() -> int:
     slow_write = float(os.environ.get("SLOW_WRITE_S", "0"))
     slow_verify = float(os.environ.get("SLOW_VERIFY_S", "0"))
     if rank in slow_ranks and slow_write:
-        make_durable = io.RecordingWriter._make_durable
+        make_durable = RecordingWriter._make_durable
 
         def slow_make_durable(self, names):
             (run_dir / f"slow-write-rank{rank}").write_text(str(time.time()))
             time.sleep(slow_write)
             return make_durable(self, names)
 
-        io.RecordingWriter._make_durable = slow_make_durable
+        RecordingWriter._make_durable = slow_make_durable
     if rank in slow_ranks and slow_verify:
-        verify = io.verify_checkpoint
+        verify = checkpoint_reader.verify_checkpoint
 
         def slow_verify_checkpoint(*args, **kwargs):
             time.sleep(slow_verify)
             return verify(*args, **kwargs)
 
-        io.verify_checkpoint = slow_verify_checkpoint
+        checkpoint_reader.verify_checkpoint = slow_verify_checkpoint
     finish = AsyncCheckpointer._finish
 
     def marked_finish(self, wait):

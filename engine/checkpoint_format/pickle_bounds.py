@@ -1,5 +1,5 @@
 """The bounded unpickler every checkpoint pickle is read with: the resource rules of
-:mod:`hookloop.engine.checkpoint_pickle` (nesting, values per call, keys per hash value, memo
+:mod:`hookloop.engine.checkpoint_format.dcp_pickles` (nesting, values per call, keys per hash value, memo
 indices, no sets or out-of-band buffers) checked on every opcode that nests, calls, fills in or
 hashes something. Which globals resolve and what a call or BUILD may do is the subclasses' part
 (the index's allowlist, the entry checker's inert stand-ins)."""

@@ -1,6 +1,19 @@
-"""What a checkpoint looks like on disk, and how to read it without trusting it.
+"""The checkpoint format: what a checkpoint looks like on disk, and how to read it without trusting
+it. One module per part, imported by its own name (this package hands no names on)::
 
-Layout of a checkpoint directory::
+    errors          CheckpointError and its kinds (another model layout, an index over the bound)
+    directory       step_N names, the .complete marker, ``latest``, resolving a path a user gave
+    manifest        checksums, the manifest in the marker, RecordingWriter (DCP's writer, recording)
+    safe_read       verify_checkpoint, pickle_problems, SafeReader / SafeLoadPlanner (DCP's reader)
+    dcp_pickles     the allowlists for DCP's index and non-tensor entries
+    pickle_bounds   the bounded unpickler both are read with
+    state_codec     the JSON form of the per-rank state (tensors, arrays, RNG states)
+
+Only ``manifest`` and ``safe_read`` import ``torch.distributed.checkpoint`` when they are imported
+(their classes extend DCP's); the checkpoint handler imports them to save and load, so
+``import hookloop`` does not load DCP.
+
+A directory of checkpoints::
 
     <directory>/
         step_00000100/          one complete checkpoint per saved step
@@ -36,89 +49,7 @@ then read with an unpickler that resolves only an exact list of DCP's metadata c
 torch values (no module prefixes, no attribute walks, no builtins), non-tensor DCP entries are
 loaded with ``weights_only=True``, and the per-rank state is JSON (tensors and RNG states are
 base64 inside it). Both pickles are also read within stated bounds (size, nesting, values per
-call, keys per hash value: :mod:`engine.checkpoint_pickle`), so a crafted one is refused in time
+call, keys per hash value: :mod:`.dcp_pickles`), so a crafted one is refused in time
 linear in its size instead of crashing or stalling the reader; verification already checks them,
 so a crafted checkpoint is skipped like a damaged one.
 """
-
-from __future__ import annotations
-
-from hookloop.engine.checkpoint_layout import (
-    LATEST,
-    MARKER,
-    CheckpointError,
-    CheckpointIndexBoundError,
-    CheckpointLayoutError,
-    complete_checkpoints,
-    is_complete,
-    parse_step,
-    read_json,
-    read_latest,
-    resolve_checkpoint,
-    step_dir_name,
-    write_json_atomic,
-    write_latest,
-)
-from hookloop.engine.checkpoint_manifest import (
-    CHECKSUM_ALGORITHM,
-    RecordingWriter,
-    all_finite,
-    checksum_files,
-    file_checksum,
-    make_manifest,
-    read_manifest,
-    read_marker,
-)
-from hookloop.engine.checkpoint_safe_read import (
-    SafeLoadPlanner,
-    SafeReader,
-    check_entry,
-    check_loadable,
-    index_mb,
-    load_metadata,
-    verify_checkpoint,
-    verify_file,
-)
-from hookloop.engine.files import fsync_dir, fsync_file
-from hookloop.engine.rng import capture_rng, data_generators, restore_rng
-from hookloop.engine.state_codec import decode, encode
-
-__all__ = [
-    "LATEST",
-    "MARKER",
-    "CHECKSUM_ALGORITHM",
-    "CheckpointError",
-    "CheckpointIndexBoundError",
-    "CheckpointLayoutError",
-    "RecordingWriter",
-    "SafeLoadPlanner",
-    "SafeReader",
-    "all_finite",
-    "capture_rng",
-    "check_entry",
-    "check_loadable",
-    "checksum_files",
-    "complete_checkpoints",
-    "data_generators",
-    "decode",
-    "encode",
-    "file_checksum",
-    "fsync_dir",
-    "fsync_file",
-    "is_complete",
-    "index_mb",
-    "load_metadata",
-    "make_manifest",
-    "parse_step",
-    "read_json",
-    "read_latest",
-    "read_manifest",
-    "read_marker",
-    "resolve_checkpoint",
-    "restore_rng",
-    "step_dir_name",
-    "verify_checkpoint",
-    "verify_file",
-    "write_json_atomic",
-    "write_latest",
-]

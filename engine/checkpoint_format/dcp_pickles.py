@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from hookloop.engine.pickle_bounds import (
+from hookloop.engine.checkpoint_format.pickle_bounds import (
     ATOMS,
     MAX_CALL_VALUES,
     MAX_DEPTH,
@@ -63,8 +63,8 @@ __all__ = [
     "METADATA_MAX_BYTES",
     "MetadataUnpickler",
     "PickleRefused",
-    "check_entry",
-    "check_index",
+    "check_entry_pickle",
+    "check_index_fields",
     "load_index",
 ]
 
@@ -225,17 +225,17 @@ def _check_index_key_fields(fqn: Any, offset: Any, index: Any) -> None:
 def load_index(data: bytes, limit: int | None = None) -> Any:
     """DCP's ``Metadata`` from the bytes of a ``.metadata`` file, within this module's bounds (an
     index at most ``limit`` bytes, :data:`METADATA_MAX_BYTES` by default) and checked by
-    :func:`check_index`. PickleRefused for a broken rule; any other exception means the bytes are
+    :func:`check_index_fields`. PickleRefused for a broken rule; any other exception means the bytes are
     not a readable pickle."""
     limit = METADATA_MAX_BYTES if limit is None else limit
     if len(data) > limit:
         raise PickleRefused(f"has {len(data)} bytes, more than the {limit} an index may have")
     metadata = MetadataUnpickler(data).load()
-    check_index(metadata)
+    check_index_fields(metadata)
     return metadata
 
 
-def check_index(metadata: Any) -> None:
+def check_index_fields(metadata: Any) -> None:
     """Refuse a ``Metadata`` whose fields are not what DCP's file reader expects: the entries'
     records, the data files' plain names (a crafted index could otherwise point the reader at any
     file on the machine) and non-negative byte ranges."""
@@ -347,7 +347,7 @@ class _EntryChecker(BoundedUnpickler):
         raise PickleRefused(f"uses a {show(type(key))} as a dictionary key")
 
 
-def check_entry(data: bytes) -> None:
+def check_entry_pickle(data: bytes) -> None:
     """Refuse the bytes of a non-tensor checkpoint entry unless ``torch.save`` wrote them (its zip
     format) and their pickle keeps to this module's bounds. Reads the pickle with torch's own
     archive reader, as ``torch.load`` then does."""

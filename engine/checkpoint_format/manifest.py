@@ -1,7 +1,7 @@
 """A checkpoint's integrity manifest: checksums of every file, written beside the save by
 :class:`RecordingWriter` (DCP's writer that checksums and fsyncs what it wrote, and checks the saved
 state for NaN/Inf), and read back from the completion marker. See
-:mod:`hookloop.engine.checkpoint_io` for the whole picture."""
+:mod:`hookloop.engine.checkpoint_format` for the whole picture."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-from hookloop.engine.checkpoint_layout import MARKER, CheckpointError, read_json
+from hookloop.engine.checkpoint_format.directory import MARKER, read_json
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.files import fsync_dir, fsync_file
 from hookloop.engine.intra_op import use_one_intra_op_thread
 
@@ -32,7 +33,7 @@ __all__ = [
     "read_marker",
 ]
 
-logger = logging.getLogger("hookloop.engine.checkpoint_io")
+logger = logging.getLogger(__name__)
 
 CHECKSUM_ALGORITHM = "crc32"
 _READ_CHUNK = 4 << 20

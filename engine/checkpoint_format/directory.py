@@ -1,24 +1,20 @@
-"""The checkpoint directory's layout: ``step_N`` names, completion markers, ``latest``, finding
-the complete checkpoints and resolving a path a user gave; the errors every checkpoint reader and
-writer raises. The whole picture is in :mod:`hookloop.engine.checkpoint_io`."""
+"""A directory of checkpoints: ``step_N`` names, completion markers, ``latest``, finding the
+complete checkpoints and resolving a path a user gave. The whole picture is in
+:mod:`hookloop.engine.checkpoint_format`."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from typing import Any
 
-from hookloop.engine.errors import ConfigError, HookloopError
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.files import atomic_write
 
 __all__ = [
     "LATEST",
     "MARKER",
-    "CheckpointError",
-    "CheckpointIndexBoundError",
-    "CheckpointLayoutError",
     "complete_checkpoints",
     "is_complete",
     "parse_step",
@@ -35,50 +31,6 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(HookloopError, RuntimeError):
-    """A checkpoint could not be written or read (missing, incomplete, from another model, unsafe)."""
-
-
-class CheckpointLayoutError(CheckpointError, ConfigError):
-    """The checkpoint to load holds another model layout (other layers, widths or pipeline split).
-
-    Also a :class:`ConfigError` naming the field that chose the checkpoint (``checkpoint.resume``),
-    since the fix is a setting: resume with the layout that wrote it or start fresh. Raised before
-    anything is loaded, so the running model and the saved checkpoints are untouched.
-    ``difference`` says how the layouts differ, in a few words."""
-
-    difference: str = ""
-
-
-class CheckpointIndexBoundError(CheckpointError, ConfigError):
-    """An intact checkpoint's DCP index (``.metadata``) of ``size`` bytes is larger than the
-    ``limit`` that ``checkpoint.max_index_mb`` lets a run read: a setting to raise, not damage.
-
-    ``needed`` is the smallest ``checkpoint.max_index_mb`` that reads it; ``then`` ends the message
-    (what happened and what the new value does). Raised where the index is read (nothing of it is
-    unpickled) and at the save that wrote it."""
-
-    def __init__(self, path: str | os.PathLike, size: int, limit: int, then: str) -> None:
-        self.path, self.size, self.limit, self.then = os.fspath(path), size, limit, then
-        self.needed = index_mb(size)
-        super().__init__(
-            "checkpoint.max_index_mb",
-            f"the index {self.path} has {size} bytes, more than the {limit} ({limit / 2**20:.3g} MiB) "
-            f"this setting lets a run read; set checkpoint.max_index_mb to at least {self.needed:g} "
-            f"{then}",
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.size, self.limit, self.then)
-
-
-def index_mb(size: int) -> float:
-    """The smallest ``checkpoint.max_index_mb`` (in tenths of a MiB) that lets an index of ``size``
-    bytes be read."""
-    return math.ceil(size / 2**20 * 10) / 10
-
-
-# ---------------------------------------------------------------------------------------- layout
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

@@ -1,6 +1,6 @@
 """Reading a checkpoint without trusting it: verifying its files against the manifest, and
 reading DCP's index and non-tensor entries through the bounded allowlists of
-:mod:`hookloop.engine.checkpoint_pickle`. See :mod:`hookloop.engine.checkpoint_io`."""
+:mod:`.dcp_pickles`. The whole picture is in :mod:`hookloop.engine.checkpoint_format`."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from hookloop.engine import checkpoint_pickle
-from hookloop.engine.checkpoint_layout import MARKER, CheckpointError, CheckpointIndexBoundError, index_mb
-from hookloop.engine.checkpoint_manifest import CHECKSUM_ALGORITHM, file_checksum, read_manifest
-from hookloop.engine.checkpoint_pickle import PickleRefused
+from hookloop.engine.checkpoint_format import dcp_pickles
+from hookloop.engine.checkpoint_format.directory import MARKER
+from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
+from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, file_checksum, read_manifest
+from hookloop.engine.checkpoint_format.pickle_bounds import PickleRefused
 
 __all__ = [
     "SafeLoadPlanner",
     "SafeReader",
     "check_entry",
-    "check_loadable",
-    "index_mb",
     "load_metadata",
+    "pickle_problems",
     "verify_checkpoint",
     "verify_file",
 ]
@@ -71,14 +71,14 @@ def verify_checkpoint(
     checkpointer). Files the manifest does not list are ignored; a listed file that is missing,
     has another size or another checksum is damage, and so is an unreadable marker or manifest. The
     rank that checks ``.metadata`` then also checks that it and every non-tensor entry are safe to
-    load (:func:`check_loadable`): a crafted index is damage too, so the loader falls back. An intact
+    load (:func:`pickle_problems`): a crafted index is damage too, so the loader falls back. An intact
     index larger than ``index_limit`` is no damage but a setting: CheckpointIndexBoundError."""
     try:
         files = read_manifest(path)
     except CheckpointError as e:
         return [str(e)], True
     if files is None:
-        return (check_loadable(path, index_limit) if rank == 0 else []), False
+        return (pickle_problems(path, index_limit) if rank == 0 else []), False
     problems = []
     over: CheckpointIndexBoundError | None = None
     for name, entry in files.items():
@@ -89,7 +89,7 @@ def verify_checkpoint(
             problems.append(problem)
         elif name == ".metadata":  # intact as written: now whether it is safe to load
             try:
-                problems.extend(check_loadable(path, index_limit))
+                problems.extend(pickle_problems(path, index_limit))
             except CheckpointIndexBoundError as e:
                 over = e
     if over is not None and not problems:
@@ -100,10 +100,10 @@ def verify_checkpoint(
 # ------------------------------------------------------------------------------- safe DCP reading
 def load_metadata(data: bytes, where: str | os.PathLike, index_limit: int | None = None) -> Any:
     """Unpickle DCP's ``.metadata`` from ``data`` with the allowlist and the bounds of
-    :mod:`engine.checkpoint_pickle` (an index at most ``index_limit`` bytes, its
+    :mod:`.dcp_pickles` (an index at most ``index_limit`` bytes, its
     ``METADATA_MAX_BYTES`` by default); ``where`` names the file in the CheckpointError."""
     try:
-        return checkpoint_pickle.load_index(data, index_limit)
+        return dcp_pickles.load_index(data, index_limit)
     except PickleRefused as e:
         raise CheckpointError(
             f"{where} {e}; refusing to unpickle it (only checkpoints written by "
@@ -119,9 +119,9 @@ def load_metadata(data: bytes, where: str | os.PathLike, index_limit: int | None
 
 def check_entry(data: bytes, where: str) -> None:
     """Refuse (CheckpointError naming ``where``) the bytes of a non-tensor entry that
-    ``torch.load(weights_only=True)`` should not be given: see :func:`checkpoint_pickle.check_entry`."""
+    ``torch.load(weights_only=True)`` should not be given: see :func:`dcp_pickles.check_entry_pickle`."""
     try:
-        checkpoint_pickle.check_entry(data)
+        dcp_pickles.check_entry_pickle(data)
     except PickleRefused as e:
         raise CheckpointError(
             f"{where} {e}; refusing to load it: the checkpoint is damaged or crafted"
@@ -135,9 +135,9 @@ def check_entry(data: bytes, where: str) -> None:
 
 def _read_index(path: str, limit: int | None, written: int | None = None) -> bytes:
     """The bytes of the ``.metadata`` at ``path`` (``written`` bytes long by its manifest, when
-    known). More than ``limit`` (:data:`checkpoint_pickle.METADATA_MAX_BYTES` when None) is a
+    known). More than ``limit`` (:data:`dcp_pickles.METADATA_MAX_BYTES` when None) is a
     CheckpointIndexBoundError, a setting to raise; a size other than the manifest's is damage."""
-    limit = checkpoint_pickle.METADATA_MAX_BYTES if limit is None else limit
+    limit = dcp_pickles.METADATA_MAX_BYTES if limit is None else limit
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -159,7 +159,7 @@ def _read_index(path: str, limit: int | None, written: int | None = None) -> byt
     return data
 
 
-def check_loadable(path: str | os.PathLike, index_limit: int | None = None) -> list[str]:
+def pickle_problems(path: str | os.PathLike, index_limit: int | None = None) -> list[str]:
     """What makes checkpoint ``path`` unsafe to load beyond its manifest: its ``.metadata`` must
     unpickle within the bounds and every non-tensor entry must pass :func:`check_entry` (read from
     the data files at the byte ranges the index gives). Empty: loadable. An index over
