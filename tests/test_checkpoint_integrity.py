@@ -228,7 +228,8 @@ def test_a_checkpoint_without_manifest_loads_with_an_unverified_warning(tmp_path
     assert any("unverified" in r.getMessage() for r in caplog.records)
 
 
-def test_rollback_skips_a_damaged_newest_checkpoint(tmp_path):
+def _rollback_past_damage(tmp_path, damage) -> None:
+    """Train 4 steps saving every 2, ``damage(step-4 checkpoint)``, then a rollback lands on step 2."""
     trainer = _trainer()
     checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
     states: dict = {}
@@ -236,9 +237,13 @@ def test_rollback_skips_a_damaged_newest_checkpoint(tmp_path):
         Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
     )
     trainer.run(token_batches(8, seed=1), max_steps=4)
-    flip_tensor_bytes(tmp_path / step_dir_name(4))
+    damage(tmp_path / step_dir_name(4))
     assert checkpointer.restore_latest() == 2
     assert _equal(_snapshot(trainer), states[2])
+
+
+def test_rollback_skips_a_damaged_newest_checkpoint(tmp_path):
+    _rollback_past_damage(tmp_path, flip_tensor_bytes)
 
 
 def test_finetune_from_a_damaged_checkpoint_takes_the_older_one_beside_it(tmp_path, caplog):
@@ -353,17 +358,9 @@ def test_a_crafted_rank_state_file_falls_back_to_the_previous_checkpoint(tmp_pat
 
 
 def test_a_crafted_rank_state_file_is_damage_to_a_rollback_too(tmp_path):
-    trainer = _trainer()
-    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
-    states: dict = {}
-    trainer.add_event_handler(
-        Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
+    _rollback_past_damage(
+        tmp_path, lambda newest: _plant_rank_state(newest, _retyped(counters__epoch="first")(newest))
     )
-    trainer.run(token_batches(8, seed=1), max_steps=4)
-    newest = tmp_path / step_dir_name(4)
-    _plant_rank_state(newest, _retyped(counters__epoch="first")(newest))
-    assert checkpointer.restore_latest() == 2
-    assert _equal(_snapshot(trainer), states[2])
 
 
 def test_an_intact_rank_state_file_passes_the_check(tmp_path):

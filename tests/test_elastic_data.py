@@ -17,24 +17,11 @@ import pytest
 
 from hookloop.engine.data import prepare_tokens, read_sample_traces, stdlib_docs_text, stdlib_source_files
 from tests.dist_utils import REPO, kill_ranks, run_process, run_torchrun, start_ranks
+from tests.user_models import tiny_lm_source
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-MY_MODEL = """
-import torch
-
-class TinyLM(torch.nn.Module):
-    def __init__(self, dim, seq_len, vocab=256):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        return self.head(torch.relu(self.embed(tokens)))
-
-def build(dim: int = 8, seq_len: int = 8):
-    return TinyLM(dim, seq_len)
-"""
+MY_MODEL = tiny_lm_source(seq_len=8)
 
 # Global batch 8 = local_batch_size 2 x grad_accum 2 x dp 2 = 2 x 4 x 1. Phases: from step 6 only
 # code, from step 10 only docs, so a phase landing one step late or early shows in the ids too.

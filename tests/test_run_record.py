@@ -19,22 +19,9 @@ import pytest
 
 from benchmarks.launch import free_port
 from tests.dist_utils import REPO, kill_tree, run_process, run_torchrun
+from tests.user_models import tiny_lm_source
 
-MODEL = """
-import torch
-
-class TinyLM(torch.nn.Module):
-    def __init__(self, dim, seq_len, vocab=256):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        return self.head(torch.relu(self.embed(tokens)))
-
-def build(dim: int = 8, seq_len: int = 16):
-    return TinyLM(dim, seq_len)
-"""
+MODEL = tiny_lm_source(seq_len=16)
 
 HOOKS = """
 import os
