@@ -176,8 +176,8 @@ def test_the_section_loads_from_yaml_and_overrides_and_builds_its_metrics(my_met
         ({"val-acc": "hookloop.engine:TokenAccuracy"}, "validation.metrics.val-acc", "underscores"),
         (
             {"acc": {"target": "hookloop.engine:TokenAccuracy", "shift_labels": 3}},
-            "validation.metrics.acc",
-            "true or false",
+            "validation.metrics.acc.shift_labels",
+            "takes shift_labels: bool",
         ),
     ],
 )  # fmt: skip
