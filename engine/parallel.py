@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -187,6 +190,24 @@ def process_group_store() -> Any:
         return distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):  # a torch without it, or a group without one
         return None
+
+
+def bounded_call(operation: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """``operation()`` on a daemon thread of its own (``name``), waited for at most ``timeout_s``:
+    its value, or None when it raised or did not answer in time. For store operations, which a
+    store hosted by a stopped process never answers."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = operation()
+        except Exception as e:  # noqa: BLE001 - a store gone or silent: no value
+            logging.getLogger(__name__).debug("%s: %r", name, e)
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return result.get("value")
 
 
 def destroy_distributed() -> None:

@@ -14,8 +14,6 @@ clears its own record when a run starts, so a record of an earlier attempt never
 from __future__ import annotations
 
 import json
-import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,27 +26,14 @@ PREFIX = "hookloop/failed/"
 #: How long one store operation may take before the record is given up.
 STORE_TIMEOUT_S = 5.0
 
-logger = logging.getLogger(__name__)
-
 
 def _bounded(operation: Callable[[Any], Any]) -> Any:
-    """``operation(store)`` on a thread of its own, at most :data:`STORE_TIMEOUT_S`; None without a
-    store, on an error or when the store does not answer."""
+    """``operation(store)``, at most :data:`STORE_TIMEOUT_S`; None without a store, on an error or
+    when the store does not answer."""
     store = parallel.process_group_store() if parallel.world_size() > 1 else None
     if store is None:
         return None
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = operation(store)
-        except Exception as e:  # noqa: BLE001 - a store gone or silent: nothing to tell or read
-            logger.debug("rank failure record: %r", e)
-
-    worker = threading.Thread(target=run, name="hookloop-failure-record", daemon=True)
-    worker.start()
-    worker.join(STORE_TIMEOUT_S)
-    return result.get("value")
+    return parallel.bounded_call(lambda: operation(store), STORE_TIMEOUT_S, "hookloop-failure-record")
 
 
 def record_failure(error: BaseException, where: str = "") -> None:

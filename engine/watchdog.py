@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hookloop.engine import parallel
 from hookloop.engine.exit_codes import ExitCode
 
 __all__ = ["PeerHeartbeats", "PeerLook", "ProgressWatchdog", "dump_stacks"]
@@ -266,18 +267,8 @@ class PeerHeartbeats:
         return values
 
     def _read_bounded(self, timeout_s: float) -> dict[int, bytes] | None:
-        result: dict[str, Any] = {}
-
-        def read() -> None:
-            try:
-                result["values"] = self._read()
-            except Exception as e:  # noqa: BLE001 - no answer is no evidence of progress
-                result["error"] = e
-
-        reader = threading.Thread(target=read, name="hookloop-heartbeat-read", daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        return result.get("values")
+        """The peers' beats, or None when the store did not answer (no evidence of progress)."""
+        return parallel.bounded_call(self._read, timeout_s, "hookloop-heartbeat-read")
 
     def look(self, interval_s: float) -> PeerLook:
         """Read the peers' beats twice, 1.5 beats apart (blocks about that long)."""
