@@ -7,8 +7,9 @@ reads the record (:func:`crashed_peer`) and fails as that crash, naming the rank
 the failed rank's exit code (1 for an exception), instead of as a lost peer (77, which a job script
 requeues): only a peer that vanished or went silent without a word is 77.
 
-Each store operation is bounded (a store hosted by a stopped process does not answer); a rank
-clears its own record when a run starts, so a record of an earlier attempt never names a new one.
+Without a process group of more than one rank nothing is recorded or read. Each store operation
+is bounded (a store hosted by a stopped process does not answer); a rank clears its own record when
+a run starts, so a record of an earlier attempt never names a new one.
 """
 
 from __future__ import annotations

@@ -639,8 +639,7 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _on_train_start(self) -> None:
-        if parallel.world_size() > 1:
-            clear_failure()  # a record of an earlier run in this launch's store names nothing now
+        clear_failure()  # a record of an earlier run in this launch's store names nothing now
         state = self.state
         self.control.start_run()
         self.run_start.begin()
@@ -715,7 +714,7 @@ class Trainer(IgniteAdapter):
             self._failed.add(id(e))
             self._fail(lost)
             raise lost from e
-        if parallel.world_size() > 1 and not isinstance(e, PeerFailure | PeerCrashed | StartRefused):
+        if not isinstance(e, PeerFailure | PeerCrashed | StartRefused):
             record_failure(e, f"step {self.state.iteration}")  # the peers name it, not a lost peer
         self._fail(e)
         raise e
