@@ -302,6 +302,10 @@ def test_the_wheel_holds_only_hookloop(tmp_path):
 
 @pytest.mark.distributed
 def test_a_config_error_under_torchrun_is_said_once(project):
+    # Rank 0 imports the model module 3 s after rank 1 found the error and wanted to exit: its
+    # line must still come (torchrun stops every worker once one exits), and only once.
+    slow = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+    (project / "my_models.py").write_text(slow + MY_MODEL)
     args = ["train", "my_run.yaml", "train.local_batch_size=2", "model.dimm=3"]
     proc = run_torchrun("hookloop", 2, args, module=True, cwd=project)
     assert proc.returncode != 0

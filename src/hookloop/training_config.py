@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +102,44 @@ def check_device(cfg: Any) -> None:
 
 def report_config_error(error: ConfigError) -> None:
     """One line on stderr, ``config error: <field>: ...``; under torchrun every rank finds the same
-    error before any process group exists, and only rank 0 says it."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"config error: {error}", file=sys.stderr)
+    error before any process group exists, and only rank 0 says it. The other ranks wait (at most
+    :data:`CONFIG_ERROR_WAIT_S`) in the launcher's store until rank 0 has said it: a rank that
+    exited first would have torchrun stop rank 0 before its line. A rank that waited in vain says
+    the line itself, so it is never lost."""
+    line = f"config error: {error}"
+    rank = os.environ.get("RANK", "0")
+    store = _launcher_store()
+    if rank == "0":
+        print(line, file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(_SAID_KEY, "1")
+        return
+    if store is None:
+        return
+    try:
+        store.wait([_SAID_KEY], timedelta(seconds=CONFIG_ERROR_WAIT_S))
+    except Exception:  # rank 0 did not say it in time (or is gone): say it here
+        print(line, file=sys.stderr, flush=True)
+
+
+CONFIG_ERROR_WAIT_S = 30.0
+_SAID_KEY = "hookloop/config_error_said"
+
+
+def _launcher_store() -> Any:
+    """A client of torchrun's own store (its agent hosts one at ``MASTER_ADDR:MASTER_PORT`` for
+    every attempt), or None outside torchrun, in one process, or when it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("WORLD_SIZE", "1") == "1":
+        return None
+    try:
+        return torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=CONFIG_ERROR_WAIT_S),
+        )
+    except Exception:
+        return None
 
 
 @dataclass(frozen=True)
