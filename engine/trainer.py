@@ -32,7 +32,8 @@ from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
-from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused
+from hookloop.engine.error_path import ErrorPath
+from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -45,7 +46,7 @@ from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
-from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
+from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
@@ -257,9 +258,6 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        self._failed: set[int] = set()
-        self._handled_errors = 0
-        self._last_handled: tuple[int, str] | None = None
         self._epoch_start_step = 0
         self._empty_epochs = 0
         self._epoch_limit: int | None = None
@@ -297,6 +295,14 @@ class Trainer(IgniteAdapter):
         #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
         self.run_end = RunEnd(
             self.control, self.run_start, lambda: self.state, run_dir, graceful_sigint=graceful_sigint
+        )
+        #: Where every error of a run goes (:mod:`engine.error_path`): EXCEPTION, TRAIN_FAILED.
+        self.error_path = ErrorPath(
+            self.events,
+            self.run_start,
+            lambda: self.state,
+            lambda: self.optimizer.zero_grad(set_to_none=True),
+            self.limits_reached,
         )
 
     # ------------------------------------------------------------------ configuration
@@ -561,7 +567,7 @@ class Trainer(IgniteAdapter):
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
-        self._explain_handled_end()
+        self.error_path.explain_handled_end()
         self.write_exit_status(int(self.control.exit_code), self.control.stop_reason or "finished")
         return state
 
@@ -647,9 +653,7 @@ class Trainer(IgniteAdapter):
         state.clear_step_flags()
         self._late_agreement = False
         self._skip_completed = False
-        self._failed.clear()
-        self._handled_errors = 0
-        self._last_handled = None
+        self.error_path.start_run()
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
@@ -689,92 +693,7 @@ class Trainer(IgniteAdapter):
             super().terminate(self._skip_completed)
 
     def _on_error(self, e: BaseException) -> None:
-        """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
-        when at least one is attached and none raises; a handler re-raises to decline). Otherwise
-        TRAIN_FAILED handlers clean up and the error propagates; a handler that fails with another
-        error is logged, and the original error still wins."""
-        if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
-            raise e
-        self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
-        entries = self.events.entries(Events.EXCEPTION)
-        handled = bool(entries)
-        for entry in entries:
-            try:
-                self.events.fire_entry(entry, (e,))
-            except BaseException as raised:  # noqa: BLE001 - every handler is told, then we decide
-                handled = False
-                if raised is not e:
-                    logger.error("EXCEPTION handler %r failed: %r", entry.original, raised)
-        if handled:
-            self._handled(e)
-            return
-        if parallel.is_peer_failure(e):  # a peer's own error, when it recorded one; else a lost peer
-            lost = crashed_peer(e) or PeerFailure(
-                f"a collective failed because a peer is gone or hung: {str(e).splitlines()[0][:300]}"
-            )
-            self._failed.add(id(e))
-            self._fail(lost)
-            raise lost from e
-        if parallel.world_size() > 1 and not isinstance(e, PeerFailure | PeerCrashed | StartRefused):
-            record_failure(e, f"step {self.state.iteration}")  # the peers name it, not a lost peer
-        self._fail(e)
-        raise e
-
-    def _handled(self, e: BaseException) -> None:
-        """An EXCEPTION handler handled ``e``. As in ignite, the loop goes on after the error's
-        epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
-        whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
-        raised leaves no gradients or step flags behind for the next one. When the run is at its
-        limit, ``state.stop_reason`` says that it ended on a handled error."""
-        state = self.state
-        self.optimizer.zero_grad(set_to_none=True)
-        state.clear_step_flags()
-        self._handled_errors += 1
-        message = str(e).splitlines()[0][:200] if str(e) else ""
-        what = f"{type(e).__name__}: {message}" if message else type(e).__name__
-        self._last_handled = (state.iteration, what)
-        if self._handled_errors == 1:
-            logger.warning(
-                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
-                "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
-                what,
-                state.iteration,
-                state.epoch,
-            )
-        if self.limits_reached():
-            self._explain_handled_end()
-
-    def _explain_handled_end(self) -> None:
-        """Set ``state.stop_reason`` (unless a stop already gave one) when the run ends right after an
-        error an EXCEPTION handler handled."""
-        state = self.state
-        if state.stop_reason is not None or self._last_handled is None:
-            return
-        step, what = self._last_handled
-        if step != state.iteration:  # a step completed after it: the run ended normally
-            return
-        max_steps, max_epochs = self.limits
-        if max_steps is not None and state.iteration >= max_steps:
-            limit = f"at max_steps={max_steps}"
-        elif max_epochs is not None and state.epoch >= max_epochs:
-            limit = f"at max_epochs={max_epochs}"
-        else:
-            limit = "there (an error outside an epoch's steps ends the run)"
-        state.stop_reason = (
-            f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
-            "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
-            f"({self._handled_errors} handled in this run)"
-        )
-
-    def _fail(self, e: BaseException) -> None:
-        if id(e) in self._failed:
-            return
-        self._failed.add(id(e))
-        for entry in self.events.entries(Events.TRAIN_FAILED):
-            try:
-                self.events.fire_entry(entry, (e,))
-            except BaseException as handler_error:  # keep cleaning up; the original error wins
-                logger.error("TRAIN_FAILED handler %r failed: %r", entry.original, handler_error)
+        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
 
     # ------------------------------------------------------------------ the step
     def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
