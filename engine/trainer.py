@@ -21,17 +21,10 @@ import torch
 from ignite.engine import Engine
 
 from hookloop.engine import parallel, run_limits, tensor_parallel
-from hookloop.engine.agreement import (
-    N_EXIT_VOTES,
-    StepAgreement,
-    agreed_exit_code,
-    exit_code_votes,
-    sum_over_ranks,
-)
+from hookloop.engine.agreement import StepAgreement
 from hookloop.engine.batch import default_prepare_batch
-from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_choice
-from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
+from hookloop.engine.control import StepControl, shared_stop_reason
 from hookloop.engine.error_path import ErrorPath
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import (
@@ -52,6 +45,7 @@ from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
+from hookloop.engine.step_decisions import StepDecisions
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
@@ -63,8 +57,6 @@ PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
 _UNSET = object()
-#: Events whose handlers run after the step's agreement.
-_AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
@@ -289,7 +281,16 @@ class Trainer(IgniteAdapter):
         #: The step's control point: handlers request skip / save / stop / rollback here, and read
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
-        self._late_agreement = False
+        #: Where the step's requests become decisions (:mod:`engine.step_decisions`).
+        self.step_decisions = StepDecisions(
+            self.control,
+            self.agreement,
+            lambda: self.state,
+            self.events,
+            self.fire,
+            self.validator.due,
+            self,
+        )
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
         self.run_start = RunStart(self.control)
         #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
@@ -651,45 +652,20 @@ class Trainer(IgniteAdapter):
         self.control.start_run()
         self.run_start.begin()
         state.clear_step_flags()
-        self._late_agreement = False
+        self.step_decisions.late = False
         self._skip_completed = False
         self.error_path.start_run()
         self._epoch_start_step = 0
         self._empty_epochs = 0
 
     def _end_step(self) -> None:
-        """After the step's handlers: agree on late requests, carry out a rollback request
-        (:mod:`engine.control`), then stop when every rank agreed to. A stop or rollback asked for
-        after the step's agreement (or a rollback asked before it) is agreed here with a second
-        small collective, run only when some rank has handlers that could ask or asked (the step's
-        agreement said so); a rollback some rank asked for is then gathered
-        (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that late is carried to
-        the next step."""
-        state, control = self.state, self.control
-        stop = control.decided.stop
-        if self._late_agreement:  # stop and rollback requests of any rank, agreed
-            code = int(control.exit_code) if control.stop else 0
-            votes = sum_over_ranks([control.stop, control.rollback is not None, *exit_code_votes(code)])
-            if votes[0] > 0:
-                control.decide_stop(agreed_exit_code(votes[2:]))
-                stop = True
-            if votes[1] > 0 and parallel.world_size() > 1:
-                control.rollback = merge_rollbacks(parallel.gather_objects(control.rollback))
-        rollback, step = control.decide_rollback(), state.step
-        if rollback is not None:  # the checkpointer restores what the request says
-            try:
-                self.fire(Events.ROLLBACK)
-            except CheckpointError as e:
-                if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
-                    raise
-                raise rollback.failed(step, e) from e
-        # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
-        beyond = state.max_iters is not None and state.iteration > state.max_iters
-        control.end_step(stop)
-        state.clear_schedule_flags()
-        if stop:
+        """The step's end (:meth:`engine.step_decisions.StepDecisions.end_step`), then the stop every
+        rank agreed to, or ignite's own end at ``max_iters``: a step count moved past it (a handler
+        set it) ends the run too, not as a stop request."""
+        state = self.state
+        if self.step_decisions.end_step():
             self._stop()
-        elif beyond:  # ignite's own limit, not a stop request
+        elif state.max_iters is not None and state.iteration > state.max_iters:
             super().terminate(self._skip_completed)
 
     def _on_error(self, e: BaseException) -> None:
@@ -725,61 +701,8 @@ class Trainer(IgniteAdapter):
         overflow = None
         if scaler is not None:  # fp16: a non-finite norm means the loss scale overflowed
             overflow = ~torch.isfinite(norm) if isinstance(norm, torch.Tensor) else False
-        self._agree_step(local_loss, norm, tokens, samples, overflow)
+        self.step_decisions.agree(local_loss, norm, tokens, samples, overflow)
         return self._optimizer_step(norm)
-
-    def _agree_step(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
-        """The step's one collective: loss, norm and counts summed over ranks together with every
-        decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
-        still ask for a stop after it) and the handlers' slots; then the agreed values are applied
-        and recorded in ``control.decided``: the only place the control's requests become decisions."""
-        state, control = self.state, self.control
-        world = parallel.world_size()
-        slots = self.agreement.slots
-        decisions: list[Any] = [
-            samples,
-            False if overflow is None else overflow,
-            control.skip,
-            control.stop,
-            control.save,
-            self._late_requests_possible() or control.rollback is not None,
-            *exit_code_votes(int(control.exit_code) if control.stop else 0),
-            *(slot.fill() for slot in slots),
-        ]
-        if world == 1:
-            agreed = sum_over_ranks(decisions, force_read=True)
-        else:
-            agreed = sum_over_ranks([loss, norm, tokens, *decisions])
-            state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
-            state.step_tokens = int(agreed[2])
-            agreed = agreed[3:]
-        samples, overflow_votes, skip, stop, checkpoint, late = agreed[:6]
-        votes, slot_values = agreed[6 : 6 + N_EXIT_VOTES], agreed[6 + N_EXIT_VOTES :]
-        state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
-        state.samples_seen += int(samples)
-        state.grad_scaler_overflow = overflow_votes > 0
-        control.skip = skip > 0 or state.grad_scaler_overflow
-        control.save = checkpoint > 0
-        if stop > 0:
-            control.decide_stop(agreed_exit_code(votes))
-        self._late_agreement = late > 0
-        for slot, value in zip(slots, slot_values):
-            if slot.on_agreed is not None:
-                slot.on_agreed(value)
-        control.record_decided()
-
-    def _late_requests_possible(self) -> bool:
-        """Whether a stop may still be asked for after the step's agreement on this rank: a handler
-        of STEP_END (besides the trainer's own and handlers that say they never ask late, see
-        :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
-        ROLLBACK, or a validation due this step. Agreed across ranks; when false everywhere the
-        trainer needs no second collective at the end of the step."""
-        for event in _AFTER_AGREEMENT:
-            for entry in self.events.entries(event):
-                owner = getattr(entry.original, "__self__", None)
-                if owner is not self and getattr(owner, "asks_after_agreement", True):
-                    return True
-        return self._validation_due()
 
     def _optimizer_step(self, norm: Any) -> float:
         """The agreed veto, clipping, then optimizer and LR scheduler."""

@@ -84,7 +84,8 @@ def test_a_run_at_its_limit_on_a_handled_error_says_so():
     path, events, state, _, _ = make(at_limit=True)
     events.handlers[Events.EXCEPTION].append(lambda e: None)
     path.on_error(ValueError("bad batch\nmore"))
-    assert state.stop_reason.startswith("the run ended at max_steps=3 on a handled error: ValueError: bad batch")
+    reason = "the run ended at max_steps=3 on a handled error: ValueError: bad batch at step 3"
+    assert state.stop_reason.startswith(reason)
     assert "(1 handled in this run)" in state.stop_reason
     path.start_run()
     assert path.handled_errors == 0
