@@ -38,6 +38,7 @@ from hookloop.engine.events import (
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import handler_state_key, is_stateful
 from hookloop.engine.ignite_adapter import IgniteAdapter
+from hookloop.engine.pipeline.runtime import check_trainer_arguments
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
@@ -159,40 +160,9 @@ class Trainer(IgniteAdapter):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
         check_choice("precision", precision, PRECISIONS)
 
-        if pipeline is not None:
-            if not hasattr(pipeline, "run_step"):
-                raise TypeError(
-                    "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
-                    f"returns, got {type(pipeline).__name__}; build the optimizer over runtime.parameters()"
-                )
-            if model is not pipeline.module:
-                raise ValueError("with pipeline=runtime, the model must be runtime.module (its stages)")
-            if grad_accum_steps not in (1, pipeline.n_microbatches):
-                raise ConfigError(
-                    "grad_accum_steps",
-                    f"is {grad_accum_steps} but the pipeline takes {pipeline.n_microbatches} microbatches "
-                    "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
-                )
-            self.grad_accum_steps = pipeline.n_microbatches
-            if precision == "fp16-mixed":
-                raise ConfigError(
-                    "precision",
-                    "'fp16-mixed' (loss scaling) is not supported with pipeline parallelism: the "
-                    "schedule runs backward itself; use 'bf16-mixed' or pipeline.dtype",
-                )
-            if pipeline.loss_fn is None:
-                pipeline.loss_fn = loss_fn
-            if pipeline.loss_fn is None:
-                raise ConfigError(
-                    "loss_fn",
-                    "is None but pipeline stages cannot return the model's own loss: the last stage "
-                    "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
-                    "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
-                    "build_pipeline",
-                )
-        if loss_parallel and pipeline is not None:
-            raise ConfigError(
-                "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+        if pipeline is not None:  # a step takes the pipeline's microbatches
+            self.grad_accum_steps = check_trainer_arguments(
+                pipeline, model, loss_fn, grad_accum_steps, precision, loss_parallel
             )
         self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
@@ -740,9 +710,6 @@ class Trainer(IgniteAdapter):
         scaler.update()
 
     # ------------------------------------------------------------------ validation
-    def _validation_due(self) -> bool:
-        return self.validator.due()
-
     def _maybe_validate(self) -> None:
         if self.validator.due():
             self.validate()
