@@ -36,7 +36,7 @@ from hookloop.engine.events import (
     StepEvents,
 )
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import handler_state_key, is_stateful
+from hookloop.engine.handler_registry import HandlerRegistry
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.pipeline.runtime import check_trainer_arguments
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
@@ -176,9 +176,9 @@ class Trainer(IgniteAdapter):
             self.logger.setLevel(logging.CRITICAL)
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
-        self._handlers: list[Any] = []
         self._fire_counters: dict[int, str | None] = {}
-        self._stateful: dict[str, Any] = {}
+        #: The attached handlers and what every checkpoint holds (:mod:`engine.handler_registry`).
+        self.registry = HandlerRegistry()
 
         self.model = model
         self.optimizer = optimizer
@@ -375,45 +375,29 @@ class Trainer(IgniteAdapter):
     # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
         """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
-        (``state_dict``/``load_state_dict``) every checkpoint holds it under ``key`` (default: its
-        ``state_key``, else its class name)."""
-        if handler not in self._handlers:
-            self._handlers.append(handler)
-        if is_stateful(handler) and getattr(handler, "checkpointed", True):
-            self.register_stateful(key or handler_state_key(handler), handler)
+        every checkpoint holds it under ``key`` (default: its ``state_key``, else its class name;
+        see :mod:`engine.handler_registry`)."""
+        self.registry.register(handler, key)
 
     def register_stateful(self, key: str, obj: Any) -> None:
         """Register ``obj`` (with ``state_dict``/``load_state_dict``) so checkpoints hold it under
         ``key``. Two different objects claiming one key is an error, not a silent overwrite."""
-        if not is_stateful(obj):
-            raise TypeError(f"{type(obj).__name__} needs state_dict() and load_state_dict() to be registered")
-        held = self._stateful.get(key)
-        if held is not None and held is not obj:
-            raise ValueError(
-                f"state key {key!r} is already registered by {type(held).__name__}; give "
-                f"{type(obj).__name__} another state_key so its checkpoint state does not overwrite it"
-            )
-        self._stateful[key] = obj
+        self.registry.register_stateful(key, obj)
 
     @property
     def stateful(self) -> dict[str, Any]:
         """Registered stateful objects by key (a copy)."""
-        return dict(self._stateful)
+        return self.registry.stateful
 
     @property
     def handlers(self) -> tuple[Any, ...]:
         """The registered handlers, in attach order."""
-        return tuple(self._handlers)
+        return self.registry.handlers
 
     def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
         """The attached handler of type ``kind`` (the first one, subclasses included), or the one
         registered under the state key ``kind``; ``default`` when there is none."""
-        if isinstance(kind, str):
-            found = self._stateful.get(kind)
-            if found is not None:
-                return found
-            return next((h for h in self._handlers if handler_state_key(h) == kind), default)
-        return next((h for h in self._handlers if isinstance(h, kind)), default)
+        return self.registry.get(kind, default)
 
     # ------------------------------------------------------------------ agreement
     def agree_any(self, flag: bool) -> bool:
