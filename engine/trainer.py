@@ -220,9 +220,6 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        self._epoch_start_step = 0
-        self._empty_epochs = 0
-        self._epoch_limit: int | None = None
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
             or not isinstance(hang_timeout_s, (int, float))
@@ -251,6 +248,8 @@ class Trainer(IgniteAdapter):
         #: The step's control point: handlers request skip / save / stop / rollback here, and read
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
+        #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
+        self.epoch_bounds = run_limits.EpochBounds(lambda: self.state, self.control)
         #: Where the step's requests become decisions (:mod:`engine.step_decisions`).
         self.step_decisions = StepDecisions(
             self.control,
@@ -451,30 +450,13 @@ class Trainer(IgniteAdapter):
         return self.run_start.started
 
     def _start_epoch(self) -> None:
-        self._epoch_start_step = self.state.iteration
+        self.epoch_bounds.epoch_started()
         self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
-        """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
-        data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
-        epochs without end: after two in a row it stops, saying so."""
-        state = self.state
-        if self._epoch_limit is not None and state.epoch_length is not None:
-            # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
-            # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
-            state.max_epochs = min(state.max_epochs or self._epoch_limit, self._epoch_limit)
-            self._epoch_limit = None
-        if state.iteration != self._epoch_start_step or state.max_epochs is not None:
-            self._empty_epochs = 0
-        else:
-            self._empty_epochs += 1
-            if self._empty_epochs >= 2:
-                self.control.request_stop(
-                    f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
-                    f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
-                    "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
-                    f"run ends at step {state.iteration} instead of repeating empty epochs"
-                )
+        """The bounds on the run's epochs (:class:`engine.run_limits.EpochBounds`), then the stop
+        agreement."""
+        self.epoch_bounds.epoch_ended()
         self._agree_boundary_stop()
 
     # ------------------------------------------------------------------ running
@@ -502,9 +484,7 @@ class Trainer(IgniteAdapter):
         ``state.exit_code`` tells how it ended.
         """
         continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
-        state = self.state
-        both = state.max_iters is not None and state.max_epochs is not None
-        self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
+        self.epoch_bounds.run_set_up()
         return self._run_guarded(data, continuing=continuing)
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
@@ -609,8 +589,7 @@ class Trainer(IgniteAdapter):
         self.step_decisions.late = False
         self._skip_completed = False
         self.error_path.start_run()
-        self._epoch_start_step = 0
-        self._empty_epochs = 0
+        self.epoch_bounds.start_run()
 
     def _end_step(self) -> None:
         """The step's end (:meth:`engine.step_decisions.StepDecisions.end_step`), then the stop every
