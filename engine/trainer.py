@@ -4,6 +4,14 @@ Everything a run needs beyond the step itself (scheduling, checkpoints, NaN hand
 handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
 :class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
 (:class:`~engine.control.StepControl`: skip, save, stop) once every rank agrees.
+
+Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
+tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
+own the trainer holds: the step body (:mod:`engine.step_body`, the pipeline's in
+:mod:`engine.pipeline`), validation through it (:mod:`engine.validation`), the step's decisions
+(:mod:`engine.step_decisions`), the run's limits, start and end (:mod:`engine.run_limits`,
+:mod:`engine.run_start`, :mod:`engine.run_end`), the error path (:mod:`engine.error_path`) and the
+handler registry (:mod:`engine.handler_registry`).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
-from hookloop.engine.state import TrainState
+from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.step_decisions import StepDecisions
@@ -61,22 +69,6 @@ _UNSET = object()
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
-
-
-class _StateAttribute:
-    """``trainer.state``: assigning an ignite ``State`` (as ignite's docs and tests do) makes it a
-    :class:`TrainState` in place, bound to the trainer's control point (``trainer.control``, which
-    its flag views read). Only assignment is intercepted (no ``__get__``), so reading
-    ``trainer.state`` costs what reading a plain attribute costs."""
-
-    def __set__(self, trainer: Any, value: Any) -> None:
-        state = TrainState.adopt(value)
-        control: StepControl | None = trainer.__dict__.get("control")
-        if control is None:  # the first state's control point becomes the trainer's
-            trainer.__dict__["control"] = state.control
-        else:
-            state.control = control
-        trainer.__dict__["state"] = state
 
 
 class Trainer(IgniteAdapter):
@@ -120,7 +112,7 @@ class Trainer(IgniteAdapter):
             MICROBATCH handlers and the validation see the gathered output. Not with a pipeline.
     """
 
-    state = _StateAttribute()  # type: ignore[assignment]
+    state = StateAttribute()  # type: ignore[assignment]
 
     def __init__(
         self,
