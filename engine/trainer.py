@@ -672,10 +672,10 @@ class Trainer(IgniteAdapter):
     @property
     def evaluator(self) -> Engine:
         """The ignite engine validation runs on (:mod:`engine.validation`): attach ignite metrics to
-        it (its process function returns ``(model_output, targets)``); their results join
-        ``state.metrics`` before VALIDATION_END, reduced over the data-parallel ranks. Under
-        pipeline parallelism it runs on the rank holding the last stage, whose results reach every
-        rank."""
+        it (its items are the step body's validation forwards, its process function returns
+        ``(model_output, targets)``); their results join ``state.metrics`` before VALIDATION_END,
+        reduced over the data-parallel ranks. It runs where the body holds the outputs (a
+        pipeline's last stage), whose results reach every rank."""
         return self.validator.evaluator
 
     def validate(self) -> float:

@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.engine import ConfigError, EvalResult, Events, LocalStepBody, Trainer
 from hookloop.engine.pipeline.runtime import check_trainer_arguments
-from hookloop.engine.step_body import EvalResult, LocalStepBody
 
 
 def bare_trainer(**kwargs) -> Trainer:
