@@ -68,6 +68,10 @@ class StepDecisions:
         #: Whether this step's end runs the late agreement (some rank could ask late, or asked).
         self.late = False
 
+    def start_run(self) -> None:
+        """TRAIN_START: no step agreed yet."""
+        self.late = False
+
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
         decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may

@@ -578,7 +578,7 @@ class Trainer(IgniteAdapter):
         self.control.start_run()
         self.run_start.begin()
         state.clear_step_flags()
-        self.step_decisions.late = False
+        self.step_decisions.start_run()
         self._skip_completed = False
         self.error_path.start_run()
         self.epoch_bounds.start_run()
