@@ -25,7 +25,7 @@ from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
-from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
+from hookloop.engine.step_body import EvalResult, LocalStepBody, StepBody, StepContext, StepResult
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.token_accuracy import TokenAccuracy
 from hookloop.engine.trainer import Trainer, default_prepare_batch
@@ -40,6 +40,7 @@ __all__ = [
     "Priority",
     "StepBatches",
     "StepBody",
+    "EvalResult",
     "StepContext",
     "StepResult",
     "LocalStepBody",

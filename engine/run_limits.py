@@ -8,17 +8,21 @@ into steps, so it sets the state up here and then starts ignite's loop
 (:meth:`engine.ignite_adapter.IgniteAdapter.start_loop`). Where ignite's own check says the same
 (a limit not below the progress reached) it is ignite's check that runs, through the adapter's
 ``extend_max_epochs`` / ``extend_max_iters``.
+
+Two bounds on a run's epochs are checked at each epoch's end (:class:`EpochBounds`, the trainer's
+last EPOCH_END handler): a run given both limits keeps its own ``max_epochs`` once ignite learns
+the epoch length, and a run limited by steps alone stops after two epochs in a row start no step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 
-__all__ = ["check_limit_kind", "check_run_arguments", "set_up_run"]
+__all__ = ["EpochBounds", "check_limit_kind", "check_run_arguments", "set_up_run"]
 
 
 def check_run_arguments(
@@ -150,3 +154,54 @@ def set_up_run(
             "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
         )
     return True
+
+
+class EpochBounds:
+    """The bounds on a run's epochs that ignite's loop lacks, for one trainer.
+
+    ``state``: gives the trainer's state; ``control``: its :class:`~engine.control.StepControl`
+    (the stop after empty epochs is requested there, and agreed like any other)."""
+
+    def __init__(self, state: Callable[[], Any], control: Any) -> None:
+        self._state = state
+        self._control = control
+        self._limit: int | None = None
+        self._start_step = 0
+        self._empty = 0
+
+    def run_set_up(self) -> None:
+        """After :func:`set_up_run`: a run given both limits whose epoch length is not known yet
+        remembers its ``max_epochs``."""
+        state = self._state()
+        both = state.max_iters is not None and state.max_epochs is not None
+        self._limit = state.max_epochs if both and state.epoch_length is None else None
+
+    def start_run(self) -> None:
+        """TRAIN_START: no epoch seen yet."""
+        self._start_step = 0
+        self._empty = 0
+
+    def epoch_started(self) -> None:
+        self._start_step = self._state().iteration
+
+    def epoch_ended(self) -> None:
+        """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
+        data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
+        epochs without end: after two in a row it asks to stop, saying so."""
+        state = self._state()
+        if self._limit is not None and state.epoch_length is not None:
+            # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
+            # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
+            state.max_epochs = min(state.max_epochs or self._limit, self._limit)
+            self._limit = None
+        if state.iteration != self._start_step or state.max_epochs is not None:
+            self._empty = 0
+            return
+        self._empty += 1
+        if self._empty >= 2:
+            self._control.request_stop(
+                f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
+                f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
+                "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
+                f"run ends at step {state.iteration} instead of repeating empty epochs"
+            )

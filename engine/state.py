@@ -31,7 +31,7 @@ from ignite.engine.events import State
 
 from hookloop.engine.control import StepControl
 
-__all__ = ["TrainState"]
+__all__ = ["StateAttribute", "TrainState"]
 
 _SCHEDULE_FLAGS = ("should_validate", "should_log_remote", "is_last_step")
 
@@ -187,3 +187,19 @@ class TrainState(State):
     def load_counters(self, counters: dict[str, Any]) -> None:
         for key, value in counters.items():
             setattr(self, "iteration" if key == "step" else key, value)
+
+
+class StateAttribute:
+    """The descriptor behind ``trainer.state``: assigning an ignite ``State`` (as ignite's docs and
+    tests do) makes it a :class:`TrainState` in place, bound to the trainer's control point
+    (``trainer.control``, which its flag views read). Only assignment is intercepted (no
+    ``__get__``), so reading ``trainer.state`` costs what reading a plain attribute costs."""
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        state = TrainState.adopt(value)
+        control: StepControl | None = trainer.__dict__.get("control")
+        if control is None:  # the first state's control point becomes the trainer's
+            trainer.__dict__["control"] = state.control
+        else:
+            state.control = control
+        trainer.__dict__["state"] = state

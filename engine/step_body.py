@@ -7,30 +7,48 @@ The :class:`~engine.Trainer` runs every step the same way, whichever body it was
     norm = body.grad_norm()                     # over every shard and stage of the model
     ... BEFORE_OPTIMIZER_STEP, the step's agreement, clipping, optimizer, LR scheduler
 
+and validation (:mod:`engine.validation`) runs through the same body, forward only::
+
+    group = body.data_parallel_group(dp)        # the ranks validation metrics reduce over
+    for loss, samples, output, targets in body.eval_batches(data, eval_iters, ctx):
+        ...                                     # the evaluator's items where body.holds_outputs
+    metrics = body.share_metrics(metrics)       # computed where the outputs are, on every rank
+
 Two bodies implement :class:`StepBody`: :class:`LocalStepBody` (the model on this rank, plain, DDP,
 FSDP2 or tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline
 stages). A body sees the trainer only through the :class:`StepContext` it is handed: prepare a
 microbatch, the autocast and loss contexts, the loss function, and one call to report a finished
 microbatch (the trainer then fires MICROBATCH). What comes after the backward (the norm's
-agreement, clipping, the optimizer) is the trainer's.
+agreement, clipping, the optimizer) is the trainer's. A body runs validation's forward passes the
+way it runs a step's, so a model is validated exactly as it is trained (precision, tensor and
+pipeline parallelism), with no special case in the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from hookloop.engine import tensor_parallel
+from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.batch import count_batch, forward_and_loss
 from hookloop.engine.events import Events
 
 if TYPE_CHECKING:
     from hookloop.engine.trainer import Trainer
 
-__all__ = ["LocalStepBody", "StepBody", "StepContext", "StepResult", "check_loss", "grad_norm"]
+__all__ = [
+    "EvalResult",
+    "LocalStepBody",
+    "StepBody",
+    "StepContext",
+    "StepResult",
+    "check_loss",
+    "grad_norm",
+]
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -44,6 +62,19 @@ class StepResult(NamedTuple):
     tokens: Any
     #: This rank's sample count.
     samples: int
+
+
+class EvalResult(NamedTuple):
+    """One validation microbatch's forward, as a body gives it to the evaluator."""
+
+    #: The microbatch's loss (a 0-dim tensor or a number; on every rank of the body).
+    loss: Any
+    #: Its sample count (at least 1): the loss's weight in the mean over every sample.
+    samples: int
+    #: The model's output (None on a rank that does not hold the outputs, see ``holds_outputs``).
+    output: Any
+    #: The microbatch's targets.
+    targets: Any
 
 
 class StepContext:
@@ -112,6 +143,24 @@ class StepBody(Protocol):
         tensor; 0.0 when no parameter has a gradient), before clipping."""
         ...
 
+    #: Whether this rank holds the model's outputs: the evaluator and its metrics run here.
+    holds_outputs: bool
+
+    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
+        """Validation's forward passes (the caller holds ``torch.no_grad()`` and ``model.eval()``)
+        over at most ``eval_iters`` microbatches of ``data``: one :class:`EvalResult` per microbatch,
+        in order. Every rank of the body iterates it to the end together."""
+        ...
+
+    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` computed on the ranks that hold the outputs, on every rank of the body."""
+        ...
+
+    def data_parallel_group(self, dp: Any) -> Any:
+        """This rank's data-parallel peers (:func:`engine.parallel.data_parallel_group`): ``dp`` when
+        given, else found from the layout; validation metrics reduce over them."""
+        ...
+
 
 def check_loss(loss: Any, loss_fn: Callable | None) -> None:
     """A step's loss must be a scalar tensor; the error says how to make it one."""
@@ -171,6 +220,19 @@ class LocalStepBody:
         self.loss_parallel = loss_parallel
         self._loss_checked = False
 
+    #: The model is whole on this rank: its outputs are here.
+    holds_outputs = True
+
+    def _forward(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
+        """One microbatch's output and loss under the trainer's autocast (training and validation
+        alike); the first loss is checked to be a scalar."""
+        with ctx.autocast():
+            output, loss = forward_and_loss(self.model, inputs, targets, ctx.loss_fn)
+        if not self._loss_checked:
+            check_loss(loss, ctx.loss_fn)
+            self._loss_checked = True
+        return output, loss
+
     def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
         model = self.model
         if not model.training:
@@ -179,7 +241,6 @@ class LocalStepBody:
         ddp = hasattr(model, "no_sync")
         fsdp = hasattr(model, "set_requires_gradient_sync")
         scaler = self.grad_scaler
-        loss_fn = ctx.loss_fn
         count_share = ctx.count_share
         loss_sum: Any = 0.0
         tokens = samples = 0
@@ -189,11 +250,7 @@ class LocalStepBody:
             if fsdp:  # gradients reduce-scatter only on the step's last microbatch
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if ddp and not last else _NO_CONTEXT, ctx.loss_context():
-                with ctx.autocast():
-                    output, loss = forward_and_loss(model, inputs, targets, loss_fn)
-                if not self._loss_checked:
-                    check_loss(loss, loss_fn)
-                    self._loss_checked = True
+                output, loss = self._forward(inputs, targets, ctx)
                 if scaler is None:
                     (loss / n).backward()
                 else:
@@ -214,3 +271,22 @@ class LocalStepBody:
 
     def grad_norm(self) -> Any:
         return grad_norm(self.params, self.tp_mesh)
+
+    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
+        """The step's forward per microbatch, without backward; with loss parallelism the gathered
+        output and loss."""
+        for microbatch in data if eval_iters is None else itertools.islice(data, eval_iters):
+            inputs, targets = ctx.prepare(microbatch)
+            with ctx.loss_context():
+                output, loss = self._forward(inputs, targets, ctx)
+            if self.loss_parallel:
+                output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
+            yield EvalResult(loss, count_batch(inputs)[0] or 1, output, targets)
+
+    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return metrics  # every rank holds its outputs and computed them
+
+    def data_parallel_group(self, dp: Any) -> Any:
+        """``dp``, else the ranks with the same tensor-parallel rank (the whole world without TP)."""
+        positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
+        return parallel.data_parallel_group(dp, positions=positions)

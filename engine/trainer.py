@@ -4,6 +4,14 @@ Everything a run needs beyond the step itself (scheduling, checkpoints, NaN hand
 handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
 :class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
 (:class:`~engine.control.StepControl`: skip, save, stop) once every rank agrees.
+
+Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
+tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
+own the trainer holds: the step body (:mod:`engine.step_body`, the pipeline's in
+:mod:`engine.pipeline`), validation through it (:mod:`engine.validation`), the step's decisions
+(:mod:`engine.step_decisions`), the run's limits, start and end (:mod:`engine.run_limits`,
+:mod:`engine.run_start`, :mod:`engine.run_end`), the error path (:mod:`engine.error_path`) and the
+handler registry (:mod:`engine.handler_registry`).
 """
 
 from __future__ import annotations
@@ -21,18 +29,12 @@ import torch
 from ignite.engine import Engine
 
 from hookloop.engine import parallel, run_limits, tensor_parallel
-from hookloop.engine.agreement import (
-    N_EXIT_VOTES,
-    StepAgreement,
-    agreed_exit_code,
-    exit_code_votes,
-    sum_over_ranks,
-)
+from hookloop.engine.agreement import StepAgreement
 from hookloop.engine.batch import default_prepare_batch
-from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_choice
-from hookloop.engine.control import StepControl, merge_rollbacks, shared_stop_reason
-from hookloop.engine.errors import ConfigError, PeerCrashed, PeerFailure, StartRefused
+from hookloop.engine.control import StepControl, shared_stop_reason
+from hookloop.engine.error_path import ErrorPath
+from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -42,15 +44,17 @@ from hookloop.engine.events import (
     StepEvents,
 )
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import handler_state_key, is_stateful
+from hookloop.engine.handler_registry import HandlerRegistry
 from hookloop.engine.ignite_adapter import IgniteAdapter
+from hookloop.engine.pipeline.runtime import check_trainer_arguments
 from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
-from hookloop.engine.rank_failure import clear_failure, crashed_peer, record_failure
+from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
-from hookloop.engine.state import TrainState
+from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
+from hookloop.engine.step_decisions import StepDecisions
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
@@ -62,27 +66,9 @@ PrepareBatch = Callable[[Any, torch.device], tuple[Any, Any]]
 
 _NO_CONTEXT = contextlib.nullcontext()
 _UNSET = object()
-#: Events whose handlers run after the step's agreement.
-_AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
 #: Default bound of the progress watchdog: longer than any healthy gap between two events.
 DEFAULT_HANG_TIMEOUT_S = 1800.0
 H = TypeVar("H")
-
-
-class _StateAttribute:
-    """``trainer.state``: assigning an ignite ``State`` (as ignite's docs and tests do) makes it a
-    :class:`TrainState` in place, bound to the trainer's control point (``trainer.control``, which
-    its flag views read). Only assignment is intercepted (no ``__get__``), so reading
-    ``trainer.state`` costs what reading a plain attribute costs."""
-
-    def __set__(self, trainer: Any, value: Any) -> None:
-        state = TrainState.adopt(value)
-        control: StepControl | None = trainer.__dict__.get("control")
-        if control is None:  # the first state's control point becomes the trainer's
-            trainer.__dict__["control"] = state.control
-        else:
-            state.control = control
-        trainer.__dict__["state"] = state
 
 
 class Trainer(IgniteAdapter):
@@ -126,7 +112,7 @@ class Trainer(IgniteAdapter):
             MICROBATCH handlers and the validation see the gathered output. Not with a pipeline.
     """
 
-    state = _StateAttribute()  # type: ignore[assignment]
+    state = StateAttribute()  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -166,40 +152,9 @@ class Trainer(IgniteAdapter):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
         check_choice("precision", precision, PRECISIONS)
 
-        if pipeline is not None:
-            if not hasattr(pipeline, "run_step"):
-                raise TypeError(
-                    "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
-                    f"returns, got {type(pipeline).__name__}; build the optimizer over runtime.parameters()"
-                )
-            if model is not pipeline.module:
-                raise ValueError("with pipeline=runtime, the model must be runtime.module (its stages)")
-            if grad_accum_steps not in (1, pipeline.n_microbatches):
-                raise ConfigError(
-                    "grad_accum_steps",
-                    f"is {grad_accum_steps} but the pipeline takes {pipeline.n_microbatches} microbatches "
-                    "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
-                )
-            self.grad_accum_steps = pipeline.n_microbatches
-            if precision == "fp16-mixed":
-                raise ConfigError(
-                    "precision",
-                    "'fp16-mixed' (loss scaling) is not supported with pipeline parallelism: the "
-                    "schedule runs backward itself; use 'bf16-mixed' or pipeline.dtype",
-                )
-            if pipeline.loss_fn is None:
-                pipeline.loss_fn = loss_fn
-            if pipeline.loss_fn is None:
-                raise ConfigError(
-                    "loss_fn",
-                    "is None but pipeline stages cannot return the model's own loss: the last stage "
-                    "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
-                    "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
-                    "build_pipeline",
-                )
-        if loss_parallel and pipeline is not None:
-            raise ConfigError(
-                "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+        if pipeline is not None:  # a step takes the pipeline's microbatches
+            self.grad_accum_steps = check_trainer_arguments(
+                pipeline, model, loss_fn, grad_accum_steps, precision, loss_parallel
             )
         self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
@@ -213,9 +168,9 @@ class Trainer(IgniteAdapter):
             self.logger.setLevel(logging.CRITICAL)
         self.state = TrainState()
         self.register_events(*StepEvents, event_to_attr=STEP_EVENT_TO_ATTR)
-        self._handlers: list[Any] = []
         self._fire_counters: dict[int, str | None] = {}
-        self._stateful: dict[str, Any] = {}
+        #: The attached handlers and what every checkpoint holds (:mod:`engine.handler_registry`).
+        self.registry = HandlerRegistry()
 
         self.model = model
         self.optimizer = optimizer
@@ -257,12 +212,6 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        self._failed: set[int] = set()
-        self._handled_errors = 0
-        self._last_handled: tuple[int, str] | None = None
-        self._epoch_start_step = 0
-        self._empty_epochs = 0
-        self._epoch_limit: int | None = None
         if hang_timeout_s is not None and (
             isinstance(hang_timeout_s, bool)
             or not isinstance(hang_timeout_s, (int, float))
@@ -291,12 +240,31 @@ class Trainer(IgniteAdapter):
         #: The step's control point: handlers request skip / save / stop / rollback here, and read
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
-        self._late_agreement = False
+        #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
+        self.epoch_bounds = run_limits.EpochBounds(lambda: self.state, self.control)
+        #: Where the step's requests become decisions (:mod:`engine.step_decisions`).
+        self.step_decisions = StepDecisions(
+            self.control,
+            self.agreement,
+            lambda: self.state,
+            self.events,
+            self.fire,
+            self.validator.due,
+            self,
+        )
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
         self.run_start = RunStart(self.control)
         #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
         self.run_end = RunEnd(
             self.control, self.run_start, lambda: self.state, run_dir, graceful_sigint=graceful_sigint
+        )
+        #: Where every error of a run goes (:mod:`engine.error_path`): EXCEPTION, TRAIN_FAILED.
+        self.error_path = ErrorPath(
+            self.events,
+            self.run_start,
+            lambda: self.state,
+            lambda: self.optimizer.zero_grad(set_to_none=True),
+            self.limits_reached,
         )
 
     # ------------------------------------------------------------------ configuration
@@ -398,45 +366,29 @@ class Trainer(IgniteAdapter):
     # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
         """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
-        (``state_dict``/``load_state_dict``) every checkpoint holds it under ``key`` (default: its
-        ``state_key``, else its class name)."""
-        if handler not in self._handlers:
-            self._handlers.append(handler)
-        if is_stateful(handler) and getattr(handler, "checkpointed", True):
-            self.register_stateful(key or handler_state_key(handler), handler)
+        every checkpoint holds it under ``key`` (default: its ``state_key``, else its class name;
+        see :mod:`engine.handler_registry`)."""
+        self.registry.register(handler, key)
 
     def register_stateful(self, key: str, obj: Any) -> None:
         """Register ``obj`` (with ``state_dict``/``load_state_dict``) so checkpoints hold it under
         ``key``. Two different objects claiming one key is an error, not a silent overwrite."""
-        if not is_stateful(obj):
-            raise TypeError(f"{type(obj).__name__} needs state_dict() and load_state_dict() to be registered")
-        held = self._stateful.get(key)
-        if held is not None and held is not obj:
-            raise ValueError(
-                f"state key {key!r} is already registered by {type(held).__name__}; give "
-                f"{type(obj).__name__} another state_key so its checkpoint state does not overwrite it"
-            )
-        self._stateful[key] = obj
+        self.registry.register_stateful(key, obj)
 
     @property
     def stateful(self) -> dict[str, Any]:
         """Registered stateful objects by key (a copy)."""
-        return dict(self._stateful)
+        return self.registry.stateful
 
     @property
     def handlers(self) -> tuple[Any, ...]:
         """The registered handlers, in attach order."""
-        return tuple(self._handlers)
+        return self.registry.handlers
 
     def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
         """The attached handler of type ``kind`` (the first one, subclasses included), or the one
         registered under the state key ``kind``; ``default`` when there is none."""
-        if isinstance(kind, str):
-            found = self._stateful.get(kind)
-            if found is not None:
-                return found
-            return next((h for h in self._handlers if handler_state_key(h) == kind), default)
-        return next((h for h in self._handlers if isinstance(h, kind)), default)
+        return self.registry.get(kind, default)
 
     # ------------------------------------------------------------------ agreement
     def agree_any(self, flag: bool) -> bool:
@@ -490,30 +442,13 @@ class Trainer(IgniteAdapter):
         return self.run_start.started
 
     def _start_epoch(self) -> None:
-        self._epoch_start_step = self.state.iteration
+        self.epoch_bounds.epoch_started()
         self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
-        """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
-        data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
-        epochs without end: after two in a row it stops, saying so."""
-        state = self.state
-        if self._epoch_limit is not None and state.epoch_length is not None:
-            # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
-            # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
-            state.max_epochs = min(state.max_epochs or self._epoch_limit, self._epoch_limit)
-            self._epoch_limit = None
-        if state.iteration != self._epoch_start_step or state.max_epochs is not None:
-            self._empty_epochs = 0
-        else:
-            self._empty_epochs += 1
-            if self._empty_epochs >= 2:
-                self.control.request_stop(
-                    f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
-                    f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
-                    "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
-                    f"run ends at step {state.iteration} instead of repeating empty epochs"
-                )
+        """The bounds on the run's epochs (:class:`engine.run_limits.EpochBounds`), then the stop
+        agreement."""
+        self.epoch_bounds.epoch_ended()
         self._agree_boundary_stop()
 
     # ------------------------------------------------------------------ running
@@ -541,9 +476,7 @@ class Trainer(IgniteAdapter):
         ``state.exit_code`` tells how it ended.
         """
         continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
-        state = self.state
-        both = state.max_iters is not None and state.max_epochs is not None
-        self._epoch_limit = state.max_epochs if both and state.epoch_length is None else None
+        self.epoch_bounds.run_set_up()
         return self._run_guarded(data, continuing=continuing)
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
@@ -561,7 +494,7 @@ class Trainer(IgniteAdapter):
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
-        self._explain_handled_end()
+        self.error_path.explain_handled_end()
         self.write_exit_status(int(self.control.exit_code), self.control.stop_reason or "finished")
         return state
 
@@ -644,136 +577,23 @@ class Trainer(IgniteAdapter):
         self.control.start_run()
         self.run_start.begin()
         state.clear_step_flags()
-        self._late_agreement = False
+        self.step_decisions.start_run()
         self._skip_completed = False
-        self._failed.clear()
-        self._handled_errors = 0
-        self._last_handled = None
-        self._epoch_start_step = 0
-        self._empty_epochs = 0
+        self.error_path.start_run()
+        self.epoch_bounds.start_run()
 
     def _end_step(self) -> None:
-        """After the step's handlers: agree on late requests, carry out a rollback request
-        (:mod:`engine.control`), then stop when every rank agreed to. A stop or rollback asked for
-        after the step's agreement (or a rollback asked before it) is agreed here with a second
-        small collective, run only when some rank has handlers that could ask or asked (the step's
-        agreement said so); a rollback some rank asked for is then gathered
-        (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that late is carried to
-        the next step."""
-        state, control = self.state, self.control
-        stop = control.decided.stop
-        if self._late_agreement:  # stop and rollback requests of any rank, agreed
-            code = int(control.exit_code) if control.stop else 0
-            votes = sum_over_ranks([control.stop, control.rollback is not None, *exit_code_votes(code)])
-            if votes[0] > 0:
-                control.decide_stop(agreed_exit_code(votes[2:]))
-                stop = True
-            if votes[1] > 0 and parallel.world_size() > 1:
-                control.rollback = merge_rollbacks(parallel.gather_objects(control.rollback))
-        rollback, step = control.decide_rollback(), state.step
-        if rollback is not None:  # the checkpointer restores what the request says
-            try:
-                self.fire(Events.ROLLBACK)
-            except CheckpointError as e:
-                if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
-                    raise
-                raise rollback.failed(step, e) from e
-        # ignite's loop ends the run at max_iters; a step count moved past it (a handler set it) too
-        beyond = state.max_iters is not None and state.iteration > state.max_iters
-        control.end_step(stop)
-        state.clear_schedule_flags()
-        if stop:
+        """The step's end (:meth:`engine.step_decisions.StepDecisions.end_step`), then the stop every
+        rank agreed to, or ignite's own end at ``max_iters``: a step count moved past it (a handler
+        set it) ends the run too, not as a stop request."""
+        state = self.state
+        if self.step_decisions.end_step():
             self._stop()
-        elif beyond:  # ignite's own limit, not a stop request
+        elif state.max_iters is not None and state.iteration > state.max_iters:
             super().terminate(self._skip_completed)
 
     def _on_error(self, e: BaseException) -> None:
-        """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
-        when at least one is attached and none raises; a handler re-raises to decline). Otherwise
-        TRAIN_FAILED handlers clean up and the error propagates; a handler that fails with another
-        error is logged, and the original error still wins."""
-        if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
-            raise e
-        self.run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
-        entries = self.events.entries(Events.EXCEPTION)
-        handled = bool(entries)
-        for entry in entries:
-            try:
-                self.events.fire_entry(entry, (e,))
-            except BaseException as raised:  # noqa: BLE001 - every handler is told, then we decide
-                handled = False
-                if raised is not e:
-                    logger.error("EXCEPTION handler %r failed: %r", entry.original, raised)
-        if handled:
-            self._handled(e)
-            return
-        if parallel.is_peer_failure(e):  # a peer's own error, when it recorded one; else a lost peer
-            lost = crashed_peer(e) or PeerFailure(
-                f"a collective failed because a peer is gone or hung: {str(e).splitlines()[0][:300]}"
-            )
-            self._failed.add(id(e))
-            self._fail(lost)
-            raise lost from e
-        if not isinstance(e, PeerFailure | PeerCrashed | StartRefused):
-            record_failure(e, f"step {self.state.iteration}")  # the peers name it, not a lost peer
-        self._fail(e)
-        raise e
-
-    def _handled(self, e: BaseException) -> None:
-        """An EXCEPTION handler handled ``e``. As in ignite, the loop goes on after the error's
-        epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
-        whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
-        raised leaves no gradients or step flags behind for the next one. When the run is at its
-        limit, ``state.stop_reason`` says that it ended on a handled error."""
-        state = self.state
-        self.optimizer.zero_grad(set_to_none=True)
-        state.clear_step_flags()
-        self._handled_errors += 1
-        message = str(e).splitlines()[0][:200] if str(e) else ""
-        what = f"{type(e).__name__}: {message}" if message else type(e).__name__
-        self._last_handled = (state.iteration, what)
-        if self._handled_errors == 1:
-            logger.warning(
-                "%s at step %d (epoch %d); an EXCEPTION handler handled it, so, as in ignite, the loop "
-                "goes on after this epoch up to the run's limits (an error outside the steps ends the run)",
-                what,
-                state.iteration,
-                state.epoch,
-            )
-        if self.limits_reached():
-            self._explain_handled_end()
-
-    def _explain_handled_end(self) -> None:
-        """Set ``state.stop_reason`` (unless a stop already gave one) when the run ends right after an
-        error an EXCEPTION handler handled."""
-        state = self.state
-        if state.stop_reason is not None or self._last_handled is None:
-            return
-        step, what = self._last_handled
-        if step != state.iteration:  # a step completed after it: the run ended normally
-            return
-        max_steps, max_epochs = self.limits
-        if max_steps is not None and state.iteration >= max_steps:
-            limit = f"at max_steps={max_steps}"
-        elif max_epochs is not None and state.epoch >= max_epochs:
-            limit = f"at max_epochs={max_epochs}"
-        else:
-            limit = "there (an error outside an epoch's steps ends the run)"
-        state.stop_reason = (
-            f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
-            "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
-            f"({self._handled_errors} handled in this run)"
-        )
-
-    def _fail(self, e: BaseException) -> None:
-        if id(e) in self._failed:
-            return
-        self._failed.add(id(e))
-        for entry in self.events.entries(Events.TRAIN_FAILED):
-            try:
-                self.events.fire_entry(entry, (e,))
-            except BaseException as handler_error:  # keep cleaning up; the original error wins
-                logger.error("TRAIN_FAILED handler %r failed: %r", entry.original, handler_error)
+        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
 
     # ------------------------------------------------------------------ the step
     def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
@@ -805,61 +625,8 @@ class Trainer(IgniteAdapter):
         overflow = None
         if scaler is not None:  # fp16: a non-finite norm means the loss scale overflowed
             overflow = ~torch.isfinite(norm) if isinstance(norm, torch.Tensor) else False
-        self._agree_step(local_loss, norm, tokens, samples, overflow)
+        self.step_decisions.agree(local_loss, norm, tokens, samples, overflow)
         return self._optimizer_step(norm)
-
-    def _agree_step(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
-        """The step's one collective: loss, norm and counts summed over ranks together with every
-        decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
-        still ask for a stop after it) and the handlers' slots; then the agreed values are applied
-        and recorded in ``control.decided``: the only place the control's requests become decisions."""
-        state, control = self.state, self.control
-        world = parallel.world_size()
-        slots = self.agreement.slots
-        decisions: list[Any] = [
-            samples,
-            False if overflow is None else overflow,
-            control.skip,
-            control.stop,
-            control.save,
-            self._late_requests_possible() or control.rollback is not None,
-            *exit_code_votes(int(control.exit_code) if control.stop else 0),
-            *(slot.fill() for slot in slots),
-        ]
-        if world == 1:
-            agreed = sum_over_ranks(decisions, force_read=True)
-        else:
-            agreed = sum_over_ranks([loss, norm, tokens, *decisions])
-            state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
-            state.step_tokens = int(agreed[2])
-            agreed = agreed[3:]
-        samples, overflow_votes, skip, stop, checkpoint, late = agreed[:6]
-        votes, slot_values = agreed[6 : 6 + N_EXIT_VOTES], agreed[6 + N_EXIT_VOTES :]
-        state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
-        state.samples_seen += int(samples)
-        state.grad_scaler_overflow = overflow_votes > 0
-        control.skip = skip > 0 or state.grad_scaler_overflow
-        control.save = checkpoint > 0
-        if stop > 0:
-            control.decide_stop(agreed_exit_code(votes))
-        self._late_agreement = late > 0
-        for slot, value in zip(slots, slot_values):
-            if slot.on_agreed is not None:
-                slot.on_agreed(value)
-        control.record_decided()
-
-    def _late_requests_possible(self) -> bool:
-        """Whether a stop may still be asked for after the step's agreement on this rank: a handler
-        of STEP_END (besides the trainer's own and handlers that say they never ask late, see
-        :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
-        ROLLBACK, or a validation due this step. Agreed across ranks; when false everywhere the
-        trainer needs no second collective at the end of the step."""
-        for event in _AFTER_AGREEMENT:
-            for entry in self.events.entries(event):
-                owner = getattr(entry.original, "__self__", None)
-                if owner is not self and getattr(owner, "asks_after_agreement", True):
-                    return True
-        return self._validation_due()
 
     def _optimizer_step(self, norm: Any) -> float:
         """The agreed veto, clipping, then optimizer and LR scheduler."""
@@ -897,9 +664,6 @@ class Trainer(IgniteAdapter):
         scaler.update()
 
     # ------------------------------------------------------------------ validation
-    def _validation_due(self) -> bool:
-        return self.validator.due()
-
     def _maybe_validate(self) -> None:
         if self.validator.due():
             self.validate()
@@ -907,10 +671,10 @@ class Trainer(IgniteAdapter):
     @property
     def evaluator(self) -> Engine:
         """The ignite engine validation runs on (:mod:`engine.validation`): attach ignite metrics to
-        it (its process function returns ``(model_output, targets)``); their results join
-        ``state.metrics`` before VALIDATION_END, reduced over the data-parallel ranks. Under
-        pipeline parallelism it runs on the rank holding the last stage, whose results reach every
-        rank."""
+        it (its items are the step body's validation forwards, its process function returns
+        ``(model_output, targets)``); their results join ``state.metrics`` before VALIDATION_END,
+        reduced over the data-parallel ranks. It runs where the body holds the outputs (a
+        pipeline's last stage), whose results reach every rank."""
         return self.validator.evaluator
 
     def validate(self) -> float:

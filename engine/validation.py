@@ -1,19 +1,21 @@
 """Validation: the evaluator, the mean validation loss, ignite metrics reduced over the
-data-parallel ranks only, the pipeline's case, and the ``validation`` config section.
+data-parallel ranks only, and the ``validation`` config section.
 
     trainer.set_validation(val_loader, every_steps=100, metrics={"accuracy": Accuracy()})
     trainer.validate()  # state.metrics["val_loss"] and ["val_accuracy"], then VALIDATION_END
 
-What one validation does (the trainer runs it at STEP_END when it is due)::
+What one validation does (the trainer runs it at STEP_END when it is due). The forward passes are
+the step body's (:mod:`engine.step_body`: the local body's own forward, or the pipeline's stages),
+so validation knows no layout::
 
     model.eval(), no gradients
-    with ignite_world(dp_group):                       # idist's world: the data-parallel ranks
-        evaluator.run(microbatches)                    # at most eval_iters of them
-            per microbatch: output, loss = forward     # pipeline: the stages' forward, on the last stage
-                            loss_total += loss * samples
-                            metric.update((output, targets))      # every metric, ITERATION_COMPLETED
+    with ignite_world(body.data_parallel_group(dp)):   # idist's world: the data-parallel ranks
+        items = body.eval_batches(data, eval_iters)     # per microbatch: loss, samples, output, targets
+        where body.holds_outputs: evaluator.run(items)  # elsewhere (a pipeline's first stages): the losses
+            per item: loss_total += loss * samples
+                      metric.update((output, targets))            # every metric, ITERATION_COMPLETED
             metric.compute() -> evaluator.state.metrics["val_<name>"]    # COMPLETED
-    pipeline: the last stage's metrics broadcast to every stage
+        metrics = body.share_metrics(metrics)           # a pipeline: the last stage's, on every stage
     val_loss = loss_total / samples, both summed over every rank
     state.metrics: val_loss, val_<name> (and whatever else is attached to the evaluator)
     VALIDATION_END
@@ -53,12 +55,12 @@ import torch
 from ignite.engine import Engine
 from ignite.metrics import Metric
 
-from hookloop.engine import parallel, tensor_parallel
-from hookloop.engine.batch import count_batch, forward_and_loss
+from hookloop.engine import parallel
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.ignite_adapter import ignite_world
 from hookloop.engine.step_batches import data_length
+from hookloop.engine.step_body import EvalResult
 from hookloop.engine.targets import TARGET_HINT, bind_arguments, resolve_target
 
 if TYPE_CHECKING:
@@ -249,16 +251,7 @@ class Validator:
         """The process group metrics reduce over (None: this rank alone); found at the first
         validation (a collective every rank joins) unless ``set_validation(dp_group=...)`` gave it."""
         if self._group is _UNSET:
-            trainer, runtime = self._trainer, self._trainer.pipeline
-            dp = self._dp
-            if dp is None and runtime is not None:
-                dp = runtime.dp_mesh
-            positions: tuple[int, ...] = ()
-            if trainer.tp_mesh is not None:
-                positions += (trainer.tp_mesh.get_local_rank(),)
-            if runtime is not None:
-                positions += (runtime.pp_rank,)
-            self._group = parallel.data_parallel_group(dp, positions=positions)
+            self._group = self._trainer.step_body.data_parallel_group(self._dp)
         return self._group
 
     @torch.no_grad()
@@ -269,6 +262,7 @@ class Validator:
         trainer = self._trainer
         start = time.perf_counter()
         group = self.dp_group
+        body = trainer.step_body
         model = trainer.model
         was_training = model.training
         model.eval()
@@ -276,7 +270,9 @@ class Validator:
         self._samples = 0
         try:
             with ignite_world(group):
-                metrics = self._run_pipeline() if trainer.pipeline is not None else self._run_local()
+                items = body.eval_batches(self.data, self.eval_iters, trainer.step_context)
+                metrics = self._run_evaluator(items) if body.holds_outputs else self._count_losses(items)
+                metrics = body.share_metrics(metrics)
         finally:
             model.train(was_training)
         total = torch.stack([self._loss_total, torch.tensor(float(self._samples), dtype=torch.float64)])
@@ -292,52 +288,31 @@ class Validator:
         trainer.fire(Events.VALIDATION_END)
         return val_loss
 
-    def _run_local(self) -> dict[str, Any]:
-        data, eval_iters = self.data, self.eval_iters
-        length = data_length(data)
-        batches = eval_iters if length is None else min(length, eval_iters or length)
-        items = iter(data) if eval_iters is None else itertools.islice(data, eval_iters)
-        return self._run_evaluator(items, batches)
-
-    def _run_pipeline(self) -> dict[str, Any]:
-        """Every stage runs the forward passes; the evaluator (and its metrics) runs where the outputs
-        are, on the last stage, whose metrics then reach every stage."""
-        trainer = self._trainer
-        runtime = trainer.pipeline
-        items = runtime.validation_batches(self.data, self.eval_iters, trainer.step_context)
-        metrics: dict[str, Any] = {}
-        if runtime.has_last:
-            metrics = self._run_evaluator(items, None)
-        else:
-            for loss, samples, _, _ in items:
-                self._feed_watchdog()
-                self._add_loss(loss, samples)
-        return runtime.broadcast_from_last(metrics)
-
-    def _run_evaluator(self, items: Iterator[Any], epoch_length: int | None) -> dict[str, Any]:
+    def _run_evaluator(self, items: Iterator[EvalResult]) -> dict[str, Any]:
+        """The evaluator over the body's items (one per microbatch: ``length`` of them, when the
+        data has a length); its metrics."""
         first = next(items, _END)
         if first is _END:
             return {}
+        length, eval_iters = data_length(self.data), self.eval_iters
+        batches = eval_iters if length is None else min(length, eval_iters or length)
         evaluator = self.evaluator
-        evaluator.run(itertools.chain([first], items), max_epochs=1, epoch_length=epoch_length)
+        evaluator.run(itertools.chain([first], items), max_epochs=1, epoch_length=batches)
         return dict(evaluator.state.metrics)
 
-    def _step(self, engine: Engine, item: Any) -> tuple[Any, Any]:
+    def _count_losses(self, items: Iterator[EvalResult]) -> dict[str, Any]:
+        """On a rank without the outputs: the losses only (the metrics come from the rank with them)."""
+        for item in items:
+            self._feed_watchdog()
+            self._add_loss(item.loss, item.samples)
+        return {}
+
+    def _step(self, engine: Engine, item: EvalResult) -> tuple[Any, Any]:
         """The evaluator's process function: one microbatch's loss into the totals; returns
         ``(model_output, targets)`` for the metrics."""
         self._feed_watchdog()
-        trainer = self._trainer
-        if trainer.pipeline is not None:  # the stages ran the forward: (loss, samples, output, targets)
-            loss, samples, output, targets = item
-        else:
-            inputs, targets = trainer.prepare_batch(item, trainer.device)
-            with trainer.loss_context(), trainer.autocast():
-                output, loss = forward_and_loss(trainer.model, inputs, targets, trainer.loss_fn)
-            if trainer.loss_parallel:
-                output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
-            samples = count_batch(inputs)[0] or 1
-        self._add_loss(loss, samples)
-        return output, targets
+        self._add_loss(item.loss, item.samples)
+        return item.output, item.targets
 
     def _add_loss(self, loss: Any, samples: int) -> None:
         # Weighted by samples: the mean over every validation sample, whatever the batches' sizes

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Trainer
-from hookloop.engine.run_limits import check_limit_kind, check_run_arguments, set_up_run
+from hookloop.engine.run_limits import EpochBounds, check_limit_kind, check_run_arguments, set_up_run
 from hookloop.engine.state import TrainState
 
 
@@ -87,3 +87,28 @@ def test_a_run_without_data_needs_an_epoch_length():
     trainer = bare_trainer()
     assert set_up_run(trainer, None, epoch_length=4) is False
     assert (trainer.state.epoch_length, trainer.state.max_epochs) == (4, 1)
+
+
+def test_epoch_bounds_stop_a_step_limited_run_after_two_empty_epochs():
+    trainer = bare_trainer()
+    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state.max_iters, state.max_epochs, state.iteration, state.epoch = 10, None, 4, 1
+    bounds.start_run()
+    bounds.epoch_started()
+    bounds.epoch_ended()  # the first empty epoch: the data may come back
+    assert not trainer.control.stop
+    state.epoch = 2
+    bounds.epoch_started()
+    bounds.epoch_ended()
+    assert trainer.control.stop
+    assert "epochs 1 and 2 started no step and only max_steps=10" in trainer.control.stop_reason
+
+
+def test_epoch_bounds_keep_a_smaller_epoch_limit_once_the_epoch_length_is_known():
+    trainer = bare_trainer()
+    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state.max_iters, state.max_epochs, state.epoch_length = 100, 2, None
+    bounds.run_set_up()
+    state.epoch_length, state.max_epochs, state.iteration = 10, 10, 10  # as ignite sets it
+    bounds.epoch_ended()
+    assert state.max_epochs == 2 and not trainer.control.stop

@@ -38,11 +38,12 @@ from hookloop.engine.pipeline.config import PipelineConfig
 from hookloop.engine.pipeline.schedules import losses_computed
 from hookloop.engine.pipeline.split import find_layer_container, plan_stages, split_stage_module
 from hookloop.engine.step_batches import iter_groups
-from hookloop.engine.step_body import StepContext, StepResult, check_loss, grad_norm
+from hookloop.engine.step_body import EvalResult, StepContext, StepResult, check_loss, grad_norm
 
 __all__ = [
     "PipelineRuntime",
     "build_pipeline",
+    "check_trainer_arguments",
     "forward_through_stages",
     "pipeline_loss_fn",
     "stage_module",
@@ -306,26 +307,81 @@ class PipelineRuntime:
         dist.recv(t, src=src, group=self.pp_group)
         return t.to(self.device)
 
-    def validation_batches(
-        self, data: Iterable, eval_iters: int | None, ctx: StepContext
-    ) -> Iterator[tuple[torch.Tensor, int, Any, Any]]:
-        """Validation through the stages: ``(loss, samples, output, targets)`` per microbatch of
-        ``data`` (at most ``eval_iters``), ``n_microbatches`` of them per forward pass; the loss on
-        every pp rank, the output on the last stage only (None elsewhere). Every pp rank must
-        iterate it to the end together. ``ctx`` prepares the batches and gives the autocast."""
+    @property
+    def holds_outputs(self) -> bool:
+        """The outputs (and validation's evaluator) are on the rank holding the last stage."""
+        return self.has_last
+
+    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
+        """Validation through the stages: ``n_microbatches`` microbatches of ``data`` (at most
+        ``eval_iters``) per forward pass; each one's loss on every pp rank, its output on the last
+        stage only (None elsewhere). Every pp rank must iterate it to the end together."""
         batches = data if eval_iters is None else itertools.islice(data, eval_iters)
         for group in iter_groups(batches, self.n_microbatches):
             prepared = [self._stage_pair(ctx, mb) for mb in group]
             with ctx.autocast():
                 losses, outputs = self._forward_only([(x, y) for x, y, _ in prepared])
             for i, (_, y, counts) in enumerate(prepared):
-                yield losses[i], counts[0] or 1, outputs[i] if outputs is not None else None, y
+                yield EvalResult(losses[i], counts[0] or 1, outputs[i] if outputs is not None else None, y)
 
-    def broadcast_from_last(self, obj: Any) -> Any:
-        """``obj`` of the rank holding the last stage, on every pp rank (pickled: small objects)."""
-        box = [obj]
+    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The last stage's metrics on every pp rank (pickled: small objects)."""
+        box = [metrics]
         dist.broadcast_object_list(box, src=self._loss_src, group=self.pp_group, device=self._comm_device)
         return box[0]
+
+    def data_parallel_group(self, dp: Any) -> Any:
+        """``dp``, else the ``dp`` mesh dimension, else the ranks at the same tensor-parallel rank and
+        pipeline rank."""
+        positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
+        dp = self.dp_mesh if dp is None else dp
+        return parallel.data_parallel_group(dp, positions=(*positions, self.pp_rank))
+
+
+def check_trainer_arguments(
+    runtime: Any,
+    model: nn.Module,
+    loss_fn: Callable | None,
+    grad_accum_steps: int,
+    precision: str,
+    loss_parallel: bool,
+) -> int:
+    """A Trainer's arguments checked against the pipeline ``runtime`` it is given; the stages take
+    the Trainer's ``loss_fn`` when the runtime has none. Returns the microbatches a step takes."""
+    if not hasattr(runtime, "run_step"):
+        raise TypeError(
+            "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
+            f"returns, got {type(runtime).__name__}; build the optimizer over runtime.parameters()"
+        )
+    if model is not runtime.module:
+        raise ValueError("with pipeline=runtime, the model must be runtime.module (its stages)")
+    if grad_accum_steps not in (1, runtime.n_microbatches):
+        raise ConfigError(
+            "grad_accum_steps",
+            f"is {grad_accum_steps} but the pipeline takes {runtime.n_microbatches} microbatches "
+            "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
+        )
+    if precision == "fp16-mixed":
+        raise ConfigError(
+            "precision",
+            "'fp16-mixed' (loss scaling) is not supported with pipeline parallelism: the "
+            "schedule runs backward itself; use 'bf16-mixed' or pipeline.dtype",
+        )
+    if runtime.loss_fn is None:
+        runtime.loss_fn = loss_fn
+    if runtime.loss_fn is None:
+        raise ConfigError(
+            "loss_fn",
+            "is None but pipeline stages cannot return the model's own loss: the last stage "
+            "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
+            "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
+            "build_pipeline",
+        )
+    if loss_parallel:
+        raise ConfigError(
+            "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+        )
+    return runtime.n_microbatches
 
 
 def build_pipeline(

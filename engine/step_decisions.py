@@ -1,0 +1,156 @@
+"""A step's decisions: where the requests on the control point become what every rank does.
+
+Handlers *request* on the trainer's control point (:mod:`engine.control`); the trainer's
+:class:`StepDecisions` (``trainer.step_decisions``) decides, twice a step::
+
+    ... fire(BEFORE_OPTIMIZER_STEP)
+    agree(loss, norm, tokens, samples, overflow)    ONE all-reduce (engine.agreement): the step's
+        state.loss, grad_norm, step_tokens          values summed over ranks, the token and sample
+        tokens_seen, samples_seen                   counts, and every vote: skip, stop (with its
+        control.skip / save / stop agreed           exit code), save, the slots' values (on_agreed),
+        control.decided recorded                    and whether anything may still ask late
+    ... optimizer, fire(STEP_END)
+    end_step() -> stop                              the trainer's last STEP_END handler:
+        the late agreement                          a second small all-reduce, only when some rank
+                                                    could still ask (or asked for a rollback)
+        an agreed rollback: fire(ROLLBACK)          every rank restores the same checkpoint
+        step requests and schedule flags reset      a save asked after the agreement carries over
+
+With the default handlers (each of which says ``asks_after_agreement = False``) a step that does
+not validate issues the first all-reduce and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hookloop.engine import parallel
+from hookloop.engine.agreement import N_EXIT_VOTES, agreed_exit_code, exit_code_votes, sum_over_ranks
+from hookloop.engine.checkpoint_format.errors import CheckpointError
+from hookloop.engine.control import merge_rollbacks
+from hookloop.engine.errors import ConfigError
+from hookloop.engine.events import Events
+
+__all__ = ["AFTER_AGREEMENT", "StepDecisions"]
+
+#: Events whose handlers run after the step's agreement.
+AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
+
+
+class StepDecisions:
+    """The step's agreement and end for one trainer (see the module docstring).
+
+    ``control``: the trainer's :class:`~engine.control.StepControl`; ``agreement``: its
+    :class:`~engine.agreement.StepAgreement` (the handlers' slots); ``state``: gives its state;
+    ``events``: its :class:`~engine.events.EventRegistry` (who could ask late); ``fire``: fires an
+    event as the trainer does (ROLLBACK); ``validation_due``: whether a validation runs this step
+    (its VALIDATION_END handlers may ask late); ``owner``: the trainer, whose own handlers never ask
+    late."""
+
+    def __init__(
+        self,
+        control: Any,
+        agreement: Any,
+        state: Callable[[], Any],
+        events: Any,
+        fire: Callable[[Any], None],
+        validation_due: Callable[[], bool],
+        owner: Any,
+    ) -> None:
+        self._control = control
+        self._agreement = agreement
+        self._state = state
+        self._events = events
+        self._fire = fire
+        self._validation_due = validation_due
+        self._owner = owner
+        #: Whether this step's end runs the late agreement (some rank could ask late, or asked).
+        self.late = False
+
+    def start_run(self) -> None:
+        """TRAIN_START: no step agreed yet."""
+        self.late = False
+
+    def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
+        """The step's one collective: loss, norm and counts summed over ranks together with every
+        decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
+        still ask for a stop after it) and the handlers' slots; then the agreed values are applied
+        and recorded in ``control.decided``: the only place the control's requests become decisions."""
+        state, control = self._state(), self._control
+        world = parallel.world_size()
+        slots = self._agreement.slots
+        decisions: list[Any] = [
+            samples,
+            False if overflow is None else overflow,
+            control.skip,
+            control.stop,
+            control.save,
+            self.late_requests_possible() or control.rollback is not None,
+            *exit_code_votes(int(control.exit_code) if control.stop else 0),
+            *(slot.fill() for slot in slots),
+        ]
+        if world == 1:
+            agreed = sum_over_ranks(decisions, force_read=True)
+        else:
+            agreed = sum_over_ranks([loss, norm, tokens, *decisions])
+            state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
+            state.step_tokens = int(agreed[2])
+            agreed = agreed[3:]
+        samples, overflow_votes, skip, stop, checkpoint, late = agreed[:6]
+        votes, slot_values = agreed[6 : 6 + N_EXIT_VOTES], agreed[6 + N_EXIT_VOTES :]
+        state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
+        state.samples_seen += int(samples)
+        state.grad_scaler_overflow = overflow_votes > 0
+        control.skip = skip > 0 or state.grad_scaler_overflow
+        control.save = checkpoint > 0
+        if stop > 0:
+            control.decide_stop(agreed_exit_code(votes))
+        self.late = late > 0
+        for slot, value in zip(slots, slot_values):
+            if slot.on_agreed is not None:
+                slot.on_agreed(value)
+        control.record_decided()
+
+    def late_requests_possible(self) -> bool:
+        """Whether a stop may still be asked for after the step's agreement on this rank: a handler
+        of STEP_END (besides the trainer's own and handlers that say they never ask late, see
+        :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
+        ROLLBACK, or a validation due this step. Agreed across ranks; when false everywhere the
+        trainer needs no second collective at the end of the step."""
+        for event in AFTER_AGREEMENT:
+            for entry in self._events.entries(event):
+                owner = getattr(entry.original, "__self__", None)
+                if owner is not self._owner and getattr(owner, "asks_after_agreement", True):
+                    return True
+        return self._validation_due()
+
+    def end_step(self) -> bool:
+        """After the step's handlers: agree on late requests, carry out a rollback request
+        (:mod:`engine.control`), reset the step's requests and flags; returns whether every rank
+        agreed to stop. A stop or rollback asked for after the step's agreement (or a rollback asked
+        before it) is agreed here with a second small collective, run only when some rank has
+        handlers that could ask or asked (the step's agreement said so); a rollback some rank asked
+        for is then gathered (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that
+        late is carried to the next step."""
+        state, control = self._state(), self._control
+        stop = control.decided.stop
+        if self.late:  # stop and rollback requests of any rank, agreed
+            code = int(control.exit_code) if control.stop else 0
+            votes = sum_over_ranks([control.stop, control.rollback is not None, *exit_code_votes(code)])
+            if votes[0] > 0:
+                control.decide_stop(agreed_exit_code(votes[2:]))
+                stop = True
+            if votes[1] > 0 and parallel.world_size() > 1:
+                control.rollback = merge_rollbacks(parallel.gather_objects(control.rollback))
+        rollback, step = control.decide_rollback(), state.step
+        if rollback is not None:  # the checkpointer restores what the request says
+            try:
+                self._fire(Events.ROLLBACK)
+            except CheckpointError as e:
+                if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
+                    raise
+                raise rollback.failed(step, e) from e
+        control.end_step(stop)
+        state.clear_schedule_flags()
+        return stop

@@ -1,0 +1,102 @@
+"""``engine.step_decisions``: the step's agreement and its end, in one process without a trainer."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hookloop.engine.agreement import StepAgreement
+from hookloop.engine.checkpoint_format.errors import CheckpointError
+from hookloop.engine.control import StepControl
+from hookloop.engine.errors import TrainingAborted
+from hookloop.engine.events import Events
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.state import TrainState
+from hookloop.engine.step_decisions import StepDecisions
+
+
+class FakeEvents:
+    def __init__(self) -> None:
+        self.handlers: dict = {}
+
+    def entries(self, event):
+        return [SimpleNamespace(original=f) for f in self.handlers.get(event, [])]
+
+
+class Owner:
+    def own_step_end(self) -> None: ...
+
+
+def make(*, due: bool = False, fire=None):
+    control = StepControl()
+    state = TrainState()
+    state.control = control
+    state.iteration = 4
+    events, fired, owner = FakeEvents(), [], Owner()
+    decisions = StepDecisions(
+        control, StepAgreement(), lambda: state, events, fire or fired.append, lambda: due, owner
+    )
+    return decisions, control, state, events, fired, owner
+
+
+def test_the_agreement_turns_requests_into_decisions_and_counts_the_step():
+    decisions, control, state, _, _, _ = make()
+    agreed = []
+    decisions._agreement.add("test.vote", fill=lambda: torch.tensor(2.0), on_agreed=agreed.append)
+    control.request_skip()
+    control.request_save()
+    state.step_tokens = 12  # one process: the trainer set this rank's values, the agreement counts them
+    decisions.agree(torch.tensor(1.5), torch.tensor(0.5), 12, 3, None)
+    assert control.decided.skip and control.decided.save and not control.decided.stop
+    assert agreed == [2.0]
+    assert (state.tokens_seen, state.samples_seen, state.grad_scaler_overflow) == (12, 3, False)
+    assert decisions.late is False  # nothing could ask after it
+
+
+def test_an_overflow_skips_and_a_stop_is_decided_with_its_exit_code():
+    decisions, control, state, _, _, _ = make()
+    control.request_stop("enough", ExitCode.STOPPED)
+    decisions.agree(torch.tensor(1.0), torch.tensor(float("inf")), 0, 1, torch.tensor(True))
+    assert state.grad_scaler_overflow and control.decided.skip
+    assert control.decided.stop and control.decided.exit_code == ExitCode.STOPPED
+    assert decisions.end_step() is True
+
+
+def test_who_could_ask_late():
+    decisions, _, _, events, _, owner = make()
+    assert not decisions.late_requests_possible()
+    events.handlers[Events.STEP_END] = [owner.own_step_end]  # the trainer's own
+    quiet = type("Quiet", (), {"asks_after_agreement": False, "on_step_end": lambda self: None})()
+    events.handlers[Events.STEP_END].append(quiet.on_step_end)  # says it never asks late
+    assert not decisions.late_requests_possible()
+    events.handlers[Events.VALIDATION_END] = [lambda: None]  # a user's function may ask
+    assert decisions.late_requests_possible()
+    assert make(due=True)[0].late_requests_possible()  # a validation due: its handlers may ask
+
+
+def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():
+    decisions, control, state, _, _, _ = make()
+    decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
+    control.request_stop("late")
+    state.should_validate = True
+    assert decisions.end_step() is False  # no late agreement: the next step's agreement takes it
+    assert not state.should_validate  # the step's schedule flags reset
+    decisions.late = True
+    assert decisions.end_step() is True and control.decided.stop
+
+
+def test_an_agreed_rollback_fires_rollback_and_a_failed_restore_aborts():
+    decisions, control, _, _, fired, _ = make()
+    control.request_rollback(2, reason="test")
+    decisions.late = True
+    assert decisions.end_step() is False
+    assert fired == [Events.ROLLBACK] and control.decided.rollback is None  # the step's end reset it
+
+    def no_checkpoint(event):
+        raise CheckpointError("nothing to restore")
+
+    decisions, control, _, _, _, _ = make(fire=no_checkpoint)
+    control.request_rollback(2, reason="test", exit_code=76)
+    decisions.late = True
+    with pytest.raises(TrainingAborted, match="step 4: cannot roll back.*at or before step 2.*test"):
+        decisions.end_step()
