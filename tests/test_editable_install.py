@@ -54,8 +54,10 @@ def installed_editable() -> tuple[Path, list[str]]:
         pytest.skip("hookloop is not installed by pip in this environment: nothing for an editor to resolve")
     direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
     if not direct_url.get("dir_info", {}).get("editable"):
-        pytest.skip("hookloop is installed from a wheel, not editable (as tox installs it): go-to-definition "
-                    "opens the installed copy, not the repository")  # fmt: skip
+        pytest.skip(
+            "hookloop is installed from a wheel, not editable (as tox installs it): go-to-definition "
+            "opens the installed copy, not the repository"
+        )
     source = Path(unquote(urlparse(direct_url["url"]).path)).resolve()
     lines = [
         line.strip()
@@ -92,10 +94,8 @@ def test_go_to_definition_reaches_the_repositorys_own_files(tmp_path):
         names = script.goto(line, column, follow_imports=True)
         return [(Path(name.module_path).resolve(), name.line) for name in names]
 
-    trainer_class = next(
-        n for n, text in enumerate((REPO / "engine" / "trainer.py").read_text().splitlines(), 1)
-        if text.startswith("class Trainer")
-    )  # fmt: skip
+    lines = (REPO / "engine" / "trainer.py").read_text().splitlines()
+    trainer_class = next(n for n, text in enumerate(lines, 1) if text.startswith("class Trainer"))
     assert reached(1, 36) == [(REPO / "engine" / "trainer.py", trainer_class)]
     assert reached(1, 25) == [(REPO / "engine" / "trainer.py", 1)]
     assert reached(2, 36) == [(REPO / "handlers" / "checkpoint" / "store.py", 1)]

@@ -25,10 +25,8 @@ def saved(tmp_path, sess) -> dict:
     trainer = fakes.bare_trainer()
     trainer.state.iteration = 4
     trainer.register_stateful("counts", Counts())
-    state = RankState(
-        trainer, fakes.reader(fakes.store(tmp_path, sess), sess), ResumeSettings(sess),
-        load_optimizer=True, long_wait=fakes.LongWaits(),
-    )  # fmt: skip
+    reader = fakes.reader(fakes.store(tmp_path, sess), sess)
+    state = RankState(trainer, reader, ResumeSettings(sess), load_optimizer=True, long_wait=fakes.LongWaits())
     return json.loads(json.dumps(state.capture(4)))
 
 

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hookloop.engine.checkpoint_format.directory import MARKER, read_json, write_json_atomic
 from hookloop.engine.checkpoint_format.errors import (
@@ -17,6 +18,7 @@ from hookloop.engine.checkpoint_format.errors import (
     CheckpointIndexBoundError,
     CheckpointLayoutError,
 )
+from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from tests.checkpoint_rooms import fakes
 
@@ -129,17 +131,11 @@ def test_a_load_puts_back_the_saved_model_and_optimizer_state(tmp_path, sess):
     model, optimizer = fakes.model_and_optimizer(seed=0)
     path = fakes.save(tmp_path, 1, model, optimizer)
     other, other_optimizer = fakes.model_and_optimizer(seed=5)
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS
-
     model_sd, optim_sd = get_state_dict(other, other_optimizer, options=STATE_DICT_OPTIONS)
     state = {"model": model_sd, "optim": optim_sd}
     fakes.reader(fakes.store(tmp_path, sess), sess).load(path, state)
-    set_state_dict(
-        other, other_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-        options=STATE_DICT_OPTIONS,
-    )  # fmt: skip
+    loaded = {"model_state_dict": state["model"], "optim_state_dict": state["optim"]}
+    set_state_dict(other, other_optimizer, **loaded, options=STATE_DICT_OPTIONS)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
     saved, loaded = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
     assert all(torch.equal(saved[i]["exp_avg"], loaded[i]["exp_avg"]) for i in saved)

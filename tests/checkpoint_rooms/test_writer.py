@@ -199,7 +199,7 @@ def test_a_rank_state_larger_than_a_resume_reads_fails_the_save(tmp_path, sess, 
         w.start(1, model, optimizer, {"handlers": "x" * 200}, {})
 
 
-def test_a_publish_the_file_system_refuses_fails_the_save(tmp_path, sess, caplog):
+def test_a_publish_the_file_system_refuses_fails_the_save(tmp_path, sess):
     model, optimizer = fakes.model_and_optimizer()
     w = fakes.writer(tmp_path, "sync", sess)
     w.start(1, model, optimizer, fakes.rank_state_json(1), {})
