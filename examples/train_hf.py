@@ -7,11 +7,12 @@ install has, with the full handler set.
     torchrun --nproc-per-node 2 examples/train_hf.py distributed.dp_mode=fsdp train.run_dir=runs/hf_fsdp
     torchrun --nproc-per-node 2 examples/train_hf.py distributed.pp_size=2 train.run_dir=runs/hf_pp
 
-Needs ``transformers`` (``pip install -e ".[hf]"``). The same as ``hookloop train
-examples/configs/hf_tiny.yaml [overrides]``: ``model.target: hookloop.models.hf:recipe`` builds a
-``transformers`` causal LM (``model.architecture``: ``llama`` or ``gpt2``; every other ``model`` key
-is a field of its config class, e.g. ``model.num_hidden_layers=4``) over a byte vocabulary, which
-computes its own loss from ``{"input_ids", "labels"}`` microbatches.
+Needs ``transformers`` (``pip install -e ".[hf]" --config-settings editable_mode=strict``). The
+same as ``hookloop train examples/configs/hf_tiny.yaml [overrides]``: ``model.target:
+hookloop.models.hf:recipe`` builds a ``transformers`` causal LM (``model.architecture``: ``llama``
+or ``gpt2``; every other ``model`` key is a field of its config class, e.g.
+``model.num_hidden_layers=4``) over a byte vocabulary, which computes its own loss from
+``{"input_ids", "labels"}`` microbatches.
 """
 
 from __future__ import annotations

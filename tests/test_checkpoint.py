@@ -220,9 +220,9 @@ def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_
 
     @trainer.on(Events.STEP_END, priority=-10)
     def _look(engine):
-        if checkpointer._writer.inflight is not None:  # a save of this step just started
-            step = engine.state.step
-            partial = checkpointer._writer.inflight.partial
+        step = engine.state.step
+        if checkpointer.saving and checkpointer.last_saved_step == step:  # this step's save started
+            (partial,) = tmp_path.glob(f"{step_dir_name(step)}.partial-*")
             observed.append((step, read_latest(tmp_path), is_complete(partial)))
 
     trainer.run(token_batches(12), max_steps=6)
@@ -522,12 +522,19 @@ def test_keep_best_settings_are_validated_naming_the_field(tmp_path):
 
 def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp_path):
     trainer = make_trainer()
-    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+
+    session = []
+
+    @trainer.on(Events.STEP_END(once=2), priority=Priority.ACT - 1)  # the save of step 2 just started
+    def _session_id(engine):
+        (partial,) = tmp_path.glob(f"{step_dir_name(2)}.partial-*")
+        session.append(partial.name.rsplit("-", 1)[1])  # this run's partial directories end so
 
     @trainer.on(Events.STEP_START)
     def _block_step_4(engine):
         if engine.state.step == 4:  # the save of step 4 cannot create its directory
-            (tmp_path / f"{step_dir_name(4)}.partial-{checkpointer._session.id}").write_text("in the way")
+            (tmp_path / f"{step_dir_name(4)}.partial-{session[0]}").write_text("in the way")
 
     with pytest.raises(CheckpointError, match="step 4"):
         trainer.run(token_batches(12), max_steps=6)
@@ -757,7 +764,7 @@ def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_leaves_the_l
 
     @first.on(Events.STEP_END(once=2), priority=Priority.ACT - 1)  # the save of step 2 just started
     def second_start() -> None:
-        partial = live._writer.inflight.partial
+        (partial,) = directory.glob(f"{step_dir_name(2)}.partial-*")
         names = sorted(os.listdir(directory))
         second = make_trainer(seed=1)
         AsyncCheckpointer(directory, mode="sync", every_steps=1).attach(second)

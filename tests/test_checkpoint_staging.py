@@ -328,8 +328,6 @@ def test_background_saves_start_no_openmp_team_and_leave_the_training_threads_al
     batches = [(torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)) for _ in range(4)]
     trainer.run(batches, max_steps=4)
     assert checkpointer.last_checkpoint is not None and checkpointer.last_checkpoint.endswith("4")
-    if mode == "async":
-        assert checkpointer._session.write_thread().submit(torch.get_num_threads).result() == 1
     started = _native_only_threads() - before
     assert not started, f"saving started {len(started)} native thread(s) (an OpenMP team) beside training"
     assert torch.get_num_threads() == 2, "the training thread's intra-op thread count changed"

@@ -26,6 +26,7 @@ from hookloop.engine.checkpoint_format.manifest import RecordingWriter
 from hookloop.engine.parallel import exit_process, init_distributed, wrap_data_parallel
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.checkpoint import reader as checkpoint_reader
+from hookloop.handlers.checkpoint.writer import CheckpointWriter
 from hookloop.handlers.health_check import HealthCheck
 
 
@@ -58,15 +59,14 @@ def main() -> int:
             return verify(*args, **kwargs)
 
         checkpoint_reader.verify_checkpoint = slow_verify_checkpoint
-    finish = AsyncCheckpointer._finish
+    finish = CheckpointWriter.finish
 
     def marked_finish(self, wait):
-        inflight = self._writer.inflight
-        if wait and inflight is not None and not inflight.done.done():
+        if wait and not self.inflight.done.done():  # publishing waits for a write still on disk
             (run_dir / f"finish-wait-rank{rank}").write_text(str(time.time()))
         return finish(self, wait)
 
-    AsyncCheckpointer._finish = marked_finish
+    CheckpointWriter.finish = marked_finish
 
     torch.manual_seed(0)
     model = wrap_data_parallel(torch.nn.Linear(64, 64), "ddp")
