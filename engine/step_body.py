@@ -14,14 +14,18 @@ and validation (:mod:`engine.validation`) runs through the same body, forward on
         ...                                     # the evaluator's items where body.holds_outputs
     metrics = body.share_metrics(metrics)       # computed where the outputs are, on every rank
 
-Two bodies implement :class:`StepBody`: :class:`LocalStepBody` (the model on this rank, plain, DDP,
-FSDP2 or tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline
-stages). A body sees the trainer only through the :class:`StepContext` it is handed: prepare a
-microbatch, the autocast and loss contexts, the loss function, and one call to report a finished
-microbatch (the trainer then fires MICROBATCH). What comes after the backward (the norm's
-agreement, clipping, the optimizer) is the trainer's. A body runs validation's forward passes the
-way it runs a step's, so a model is validated exactly as it is trained (precision, tensor and
-pipeline parallelism), with no special case in the trainer.
+Two bodies ship: :class:`LocalStepBody` (the model on this rank, plain, DDP, FSDP2 or
+tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline stages). A user
+whose step is not "forward, loss, backward" passes a body of their own, ``Trainer(...,
+step_body=body)``: usually a :class:`LocalStepBody` subclass that overrides
+:meth:`LocalStepBody.compute_loss` (a frozen teacher, two views of a batch, several losses), or any
+object with the protocol's members (:func:`check_step_body` says which are missing). A body sees
+the trainer only through the :class:`StepContext` it is handed: prepare a microbatch, the autocast
+and loss contexts, the loss function, and one call to report a finished microbatch (the trainer
+then fires MICROBATCH). What comes after the backward (the norm's agreement, clipping, the
+optimizer) is the trainer's. A body runs validation's forward passes the way it runs a step's, so a
+model is validated exactly as it is trained (precision, tensor and pipeline parallelism), with no
+special case in the trainer.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from hookloop.engine import parallel, tensor_parallel
 from hookloop.engine.batch import count_batch, forward_and_loss
+from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 
 if TYPE_CHECKING:
@@ -47,8 +52,20 @@ __all__ = [
     "StepContext",
     "StepResult",
     "check_loss",
+    "check_step_body",
     "grad_norm",
+    "local_step_body",
 ]
+
+#: The members a step body has (:class:`StepBody`), in the order the protocol lists them.
+PROTOCOL_MEMBERS = (
+    "run_step",
+    "grad_norm",
+    "holds_outputs",
+    "eval_batches",
+    "share_metrics",
+    "data_parallel_group",
+)
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -162,11 +179,17 @@ class StepBody(Protocol):
         ...
 
 
-def check_loss(loss: Any, loss_fn: Callable | None) -> None:
-    """A step's loss must be a scalar tensor; the error says how to make it one."""
+def check_loss(loss: Any, loss_fn: Callable | None, source: str | None = None) -> None:
+    """A step's loss must be a scalar tensor; the error says how to make it one. ``source``: the
+    method that computed it, when not the trainer's ``loss_fn`` (a body's own ``compute_loss``)."""
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:
         return
     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+    if source is not None:
+        raise ValueError(
+            f"{source} must return (output, loss) with the loss a scalar tensor, got {shape}; reduce "
+            "it (e.g. .mean())"
+        )
     if loss_fn is None:
         raise ValueError(
             f"the model's own loss (output.loss, Trainer(loss_fn=None)) must be a scalar tensor, "
@@ -196,9 +219,15 @@ class LocalStepBody:
     """The step body of a model held whole on this rank (plain, DDP, FSDP2 or tensor-parallel):
     forward and backward per microbatch, gradients synchronised on the last one only.
 
+    A step that is not ``loss_fn(model(inputs), targets)`` subclasses it and overrides
+    :meth:`compute_loss` only; gradient accumulation, DDP's ``no_sync``, FSDP2's gradient sync, fp16
+    loss scaling, MICROBATCH and validation stay as they are. Give the trainer the instance,
+    ``Trainer(model, optimizer, loss_fn, step_body=body)``, built over that same ``model`` (the
+    wrapped one under DDP or FSDP2); the trainer hands it the rest (:meth:`bind`).
+
     Args:
-        model: the module to train.
-        params: its trainable parameters (the gradient norm's).
+        model: the module to train (the trainer's ``model``).
+        params: its trainable parameters (the gradient norm's); None: set by the trainer.
         tp_mesh: the tensor-parallel mesh dimension, or None.
         grad_scaler: fp16 loss scaling: the backward runs on the scaled loss.
         loss_parallel: the loss is a replicated DTensor (vocabulary-parallel cross entropy).
@@ -207,14 +236,14 @@ class LocalStepBody:
     def __init__(
         self,
         model: torch.nn.Module,
-        params: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor] | None = None,
         *,
         tp_mesh: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         loss_parallel: bool = False,
     ) -> None:
         self.model = model
-        self.params = params
+        self.params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
         self.tp_mesh = tp_mesh
         self.grad_scaler = grad_scaler
         self.loss_parallel = loss_parallel
@@ -223,15 +252,45 @@ class LocalStepBody:
     #: The model is whole on this rank: its outputs are here.
     holds_outputs = True
 
+    def bind(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        tp_mesh: Any,
+        grad_scaler: torch.amp.GradScaler | None,
+        loss_parallel: bool,
+    ) -> None:
+        """Take the settings a trainer owns: the parameters it clips and steps (the gradient norm is
+        theirs), its tensor-parallel mesh, its fp16 loss scaler and its loss parallelism."""
+        self.params, self.tp_mesh = params, tp_mesh
+        self.grad_scaler, self.loss_parallel = grad_scaler, loss_parallel
+
+    def compute_loss(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
+        """One microbatch's ``(output, loss)``: the model's output (what MICROBATCH handlers and
+        validation metrics see) and its scalar loss; the default is ``loss_fn(model(inputs),
+        targets)`` (:func:`engine.batch.forward_and_loss`).
+
+        Override it for another step. It runs under the trainer's autocast, in training (the
+        backward follows) and in validation (``self.model.training`` is False and gradients are
+        off), so a body may validate on another loss than it trains on."""
+        return forward_and_loss(self.model, inputs, targets, ctx.loss_fn)
+
     def _forward(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
         """One microbatch's output and loss under the trainer's autocast (training and validation
         alike); the first loss is checked to be a scalar."""
         with ctx.autocast():
-            output, loss = forward_and_loss(self.model, inputs, targets, ctx.loss_fn)
+            result = self.compute_loss(inputs, targets, ctx)
         if not self._loss_checked:
-            check_loss(loss, ctx.loss_fn)
+            own = type(self).compute_loss is not LocalStepBody.compute_loss
+            source = f"{type(self).__name__}.compute_loss" if own else None
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise ValueError(
+                    f"{source} must return a pair (output, loss), got {type(result).__name__}; return "
+                    "the model's output beside the loss (MICROBATCH handlers and metrics read it)"
+                )
+            check_loss(result[1], ctx.loss_fn, source)
             self._loss_checked = True
-        return output, loss
+        return result
 
     def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
         model = self.model
@@ -290,3 +349,68 @@ class LocalStepBody:
         """``dp``, else the ranks with the same tensor-parallel rank (the whole world without TP)."""
         positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
         return parallel.data_parallel_group(dp, positions=positions)
+
+
+def check_step_body(step_body: Any, model: torch.nn.Module, pipeline: Any, precision: str) -> None:
+    """``Trainer(step_body=...)`` checked before anything is built: an instance with every member of
+    :class:`StepBody`, not together with a pipeline (the runtime is its own body), a
+    :class:`LocalStepBody` built over the trainer's ``model``, fp16 loss scaling only where the
+    body scales its loss. Each error names ``step_body`` (or the setting) and the fix."""
+    if step_body is None:
+        return
+    if pipeline is not None:
+        raise ValueError(
+            "step_body and pipeline were both given, but a pipeline runtime is its own step body (its "
+            "schedule runs the stages' forward and backward): pass one or the other"
+        )
+    if isinstance(step_body, type):
+        raise TypeError(
+            f"step_body must be a step body object, got the class {step_body.__name__}; pass an "
+            f"instance, e.g. step_body={step_body.__name__}(model, ...)"
+        )
+    missing = [name for name in PROTOCOL_MEMBERS if not hasattr(step_body, name)]
+    methods = [name for name in PROTOCOL_MEMBERS if name != "holds_outputs" and name not in missing]
+    not_callable = [name for name in methods if not callable(getattr(step_body, name))]
+    if missing or not_callable:
+        what = [f"missing {', '.join(missing)}"] if missing else []
+        what += [f"not callable: {', '.join(not_callable)}"] if not_callable else []
+        raise TypeError(
+            f"step_body ({type(step_body).__name__}) is not a step body: {'; '.join(what)}. Subclass "
+            "hookloop.engine.LocalStepBody and override compute_loss, or implement every member of "
+            f"hookloop.engine.StepBody ({', '.join(PROTOCOL_MEMBERS)})"
+        )
+    if isinstance(step_body, LocalStepBody):
+        if step_body.model is not model:
+            raise ValueError(
+                f"step_body ({type(step_body).__name__}) runs another module than the Trainer's model: "
+                "build the body over the model you pass to the Trainer (the wrapped one under DDP or "
+                "FSDP2), e.g. Trainer(model, optimizer, loss_fn, step_body=MyBody(model, ...))"
+            )
+    elif precision == "fp16-mixed":
+        raise ConfigError(
+            "precision",
+            f"'fp16-mixed' needs a body that scales its loss before the backward, which "
+            f"step_body ({type(step_body).__name__}) does not promise: subclass "
+            "hookloop.engine.LocalStepBody (its run_step scales), or use 'bf16-mixed'",
+        )
+
+
+def local_step_body(
+    step_body: Any,
+    model: torch.nn.Module,
+    params: Sequence[torch.Tensor],
+    *,
+    tp_mesh: Any,
+    grad_scaler: torch.amp.GradScaler | None,
+    loss_parallel: bool,
+) -> StepBody:
+    """The body a trainer without a pipeline runs: ``step_body`` (checked by :func:`check_step_body`;
+    a :class:`LocalStepBody` takes the trainer's settings, :meth:`LocalStepBody.bind`), else a
+    :class:`LocalStepBody` over ``model``."""
+    if step_body is None:
+        return LocalStepBody(
+            model, params, tp_mesh=tp_mesh, grad_scaler=grad_scaler, loss_parallel=loss_parallel
+        )
+    if isinstance(step_body, LocalStepBody):
+        step_body.bind(params, tp_mesh=tp_mesh, grad_scaler=grad_scaler, loss_parallel=loss_parallel)
+    return step_body

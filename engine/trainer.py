@@ -53,7 +53,7 @@ from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
-from hookloop.engine.step_body import LocalStepBody, StepBody, StepContext, StepResult
+from hookloop.engine.step_body import StepBody, StepContext, StepResult, check_step_body, local_step_body
 from hookloop.engine.step_decisions import StepDecisions
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
@@ -79,7 +79,7 @@ class Trainer(IgniteAdapter):
         optimizer: a torch optimizer over ``model``'s parameters.
         loss_fn: ``loss_fn(model(inputs), targets) -> scalar tensor``; None: the model computes its
             own loss (``output.loss``) from dict microbatches holding ``labels`` (the Hugging Face
-            convention, see :mod:`engine.batch`).
+            convention, see :mod:`engine.batch`). A ``step_body`` of your own may use it or not.
         lr_scheduler: stepped after every optimizer step that was not vetoed.
         grad_accum_steps: microbatches per optimizer step (>= 1).
         grad_clip_norm: clip the total gradient norm to this value; ``None`` measures only.
@@ -89,6 +89,12 @@ class Trainer(IgniteAdapter):
         pipeline: a :class:`engine.pipeline.PipelineRuntime` (from ``build_pipeline``): run the
             pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
             ``runtime.n_microbatches`` microbatches.
+        step_body: your own step body (:class:`engine.step_body.StepBody`), for a step that is not
+            "forward, loss, backward"; it trains and validates. A
+            :class:`~engine.step_body.LocalStepBody` subclass overriding ``compute_loss`` is built
+            over ``model`` (checkpoints, clipping and validation's ``eval()`` still go through
+            ``model``) and takes the trainer's parameters, precision and parallel settings. Not
+            with ``pipeline``.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
             watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
             that fails writes neither). None: neither file is written (stacks go to stderr).
@@ -118,7 +124,7 @@ class Trainer(IgniteAdapter):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         lr_scheduler: Any | None = None,
         grad_accum_steps: int = 1,
@@ -132,6 +138,7 @@ class Trainer(IgniteAdapter):
         precision: str = "fp32",
         tp_mesh: Any | None = None,
         loss_parallel: bool = False,
+        step_body: StepBody | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -151,6 +158,7 @@ class Trainer(IgniteAdapter):
         ):
             raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
         check_choice("precision", precision, PRECISIONS)
+        check_step_body(step_body, model, pipeline, precision)
 
         if pipeline is not None:  # a step takes the pipeline's microbatches
             self.grad_accum_steps = check_trainer_arguments(
@@ -197,10 +205,11 @@ class Trainer(IgniteAdapter):
         #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
         self.count_share = 1 if self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0 else 0
         #: What runs a step's forward and backward (:mod:`engine.step_body`): the pipeline runtime,
-        #: else a :class:`~engine.step_body.LocalStepBody` over ``model``.
+        #: the user's ``step_body``, else a :class:`~engine.step_body.LocalStepBody` over ``model``.
         self.step_body: StepBody = pipeline
         if pipeline is None:
-            self.step_body = LocalStepBody(
+            self.step_body = local_step_body(
+                step_body,
                 model,
                 self._params,
                 tp_mesh=self.tp_mesh,
