@@ -2,7 +2,9 @@
 
 The local body validates with the forward it trains with; a body of the user's own (here one that
 holds no outputs, as a pipeline's first stage) drives the validation without the trainer knowing
-its layout."""
+its layout. ``Trainer(step_body=...)`` trains and validates through the body it is given (a
+``LocalStepBody`` subclass overriding ``compute_loss``, or a class of its own) and refuses, naming
+the argument and the fix, what it cannot run."""
 
 from types import SimpleNamespace
 
@@ -118,3 +120,133 @@ def test_a_trainer_given_a_pipeline_takes_its_microbatches_and_refuses_what_it_c
         check_trainer_arguments(runtime, torch.nn.Linear(4, 2), loss, 1, "fp32", False)
     with pytest.raises(TypeError, match="pipeline must be the runtime"):
         check_trainer_arguments(object(), model, loss, 1, "fp32", False)
+
+
+# ------------------------------------------------------------------ Trainer(step_body=...)
+
+
+class Scaled(LocalStepBody):
+    """A step of the user's own: the loss times 3 in training, plain in validation."""
+
+    def compute_loss(self, inputs, targets, ctx):
+        output = self.model(inputs)
+        loss = ctx.loss_fn(output, targets)
+        return output, (loss if not self.model.training else 3 * loss)
+
+
+def with_body(body_for, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.functional.mse_loss,
+        hang_timeout_s=None,
+        step_body=body_for(model),
+        **kwargs,
+    )
+
+
+def test_a_local_body_subclass_trains_on_its_own_loss_and_validates_through_its_eval_path():
+    data = batches(4)
+    plain, scaled = bare_trainer(), with_body(Scaled)
+    assert scaled.step_body.params == scaled._params  # the trainer's parameters: clipped and stepped
+    for trainer in (plain, scaled):
+        trainer.set_validation(data)
+    losses = {}
+    for name, trainer in (("plain", plain), ("scaled", scaled)):
+        trainer.add_event_handler(
+            Events.MICROBATCH, lambda e, n=name: losses.setdefault(n, e.state.microbatch_loss)
+        )
+        trainer.run(data[:1], max_steps=1)
+    assert losses["scaled"] == pytest.approx(3 * losses["plain"], rel=1e-6)  # the body's loss
+    # the same first step on 3x the loss moves the weights 3x as far (both start from seed 0)
+    torch.manual_seed(0)
+    w0 = torch.nn.Linear(4, 2).weight.detach()
+    assert torch.allclose(scaled.model.weight - w0, 3 * (plain.model.weight - w0), atol=1e-6)
+    # validation: the body's eval path (no factor 3), on the model as it is now
+    with torch.no_grad():
+        expected = sum(float(torch.nn.functional.mse_loss(scaled.model(x), y)) * len(x) for x, y in data)
+    assert scaled.validate() == pytest.approx(expected / sum(len(x) for x, _ in data), rel=1e-6)
+
+
+def test_a_body_of_its_own_class_is_used_for_training_and_validation():
+    trainer = bare_trainer()
+    body = OutputsElsewhere(LocalStepBody(trainer.model))
+    model = trainer.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = Trainer(model, optimizer, torch.nn.functional.mse_loss, hang_timeout_s=None, step_body=body)
+    assert other.step_body is body
+    other.set_validation(batches())
+    state = other.run(batches(2), max_steps=2)
+    assert state.step == 2 and body.shared == [] and other.validate() > 0 and body.shared == [{}]
+
+
+def test_a_step_body_missing_protocol_members_is_refused_naming_them():
+    class Half:
+        holds_outputs = True
+
+        def run_step(self, microbatches, ctx): ...
+
+        grad_norm = 0.0  # not callable
+
+    for body, words in (
+        (Half(), ["missing eval_batches, share_metrics, data_parallel_group", "not callable: grad_norm"]),
+        (object(), ["missing run_step, grad_norm, holds_outputs"]),
+    ):
+        with pytest.raises(TypeError) as refused:
+            with_body(lambda model, body=body: body)
+        message = str(refused.value)
+        assert message.startswith("step_body (") and all(w in message for w in words), message
+        assert "Subclass hookloop.engine.LocalStepBody and override compute_loss" in message
+
+
+def test_a_step_body_class_instead_of_an_instance_is_refused():
+    with pytest.raises(
+        TypeError, match=r"got the class Scaled; pass an instance, e.g. step_body=Scaled\(model"
+    ):
+        with_body(lambda model: Scaled)
+
+
+def test_a_local_body_over_another_module_is_refused():
+    with pytest.raises(ValueError, match="runs another module than the Trainer's model: build the body over"):
+        with_body(lambda model: Scaled(torch.nn.Linear(4, 2)))
+
+
+def test_step_body_with_a_pipeline_is_refused_before_the_pipeline_is_checked():
+    model = torch.nn.Linear(4, 2)
+    runtime = SimpleNamespace(module=model, run_step=None, n_microbatches=4, loss_fn=None)
+    with pytest.raises(ValueError, match="a pipeline runtime is its own step body .*: pass one or the other"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=runtime, step_body=Scaled(model))
+
+
+def test_fp16_loss_scaling_needs_a_body_that_scales_its_loss():
+    trainer = with_body(Scaled, precision="fp16-mixed")  # a LocalStepBody scales: it gets the scaler
+    assert trainer.step_body.grad_scaler is trainer.grad_scaler is not None
+    with pytest.raises(ConfigError) as refused:
+        with_body(lambda model: OutputsElsewhere(LocalStepBody(model)), precision="fp16-mixed")
+    assert refused.value.field == "precision" and "subclass hookloop.engine.LocalStepBody" in str(
+        refused.value
+    )
+
+
+def test_compute_loss_must_return_an_output_and_a_scalar_loss():
+    class LossOnly(LocalStepBody):
+        def compute_loss(self, inputs, targets, ctx):
+            return ctx.loss_fn(self.model(inputs), targets)
+
+    class PerSample(LocalStepBody):
+        def compute_loss(self, inputs, targets, ctx):
+            output = self.model(inputs)
+            return output, ((output - targets) ** 2).mean(1)
+
+    for body, message in (
+        (LossOnly, r"LossOnly.compute_loss must return a pair \(output, loss\), got Tensor"),
+        (
+            PerSample,
+            r"PerSample.compute_loss must return \(output, loss\) with the loss a scalar tensor, got \(2,\)",
+        ),
+    ):
+        trainer = with_body(body)
+        with pytest.raises(ValueError, match=message):
+            trainer.run(batches(1), max_steps=1)
