@@ -2,9 +2,9 @@
 from a frozen teacher's logits, with the shipped handlers (step scheduler, async checkpoints and
 exact resume, NaN rollback, JSONL and console logging), on one process or under torchrun::
 
-    python examples/distill.py                                   # runs/distill, about 15 s on 2 CPU cores
+    python examples/distill.py                        # runs/distill: 300 steps, 10 to 15 s on 2 CPU cores
     torchrun --nproc-per-node 2 examples/distill.py --run-dir runs/distill_ddp     # DDP over gloo
-    python examples/distill.py --teacher teacher.pt             # your teacher's state_dict
+    python examples/distill.py --teacher teacher.pt --run-dir runs/mine            # your teacher's weights
 
 The step is not "forward, loss, backward" on one model, so the example brings its own step body,
 ``DistillStepBody``: a :class:`hookloop.engine.LocalStepBody` whose ``compute_loss`` runs the teacher
@@ -20,8 +20,8 @@ with the same one ends bitwise equal to a run that was never interrupted.
 
 The data is generated: points around ten class centres in 16 dimensions, the classes overlapping
 (the best classifier is uncertain near the borders, which is what the teacher's soft logits tell
-the student). Without ``--teacher`` the example first trains a teacher with a plain loop (about a
-second), the same on every process and every start.
+the student). Without ``--teacher`` the example first trains a teacher with a plain loop (one to
+two seconds), the same on every process and every start. See docs/step_bodies.md.
 """
 
 from __future__ import annotations

@@ -127,6 +127,27 @@ def test_custom_hooks_settings_are_validated(tmp_path):
     assert proc.stderr.startswith("config error: handlers[1].patience: must be an integer >= 1"), proc.stderr
 
 
+def test_distill_example_trains_its_own_step_body_and_resumes_with_nothing_left(tmp_path):
+    """examples/distill.py (a frozen teacher through a step body of its own, tests/test_distill.py
+    has its DDP kill-and-resume): the documented run trains, validates and checkpoints; run again it
+    resumes and has nothing left to train."""
+    script = REPO / "examples" / "distill.py"
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(script), "--run-dir", str(run_dir)]  # the documented run: 300 steps
+    proc = run_process(cmd, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    assert sorted(rows) == list(range(1, 301))
+    assert rows[300]["loss"] < rows[1]["loss"] / 5 and rows[300]["val_accuracy"] > 0.9, rows[300]
+    assert "done: step 300," in proc.stdout
+    assert (run_dir / "checkpoints" / "step_00000300").is_dir() and (run_dir / "exit_status.json").exists()
+    again = run_process(cmd, timeout=240)
+    assert again.returncode == 0 and "nothing left to train" in again.stderr, again.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_fault_tolerance_demo_recovers_and_matches_the_uninterrupted_run(tmp_path):
     """The demo SIGKILLs a run once its step-20 checkpoint exists, resumes it through a NaN burst
