@@ -77,7 +77,7 @@ def test_a_resume_with_another_teacher_is_refused_by_name(tmp_path):
 @pytest.mark.distributed
 def test_distill_under_ddp_killed_and_resumed_matches_the_uninterrupted_run(tmp_path):
     """Two gloo ranks train the example's body with its handlers (step scheduler, async
-    checkpoints every 5 steps, NaN detector, loggers, validation every 10). Rank 1 dies by SIGKILL
+    checkpoints every 5 steps, NaN detector, loggers, validation with each save). Rank 1 dies by SIGKILL
     at the end of step 23; the same command resumes from the newest complete checkpoint and ends
     with the uninterrupted run's parameters, optimizer state and loss history, bit for bit."""
     reference, run = tmp_path / "reference", tmp_path / "run"

@@ -3,7 +3,7 @@ kill-and-resume test: ``python tests/scripts/distill_run.py RUN_DIR OUT STEPS [-
 under torchrun.
 
 Trains to STEPS (resuming from RUN_DIR's newest complete checkpoint), saving every 5 steps and
-validating every 10; ``--kill-at N``: rank 1 kills itself with SIGKILL at the end of step N (after
+validating with each save; ``--kill-at N``: rank 1 kills itself with SIGKILL at the end of step N (after
 its step-N handlers), a hard death mid-run. At the end each rank writes ``OUT.<rank>``
 (``torch.save``): the student's parameters, the optimizer state, and on the final model the
 student's cross entropy and the distillation objective over the whole validation set.
