@@ -117,7 +117,7 @@ def test_a_slot_votes_and_its_callback_can_veto_the_step():
     def veto_odd(value: float) -> None:
         seen.append(value)
         if value:
-            trainer.state.skip_step = True
+            trainer.control.request_skip()
 
     trainer.agreement.add("test.odd", lambda: trainer.state.step % 2 == 1, veto_odd)
     state = trainer.run(token_batches(4), max_steps=4)
@@ -135,10 +135,10 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.STEP_START)
     def early(e):
         if rank == 0 and e.state.step == 3:
-            e.state.request_stop("rank 0 asked early", ExitCode.STOPPED)
+            e.control.request_stop("rank 0 asked early", ExitCode.STOPPED)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["early"] = (state.step, state.exit_code, state.stop_reason)
+    out["early"] = (state.step, state.control.exit_code, state.control.stop_reason)
 
     # (b) one rank asks after the agreement (a user's STEP_END handler): agreed at the step's end
     trainer = _trainer(hang_timeout_s=None)
@@ -146,10 +146,10 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.STEP_END)
     def late(e):
         if rank == 1 and e.state.step == 4:
-            e.state.request_stop("rank 1 asked late", 42)
+            e.control.request_stop("rank 1 asked late", 42)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["late"] = (state.step, state.exit_code, state.stop_reason)
+    out["late"] = (state.step, state.control.exit_code, state.control.stop_reason)
 
     # (c) both ask at once with different codes: both end with the larger
     trainer = _trainer(hang_timeout_s=None)
@@ -157,18 +157,18 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
     def clash(e):
         if e.state.step == 2:
-            e.state.request_stop(f"rank {rank}", ExitCode.STOPPED if rank == 0 else ExitCode.NAN_ABORT)
+            e.control.request_stop(f"rank {rank}", ExitCode.STOPPED if rank == 0 else ExitCode.NAN_ABORT)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["clash"] = (state.step, state.exit_code)
+    out["clash"] = (state.step, state.control.exit_code)
 
     # (d) one rank vetoes: neither steps; the ranks' parameters stay equal
     trainer = _trainer(hang_timeout_s=None)
     trainer.add_event_handler(
-        Events.BEFORE_OPTIMIZER_STEP, lambda e: setattr(e.state, "skip_step", rank == 1 and e.state.step == 2)
+        Events.BEFORE_OPTIMIZER_STEP, lambda e: e.control.request_skip() if rank == 1 and e.state.step == 2 else None
     )
     seen = {}
-    trainer.add_event_handler(Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.state.skip_step))
+    trainer.add_event_handler(Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.control.decided.skip))
     state = trainer.run(token_batches(6, seed=rank), max_steps=3)
     out["veto"] = (state.skipped_steps, seen)
     out["params"] = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
@@ -208,7 +208,7 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     @trainer.on(Events.STEP_END, priority=1e6)  # before the checkpointer, after the agreement
     def ask_late(e):
         if rank == 0 and e.state.step == 2:
-            e.state.should_checkpoint = True
+            e.control.request_save()
 
     state = trainer.run(token_batches(6, seed=rank), max_steps=6)
     return {"saved": saved, "step": state.step}
