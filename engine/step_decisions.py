@@ -78,8 +78,9 @@ class StepDecisions:
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
         decision ranks must share (skip, stop and its exit code, checkpoint, validation, whether
-        anything may still ask for a stop after it) and the handlers' slots; then the agreed values are applied
-        and recorded in ``control.decided``: the only place the control's requests become decisions."""
+        anything may still ask for a stop after it) and the handlers' slots; then the agreed values
+        are applied and recorded in ``control.decided``: the only place the control's requests
+        become decisions."""
         state, control = self._state(), self._control
         world = parallel.world_size()
         slots = self._agreement.slots

@@ -165,10 +165,13 @@ def _stop_cases(rank: int, world: int) -> dict:
     # (d) one rank vetoes: neither steps; the ranks' parameters stay equal
     trainer = _trainer(hang_timeout_s=None)
     trainer.add_event_handler(
-        Events.BEFORE_OPTIMIZER_STEP, lambda e: e.control.request_skip() if rank == 1 and e.state.step == 2 else None
+        Events.BEFORE_OPTIMIZER_STEP,
+        lambda e: e.control.request_skip() if rank == 1 and e.state.step == 2 else None,
     )
     seen = {}
-    trainer.add_event_handler(Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.control.decided.skip))
+    trainer.add_event_handler(
+        Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.control.decided.skip)
+    )
     state = trainer.run(token_batches(6, seed=rank), max_steps=3)
     out["veto"] = (state.skipped_steps, seen)
     out["params"] = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))

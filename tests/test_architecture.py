@@ -357,7 +357,11 @@ def _state_control_uses(path: Path) -> list[str]:
 
 
 def test_the_project_asks_through_the_control_point_not_the_state():
-    paths = [p for folder in ("handlers", "engine", "src", "examples", "benchmarks") for p in (REPO / folder).rglob("*.py")]
+    paths = [
+        p
+        for folder in ("handlers", "engine", "src", "examples", "benchmarks")
+        for p in (REPO / folder).rglob("*.py")
+    ]
     offenders = [hit for path in sorted(paths) for hit in _state_control_uses(path)]
     assert offenders == []
 

@@ -114,7 +114,8 @@ def test_fp16_overflow_is_a_skipped_step_not_a_nan():
     seen: list[tuple] = []
     state = trainer.state
     trainer.add_event_handler(
-        Events.STEP_END, lambda: seen.append((state.step, state.control.decided.skip, state.grad_scaler_overflow))
+        Events.STEP_END,
+        lambda: seen.append((state.step, state.control.decided.skip, state.grad_scaler_overflow)),
     )
     params_before: dict = {}
     trainer.add_event_handler(

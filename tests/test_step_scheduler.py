@@ -462,9 +462,7 @@ def test_exit_duration_stops_on_the_first_step_past_the_limit():
     s.attach(trainer)
     trainer.set_validation(data[:1])
     checkpoint_flags, validated = [], []
-    trainer.add_event_handler(
-        Events.STEP_END, lambda: checkpoint_flags.append(trainer.control.decided.save)
-    )
+    trainer.add_event_handler(Events.STEP_END, lambda: checkpoint_flags.append(trainer.control.decided.save))
     trainer.add_event_handler(Events.VALIDATION_END, lambda: validated.append(trainer.state.step))
     state = trainer.run(data)
     assert (state.step, state.control.exit_code) == (1, ExitCode.STOPPED)

@@ -38,7 +38,8 @@ def main() -> int:
         return 130
     saved = checkpointer.last_saved_step
     print(
-        "RESULT " + json.dumps({"step": state.step, "saved": saved, "reason": state.control.stop_reason}), flush=True
+        "RESULT " + json.dumps({"step": state.step, "saved": saved, "reason": state.control.stop_reason}),
+        flush=True,
     )
     return int(state.control.exit_code)
 
