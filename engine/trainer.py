@@ -240,7 +240,7 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
-        #: The step's control point: handlers request skip / save / stop / rollback here, and read
+        #: The step's control point: handlers request skip / save / validate / stop / rollback here, and read
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
         #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).

@@ -6,7 +6,7 @@ handler registered with the trainer, the data position and the RNG states (pytho
 CUDA, the data's own generators). The on-disk format and the safe readers are in
 :mod:`hookloop.engine.checkpoint_format`.
 
-When it saves (at STEP_END, after the StepScheduler has set its flags): on
+When it saves (at STEP_END, once the StepScheduler has made its requests): on
 ``trainer.control.decided.save``, every ``every_steps`` steps, at the last step, when the run stops
 on request (``control.decided.stop`` with a resumable exit code), and at TRAIN_END if the last step was
 not saved yet; never twice for one step. The decision is agreed across ranks.
