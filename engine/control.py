@@ -1,14 +1,16 @@
 """The step's one control point: handlers *request* on :class:`StepControl`, the trainer *decides*.
 
 ``trainer.control`` is the only place a handler asks the loop to do something other than the next
-step: skip this step's optimizer update, save a checkpoint, stop the run (with an exit code and a
-reason), roll back. A request is this rank's wish; it becomes a decision only in the step's
-agreement (:mod:`engine.agreement`: the one packed all-reduce before the optimizer, plus the small
-late stop agreement at the end of a step whose handlers may still ask, and the stop agreement at
-TRAIN_START / EPOCH_START / EPOCH_END). What every rank agreed is then on :attr:`StepControl.decided`.
-Whoever asks for a stop (a handler, ``trainer.terminate()``, a stop signal or a time limit seen by
-a scheduling handler, Ctrl-C, a health or straggler check) takes the same path: a request here,
-agreed at the next agreement point, carried out by the trainer's one stop.
+step: skip this step's optimizer update, save a checkpoint, validate, stop the run (with an exit
+code and a reason), roll back. A request is this rank's wish; it becomes a decision only in the
+step's agreement (:mod:`engine.agreement`: the one packed all-reduce before the optimizer, plus the
+small late stop agreement at the end of a step whose handlers may still ask, and the stop agreement
+at TRAIN_START / EPOCH_START / EPOCH_END). What every rank agreed is then on
+:attr:`StepControl.decided`. There is one way to ask for a stop, :meth:`StepControl.request_stop`
+(``trainer.terminate()``, ignite's spelling, is the same request); whoever asks (a handler, a stop
+signal or a time limit seen by a scheduling handler, Ctrl-C, a health or straggler check) takes the
+same path: a request here, agreed at the next agreement point, carried out by the trainer's one
+stop.
 
 What resets when:
 
@@ -21,6 +23,11 @@ field                   requested by, when                              reset
 ``save``                :meth:`request_save`, any time; the agreement   end of every step; a request made
                         replaces it with the agreed value               after the agreement carries over
                                                                         to the next step
+``validate``            :meth:`request_validate`, any time; the         end of every step; a request made
+                        agreement replaces it with the agreed value     after the agreement carries over
+                        (the trainer's ``every_steps`` cadence votes    to the next step
+                        too); :meth:`withdraw_validate` from agreed
+                        values only
 ``stop``,               :meth:`request_stop`, any time                  latch; cleared when a run starts
 ``stop_reason``,        (the first reason and the first non-zero
 ``exit_code``           exit code win); agreed at the next agreement
@@ -30,26 +37,19 @@ field                   requested by, when                              reset
                         (every rank asks alike), in a step; the         (the trainer's, or one a handler
                         trainer carries it out at the step's end        fired itself), and when a run
                         (ROLLBACK handlers read it while it fires)      starts
-``hold_saves``          a handler that distrusts the current state      by its owner
-``protected_step``      a handler that judges steps (newest good one)   by its owner
-``initial_save``        :meth:`request_initial_save`, at attach time    never (a setting of the run)
 ``decided``             the trainer, at each agreement point, and       replaced at every agreement; at
                         ``decided.rollback`` at the end of the step     the end of a step it keeps only
                         when it carries out a rollback request          the stop; cleared when a run starts
 ======================  ==============================================  ===================================
 
-Between handlers that save and handlers that judge the state (neither imports the other):
+A validation asked for on any rank runs on every rank (it is collective: a request on one rank that
+the others did not see would leave them waiting), at the step's STEP_END (``Priority.VALIDATION``),
+when ``decided.validate`` is true. It travels as one more value in the step's one all-reduce.
 
-- ``hold_saves``: while true, a checkpointer starts and publishes no save (the state may be
-  poisoned, e.g. during a streak of non-finite steps).
-- ``protected_step``: the newest step judged good (None: none yet); a checkpointer never prunes
-  the newest checkpoint at or before it whose saved state is finite.
-- ``initial_save``: a handler that may roll back asks for a step-0 checkpoint when a run starts
-  fresh, so there is always something to roll back to.
-- ``rollback`` (a :class:`Rollback`): which checkpoint a ROLLBACK restores (the newest intact one at
-  or before ``at_or_before``; None: the newest) and whether the data position is kept (training goes
-  on past the bad window) instead of restored. None while nobody asked: a ROLLBACK fired on its own
-  restores the newest checkpoint with its data position.
+``rollback`` (a :class:`Rollback`) says which checkpoint a ROLLBACK restores (the newest intact one
+at or before ``at_or_before``; None: the newest) and whether the data position is kept (training
+goes on past the bad window) instead of restored. None while nobody asked: a ROLLBACK fired on its
+own restores the newest checkpoint with its data position.
 
 How a rollback is carried out: a handler calls :meth:`StepControl.request_rollback` during a step,
 from agreed values (e.g. in its agreement slot's ``on_agreed``, or from a counter only agreed values
@@ -64,10 +64,12 @@ intact checkpoint at or before the target), the run ends with ``TrainingAborted`
 exit code, checkpoints left as they are.
 
 A request that must be the same on every rank is made from agreed values (in a slot's
-``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``, ``stop``).
+``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``,
+``validate``, ``stop``).
 
-The trainer state keeps ``skip_step``, ``should_checkpoint``, ``should_stop``, ``stop_reason``,
-``exit_code`` and ``request_stop()`` as views onto this object, for code written against them.
+What a handler that judges the state tells one that saves it (hold saves, the step to protect from
+pruning, an initial save) is not a request to the loop: it is the trainer's save policy
+(``trainer.save_policy``, :mod:`engine.save_policy`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ class Decided:
     skip: bool = False
     stop: bool = False
     save: bool = False
+    #: a validation runs at this step's STEP_END, on every rank
+    validate: bool = False
     exit_code: int = 0
     #: the rollback the trainer carries out at the end of this step (None: none)
     rollback: Rollback | None = None
@@ -130,14 +134,12 @@ class StepControl:
     __slots__ = (
         "decided",
         "exit_code",
-        "hold_saves",
-        "initial_save",
-        "protected_step",
         "rollback",
         "save",
         "skip",
         "stop",
         "stop_reason",
+        "validate",
     )
 
     def __init__(self) -> None:
@@ -147,13 +149,11 @@ class StepControl:
         self.stop_reason: str | None = None
         self.exit_code = 0
         self.rollback: Rollback | None = None
-        self.hold_saves = False
-        self.protected_step: int | None = None
-        self.initial_save = False
+        self.validate = False
         self.decided = _NOTHING_DECIDED
 
     def __repr__(self) -> str:
-        asked = [name for name in ("skip", "save", "stop", "hold_saves") if getattr(self, name)]
+        asked = [name for name in ("skip", "save", "validate", "stop") if getattr(self, name)]
         return f"StepControl(requested={asked}, exit_code={self.exit_code}, decided={self.decided})"
 
     # ---------------------------------------------------------------- requests (any handler)
@@ -164,6 +164,16 @@ class StepControl:
     def request_save(self) -> None:
         """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
         self.save = True
+
+    def request_validate(self) -> None:
+        """Validate at this step's end, on every rank (agreed; asked after the agreement: the next
+        step). Needs validation data (``trainer.set_validation``) on every rank."""
+        self.validate = True
+
+    def withdraw_validate(self) -> None:
+        """Take back this step's validation (asked or on the cadence), from agreed values only (a
+        slot's ``on_agreed``), so every rank withdraws alike: e.g. time is short before a stop."""
+        self.validate = False
 
     def request_stop(self, reason: str, exit_code: int | None = None) -> None:
         """Stop after the current step (agreed across ranks). The first reason given is kept, and
@@ -190,24 +200,22 @@ class StepControl:
         (``asks_after_agreement = False``) asks from agreed values only."""
         self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
-    def request_initial_save(self) -> None:
-        """Ask for a step-0 checkpoint when a run starts fresh (something to roll back to)."""
-        self.initial_save = True
-
     # ---------------------------------------------------------------- the trainer's side
     def start_run(self) -> None:
         """A run starts: no stop, no step request, nothing decided."""
         self.stop = False
         self.stop_reason = None
         self.exit_code = 0
-        self.skip = self.save = False
+        self.skip = self.save = self.validate = False
         self.rollback = None
         self.decided = _NOTHING_DECIDED
 
     def record_decided(self) -> None:
         """The end of the step's agreement: the agreed values (which replaced the requests, and
         what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
-        self.decided = Decided(skip=self.skip, stop=self.stop, save=self.save, exit_code=self.exit_code)
+        self.decided = Decided(
+            skip=self.skip, stop=self.stop, save=self.save, validate=self.validate, exit_code=self.exit_code
+        )
 
     def decide_rollback(self) -> Rollback | None:
         """The end of the step: the pending rollback request (None: none) becomes
@@ -215,6 +223,10 @@ class StepControl:
         if self.rollback is not None:
             self.decided = replace(self.decided, rollback=self.rollback)
         return self.rollback
+
+    def drop_step_requests(self) -> None:
+        """A step that raised leaves no skip, save or validation request behind."""
+        self.skip = self.save = self.validate = False
 
     def decide_stop(self, exit_code: int = 0) -> None:
         """Every rank stops (the largest exit code any rank asked for; 0 keeps this rank's); a
@@ -226,11 +238,12 @@ class StepControl:
             self.exit_code = int(exit_code)
 
     def end_step(self, stop: bool) -> None:
-        """The step is over: step requests reset (a save asked after the agreement carries over),
-        the decision kept is the stop."""
-        carry_save = self.save and not self.decided.save
+        """The step is over: step requests reset (a save or validation asked after the agreement
+        carries over), the decision kept is the stop."""
+        decided = self.decided
+        self.save = self.save and not decided.save
+        self.validate = self.validate and not decided.validate
         self.skip = False
-        self.save = carry_save
         self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED
 
 

@@ -13,7 +13,7 @@ error hook; the trainer hands it to its :class:`ErrorPath` (``trainer.error_path
 
 A handler that fails while being told of the error is logged; the original error still wins. When a
 run ends right after a handled error, :meth:`ErrorPath.explain_handled_end` gives
-``state.stop_reason`` that says so.
+``control.stop_reason`` that says so.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ErrorPath:
         epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
         whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
         raised leaves no gradients or step flags behind for the next one. When the run is at its
-        limit, ``state.stop_reason`` says that it ended on a handled error."""
+        limit, ``control.stop_reason`` says that it ended on a handled error."""
         state = self._state()
         self._drop_gradients()
         state.clear_step_flags()
@@ -124,10 +124,10 @@ class ErrorPath:
             self.explain_handled_end()
 
     def explain_handled_end(self) -> None:
-        """Set ``state.stop_reason`` (unless a stop already gave one) when the run ends right after an
+        """Set ``control.stop_reason`` (unless a stop already gave one) when the run ends right after an
         error an EXCEPTION handler handled."""
         state = self._state()
-        if state.stop_reason is not None or self._last_handled is None:
+        if state.control.stop_reason is not None or self._last_handled is None:
             return
         step, what = self._last_handled
         if step != state.iteration:  # a step completed after it: the run ended normally
@@ -139,7 +139,7 @@ class ErrorPath:
             limit = f"at max_epochs={max_epochs}"
         else:
             limit = "there (an error outside an epoch's steps ends the run)"
-        state.stop_reason = (
+        state.control.stop_reason = (
             f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
             "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
             f"({self.handled_errors} handled in this run)"

@@ -1,21 +1,23 @@
-"""The trainer's state: counters and metrics handlers read, and the step's schedule.
+"""The trainer's state: counters and metrics handlers read, and the step's published schedule.
 
-The per-step schedule flags (a scheduling handler sets them at STEP_START, anyone may add to them):
+The state holds information, never requests. What handlers ask of the loop (skip, save, validate,
+stop, rollback) is requested on the trainer's control point, ``trainer.control``
+(:class:`~engine.control.StepControl`, with its reset rules), and decided there in the step's
+agreement; how the run ended is ``trainer.control.exit_code`` and ``trainer.control.stop_reason``
+(``state.control`` is the same object).
+
+Two flags are a scheduling handler's published view of the current step, set at STEP_START from its
+schedule (the same on every rank, computed from the same settings) for whoever reads them. They are
+information, not requests: nothing is agreed on them.
 
 =================  =====================================  ==========================================
-flag               who sets it, when                      reset
+flag               who sets it, who reads it              reset
 =================  =====================================  ==========================================
-should_validate    scheduler at STEP_START, or anyone     False before every STEP_START
-should_log_remote  scheduler at STEP_START                False before every STEP_START
-is_last_step       scheduler at STEP_START                False before every STEP_START
+should_log_remote  scheduler at STEP_START; remote        False before every STEP_START
+                   loggers log on such steps
+is_last_step       scheduler at STEP_START; the trainer   False before every STEP_START
+                   (``trainer.at_last_step``)
 =================  =====================================  ==========================================
-
-What handlers ask of the loop (skip, save, stop, rollback) is requested on the trainer's control
-point, ``trainer.control`` (:class:`~engine.control.StepControl`, with its reset rules), and
-decided there in the step's agreement. ``skip_step``, ``should_checkpoint``, ``should_stop``,
-``stop_reason``, ``exit_code`` and :meth:`TrainState.request_stop` are views onto it, kept for code
-written against the state: reading or setting them reads or sets the control object's ``skip``,
-``save``, ``stop``, ``stop_reason`` and ``exit_code``.
 
 ``last_checkpoint`` is a record, not a request: the newest checkpoint published (or resumed from),
 for ``exit_status.json``.
@@ -33,7 +35,7 @@ from hookloop.engine.control import StepControl
 
 __all__ = ["StateAttribute", "TrainState"]
 
-_SCHEDULE_FLAGS = ("should_validate", "should_log_remote", "is_last_step")
+_SCHEDULE_FLAGS = ("should_log_remote", "is_last_step")
 
 
 class _StepValue:
@@ -55,18 +57,6 @@ class _StepValue:
 
     def __set__(self, state: Any, value: Any) -> None:
         state.__dict__[self.key] = value
-
-
-def _control_view(name: str, doc: str) -> property:
-    """``state.<x>`` reading and setting ``state.control.<name>`` (see the module docstring)."""
-
-    def get(state: Any) -> Any:
-        return getattr(state.control, name)
-
-    def set_(state: Any, value: Any) -> None:
-        setattr(state.control, name, value)
-
-    return property(get, set_, doc=doc)
 
 
 @functools.cache
@@ -91,12 +81,6 @@ class TrainState(State):
     microbatch_loss = _StepValue()
     step_tokens = _StepValue()
     tokens_seen = _StepValue()
-
-    skip_step = _control_view("skip", "A view of ``control.skip``: veto this step's optimizer update.")
-    should_checkpoint = _control_view("save", "A view of ``control.save``: save at this step's end.")
-    should_stop = _control_view("stop", "A view of ``control.stop``: stop after this step.")
-    stop_reason = _control_view("stop_reason", "A view of ``control.stop_reason``: why the run stops.")
-    exit_code = _control_view("exit_code", "A view of ``control.exit_code``: the run's exit code.")
 
     def __init__(self, **kwargs: Any) -> None:
         #: The step's control point; a trainer binds its own (``trainer.control``).
@@ -156,19 +140,14 @@ class TrainState(State):
         self.iteration = value
 
     def clear_schedule_flags(self) -> None:
-        """Drop this step's schedule flags (``should_validate``, ``should_log_remote``, ``is_last_step``)."""
+        """Drop this step's published schedule (``should_log_remote``, ``is_last_step``)."""
         for name in _SCHEDULE_FLAGS:
             setattr(self, name, False)
 
     def clear_step_flags(self) -> None:
-        """Drop this step's schedule flags and its skip and save requests."""
+        """Drop this step's published schedule and its requests (skip, save, validate)."""
         self.clear_schedule_flags()
-        control = self.control
-        control.skip = control.save = False
-
-    def request_stop(self, reason: str, exit_code: int | None = None) -> None:
-        """A view of ``control.request_stop``: stop after the current step, agreed across ranks."""
-        self.control.request_stop(reason, exit_code)
+        self.control.drop_step_requests()
 
     def counters(self) -> dict[str, Any]:
         """What a checkpoint must hold to continue the run: counters, not flags."""
@@ -192,7 +171,7 @@ class TrainState(State):
 class StateAttribute:
     """The descriptor behind ``trainer.state``: assigning an ignite ``State`` (as ignite's docs and
     tests do) makes it a :class:`TrainState` in place, bound to the trainer's control point
-    (``trainer.control``, which its flag views read). Only assignment is intercepted (no
+    (``trainer.control``). Only assignment is intercepted (no
     ``__get__``), so reading ``trainer.state`` costs what reading a plain attribute costs."""
 
     def __set__(self, trainer: Any, value: Any) -> None:

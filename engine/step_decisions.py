@@ -7,9 +7,10 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
     agree(loss, norm, tokens, samples, overflow)    ONE all-reduce (engine.agreement): the step's
         state.loss, grad_norm, step_tokens          values summed over ranks, the token and sample
         tokens_seen, samples_seen                   counts, and every vote: skip, stop (with its
-        control.skip / save / stop agreed           exit code), save, the slots' values (on_agreed),
-        control.decided recorded                    and whether anything may still ask late
+        control.skip / save / validate / stop       exit code), save, validate, the slots' values
+        agreed, control.decided recorded            (on_agreed), whether anything may still ask late
     ... optimizer, fire(STEP_END)
+        decided.validate: trainer.validate()        at Priority.VALIDATION, on every rank
     end_step() -> stop                              the trainer's last STEP_END handler:
         the late agreement                          a second small all-reduce, only when some rank
                                                     could still ask (or asked for a rollback)
@@ -17,7 +18,8 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         step requests and schedule flags reset      a save asked after the agreement carries over
 
 With the default handlers (each of which says ``asks_after_agreement = False``) a step that does
-not validate issues the first all-reduce and nothing else.
+not validate issues the first all-reduce and nothing else. A validation asked for on one rank only
+is agreed like a save: every rank validates at that step, and no collective is added for it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class StepDecisions:
     ``control``: the trainer's :class:`~engine.control.StepControl`; ``agreement``: its
     :class:`~engine.agreement.StepAgreement` (the handlers' slots); ``state``: gives its state;
     ``events``: its :class:`~engine.events.EventRegistry` (who could ask late); ``fire``: fires an
-    event as the trainer does (ROLLBACK); ``validation_due``: whether a validation runs this step
-    (its VALIDATION_END handlers may ask late); ``owner``: the trainer, whose own handlers never ask
+    event as the trainer does (ROLLBACK); ``validation_vote``: this rank's vote for a validation at
+    this step (its request or the validator's cadence, see :meth:`engine.validation.Validator.vote`);
+    ``owner``: the trainer, whose own handlers never ask
     late."""
 
     def __init__(
@@ -55,7 +58,7 @@ class StepDecisions:
         state: Callable[[], Any],
         events: Any,
         fire: Callable[[Any], None],
-        validation_due: Callable[[], bool],
+        validation_vote: Callable[[], bool],
         owner: Any,
     ) -> None:
         self._control = control
@@ -63,7 +66,7 @@ class StepDecisions:
         self._state = state
         self._events = events
         self._fire = fire
-        self._validation_due = validation_due
+        self._validation_vote = validation_vote
         self._owner = owner
         #: Whether this step's end runs the late agreement (some rank could ask late, or asked).
         self.late = False
@@ -74,9 +77,10 @@ class StepDecisions:
 
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
-        decision ranks must share (skip, stop and its exit code, checkpoint, whether anything may
-        still ask for a stop after it) and the handlers' slots; then the agreed values are applied
-        and recorded in ``control.decided``: the only place the control's requests become decisions."""
+        decision ranks must share (skip, stop and its exit code, checkpoint, validation, whether
+        anything may still ask for a stop after it) and the handlers' slots; then the agreed values
+        are applied and recorded in ``control.decided``: the only place the control's requests
+        become decisions."""
         state, control = self._state(), self._control
         world = parallel.world_size()
         slots = self._agreement.slots
@@ -86,6 +90,7 @@ class StepDecisions:
             control.skip,
             control.stop,
             control.save,
+            self._validation_vote(),
             self.late_requests_possible() or control.rollback is not None,
             *exit_code_votes(int(control.exit_code) if control.stop else 0),
             *(slot.fill() for slot in slots),
@@ -97,33 +102,34 @@ class StepDecisions:
             state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
             state.step_tokens = int(agreed[2])
             agreed = agreed[3:]
-        samples, overflow_votes, skip, stop, checkpoint, late = agreed[:6]
-        votes, slot_values = agreed[6 : 6 + N_EXIT_VOTES], agreed[6 + N_EXIT_VOTES :]
+        samples, overflow_votes, skip, stop, checkpoint, validate, late = agreed[:7]
+        votes, slot_values = agreed[7 : 7 + N_EXIT_VOTES], agreed[7 + N_EXIT_VOTES :]
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
         state.samples_seen += int(samples)
         state.grad_scaler_overflow = overflow_votes > 0
         control.skip = skip > 0 or state.grad_scaler_overflow
         control.save = checkpoint > 0
+        control.validate = validate > 0
         if stop > 0:
             control.decide_stop(agreed_exit_code(votes))
-        self.late = late > 0
         for slot, value in zip(slots, slot_values):
             if slot.on_agreed is not None:
                 slot.on_agreed(value)
+        self.late = late > 0 or control.validate  # a validation's handlers may ask late
         control.record_decided()
 
     def late_requests_possible(self) -> bool:
         """Whether a stop may still be asked for after the step's agreement on this rank: a handler
         of STEP_END (besides the trainer's own and handlers that say they never ask late, see
         :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
-        ROLLBACK, or a validation due this step. Agreed across ranks; when false everywhere the
-        trainer needs no second collective at the end of the step."""
+        ROLLBACK (a validation agreed for this step counts too, see :meth:`agree`). Agreed across
+        ranks; when false everywhere the trainer needs no second collective at the end of the step."""
         for event in AFTER_AGREEMENT:
             for entry in self._events.entries(event):
                 owner = getattr(entry.original, "__self__", None)
                 if owner is not self._owner and getattr(owner, "asks_after_agreement", True):
                     return True
-        return self._validation_due()
+        return False
 
     def end_step(self) -> bool:
         """After the step's handlers: agree on late requests, carry out a rollback request

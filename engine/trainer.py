@@ -3,7 +3,9 @@
 Everything a run needs beyond the step itself (scheduling, checkpoints, NaN handling, logging) is a
 handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
 :class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
-(:class:`~engine.control.StepControl`: skip, save, stop) once every rank agrees.
+(:class:`~engine.control.StepControl`: skip, save, validate, stop, roll back) once every rank
+agrees; handlers that judge the state and handlers that save it cooperate through its save policy
+(:class:`~engine.save_policy.SavePolicy`).
 
 Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
 tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
@@ -51,6 +53,7 @@ from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
 from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
+from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
 from hookloop.engine.step_body import StepBody, StepContext, StepResult, check_step_body, local_step_body
@@ -246,9 +249,11 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
-        #: The step's control point: handlers request skip / save / stop / rollback here, and read
+        #: The step's control point: handlers request skip / save / validate / stop / rollback here, and read
         #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
         self.control: StepControl = self.__dict__["control"]
+        #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).
+        self.save_policy = SavePolicy()
         #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
         self.epoch_bounds = run_limits.EpochBounds(lambda: self.state, self.control)
         #: Where the step's requests become decisions (:mod:`engine.step_decisions`).
@@ -258,7 +263,7 @@ class Trainer(IgniteAdapter):
             lambda: self.state,
             self.events,
             self.fire,
-            self.validator.due,
+            self.validator.vote,
             self,
         )
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
@@ -317,8 +322,8 @@ class Trainer(IgniteAdapter):
         metrics: Mapping[str, Any] | None = None,
         dp_group: Any = None,
     ) -> None:
-        """Validate on ``data`` whenever ``state.should_validate`` is set (a scheduling handler sets it)
-        or every ``every_steps`` steps; at most ``eval_iters`` batches per validation.
+        """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``, a
+        scheduling handler asks so) or every ``every_steps`` steps; at most ``eval_iters`` batches.
 
         ``metrics``: name -> ignite ``Metric``, fed ``(model_output, targets)`` of every validation
         microbatch and published as ``state.metrics["val_<name>"]``, reduced over the data-parallel
@@ -409,8 +414,8 @@ class Trainer(IgniteAdapter):
 
         A request on :attr:`control` like any other stop: called from a handler, it takes effect
         after the current step (or right after the current TRAIN_START / EPOCH_START / EPOCH_END
-        handlers), on every rank at once; ``state.stop_reason`` names the caller and
-        ``state.exit_code`` stays as set (0 unless a handler asked for another)."""
+        handlers), on every rank at once; ``control.stop_reason`` names the caller and
+        ``control.exit_code`` stays as set (0 unless a handler asked for another)."""
         frame = sys._getframe(1)
         caller = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
         self.control.request_stop(f"terminate() called by {caller}")
@@ -482,7 +487,7 @@ class Trainer(IgniteAdapter):
         ``max_steps`` under ignite's rules (not together with ``max_epochs``). As in ignite, a run
         that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
         continues with its epoch length; a finished one starts afresh. Returns the state;
-        ``state.exit_code`` tells how it ended.
+        ``trainer.control.exit_code`` (and ``stop_reason``) tell how it ended.
         """
         continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
         self.epoch_bounds.run_set_up()
@@ -674,7 +679,7 @@ class Trainer(IgniteAdapter):
 
     # ------------------------------------------------------------------ validation
     def _maybe_validate(self) -> None:
-        if self.validator.due():
+        if self.control.decided.validate:  # agreed: every rank validates at this step
             self.validate()
 
     @property

@@ -4,9 +4,10 @@ data-parallel ranks only, and the ``validation`` config section.
     trainer.set_validation(val_loader, every_steps=100, metrics={"accuracy": Accuracy()})
     trainer.validate()  # state.metrics["val_loss"] and ["val_accuracy"], then VALIDATION_END
 
-What one validation does (the trainer runs it at STEP_END when it is due). The forward passes are
-the step body's (:mod:`engine.step_body`: the local body's own forward, or the pipeline's stages),
-so validation knows no layout::
+What one validation does (the trainer runs it at STEP_END when every rank agreed on it:
+``trainer.control.request_validate()`` on any rank, or the ``every_steps`` cadence). The forward
+passes are the step body's (:mod:`engine.step_body`: the local body's own forward, or the
+pipeline's stages), so validation knows no layout::
 
     model.eval(), no gradients
     with ignite_world(body.data_parallel_group(dp)):   # idist's world: the data-parallel ranks
@@ -227,14 +228,16 @@ class Validator:
         if dp_group is not self._dp:
             self._dp, self._group = dp_group, _UNSET
 
-    def due(self) -> bool:
-        """Whether a validation runs at this step: asked for (``state.should_validate``) or every
-        ``every_steps`` steps."""
+    def vote(self) -> bool:
+        """This rank's vote for a validation at this step, in the step's agreement: there is
+        validation data and a validation was asked for (``trainer.control.request_validate()``) or
+        the step is on the ``every_steps`` cadence. Any rank's vote makes every rank validate
+        (``trainer.control.decided.validate``)."""
         if self.data is None:
             return False
-        state = self._trainer.state
-        return state.should_validate or (
-            self.every_steps is not None and state.iteration % self.every_steps == 0
+        trainer = self._trainer
+        return trainer.control.validate or (
+            self.every_steps is not None and trainer.state.iteration % self.every_steps == 0
         )
 
     @property

@@ -26,15 +26,18 @@ skipped step of its own, not a NaN.
   ``max_rollbacks`` rollbacks, or with no checkpoint old enough, the run stops with
   ``TrainingAborted`` (``ExitCode.NAN_ABORT``) and leaves the checkpoints untouched.
 
-  The detector talks to the checkpointer only through the trainer's control point
-  (``trainer.control``, :mod:`engine.control`): while steps are bad it holds saves
-  (``control.hold_saves``): nothing is saved or published during a bad streak, and the
-  checkpointer never prunes the newest checkpoint at or before ``control.protected_step`` (the
-  last good step). It asks for a step-0 checkpoint when a run starts fresh
-  (``control.request_initial_save()``), so a NaN before the first save can roll back, and says
-  what a rollback restores with ``control.request_rollback(...)`` (and that a failed restore ends
-  the run with ``ExitCode.NAN_ABORT``). It counts the rollback and logs it from its own ROLLBACK
-  handlers: first of all (``ROLLBACK_COUNT``), and last, after the restore (``ROLLBACK_DONE``).
+  The detector never talks to the checkpointer directly. What it knows about the state goes to the
+  trainer's save policy (``trainer.save_policy``, :mod:`engine.save_policy`), which the
+  checkpointer reads: while steps are bad it holds saves (``save_policy.hold_saves("nan_detector")``,
+  released at the next good step or after the restore): nothing is saved or published during a
+  bad streak; each good step is protected (``save_policy.protect(step, "nan_detector")``): the
+  checkpointer never prunes the newest finite checkpoint at or before it; and it wants a step-0
+  checkpoint when a run starts fresh (``save_policy.want_initial_save()``), so a NaN before the
+  first save can roll back. What it asks of the loop goes to the trainer's control point
+  (``trainer.control``, :mod:`engine.control`): the skip, and what a rollback restores with
+  ``control.request_rollback(...)`` (and that a failed restore ends the run with
+  ``ExitCode.NAN_ABORT``). It counts the rollback and logs it from its own ROLLBACK handlers: first
+  of all (``ROLLBACK_COUNT``), and last, after the restore (``ROLLBACK_DONE``).
 
 The detector's own counters survive a rollback (``restore_on_rollback = False``) and are saved in
 checkpoints, so a resumed run keeps its rollback budget.
@@ -165,7 +168,7 @@ class NaNDetector(Handler):
                 "before the NaNDetector, or use action='warn' or 'raise'",
             )
         if self.action == "rollback":
-            trainer.control.request_initial_save()
+            trainer.save_policy.want_initial_save()
         # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
@@ -217,20 +220,21 @@ class NaNDetector(Handler):
 
     def _on_verdict(self, bad_ranks: float) -> None:
         """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
-        state, control = self.trainer.state, self.trainer.control
+        state, control, policy = self.trainer.state, self.trainer.control, self.trainer.save_policy
         self._asked = None  # a rollback asked for at an earlier step is over (done, or it failed)
         if not bad_ranks:
             self.consecutive = 0
             self.last_good_step, self._last_good_loss = state.step, state.peek("loss")
             if self.spike_factor is not None:
                 self._window.append(state.loss)
-            control.protected_step = state.step
-            control.hold_saves = False
+            policy.protect(state.step, by=self.state_key)
+            policy.release_saves(by=self.state_key)
             self._publish(state)
             return
         reason = self._reason(state)
         control.request_skip()
-        control.hold_saves = self.action == "rollback"
+        if self.action == "rollback":  # the state may be poisoned: nothing saved until it is good
+            policy.hold_saves(by=self.state_key)
         self.consecutive += 1
         self.total += 1
         self.bad_steps.append(state.step)
@@ -303,7 +307,7 @@ class NaNDetector(Handler):
         bad_step, self._asked = self._asked[0], None
         state = trainer.state
         self.restored_step = state.step
-        trainer.control.hold_saves = False
+        trainer.save_policy.release_saves(by=self.state_key)
         logger.warning("rolled back from step %d to step %d", bad_step, state.step)
         self._publish(state)
 

@@ -14,10 +14,15 @@ Two ways to use it:
   item is a list of ``grad_acc_steps`` microbatches (shorter at the end of an epoch) and the
   predicates describe the step being run.
 * As a handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``. The scheduler sets the
-  trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``, publishes each step's schedule
-  on ``trainer.state`` at STEP_START (its checkpoint steps as ``trainer.control.request_save()``),
-  and turns stop signals and time limits into a final checkpoint request plus a stop request on
-  ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`.
+  trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``. At STEP_START it *requests* what
+  its schedule wants of the step on the trainer's control point (``trainer.control``): its
+  checkpoint steps as ``request_save()``, its validation steps as ``request_validate()``; the trainer
+  decides them in the step's agreement, like any handler's requests. It *publishes* what it knows
+  of the step's place in the schedule on ``trainer.state``: ``should_log_remote`` (a remote logging
+  step) and ``is_last_step`` (the trainer's ``at_last_step`` reads it); information, the same on
+  every rank, not requests. Stop signals and time limits become a final checkpoint request plus a
+  stop request on ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`
+  (and the step's validation withdrawn: time is short).
 """
 
 from __future__ import annotations
@@ -465,7 +470,7 @@ class StepScheduler(Handler):
         self._latch_signal() if kind == "signal" else self._latch_duration()
         state, control = self.trainer.state, self.trainer.control
         control.request_save()
-        state.should_validate = False
+        control.withdraw_validate()  # agreed values: every rank withdraws alike
         if not state.is_last_step:  # a run that ends here anyway ends as a finished run
             control.request_stop(self._exit_reason, ExitCode.STOPPED)
 
@@ -655,8 +660,9 @@ class StepScheduler(Handler):
 
     # ------------------------------------------------------------------ as a handler
     def attach(self, trainer: Any) -> StepScheduler:
-        """Drive ``trainer``: its accumulation, length and stops come from this scheduler, and the
-        decisions for step k are on ``trainer.state`` from STEP_START of step k on."""
+        """Drive ``trainer``: its accumulation, length and stops come from this scheduler; the
+        requests for step k are on ``trainer.control``, and its place in the schedule on
+        ``trainer.state``, from STEP_START of step k on."""
         if self.trainer is not None:
             raise RuntimeError("this StepScheduler is already attached to a trainer")
         # 1 is the trainer's default: anything else was asked for and must not be silently replaced
@@ -671,7 +677,7 @@ class StepScheduler(Handler):
         trainer.grad_accum_steps = self.grad_acc_steps
         trainer.max_steps = self.max_steps
         trainer.max_epochs = self.num_epochs
-        # Decisions are published before user STEP_START handlers run; the exit check at STEP_END
+        # Requests are made before user STEP_START handlers run; the exit check at STEP_END
         # runs before the trainer's validation, so a stop can cancel that validation.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=SCHEDULE)
@@ -765,7 +771,8 @@ class StepScheduler(Handler):
             gc.collect()
         if self.is_ckpt_step:
             self.trainer.control.request_save()
-        state.should_validate = state.should_validate or self.is_val_step
+        if self.is_val_step:
+            self.trainer.control.request_validate()
         state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
         last = self.is_last_step
         state.is_last_step = state.is_last_step or last

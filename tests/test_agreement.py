@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.engine import Events, ExitCode, Priority, Trainer
 from hookloop.engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
@@ -117,7 +117,7 @@ def test_a_slot_votes_and_its_callback_can_veto_the_step():
     def veto_odd(value: float) -> None:
         seen.append(value)
         if value:
-            trainer.state.skip_step = True
+            trainer.control.request_skip()
 
     trainer.agreement.add("test.odd", lambda: trainer.state.step % 2 == 1, veto_odd)
     state = trainer.run(token_batches(4), max_steps=4)
@@ -135,10 +135,10 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.STEP_START)
     def early(e):
         if rank == 0 and e.state.step == 3:
-            e.state.request_stop("rank 0 asked early", ExitCode.STOPPED)
+            e.control.request_stop("rank 0 asked early", ExitCode.STOPPED)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["early"] = (state.step, state.exit_code, state.stop_reason)
+    out["early"] = (state.step, state.control.exit_code, state.control.stop_reason)
 
     # (b) one rank asks after the agreement (a user's STEP_END handler): agreed at the step's end
     trainer = _trainer(hang_timeout_s=None)
@@ -146,10 +146,10 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.STEP_END)
     def late(e):
         if rank == 1 and e.state.step == 4:
-            e.state.request_stop("rank 1 asked late", 42)
+            e.control.request_stop("rank 1 asked late", 42)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["late"] = (state.step, state.exit_code, state.stop_reason)
+    out["late"] = (state.step, state.control.exit_code, state.control.stop_reason)
 
     # (c) both ask at once with different codes: both end with the larger
     trainer = _trainer(hang_timeout_s=None)
@@ -157,18 +157,21 @@ def _stop_cases(rank: int, world: int) -> dict:
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
     def clash(e):
         if e.state.step == 2:
-            e.state.request_stop(f"rank {rank}", ExitCode.STOPPED if rank == 0 else ExitCode.NAN_ABORT)
+            e.control.request_stop(f"rank {rank}", ExitCode.STOPPED if rank == 0 else ExitCode.NAN_ABORT)
 
     state = trainer.run(token_batches(10, seed=rank), max_steps=10)
-    out["clash"] = (state.step, state.exit_code)
+    out["clash"] = (state.step, state.control.exit_code)
 
     # (d) one rank vetoes: neither steps; the ranks' parameters stay equal
     trainer = _trainer(hang_timeout_s=None)
     trainer.add_event_handler(
-        Events.BEFORE_OPTIMIZER_STEP, lambda e: setattr(e.state, "skip_step", rank == 1 and e.state.step == 2)
+        Events.BEFORE_OPTIMIZER_STEP,
+        lambda e: e.control.request_skip() if rank == 1 and e.state.step == 2 else None,
     )
     seen = {}
-    trainer.add_event_handler(Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.state.skip_step))
+    trainer.add_event_handler(
+        Events.STEP_END, lambda e: seen.setdefault(e.state.step, e.control.decided.skip)
+    )
     state = trainer.run(token_batches(6, seed=rank), max_steps=3)
     out["veto"] = (state.skipped_steps, seen)
     out["params"] = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
@@ -208,7 +211,7 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     @trainer.on(Events.STEP_END, priority=1e6)  # before the checkpointer, after the agreement
     def ask_late(e):
         if rank == 0 and e.state.step == 2:
-            e.state.should_checkpoint = True
+            e.control.request_save()
 
     state = trainer.run(token_batches(6, seed=rank), max_steps=6)
     return {"saved": saved, "step": state.step}
@@ -223,3 +226,76 @@ def test_a_checkpoint_asked_for_on_one_rank_after_the_agreement_is_saved_next_st
     assert r0["saved"] == r1["saved"]
     assert r0["saved"][0] == 3
     assert (tmp_path / "step_00000003").is_dir()
+
+
+class _StepCollectives:
+    """Counts the collectives of each step, from the first STEP_START handler to after the
+    trainer's own step end; says it never asks after the agreement, as the shipped handlers do."""
+
+    asks_after_agreement = False
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.per_step: dict[int, dict] = {}
+        self._counter = None
+        trainer.add_event_handler(Events.STEP_START, self.start, priority=Priority.ENGINE_FIRST)
+        trainer.add_event_handler(Events.STEP_END, self.end, priority=Priority.ENGINE_LAST)
+
+    def start(self, e) -> None:
+        from benchmarks.step_budget import CollectiveCounter
+
+        self._counter = CollectiveCounter().__enter__()
+
+    def end(self, e) -> None:
+        self._counter.__exit__(None, None, None)
+        self.per_step[e.state.step] = dict(self._counter.counts)
+
+
+def _validate_on_one_rank(rank: int, world: int) -> dict:
+    _init()
+    out = {}
+    # (a) asked on rank 0 before the agreement (STEP_START), on rank 1 after it (STEP_END)
+    trainer = _trainer(hang_timeout_s=60)
+    trainer.set_validation(token_batches(2, seed=rank), eval_iters=1)
+    validated, decided = [], {}
+
+    @trainer.on(Events.STEP_START)
+    def ask_early(e):
+        if rank == 0 and e.state.step == 2:
+            e.control.request_validate()
+
+    @trainer.on(Events.STEP_END, priority=1e7)  # after the agreement: carried to the next step
+    def ask_late(e):
+        decided[e.state.step] = e.control.decided.validate
+        if rank == 1 and e.state.step == 4:
+            e.control.request_validate()
+
+    trainer.add_event_handler(Events.VALIDATION_END, lambda e: validated.append(e.state.step))
+    trainer.run(token_batches(12, seed=rank), max_steps=6)
+    out.update(validated=validated, decided=decided, step=trainer.state.step)
+
+    # (b) the collectives a step costs: nothing that may ask late is attached, rank 0 asks at step 2
+    trainer = _trainer(hang_timeout_s=60)
+    trainer.set_validation(token_batches(2, seed=rank), eval_iters=1)
+    trainer.add_event_handler(
+        Events.STEP_START, lambda e: e.control.request_validate() if rank == 0 and e.state.step == 2 else None
+    )
+    counted = _StepCollectives(trainer)
+    trainer.run(token_batches(8, seed=rank), max_steps=4)
+    out["per_step"] = counted.per_step
+    return out
+
+
+@pytest.mark.distributed
+def test_a_validation_asked_for_on_one_rank_runs_on_every_rank_at_the_same_step():
+    """Validation is collective: one rank validating alone would leave the other waiting. A request
+    on one rank is agreed in the step's one all-reduce (asked after it: at the next step), and a
+    step that does not validate still issues exactly one all-reduce."""
+    r0, r1 = run_distributed(_validate_on_one_rank, 2, timeout=150)
+    assert r0["step"] == r1["step"] == 6
+    assert r0["validated"] == r1["validated"] == [2, 5]
+    assert r0["decided"] == r1["decided"] == {1: False, 2: True, 3: False, 4: False, 5: True, 6: False}
+    for r in (r0, r1):
+        for step in (1, 3, 4):
+            assert r["per_step"][step] == {"all_reduce": 1}, (step, r["per_step"])
+    # the validating step: the agreement, the validation's own reductions, the late agreement
+    assert r0["per_step"][2] == r1["per_step"][2] and r0["per_step"][2]["all_reduce"] > 1

@@ -18,8 +18,9 @@
 - The checkpoint wing's modules stay under :data:`MAX_LINES` lines each, the trainer under
   :data:`TRAINER_MAX_LINES`, every other module under :data:`PROJECT_MAX_LINES`.
 - Only ``engine/files.py`` fsyncs: every durable or atomic write goes through it.
-- Shipped handlers request skip / save / stop / rollback on ``trainer.control``, not through the
-  state's compatibility views or handler-to-handler fields on the state.
+- The project requests skip / save / validate / stop / rollback on ``trainer.control`` and reads
+  how a run ended there, never through names the state used to carry (the old compatibility
+  views, the validate flag, handler-to-handler fields).
 - The engine knows no shipped handler: ``engine/`` names none of their classes (code, comments or
   docstrings), never loads ``hookloop.handlers`` through ``importlib`` / ``__import__``, and its
   order table (``Priority``) names phases only; each shipped handler's place lives in its module.
@@ -318,13 +319,19 @@ def test_the_validator_has_no_pipeline_case():
     assert hits == []
 
 
-# What handlers must ask through ``trainer.control`` (the state keeps some of these as views for
-# user code; the others were fields handlers used to pass messages to each other).
+# What is asked and read on ``trainer.control`` (or ``trainer.save_policy``) only: names the state
+# used to carry as views onto the control point, its validate flag, and fields handlers used to pass
+# messages to each other.
 STATE_CONTROL_NAMES = {
     "skip_step",
     "should_checkpoint",
     "should_stop",
+    "should_validate",
+    "stop_reason",
+    "exit_code",
     "request_stop",
+    "hold_saves",
+    "protected_step",
     "known_good_step",
     "hold_checkpoints",
     "rollback_target_step",
@@ -349,10 +356,13 @@ def _state_control_uses(path: Path) -> list[str]:
     return found
 
 
-def test_handlers_ask_through_the_control_point_not_the_state():
-    offenders = [
-        hit for path in sorted((REPO / "handlers").rglob("*.py")) for hit in _state_control_uses(path)
+def test_the_project_asks_through_the_control_point_not_the_state():
+    paths = [
+        p
+        for folder in ("handlers", "engine", "src", "examples", "benchmarks")
+        for p in (REPO / folder).rglob("*.py")
     ]
+    offenders = [hit for path in sorted(paths) for hit in _state_control_uses(path)]
     assert offenders == []
 
 

@@ -96,8 +96,8 @@ def stop_at(trainer: Trainer, step: int) -> None:
 
     def request(engine: Trainer) -> None:
         if engine.state.step == step:
-            engine.state.should_checkpoint = True
-            engine.state.request_stop("test stop", ExitCode.STOPPED)
+            engine.control.request_save()
+            engine.control.request_stop("test stop", ExitCode.STOPPED)
 
     trainer.add_event_handler(Events.STEP_END, request, priority=1_000)
 
@@ -121,7 +121,7 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
     first.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
     stop_at(first, stop)
     state = first.run(shuffled_loader(), max_steps=12)
-    assert state.step == stop and state.exit_code == ExitCode.STOPPED
+    assert state.step == stop and state.control.exit_code == ExitCode.STOPPED
     assert saved == sorted({3, 6, stop} & set(range(1, stop + 1)))
     assert read_latest(tmp_path) == step_dir_name(stop)
 
@@ -316,7 +316,7 @@ def test_rollback_restores_the_newest_checkpoint_bitwise_and_keeps_or_rewinds_da
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
     def _bad_step(engine):
         if engine.state.step == 5 and not after_rollback:
-            engine.state.skip_step = True
+            engine.control.request_skip()
             engine.control.request_rollback(keep_data_position=keep)
             engine.fire(Events.ROLLBACK)
             after_rollback.update(snapshot(engine))
@@ -497,7 +497,7 @@ def test_keep_best_never_prunes_the_newest_known_good_checkpoint(tmp_path):
 
     @trainer.on(Events.STEP_END, priority=Priority.VALIDATION)
     def _distrust(engine):  # as a NaN detector does during a bad streak: step 2 is the last good one
-        engine.control.protected_step = min(engine.state.step, 2)
+        engine.save_policy.protect(min(engine.state.step, 2), by="test")
 
     trainer.run(token_batches(20), max_steps=4)
     assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [4, 2, 1]
@@ -741,13 +741,13 @@ def test_sigterm_through_the_step_scheduler_saves_stops_and_resumes_bitwise(tmp_
     first, scheduler = build(0, data, tmp_path, signal_at=6)
     state = first.run(data)
     scheduler.close()
-    assert (state.step, state.exit_code) == (6, ExitCode.STOPPED)
+    assert (state.step, state.control.exit_code) == (6, ExitCode.STOPPED)
     assert read_latest(tmp_path) == step_dir_name(6)
     seed_all(5)
     second, scheduler = build(3, data, tmp_path)
     state = second.run(data)
     scheduler.close()
-    assert (state.step, state.epoch, state.exit_code) == (9, ref.state.epoch, 0)
+    assert (state.step, state.epoch, state.control.exit_code) == (9, ref.state.epoch, 0)
     assert_bitwise(snapshot(second), snapshot(ref))
 
 

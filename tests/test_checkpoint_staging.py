@@ -121,7 +121,7 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
             deadline = time.monotonic() + 120
             while checkpointer.staging and time.monotonic() < deadline:
                 time.sleep(0.01)
-            engine.state.should_checkpoint = True
+            engine.control.request_save()
             deadline = time.monotonic() + 60
             while checkpointer.staging and time.monotonic() < deadline:  # the previous save's copy
                 time.sleep(0.001)  # must not meet the closed gate

@@ -8,6 +8,7 @@ NaN detector and the checkpointer cooperate through it (no mailboxes on the stat
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ignite.engine.events import State
 
@@ -52,20 +53,20 @@ def test_a_save_asked_after_the_agreement_carries_to_the_next_step_and_a_skip_do
     assert (control.skip, control.save) == (False, True)
 
 
-def test_state_flags_are_views_onto_the_trainers_control_point():
+def test_the_state_has_no_views_onto_the_control_point():
     trainer = _trainer()
     control, state = trainer.control, trainer.state
     assert state.control is control
-    state.skip_step = True
-    state.should_checkpoint = True
-    state.request_stop("via the state", ExitCode.STOPPED)
-    assert (control.skip, control.save, control.stop) == (True, True, True)
-    assert (control.stop_reason, control.exit_code) == ("via the state", ExitCode.STOPPED)
-    control.skip = False
-    assert state.skip_step is False
-    trainer.state = State()  # as ignite's docs do: the new state reads the same control point
+    for view in ("skip_step", "should_checkpoint", "should_stop", "stop_reason", "exit_code", "request_stop"):
+        with pytest.raises(AttributeError):
+            getattr(state, view)
+    for flag in ("should_validate", "hold_saves", "protected_step", "initial_save"):
+        assert not hasattr(state, flag) and not hasattr(control, flag), flag
+    control.request_stop("asked", ExitCode.STOPPED)
+    trainer.state = State()  # as ignite's docs do: the new state is bound to the same control point
     assert isinstance(trainer.state, TrainState) and trainer.state.control is control
-    assert trainer.state.should_stop and trainer.state.exit_code == ExitCode.STOPPED
+    assert not hasattr(trainer.state, "exit_code")
+    assert control.stop and control.exit_code == ExitCode.STOPPED
     for mailbox in (
         "known_good_step",
         "hold_checkpoints",
@@ -75,6 +76,21 @@ def test_state_flags_are_views_onto_the_trainers_control_point():
     ):
         assert not hasattr(TrainState(), mailbox), mailbox
     assert not hasattr(trainer, "decisions")
+
+
+def test_a_validation_request_is_agreed_and_resets_with_the_step():
+    control = StepControl()
+    control.request_validate()
+    control.record_decided()
+    assert control.decided == Decided(validate=True)
+    control.end_step(stop=False)
+    assert not control.validate and control.decided == Decided()
+    control.record_decided()
+    control.request_validate()  # after the agreement: the next step's
+    control.end_step(stop=False)
+    assert control.validate
+    control.withdraw_validate()
+    assert not control.validate
 
 
 # ------------------------------------------------------------------------------ on a running trainer
@@ -100,7 +116,7 @@ def test_decided_holds_the_agreed_values_during_the_step_and_only_the_stop_after
         seen[("end", e.state.step)] = (e.control.decided, e.control.skip, e.control.save)
 
     state = trainer.run(token_batches(20), max_steps=10)
-    assert (state.step, state.exit_code, state.stop_reason, state.skipped_steps) == (
+    assert (state.step, state.control.exit_code, state.control.stop_reason, state.skipped_steps) == (
         3,
         ExitCode.STOPPED,
         "enough",
@@ -115,13 +131,14 @@ def test_decided_holds_the_agreed_values_during_the_step_and_only_the_stop_after
     # a new run starts with nothing requested or decided
     trainer.state.max_iters = trainer.state.max_epochs = None
     state = trainer.run(token_batches(8), max_steps=2)
-    assert (state.step, state.exit_code, state.stop_reason) == (2, 0, None)
+    assert (state.step, state.control.exit_code, state.control.stop_reason) == (2, 0, None)
 
 
 def test_every_way_to_stop_ends_the_run_alike(caplog):
-    """A handler's request, terminate(), and a request outside a step all end in the one stop."""
+    """A handler's request, terminate() (ignite's spelling of it), and a request outside a step all
+    end in the one stop."""
     results = {}
-    for how in ("control", "state", "terminate", "epoch_start"):
+    for how in ("control", "terminate", "epoch_start"):
         trainer = _trainer()
 
         @trainer.on(Events.STEP_END)
@@ -130,8 +147,6 @@ def test_every_way_to_stop_ends_the_run_alike(caplog):
                 return
             if how == "control":
                 e.control.request_stop("asked", ExitCode.STOPPED)
-            elif how == "state":
-                e.state.request_stop("asked", ExitCode.STOPPED)
             elif how == "terminate":
                 e.terminate()
 
@@ -143,20 +158,20 @@ def test_every_way_to_stop_ends_the_run_alike(caplog):
         with caplog.at_level("INFO", logger="hookloop.engine.trainer"):
             state = trainer.run(token_batches(2), max_epochs=5)  # 2 steps an epoch
         stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopping after")]
-        results[how] = (state.step, state.exit_code, trainer.control.decided.stop, len(stops))
-    assert results["control"] == results["state"] == (2, ExitCode.STOPPED, True, 1)
+        results[how] = (state.step, state.control.exit_code, trainer.control.decided.stop, len(stops))
+    assert results["control"] == (2, ExitCode.STOPPED, True, 1)
     assert results["terminate"] == (2, 0, True, 1)
     assert results["epoch_start"] == (2, ExitCode.STOPPED, False, 1)  # decided outside a step
 
 
-def test_nan_detector_and_checkpointer_cooperate_through_the_control_point(tmp_path):
+def test_nan_detector_and_checkpointer_cooperate_through_the_save_policy(tmp_path):
     from hookloop.handlers import AsyncCheckpointer, NaNDetector
     from hookloop.handlers.nan_detector import NAN_CHECK
 
     trainer = _trainer()
     AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
     NaNDetector(max_consecutive=2, action="rollback").attach(trainer)
-    assert trainer.control.initial_save  # asked at attach: a step-0 checkpoint to roll back to
+    assert trainer.save_policy.initial_save_wanted  # asked at attach: a step-0 checkpoint to roll back to
     seen, restored = [], []
 
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=NAN_CHECK + 1)
@@ -169,14 +184,14 @@ def test_nan_detector_and_checkpointer_cooperate_through_the_control_point(tmp_p
 
     @trainer.on(Events.STEP_END)
     def watch(e):
-        seen.append((e.state.step, e.control.hold_saves, e.control.protected_step))
+        seen.append((e.state.step, e.save_policy.saves_held, e.save_policy.protected_step))
 
     trainer.add_event_handler(Events.ROLLBACK, lambda e: restored.append(e.control.rollback), priority=-1)
     trainer.run(token_batches(40), max_steps=8)
     assert (5, True, 4) in seen and (6, True, 4) in seen  # saves held during the bad streak
     assert restored == [Rollback(at_or_before=4, keep_data_position=True)]
     assert trainer.control.rollback is None  # cleared once ROLLBACK has fired
-    assert trainer.state.rollbacks == 1 and not trainer.control.hold_saves
+    assert trainer.state.rollbacks == 1 and not trainer.save_policy.saves_held
 
 
 def test_the_trainer_carries_out_a_rollback_request_after_every_step_end_handler(tmp_path):

@@ -38,12 +38,12 @@ def _worker(rank: int, world: int, mode: str) -> dict:
                 grads[name.removeprefix("module.")] = g.clone()
             seen["grads"] = grads
         if e.state.step == 2 and rank == 1:
-            e.state.skip_step = True  # only rank 1 asks
+            e.control.request_skip()  # only rank 1 asks
 
     @trainer.on(Events.STEP_END)
     def record(e):
         seen["losses"].append(e.state.loss)
-        if e.state.skip_step:
+        if e.control.decided.skip:
             seen["skipped_on"].append(e.state.step)
 
     before_step2 = {}

@@ -55,11 +55,14 @@ def test_an_exception_handler_handles_the_error_and_the_step_is_dropped():
     path, events, state, _, dropped = make()
     seen = []
     events.handlers[Events.EXCEPTION].append(seen.append)
-    state.should_validate = True
+    state.control.request_validate()
+    state.control.request_save()
+    state.should_log_remote = True
     path.on_error(ValueError("bad batch"))  # handled: returns
     assert len(seen) == 1 and dropped == [True] and path.handled_errors == 1
-    assert not state.should_validate  # the step's flags went with it
-    assert state.stop_reason is None  # not at the run's limit
+    assert not (state.control.validate or state.control.save)  # the step's requests went with it
+    assert not state.should_log_remote  # and its published schedule
+    assert state.control.stop_reason is None  # not at the run's limit
 
 
 def test_a_handler_that_re_raises_declines_and_a_failing_cleanup_is_logged(caplog):
@@ -85,13 +88,13 @@ def test_a_run_at_its_limit_on_a_handled_error_says_so():
     events.handlers[Events.EXCEPTION].append(lambda e: None)
     path.on_error(ValueError("bad batch\nmore"))
     reason = "the run ended at max_steps=3 on a handled error: ValueError: bad batch at step 3"
-    assert state.stop_reason.startswith(reason)
-    assert "(1 handled in this run)" in state.stop_reason
+    assert state.control.stop_reason.startswith(reason)
+    assert "(1 handled in this run)" in state.control.stop_reason
     path.start_run()
     assert path.handled_errors == 0
     state.control.stop_reason = None
     path.explain_handled_end()  # nothing handled in this run: nothing to explain
-    assert state.stop_reason is None
+    assert state.control.stop_reason is None
 
 
 def test_a_lost_peer_becomes_a_peer_failure(monkeypatch):

@@ -94,10 +94,10 @@ def test_stop_and_resume_is_bitwise_with_every_shipped_loader(tmp_path, kind):
     @first.on(Events.STEP_END, priority=1_000)
     def stop(engine):
         if engine.state.step == STOP:
-            engine.state.request_stop("test stop", ExitCode.STOPPED)
+            engine.control.request_stop("test stop", ExitCode.STOPPED)
 
     state = first.run(make_loader(kind), max_steps=TOTAL)
-    assert (state.step, state.exit_code) == (STOP, ExitCode.STOPPED)
+    assert (state.step, state.control.exit_code) == (STOP, ExitCode.STOPPED)
 
     seed_all(99)  # a new process starts from other RNG states and another model init
     second = make_trainer(7)

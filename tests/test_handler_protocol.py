@@ -235,7 +235,7 @@ def test_the_order_table_in_the_docs_reads_as_the_code():
 def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
     trainer, handlers, loader = _attach_everything(tmp_path, mixture_sampler)
     state = trainer.run(loader)
-    assert state.step == 4 and state.exit_code == 0
+    assert state.step == 4 and state.control.exit_code == 0
     wandb = trainer.get_handler(WandBLogger)
     assert [step for step, _ in wandb.sent] == [1, 2, 3, 4]  # the scheduler's remote-logging cadence
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

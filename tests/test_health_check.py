@@ -56,7 +56,7 @@ def test_single_process_probe_is_a_no_op():
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
     health = HealthCheck(every_steps=2, timeout_s=1).attach(trainer)
     state = trainer.run([(torch.randn(2, 2), torch.randn(2, 1))] * 5, max_steps=5)
-    assert health.checks == 2 and state.exit_code == 0
+    assert health.checks == 2 and state.control.exit_code == 0
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ def test_exception_handler_may_handle_keyboard_interrupt_with_terminate():
 
     state = trainer.run(token_batches(10), max_epochs=1)
     assert state.step == 3
-    assert state.should_stop and "handle" in state.stop_reason
+    assert state.control.stop and "handle" in state.control.stop_reason
     assert cleaned == []  # handled: no failure cleanup
 
 
@@ -168,9 +168,9 @@ def test_terminate_from_a_handler_stops_after_the_step_with_a_reason():
     trainer.add_event_handler(Events.STEP_END, lambda e: after.append(e.state.step))
     state = trainer.run(token_batches(6))
     assert state.step == 2 and after == [1, 2]  # the step that asked still completes
-    assert state.stop_reason.startswith("terminate() called by ")
-    assert state.stop_reason.endswith("<locals>.stop_early")
-    assert state.exit_code == 0
+    assert state.control.stop_reason.startswith("terminate() called by ")
+    assert state.control.stop_reason.endswith("<locals>.stop_early")
+    assert state.control.exit_code == 0
 
 
 def test_ignite_metrics_attach_to_the_validation_evaluator_and_early_stopping_works():
@@ -183,7 +183,7 @@ def test_ignite_metrics_attach_to_the_validation_evaluator_and_early_stopping_wo
     state = trainer.run(token_batches(20))
     assert state.step == 3
     assert state.metrics["ignite_loss"] == pytest.approx(state.metrics["val_loss"], rel=1e-6)
-    assert "EarlyStopping" in state.stop_reason
+    assert "EarlyStopping" in state.control.stop_reason
 
 
 def _terminate_on_one_rank(rank: int, world: int) -> tuple:
@@ -198,7 +198,7 @@ def _terminate_on_one_rank(rank: int, world: int) -> tuple:
             engine.terminate()
 
     state = trainer.run(token_batches(10))
-    return state.step, state.stop_reason
+    return state.step, state.control.stop_reason
 
 
 @pytest.mark.distributed
@@ -238,17 +238,17 @@ def test_a_run_whose_every_step_raises_into_a_handling_exception_handler_ends(
     errors = []
     _always_failing(trainer, errors)
     ended = []
-    trainer.add_event_handler(Events.TRAIN_END, lambda e: ended.append(e.state.stop_reason))
+    trainer.add_event_handler(Events.TRAIN_END, lambda e: ended.append(e.control.stop_reason))
     state = trainer.run(token_batches(4), **limits)
     assert (state.epoch, state.step) == (epochs, steps)
     assert errors == ["ZeroDivisionError"] * steps
-    assert state.exit_code == 0
-    assert state.stop_reason.startswith(
+    assert state.control.exit_code == 0
+    assert state.control.stop_reason.startswith(
         f"the run ended at {limit} on a handled error: ZeroDivisionError: division by zero at step {steps} "
     )
-    assert ended == [state.stop_reason]  # TRAIN_END handlers (loggers) see the reason
+    assert ended == [state.control.stop_reason]  # TRAIN_END handlers (loggers) see the reason
     status = json.loads((tmp_path / "exit_status.json").read_text())
-    assert status["code"] == 0 and status["reason"] == state.stop_reason
+    assert status["code"] == 0 and status["reason"] == state.control.stop_reason
 
 
 def test_a_step_that_raised_and_was_handled_leaves_no_gradients_for_the_next():
@@ -285,7 +285,7 @@ def test_a_step_limited_run_over_used_up_data_with_handled_errors_ends():
         state = trainer.run(iter(token_batches(3)), max_steps=10)
     assert state.step == 3 and state.epoch < 10
     assert errors[:3] == ["ZeroDivisionError"] * 3
-    assert "started no step and only max_steps=10 limits the run" in state.stop_reason
+    assert "started no step and only max_steps=10 limits the run" in state.control.stop_reason
 
 
 def _steps_by_epoch(trainer: Trainer) -> list:
@@ -443,7 +443,7 @@ def test_assigning_ignites_plain_state_then_running_works():
     trainer.state = plain
     assert trainer.state is plain and isinstance(plain, TrainState) and plain.alpha == 0.5
     state = trainer.run(token_batches(3))
-    assert state is plain and (state.step, state.epoch, state.exit_code) == (3, 1, 0)
+    assert state is plain and (state.step, state.epoch, state.control.exit_code) == (3, 1, 0)
     assert state.alpha == 0.5 and state.loss == state.loss
 
     # a state positioned inside a run, as ignite's docs build one, continues that run
@@ -600,7 +600,7 @@ def test_a_handled_error_outside_the_steps_ends_the_run_as_in_ignite():
     trainer.add_event_handler(Events.TRAIN_END, lambda: ended.append(1))
     state = trainer.run(token_batches(2), max_epochs=5)
     assert (state.epoch, state.step, ended) == (2, 4, [])  # ignite returns at once: no TRAIN_END
-    assert state.stop_reason.startswith(
+    assert state.control.stop_reason.startswith(
         "the run ended there (an error outside an epoch's steps ends the run)"
     )
-    assert "KeyError: 'missing' at step 4 (epoch 2)" in state.stop_reason
+    assert "KeyError: 'missing' at step 4 (epoch 2)" in state.control.stop_reason

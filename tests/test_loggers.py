@@ -111,7 +111,7 @@ def test_a_run_stopped_between_log_steps_still_logs_its_last_interval(tmp_path):
     trainer = _trainer(validate_every=3)
     MetricsTracker(10).attach(trainer)
     JSONLLogger(path).attach(trainer)
-    trainer.add_event_handler(Events.STEP_END(once=3), lambda: trainer.state.request_stop("test"))
+    trainer.add_event_handler(Events.STEP_END(once=3), lambda: trainer.control.request_stop("test"))
     trainer.run(_tokens(), max_steps=8)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 3]

@@ -226,7 +226,7 @@ def test_first_interval_after_a_real_resume_counts_only_this_process_steps(tmp_p
 def test_publishes_a_partial_interval_when_the_run_stops_early():
     trainer = _gpt_trainer()
     MetricsTracker(10).attach(trainer)
-    trainer.add_event_handler(Events.STEP_END(once=3), lambda: trainer.state.request_stop("test"))
+    trainer.add_event_handler(Events.STEP_END(once=3), lambda: trainer.control.request_stop("test"))
     trainer.run(_tokens(), max_steps=8)
     assert trainer.state.metrics_step == 3 and trainer.state.metrics["tokens_seen"] == 3 * 2 * SEQ
 

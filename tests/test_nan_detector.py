@@ -123,7 +123,7 @@ def _one_rank_nan(rank: int, world: int) -> dict:
     detector.attach(trainer)
     skipped = []
     trainer.add_event_handler(
-        Events.STEP_END, lambda e: skipped.append(e.state.step) if e.state.skip_step else None
+        Events.STEP_END, lambda e: skipped.append(e.state.step) if e.control.decided.skip else None
     )
     state = trainer.run(token_batches(4, seed=rank), max_epochs=1)
     return {
@@ -197,7 +197,7 @@ def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path
     assert log["indices"][11] == (9, 11)
     assert 9 not in after and 10 not in after
     assert state.step == 20 and math.isfinite(state.loss)
-    assert state.exit_code == 0
+    assert state.control.exit_code == 0
 
 
 def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp_path):

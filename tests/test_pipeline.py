@@ -201,7 +201,7 @@ def _veto_run(info, rank: int) -> dict:
         runtime.module, torch.optim.SGD(runtime.parameters(), lr=0.1), cross_entropy_loss, pipeline=runtime
     )
     trainer.add_event_handler(
-        Events.BEFORE_OPTIMIZER_STEP, lambda e: setattr(e.state, "skip_step", rank == 1)
+        Events.BEFORE_OPTIMIZER_STEP, lambda e: e.control.request_skip() if rank == 1 else None
     )
     state = trainer.run(_data()[0][:N_MB], max_steps=1)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, runtime.parameters()))

@@ -24,7 +24,7 @@ def _run(run_dir, *, stop_at=None, rollback_at=None):
     @trainer.on(Events.STEP_END, priority=1)
     def _control(engine):
         if engine.state.step == stop_at:
-            engine.state.request_stop("test stop", ExitCode.STOPPED)
+            engine.control.request_stop("test stop", ExitCode.STOPPED)
         if engine.state.step == rollback_at and not fired:
             fired.append(engine.state.step)
             engine.fire_event(Events.ROLLBACK)

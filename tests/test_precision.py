@@ -114,7 +114,8 @@ def test_fp16_overflow_is_a_skipped_step_not_a_nan():
     seen: list[tuple] = []
     state = trainer.state
     trainer.add_event_handler(
-        Events.STEP_END, lambda: seen.append((state.step, state.skip_step, state.grad_scaler_overflow))
+        Events.STEP_END,
+        lambda: seen.append((state.step, state.control.decided.skip, state.grad_scaler_overflow)),
     )
     params_before: dict = {}
     trainer.add_event_handler(
@@ -206,7 +207,7 @@ def _overflow_on_one_rank(rank: int, world: int) -> dict:
     NaNDetector(action="raise").attach(trainer)
     skipped: list[int] = []
     trainer.add_event_handler(
-        Events.STEP_END, lambda: skipped.append(trainer.state.step) if trainer.state.skip_step else None
+        Events.STEP_END, lambda: skipped.append(trainer.state.step) if trainer.control.decided.skip else None
     )
     state = trainer.run(token_batches(4), max_steps=4)  # the same data on both ranks
     return {

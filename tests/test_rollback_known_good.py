@@ -87,7 +87,7 @@ def test_a_poisoned_update_rolls_back_past_the_checkpoints_written_after_it(tmp_
         engine.model.poisoned_at.fill_(12)
 
     state = trainer.run(data)
-    assert state.exit_code == ExitCode.SUCCESS and state.step == 24
+    assert state.control.exit_code == ExitCode.SUCCESS and state.step == 24
     # steps 14 and 15 are NaN -> restore 13 (poisoned, NaN at once) -> restore 12, which is clean
     assert restored == [13, 12]
     assert int(trainer.model.poisoned_at) == -1
@@ -119,7 +119,7 @@ def test_a_nan_before_the_first_checkpoint_rolls_back_to_the_initial_state(tmp_p
     state = trainer.run(data)
     assert restored == [0]
     assert all(torch.equal(snapshot[k], initial[k]) for k in initial)
-    assert state.step == 10 and state.exit_code == ExitCode.SUCCESS
+    assert state.step == 10 and state.control.exit_code == ExitCode.SUCCESS
 
 
 def test_cadence_after_a_rollback_is_the_cadence_without_one(tmp_path):
@@ -201,7 +201,7 @@ def test_a_checkpoint_of_nan_weights_with_a_finite_loss_is_never_a_rollback_targ
             engine.model.gpt.head.weight.data[0, 0] = float("nan")
 
     state = trainer.run(data)
-    assert state.exit_code == ExitCode.SUCCESS and state.step == 14, state.stop_reason
+    assert state.control.exit_code == ExitCode.SUCCESS and state.step == 14, state.control.stop_reason
     assert restored == [7]
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     markers = {

@@ -164,3 +164,11 @@ def test_trainer_with_four_handlers_adds_at_most_one_host_sync(budget):
 def test_trainer_with_four_handlers_issues_at_most_two_small_collectives(budget):
     entry = budget["merged"]["handlers"]
     assert entry["collectives_per_step"] <= BUDGETS["handlers"][1], entry["collective_sites"]
+
+
+def test_the_default_handlers_keep_the_one_all_reduce_of_the_step(budget):
+    # Every request (skip, save, validate, stop) and the handlers' slots travel in the step's one
+    # packed all-reduce: with nothing due, a step with the shipped handlers issues exactly that one.
+    for config in ("bare", "handlers"):
+        entry = budget["merged"][config]
+        assert entry["collectives_per_step"] == 1, (config, entry["collective_sites"])

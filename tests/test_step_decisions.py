@@ -71,16 +71,40 @@ def test_who_could_ask_late():
     assert not decisions.late_requests_possible()
     events.handlers[Events.VALIDATION_END] = [lambda: None]  # a user's function may ask
     assert decisions.late_requests_possible()
-    assert make(due=True)[0].late_requests_possible()  # a validation due: its handlers may ask
+
+
+def test_a_validation_vote_is_decided_in_the_agreement_and_makes_the_end_late():
+    decisions, control, _, _, _, _ = make(due=True)  # this rank votes (asked, or on the cadence)
+    assert not decisions.late_requests_possible()  # nothing registered that could ask late
+    decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
+    assert control.decided.validate and decisions.late  # its VALIDATION_END handlers may ask
+    decisions.end_step()
+    assert not control.validate and not control.decided.validate  # reset with the step
+
+
+def test_a_validation_withdrawn_from_agreed_values_is_not_decided():
+    decisions, control, _, _, _, _ = make(due=True)
+    decisions._agreement.add("test.stop", fill=lambda: 1, on_agreed=lambda n: control.withdraw_validate())
+    decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
+    assert not control.decided.validate and not decisions.late
+
+
+def test_a_validation_asked_after_the_agreement_carries_over_to_the_next_step():
+    decisions, control, _, _, _, _ = make()
+    decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
+    control.request_validate()  # e.g. a STEP_END handler: too late for this step's agreement
+    assert not control.decided.validate
+    decisions.end_step()
+    assert control.validate  # still asked: the next step's agreement decides it
 
 
 def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():
     decisions, control, state, _, _, _ = make()
     decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
     control.request_stop("late")
-    state.should_validate = True
+    state.is_last_step = True
     assert decisions.end_step() is False  # no late agreement: the next step's agreement takes it
-    assert not state.should_validate  # the step's schedule flags reset
+    assert not state.is_last_step  # the step's published schedule resets
     decisions.late = True
     assert decisions.end_step() is True and control.decided.stop
 

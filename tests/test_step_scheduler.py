@@ -307,10 +307,10 @@ def make_trainer(seed=0):
 
 
 def record_flags(trainer, into):
-    @trainer.on(Events.STEP_START)  # normal priority: after the scheduler published
+    @trainer.on(Events.STEP_START)  # normal priority: after the scheduler asked and published
     def _record():
-        s = trainer.state
-        into.append((s.step, s.should_checkpoint, s.should_validate, s.should_log_remote, s.is_last_step))
+        s, c = trainer.state, trainer.control
+        into.append((s.step, c.save, c.validate, s.should_log_remote, s.is_last_step))
 
 
 def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
@@ -341,7 +341,7 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
         losses.append((trainer.state.loss, trainer.state.metrics["loss_avg"]))
 
     state = trainer.run(data)
-    assert state.step == 8 and state.exit_code == ExitCode.SUCCESS
+    assert state.step == 8 and state.control.exit_code == ExitCode.SUCCESS
     assert sizes == [3, 3, 3, 1] * 2
     assert positions == [(k, (k - 1) // 4) for k in range(1, 9)]
     assert flags == [
@@ -359,7 +359,7 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
         window = [x for x, _ in losses[max(0, i - 2) : i + 1]]
         assert avg == pytest.approx(sum(window) / len(window))
     assert s.state_dict() == {"step": 8, "epoch": 2, "loss_window": [x for x, _ in losses[-3:]]}
-    assert not state.should_checkpoint  # the trainer cleared the per-step flags
+    assert not (trainer.control.save or trainer.control.validate)  # the step's requests reset
 
 
 @pytest.mark.parametrize("restored_by", ["scheduler", "checkpoint_handler"])
@@ -397,10 +397,10 @@ def test_attached_resume_mid_epoch_continues_flags_and_data(restored_by):
 
     _, _, full_rows = run()
     stopped, saved, _ = run(exit_interval=6)  # stops after step 6, in the middle of epoch 1
-    assert (stopped.step, stopped.exit_code) == (6, ExitCode.STOPPED)
+    assert (stopped.step, stopped.control.exit_code) == (6, ExitCode.STOPPED)
     assert {k: saved["scheduler"][k] for k in ("step", "epoch")} == {"step": 6, "epoch": 1}
     state, _, rows = run(saved)
-    assert (state.step, state.epoch, state.exit_code) == (12, 3, ExitCode.SUCCESS)
+    assert (state.step, state.epoch, state.control.exit_code) == (12, 3, ExitCode.SUCCESS)
     # the same decisions, epochs and microbatches as the uninterrupted run: nothing replayed
     assert rows == full_rows[12:]
 
@@ -448,9 +448,9 @@ def test_exit_interval_stops_with_a_checkpoint_request_on_that_step():
     flags = []
     record_flags(trainer, flags)
     state = trainer.run(data)
-    assert (state.step, state.exit_code, state.should_stop) == (4, ExitCode.STOPPED, True)
+    assert (state.step, state.control.exit_code, state.control.stop) == (4, ExitCode.STOPPED, True)
     assert [f[0] for f in flags if f[1]] == [4]
-    assert "exit_interval" in state.stop_reason
+    assert "exit_interval" in state.control.stop_reason
 
 
 def test_exit_duration_stops_on_the_first_step_past_the_limit():
@@ -462,14 +462,12 @@ def test_exit_duration_stops_on_the_first_step_past_the_limit():
     s.attach(trainer)
     trainer.set_validation(data[:1])
     checkpoint_flags, validated = [], []
-    trainer.add_event_handler(
-        Events.STEP_END, lambda: checkpoint_flags.append(trainer.state.should_checkpoint)
-    )
+    trainer.add_event_handler(Events.STEP_END, lambda: checkpoint_flags.append(trainer.control.decided.save))
     trainer.add_event_handler(Events.VALIDATION_END, lambda: validated.append(trainer.state.step))
     state = trainer.run(data)
-    assert (state.step, state.exit_code) == (1, ExitCode.STOPPED)
+    assert (state.step, state.control.exit_code) == (1, ExitCode.STOPPED)
     assert checkpoint_flags == [True] and validated == []  # no validation when time is up
-    assert "exit_duration_in_mins" in state.stop_reason
+    assert "exit_duration_in_mins" in state.control.stop_reason
 
 
 @pytest.mark.parametrize("signal_step, expected_exit", [(2, ExitCode.STOPPED), (5, ExitCode.SUCCESS)])
@@ -492,16 +490,16 @@ def test_signal_in_one_process_stops_after_that_step(signal_step, expected_exit)
 
     trainer.add_event_handler(Events.VALIDATION_END, lambda: validated.append(trainer.state.step))
     trainer.add_event_handler(
-        Events.STEP_END, lambda: seen.append((trainer.state.step, trainer.state.should_checkpoint))
+        Events.STEP_END, lambda: seen.append((trainer.state.step, trainer.control.decided.save))
     )
     state = trainer.run(data)
-    assert state.step == signal_step and state.exit_code == expected_exit
+    assert state.step == signal_step and state.control.exit_code == expected_exit
     assert seen[-1] == (signal_step, True)
     assert not any(flag for _, flag in seen[:-1])
     assert validated == list(range(1, signal_step))  # the stopping step skips its validation
     assert during[0] is not previous and signal.getsignal(signal.SIGUSR2) is previous
     if expected_exit == ExitCode.STOPPED:
-        assert state.stop_reason == "signal SIGUSR2" and s.sigterm_received
+        assert state.control.stop_reason == "signal SIGUSR2" and s.sigterm_received
 
 
 def test_trainer_settings_that_disagree_with_the_scheduler_are_refused():
@@ -648,8 +646,8 @@ def check_agreed_stop(results, stop_step):
         assert final["final"] and final["step"] == stop_step and final["exit_code"] == ExitCode.STOPPED
         assert final["stop_reason"] == "signal SIGTERM" and final["handler_restored"]
         assert [r["step"] for r in steps] == list(range(1, stop_step + 1))
-        assert [r["should_checkpoint"] for r in steps] == [False] * (stop_step - 1) + [True]
-        assert steps[-1]["should_stop"] and not steps[-1]["validated"]
+        assert [r["decided_save"] for r in steps] == [False] * (stop_step - 1) + [True]
+        assert steps[-1]["decided_stop"] and not steps[-1]["validated"]
         assert all(r["validated"] for r in steps[:-1])
 
 
@@ -716,7 +714,7 @@ def _loss_avg_run(directory, stop_at=None):
     def _record():
         averages[trainer.state.step] = float(trainer.state.metrics["loss_avg"])  # may be a 0-dim tensor
         if trainer.state.step == stop_at:
-            trainer.state.request_stop("test stop", ExitCode.STOPPED)
+            trainer.control.request_stop("test stop", ExitCode.STOPPED)
 
     return trainer.run(data), averages
 
@@ -724,7 +722,7 @@ def _loss_avg_run(directory, stop_at=None):
 def test_resumed_run_continues_the_loss_average(tmp_path, deterministic):
     full, expected = _loss_avg_run(tmp_path / "full")
     stopped, _ = _loss_avg_run(tmp_path / "run", stop_at=6)
-    assert (stopped.step, stopped.exit_code) == (6, ExitCode.STOPPED)
+    assert (stopped.step, stopped.control.exit_code) == (6, ExitCode.STOPPED)
     resumed, averages = _loss_avg_run(tmp_path / "run")
     assert (full.step, resumed.step) == (10, 10)
     assert min(averages) == 7  # it resumed after step 6

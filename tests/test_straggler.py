@@ -39,8 +39,8 @@ def _run(rank: int, slow_rank: int, extra_s: float, threshold: float | None) -> 
         "report": detector.last_report,
         "metrics": {k: v for k, v in state.metrics.items() if k.startswith("straggler/")},
         "step": state.step,
-        "exit_code": state.exit_code,
-        "stop_reason": state.stop_reason,
+        "exit_code": state.control.exit_code,
+        "stop_reason": state.control.stop_reason,
     }
 
 

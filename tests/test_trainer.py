@@ -77,7 +77,7 @@ def test_veto_leaves_params_and_optimizer_untouched_and_counts():
     @trainer.on(Events.BEFORE_OPTIMIZER_STEP)
     def veto(e):
         if e.state.step == 3:
-            e.state.skip_step = True
+            e.control.request_skip()
             snapshots["params"] = copy.deepcopy(model.state_dict())
             snapshots["opt"] = copy.deepcopy(opt.state_dict())
             snapshots["lr_epoch"] = sched.last_epoch
@@ -85,7 +85,7 @@ def test_veto_leaves_params_and_optimizer_untouched_and_counts():
     @trainer.on(Events.STEP_END)
     def check(e):
         if e.state.step == 3:
-            assert e.state.skip_step
+            assert e.control.decided.skip
             for k, v in model.state_dict().items():
                 assert torch.equal(v, snapshots["params"][k]), k
             after = opt.state_dict()["state"]
@@ -128,14 +128,14 @@ def test_handlers_see_unclipped_gradients_and_clipping_applies_to_the_update():
     assert update == pytest.approx(0.1 * 0.01, rel=1e-3)  # SGD: lr x the clipped norm
 
 
-def test_should_stop_ends_run_after_that_step():
+def test_a_stop_request_ends_the_run_after_that_step():
     model = tiny_gpt()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
-    trainer.add_event_handler(Events.STEP_END(once=2), lambda e: e.state.request_stop("test", 75))
+    trainer.add_event_handler(Events.STEP_END(once=2), lambda e: e.control.request_stop("test", 75))
     ended = []
     trainer.add_event_handler(Events.TRAIN_END, lambda e: ended.append(e.state.step))
     state = trainer.run(token_batches(6))
-    assert state.step == 2 and state.exit_code == 75 and state.stop_reason == "test"
+    assert state.step == 2 and state.control.exit_code == 75 and state.control.stop_reason == "test"
     assert ended == [2]
 
 
@@ -143,12 +143,8 @@ def test_flags_are_cleared_after_each_step():
     model = tiny_gpt()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
     seen = []
-    trainer.add_event_handler(
-        Events.STEP_START(once=1), lambda e: setattr(e.state, "should_checkpoint", True)
-    )
-    trainer.add_event_handler(
-        Events.STEP_START, lambda e: seen.append(e.state.should_checkpoint), priority=-1
-    )
+    trainer.add_event_handler(Events.STEP_START(once=1), lambda e: e.control.request_save())
+    trainer.add_event_handler(Events.STEP_START, lambda e: seen.append(e.control.save), priority=-1)
     trainer.run(token_batches(3))
     assert seen == [True, False, False]
 

@@ -6,10 +6,16 @@ handler registered with the trainer, the data position and the RNG states (pytho
 CUDA, the data's own generators). The on-disk format and the safe readers are in
 :mod:`hookloop.engine.checkpoint_format`.
 
-When it saves (at STEP_END, after the StepScheduler has set its flags): on
+When it saves (at STEP_END, once the StepScheduler has made its requests): on
 ``trainer.control.decided.save``, every ``every_steps`` steps, at the last step, when the run stops
 on request (``control.decided.stop`` with a resumable exit code), and at TRAIN_END if the last step was
 not saved yet; never twice for one step. The decision is agreed across ranks.
+
+What a handler that judges the state (a NaN detector) knows reaches the checkpointer through the
+trainer's save policy (``trainer.save_policy``, :mod:`hookloop.engine.save_policy`), never through
+the handler itself: no save starts or is published while ``saves_held``; pruning keeps the newest
+finite checkpoint at or before ``protected_step``; a fresh run saves step 0 first when
+``initial_save_due(0)``.
 
 Modes (``mode=``):
 

@@ -225,17 +225,15 @@ class AsyncCheckpointer(Handler):
                         f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
                         "nothing left to train, this run is finished; to start another, pass "
                         "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
-                    )
-                    # The trainer prints the reason once, as it stops ("stopping after step N: ...").
-                    self.trainer.terminate()
+                    )  # the trainer says the reason once, as it stops ("stopping after step N: ...")
                 return
         if self.finetune_from is not None:
             path = self._reader.agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
             if path is not None:
                 self._reader.load_weights(self.trainer.model, path)
-        # Something may roll back before the first regular save: keep the initial state (written
-        # in the background like any save, published at the next step's end), once started.
-        self._initial_save_due = self.trainer.control.initial_save and state.iteration == 0
+        # Something may roll back before the first regular save (the trainer's save policy says so):
+        # keep the initial state (written in the background, published at the next step's end).
+        self._initial_save_due = self.trainer.save_policy.initial_save_due(state.iteration)
 
     def _on_run_started(self) -> None:
         """The run has started (every rank agreed): only now is the directory written, so a refused
@@ -266,7 +264,7 @@ class AsyncCheckpointer(Handler):
         control = self.trainer.control
         decided = control.decided  # agreed by every rank in this step's one all-reduce
         step = state.iteration
-        hold = control.hold_saves  # a detector distrusts this state: neither save nor publish
+        hold = self.trainer.save_policy.saves_held  # a judge distrusts this state: no save, no publish
         want = (
             not hold
             and step != self.last_saved_step
@@ -334,8 +332,8 @@ class AsyncCheckpointer(Handler):
             )
 
     def _known_good_step(self) -> int | None:
-        """The newest step a detector trusts: pruning never deletes its checkpoint."""
-        return self.trainer.control.protected_step if self.trainer is not None else None
+        """The newest step the save policy protects: pruning never deletes its checkpoint."""
+        return self.trainer.save_policy.protected_step if self.trainer is not None else None
 
     # ------------------------------------------------------------------------------ public
     @property

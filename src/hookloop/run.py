@@ -150,7 +150,7 @@ class Run:
         except KeyboardInterrupt:
             print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
             return 130
-        code = int(state.exit_code)
+        code = int(trainer.control.exit_code)
         if self.dist.is_main:
             meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
             trained = f"loss {state.loss:.4f}" if state.step > self._start[0] else "no step left to train"

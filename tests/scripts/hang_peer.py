@@ -41,7 +41,7 @@ def main() -> int:
     data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(64)]
     try:
         state = trainer.run(data, max_steps=10_000_000)
-        return int(state.exit_code)
+        return int(state.control.exit_code)
     except TrainingAborted as e:
         print(f"aborted: {e}", file=sys.stderr, flush=True)
         return e.exit_code

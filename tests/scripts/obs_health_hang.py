@@ -53,8 +53,8 @@ def main() -> int:
     result.update(
         step=trainer.state.step, checks=health.checks, exit_code=code, elapsed_s=time.monotonic() - start
     )
-    result["stop_reason"] = trainer.state.stop_reason
-    result["state_exit_code"] = trainer.state.exit_code
+    result["stop_reason"] = trainer.control.stop_reason
+    result["state_exit_code"] = trainer.control.exit_code
     print("RESULT " + json.dumps(result), flush=True)
     return code
 

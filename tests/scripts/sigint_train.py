@@ -38,9 +38,10 @@ def main() -> int:
         return 130
     saved = checkpointer.last_saved_step
     print(
-        "RESULT " + json.dumps({"step": state.step, "saved": saved, "reason": state.stop_reason}), flush=True
+        "RESULT " + json.dumps({"step": state.step, "saved": saved, "reason": state.control.stop_reason}),
+        flush=True,
     )
-    return int(state.exit_code)
+    return int(state.control.exit_code)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def main() -> int:
         print(f"aborted: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     trainer.get_handler(AsyncCheckpointer).close()
-    print(f"done: step {state.step}, exit code {int(state.exit_code)}", flush=True)
-    return int(state.exit_code)
+    print(f"done: step {state.step}, exit code {int(state.control.exit_code)}", flush=True)
+    return int(state.control.exit_code)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each rank trains a tiny GPT under DDP with a StepScheduler attached and prints one JSON line per
 step (what the state says at STEP_END, after the scheduler's exit check) and a final line, then
-exits with ``state.exit_code``. ``--mode self``: rank ``--signal-rank`` sends SIGTERM to itself
+exits with ``trainer.control.exit_code``. ``--mode self``: rank ``--signal-rank`` sends SIGTERM to itself
 during its first microbatch of step ``--signal-step``. ``--mode external``: nobody signals; steps
 are slowed down so the test can send the signal from outside.
 """
@@ -85,8 +85,8 @@ def main() -> int:
         line = {
             "rank": info.rank,
             "step": state.step,
-            "should_checkpoint": state.should_checkpoint,
-            "should_stop": state.should_stop,
+            "decided_save": trainer.control.decided.save,
+            "decided_stop": trainer.control.decided.stop,
             "validated": state.step in validated,
             "loss_avg": state.metrics.get("loss_avg"),
         }
@@ -97,13 +97,13 @@ def main() -> int:
         "rank": info.rank,
         "final": True,
         "step": state.step,
-        "exit_code": int(state.exit_code),
-        "stop_reason": state.stop_reason,
+        "exit_code": int(state.control.exit_code),
+        "stop_reason": state.control.stop_reason,
         "handler_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
     }
     print(json.dumps(final), flush=True)
     parallel.destroy_distributed()
-    return int(state.exit_code)
+    return int(state.control.exit_code)
 
 
 if __name__ == "__main__":
