@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"done: step {state.step}, loss {state.loss:.4f}, val_loss {metrics['val_loss']:.4f}, "
             f"val_accuracy {metrics['val_accuracy']:.3f}"
         )
-    return int(state.exit_code)
+    return int(trainer.control.exit_code)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     for i, s in enumerate(trainer.optimizer.state.values()):
         out.update({f"o.{i}.{k}": torch.as_tensor(v).clone() for k, v in s.items()})
     out["val_ce"], out["val_objective"] = ce, objective.detach()
-    out["exit_code"] = torch.tensor(int(state.exit_code))
+    out["exit_code"] = torch.tensor(int(trainer.control.exit_code))
     torch.save(out, f"{args.out}.{parallel.rank()}")
     print(f"DONE {state.step}", flush=True)
     return 0
