@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,7 +32,6 @@ from ignite.engine import Engine
 from hookloop.engine import parallel, run_limits, tensor_parallel
 from hookloop.engine.agreement import StepAgreement
 from hookloop.engine.batch import default_prepare_batch
-from hookloop.engine.checks import check_choice
 from hookloop.engine.control import StepControl, shared_stop_reason
 from hookloop.engine.error_path import ErrorPath
 from hookloop.engine.errors import ConfigError
@@ -49,15 +47,16 @@ from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler_registry import HandlerRegistry
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.pipeline.runtime import check_trainer_arguments
-from hookloop.engine.precision import AUTOCAST_DTYPES, PRECISIONS
+from hookloop.engine.precision import AUTOCAST_DTYPES
 from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
 from hookloop.engine.run_start import RunStart
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
-from hookloop.engine.step_body import StepBody, StepContext, StepResult, check_step_body, local_step_body
+from hookloop.engine.step_body import StepBody, StepContext, StepResult, local_step_body
 from hookloop.engine.step_decisions import StepDecisions
+from hookloop.engine.trainer_arguments import check_constructor_arguments
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
 
@@ -143,26 +142,19 @@ class Trainer(IgniteAdapter):
         loss_parallel: bool = False,
         step_body: StepBody | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(
-                "loss_fn must be callable: loss_fn(model_output, targets) -> scalar tensor, or None "
-                "when the model computes its own loss (output.loss, Hugging Face convention)"
-            )
-        if prepare_batch is not None and not callable(prepare_batch):
-            raise TypeError("prepare_batch must be callable: prepare_batch(microbatch, device)")
+        check_constructor_arguments(
+            model,
+            optimizer,
+            loss_fn,
+            prepare_batch=prepare_batch,
+            grad_clip_norm=grad_clip_norm,
+            precision=precision,
+            hang_timeout_s=hang_timeout_s,
+            step_body=step_body,
+            pipeline=pipeline,
+        )
         self._grad_accum_steps = 1
         self.grad_accum_steps = grad_accum_steps
-        if grad_clip_norm is not None and not (
-            isinstance(grad_clip_norm, (int, float)) and grad_clip_norm > 0
-        ):
-            raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
-        check_choice("precision", precision, PRECISIONS)
-        check_step_body(step_body, model, pipeline, precision)
-
         if pipeline is not None:  # a step takes the pipeline's microbatches
             self.grad_accum_steps = check_trainer_arguments(
                 pipeline, model, loss_fn, grad_accum_steps, precision, loss_parallel
@@ -224,15 +216,6 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        if hang_timeout_s is not None and (
-            isinstance(hang_timeout_s, bool)
-            or not isinstance(hang_timeout_s, (int, float))
-            or not 0 < hang_timeout_s < math.inf
-        ):
-            raise ConfigError(
-                "hang_timeout_s",
-                f"must be a positive finite number of seconds or None, got {hang_timeout_s!r}",
-            )
         self.watchdog: ProgressWatchdog | None = (
             None
             if hang_timeout_s is None
