@@ -33,13 +33,3 @@ def test_each_argument_is_refused_by_name(kwargs, error, names):
     args = {"model": model, "optimizer": optimizer, "loss_fn": loss_fn, **kwargs}
     with pytest.raises(error, match=names):
         Trainer(args.pop("model"), args.pop("optimizer"), args.pop("loss_fn"), **args)
-
-
-def test_a_refused_argument_leaves_no_watchdog_thread_behind():
-    import threading
-
-    model, optimizer, loss_fn = _parts()
-    before = threading.active_count()
-    with pytest.raises(ConfigError, match="precision"):
-        Trainer(model, optimizer, loss_fn, precision="fp8", hang_timeout_s=30)
-    assert threading.active_count() == before
