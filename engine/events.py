@@ -249,23 +249,28 @@ class Place(float):
 
 
 def _leaves_phase(phase: str, written: str) -> str:
+    """What a :class:`PlaceError` says: the place, its phase, the phase's room and the fix."""
     if phase in _ENGINE_OWN:
         return (
             f"{written}: {phase} is the trainer's own place and has no orders; to run before every "
-            f"other handler use Priority.CLOCK + n, after every other Priority.CLEANUP - n (n < {ORDER_LIMIT:g})"
+            f"other handler use Priority.CLOCK + n, after every other Priority.CLEANUP - n "
+            f"(n < {ORDER_LIMIT:g})"
         )
     i = PHASES.index(phase)
     earlier, later = PHASES[i - 1], PHASES[i + 1]
-    fix = [
-        f"to run before {phase}'s first handlers, place it at the end of an earlier phase "
-        f"(Priority.{earlier} - n)" if earlier not in _ENGINE_OWN else f"nothing but the trainer runs before {phase}",
-        f"to run after {phase}'s last handlers, at the start of a later phase (Priority.{later} + n)"
-        if later not in _ENGINE_OWN else f"nothing but the trainer runs after {phase}",
-    ]
+    before = f"nothing but the trainer runs before {phase}"
+    if earlier not in _ENGINE_OWN:
+        before = (
+            f"to run before {phase}'s handlers, place the handler at the end of {earlier} "
+            f"(Priority.{earlier} - n)"
+        )
+    after = f"nothing but the trainer runs after {phase}"
+    if later not in _ENGINE_OWN:
+        after = f"to run after them, at the start of {later} (Priority.{later} + n)"
     return (
         f"{written} leaves the {phase} phase: an order inside a phase lies strictly between "
         f"-{ORDER_LIMIT:g} and +{ORDER_LIMIT:g} ({phase} runs after {earlier} and before {later}); "
-        f"{fix[0]}; {fix[1]}"
+        f"{before}; {after}"
     )
 
 
@@ -278,7 +283,7 @@ class _PhaseTable(type):
         raise AttributeError(
             f"Priority has no {name!r}: the engine's table names the phases of an event "
             f"({', '.join(PHASES)}, and VALIDATION, the trainer's own place); the shipped handlers' "
-            "places, by name, are in hookloop.handlers.Places"
+            "places are named by the handlers package (hookloop.handlers), each inside one of these phases"
         )
 
 

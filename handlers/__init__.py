@@ -11,6 +11,7 @@ Importing ``handlers`` stays cheap: optional backends (tensorboard, wandb, matpl
 only when the handler that needs them is built.
 """
 
+from hookloop.engine.events import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.curriculum import Phase, PhaseCurriculum
@@ -25,7 +26,6 @@ from hookloop.handlers.metrics import (
     peak_flops_for_device,
 )
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
-from hookloop.engine.events import Priority
 from hookloop.handlers.order import Places
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
 from hookloop.handlers.run_config import (

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hookloop.engine import Events, ExitCode, Trainer
+from hookloop.engine import Events, ExitCode, Priority, Trainer
 from hookloop.engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
@@ -205,7 +205,7 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     saved = []
     trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
 
-    @trainer.on(Events.STEP_END, priority=1e6)  # before the checkpointer, after the agreement
+    @trainer.on(Events.STEP_END, priority=Priority.OBSERVE)  # before the checkpointer, after the agreement
     def ask_late(e):
         if rank == 0 and e.state.step == 2:
             e.state.should_checkpoint = True

@@ -279,10 +279,10 @@ class Recorder:
 
     def attach(self, trainer) -> None:
         from hookloop import Events
-        from hookloop.handlers import Priority
+        from hookloop.handlers import Places
 
         self.trainer = trainer
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.CHECKPOINT + 1)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Places.CHECKPOINT + 1)
 
     def _on_step_end(self) -> None:
         self.steps.append(self.trainer.state.step)
