@@ -100,6 +100,7 @@ class StepCounter(Handler):
     """Counts the steps it saw; its count is checkpointed, so a resumed run continues it."""
 
     Config = StepCounterConfig
+    asks_after_agreement = False  # counts at STEP_END, never asks for a stop
     publishes = ("steps_counted",)  # what it writes into state.metrics: checkpoint.metric may rank by it
 
     def __init__(self, every: int = 1, run_dir: str = ".") -> None:
