@@ -48,7 +48,7 @@ import torch
 from hookloop.engine import Events, Trainer
 from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, RecordingWriter
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
-from hookloop.handlers import Priority
+from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 
 WRITERS: list[RecordingWriter] = []
@@ -89,7 +89,7 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
         checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=every, keep_last=2, resume=None)
         checkpointer.attach(trainer)
 
-        @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Priority.STAGING_WAIT - 1)
+        @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Places.STAGING_WAIT - 1)
         def _staging_wait(engine: Trainer) -> None:
             before_optimizer[engine.state.step + 1] = engine.state.times.get("checkpoint", 0.0)
 

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workload import write_result  # noqa: E402
 
 from hookloop.engine import Events, Trainer  # noqa: E402
-from hookloop.handlers import Priority  # noqa: E402
+from hookloop.handlers import Places  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 
 MODEL = dict(
@@ -428,11 +428,11 @@ def save_costs(
     durable: list[float] = []
     begun: dict[str, float] = {}
 
-    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
+    @trainer.on(Events.STEP_END, priority=Places.CHECKPOINT + 1)
     def _before(engine: Trainer) -> None:
         begun["t"] = time.perf_counter()
 
-    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT - 1)
+    @trainer.on(Events.STEP_END, priority=Places.CHECKPOINT - 1)
     def _after(engine: Trainer) -> None:
         if checkpointer.last_saved_step != engine.state.iteration or engine.state.iteration < 2:
             return

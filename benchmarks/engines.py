@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
-from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.engine import Events, Priority, Trainer  # noqa: E402
 from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
 
 CLIP = 1.0
@@ -70,7 +70,9 @@ def hookloop_bare(data: list) -> float:
     model, opt = setup()
     trainer = Trainer(model, opt, cross_entropy_loss, grad_accum_steps=ACCUM, grad_clip_norm=CLIP)
     stamps: list[float] = []
-    trainer.add_event_handler(Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=-1e9)
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=Priority.CLEANUP
+    )
     trainer.run(data, max_epochs=1)
     return median_interval(stamps)
 
@@ -98,7 +100,9 @@ def hookloop_default_handlers(data: list) -> float | None:
         MetricsTracker(log_interval=1, run_dir=tmp).attach(trainer)
         JSONLLogger(Path(tmp) / "metrics.jsonl").attach(trainer)
         stamps: list[float] = []
-        trainer.add_event_handler(Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=-1e9)
+        trainer.add_event_handler(
+            Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=Priority.CLEANUP
+        )
         trainer.run(data)
     return median_interval(stamps)
 

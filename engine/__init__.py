@@ -16,7 +16,7 @@ from hookloop.engine.config import load_config, validate_sections
 from hookloop.engine.control import Decided, Rollback, StepControl
 from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler, TokenDataset, prepare_tokens
 from hookloop.engine.errors import ConfigError, HookloopError, StartRefused, TrainingAborted
-from hookloop.engine.events import EventHandle, Events, Priority, StepEvents
+from hookloop.engine.events import EventHandle, Events, Place, PlaceError, Priority, StepEvents
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, HandlerLike
 from hookloop.engine.logging_setup import install_default, setup_logging
@@ -38,6 +38,8 @@ __all__ = [
     "EventHandle",
     "Handler",
     "HandlerLike",
+    "Place",
+    "PlaceError",
     "Priority",
     "StepBatches",
     "StepBody",

@@ -31,8 +31,9 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
                 clip; optimizer.step(); lr_scheduler.step()
             optimizer.zero_grad()
             fire(STEP_END)                     # state.loss = mean over ranks; validation
-            if stop agreed (or, only when some rank has handlers that may ask this late,
-                a second small all-reduce agrees a stop asked for after agree()): stop
+            if stop agreed (or, only when some rank has a handler here that declared
+                asks_after_agreement = True, or a function, a second small all-reduce agrees
+                a stop asked for after agree()): stop
         fire(EPOCH_END)
     fire(TRAIN_END)
     # on an error: fire(EXCEPTION); unless a handler handled it, fire(TRAIN_FAILED) and re-raise
@@ -40,10 +41,13 @@ Where each event fires, as a sketch of the loop (``state.step`` is 1-based from 
 Every ignite filter works on every event: ``Events.STEP_END(every=10)``, ``Events.MICROBATCH(once=3)``,
 ``Events.STEP_START(event_filter=f)``.
 
-Order within one event: handlers run by priority, highest first; equal priorities run in attach
-order. :class:`Priority` is the order table, and it names the *phases* of an event, not handlers:
-every handler, shipped or a user's, places itself relative to a phase (``Priority.ACT + 1``: just
-before the act phase's first handler). From first to last:
+Order within one event: handlers run phase by phase, and inside a phase by order, higher first;
+equal places run in attach order. :class:`Priority` is the order table, and it names the *phases*
+of an event, not handlers: every handler, shipped or a user's, takes a :class:`Place` inside a phase
+(``Priority.ACT + 1``: in the act phase, just before its order-0 handlers). An order lies strictly
+between -1000 and +1000 (:data:`ORDER_LIMIT`), so a place never leaves its phase; one that would is
+refused (:class:`PlaceError`). A plain number is an order inside DEFAULT (``priority=5`` is
+``Priority.DEFAULT + 5``), as ignite-style code passes it. From first to last:
 
 - ``ENGINE_FIRST``: the trainer's own bookkeeping (clear the last run's flags, enter the step).
 - ``CLOCK``: timers and profilers start (and, on the step's end, stop) around everyone else's work.
@@ -72,6 +76,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -81,7 +86,18 @@ from ignite.engine.events import CallableEventWithFilter, EventEnum, EventsList,
 
 from hookloop.engine import ignite_adapter
 
-__all__ = ["EventHandle", "EventRegistry", "Events", "Priority", "StepEvents", "STEP_EVENT_TO_ATTR"]
+__all__ = [
+    "ORDER_LIMIT",
+    "PHASES",
+    "EventHandle",
+    "EventRegistry",
+    "Events",
+    "Place",
+    "PlaceError",
+    "Priority",
+    "StepEvents",
+    "STEP_EVENT_TO_ATTR",
+]
 
 
 class StepEvents(EventEnum):
@@ -129,40 +145,169 @@ class Events:
     TERMINATE = IgniteEvents.TERMINATE
 
 
+#: How far an order may move a place from its phase's own place (order 0), either way, exclusive:
+#: every phase has room for orders strictly between -ORDER_LIMIT and +ORDER_LIMIT.
+ORDER_LIMIT = 1000.0
+
+# The phases in the order they run, each with the number the registry sorts its order-0 place by.
+# The numbers are 10 * ORDER_LIMIT apart, so no order of one phase reaches another phase.
+_PHASES: dict[str, float] = {
+    "ENGINE_FIRST": math.inf,
+    "CLOCK": 5e4,
+    "RESTORE": 4e4,
+    "OBSERVE": 3e4,
+    "DECIDE": 2e4,
+    "ACT": 1e4,
+    "DEFAULT": 0.0,
+    "RECORD": -1e4,
+    "CLEANUP": -2e4,
+    "ENGINE_LAST": -math.inf,
+}
+#: The phases of an event, first to last.
+PHASES = tuple(_PHASES)
+_ENGINE_OWN = ("ENGINE_FIRST", "ENGINE_LAST")
+
+
+class PlaceError(ValueError):
+    """A handler's place that would leave its phase: an order at or beyond :data:`ORDER_LIMIT`
+    (``Priority.ACT + 1e9``), an order on the trainer's own ``ENGINE_FIRST`` / ``ENGINE_LAST``, or
+    a plain-number priority outside ``DEFAULT``'s orders."""
+
+
+class Place(float):
+    """Where a handler runs on an event: a phase of :class:`Priority` and an order inside it.
+
+    Handlers run phase by phase (the order of :class:`Priority`), and inside a phase by order,
+    higher first; equal places run in attach order. ``Priority.ACT`` is the act phase's order 0,
+    ``Priority.ACT + 1`` runs just before it and ``Priority.ACT - 1`` just after it, both still in
+    ACT. An order lies strictly between ``-ORDER_LIMIT`` and ``+ORDER_LIMIT`` (1000): a place can
+    never leave its phase, and one that would (``Priority.ACT + 1e9``) is refused with a
+    :class:`PlaceError` naming the phase, its room and the fix (name the neighbouring phase).
+
+    A place is the number the trainer sorts handlers by (a ``float``), so places compare with each
+    other and with plain numbers. A plain number given as a priority is an order inside DEFAULT
+    (:meth:`of`): ``priority=5`` is ``Priority.DEFAULT + 5``.
+    """
+
+    __slots__ = ("phase", "order")
+    phase: str
+    order: float
+
+    def __new__(cls, phase: str, order: float = 0.0) -> Place:
+        return cls._make(phase, order, lambda: f"Place({phase!r}, {order!r})")
+
+    @classmethod
+    def _make(cls, phase: str, order: float, written: Callable[[], str]) -> Place:
+        if phase not in _PHASES:
+            raise ValueError(f"{phase!r} is not a phase; the phases, first to last: {', '.join(PHASES)}")
+        if isinstance(order, bool) or not isinstance(order, numbers.Real) or math.isnan(order):
+            raise TypeError(f"{written()}: an order is a number, got {order!r}")
+        order = float(order)
+        if order != 0.0 and (phase in _ENGINE_OWN or not abs(order) < ORDER_LIMIT):
+            raise PlaceError(_leaves_phase(phase, written()))
+        place = super().__new__(cls, _PHASES[phase] + order)
+        place.phase, place.order = phase, order
+        return place
+
+    @classmethod
+    def of(cls, priority: float) -> Place:
+        """The place ``priority`` names: a :class:`Place` as it is, a plain number ``n`` as
+        ``Priority.DEFAULT + n`` (refused unless it stays inside DEFAULT)."""
+        if isinstance(priority, Place):
+            return priority
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or math.isnan(priority):
+            raise TypeError(f"priority must be a place (see engine.Priority) or a number, got {priority!r}")
+        written = f"priority={priority!r} (a plain number is an order inside DEFAULT)"
+        return cls._make("DEFAULT", priority, lambda: written)
+
+    def __add__(self, other: Any) -> Place:
+        if isinstance(other, Place):
+            raise TypeError(f"{self!r} + {other!r}: a place takes a number (an order), not another place")
+        if isinstance(other, bool) or not isinstance(other, numbers.Real):
+            return NotImplemented
+        return Place._make(self.phase, self.order + other, lambda: f"{self!r} + {other!r}")
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> Place:
+        if isinstance(other, Place):
+            raise TypeError(f"{self!r} - {other!r}: a place takes a number (an order), not another place")
+        if isinstance(other, bool) or not isinstance(other, numbers.Real):
+            return NotImplemented
+        return Place._make(self.phase, self.order - other, lambda: f"{self!r} - {other!r}")
+
+    def __repr__(self) -> str:
+        if not self.order:
+            return f"Priority.{self.phase}"
+        n = abs(self.order)
+        return f"Priority.{self.phase} {'+' if self.order > 0 else '-'} {int(n) if n.is_integer() else n}"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple:
+        return (Place, (self.phase, self.order))
+
+
+def _leaves_phase(phase: str, written: str) -> str:
+    """What a :class:`PlaceError` says: the place, its phase, the phase's room and the fix."""
+    if phase in _ENGINE_OWN:
+        return (
+            f"{written}: {phase} is the trainer's own place and has no orders; to run before every "
+            f"other handler use Priority.CLOCK + n, after every other Priority.CLEANUP - n "
+            f"(n < {ORDER_LIMIT:g})"
+        )
+    i = PHASES.index(phase)
+    earlier, later = PHASES[i - 1], PHASES[i + 1]
+    before = f"nothing but the trainer runs before {phase}"
+    if earlier not in _ENGINE_OWN:
+        before = (
+            f"to run before {phase}'s handlers, place the handler at the end of {earlier} "
+            f"(Priority.{earlier} - n)"
+        )
+    after = f"nothing but the trainer runs after {phase}"
+    if later not in _ENGINE_OWN:
+        after = f"to run after them, at the start of {later} (Priority.{later} + n)"
+    return (
+        f"{written} leaves the {phase} phase: an order inside a phase lies strictly between "
+        f"-{ORDER_LIMIT:g} and +{ORDER_LIMIT:g} ({phase} runs after {earlier} and before {later}); "
+        f"{before}; {after}"
+    )
+
+
 class _PhaseTable(type):
     """Points code that looks up a handler's place on the engine's table to where such names live."""
 
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        if cls is not Priority:  # a table built on the phases (the handlers' own) says only what is missing
-            raise AttributeError(f"{cls.__qualname__} has no {name!r}")
-        phases = ", ".join(k for k in vars(Priority) if not k.startswith("_"))
         raise AttributeError(
-            f"Priority has no {name!r}: the engine's table names the phases of an event ({phases}); "
-            "the shipped handlers' places, by name, are in hookloop.handlers.Priority"
+            f"Priority has no {name!r}: the engine's table names the phases of an event "
+            f"({', '.join(PHASES)}, and VALIDATION, the trainer's own place); the shipped handlers' "
+            "places are named by the handlers package (hookloop.handlers), each inside one of these phases"
         )
 
 
 class Priority(metaclass=_PhaseTable):
-    """The phases of an event, in the order they run: higher runs earlier (see the module docstring
-    for what a handler in each phase may rely on and may do).
+    """The phases of an event, in the order they run (see the module docstring for what a handler
+    in each phase may rely on and may do). Each is a :class:`Place` (order 0 of its phase).
 
-    A handler takes a place relative to a phase, e.g. ``Priority.ACT + 1`` (just before the act
-    phase) or ``Priority.RECORD - 1`` (after the loggers); the gaps between phases leave room for
-    that. ``VALIDATION`` is the trainer's own place in ``OBSERVE`` (it validates at STEP_END when asked)."""
+    A handler takes a place inside a phase: ``Priority.ACT + 1`` (just before the act phase's
+    order-0 handlers) or ``Priority.RECORD - 1`` (after the first logger); an order stays strictly
+    between -1000 and +1000, so a place never leaves its phase (:class:`PlaceError` otherwise).
+    ``ENGINE_FIRST`` and ``ENGINE_LAST`` are the trainer's own and take no order. ``VALIDATION`` is
+    the trainer's own place in ``OBSERVE`` (it validates at STEP_END when asked)."""
 
-    ENGINE_FIRST = math.inf
-    CLOCK = 3e9
-    RESTORE = 1e9
-    OBSERVE = 1e6
+    ENGINE_FIRST = Place("ENGINE_FIRST")
+    CLOCK = Place("CLOCK")
+    RESTORE = Place("RESTORE")
+    OBSERVE = Place("OBSERVE")
     VALIDATION = OBSERVE
-    DECIDE = 1e3
-    ACT = 10
-    DEFAULT = 0
-    RECORD = -1e3
-    CLEANUP = -1e9
-    ENGINE_LAST = -math.inf
+    DECIDE = Place("DECIDE")
+    ACT = Place("ACT")
+    DEFAULT = Place("DEFAULT")
+    RECORD = Place("RECORD")
+    CLEANUP = Place("CLEANUP")
+    ENGINE_LAST = Place("ENGINE_LAST")
 
 
 class _Entry:
@@ -185,7 +330,7 @@ class _Entry:
     )
 
     def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
-                 priority: float, seq: float, every: int | None, event_filter: Callable | None,
+                 priority: Place, seq: float, every: int | None, event_filter: Callable | None,
                  attr: str | None, pass_engine: bool) -> None:  # fmt: skip
         self.event, self.func, self.original = event, func, original
         self.args, self.kwargs = args, kwargs
@@ -216,7 +361,7 @@ class EventHandle(RemovableEventHandle):
         ]
 
     @property
-    def priority(self) -> float:
+    def priority(self) -> Place:
         entries = self.entries()
         return entries[0].priority if entries else Priority.DEFAULT
 
@@ -259,6 +404,8 @@ class EventRegistry:
 
     # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
+        """Attach ``handler`` at ``priority``: a :class:`Place`, or a plain number (an order inside
+        DEFAULT, :meth:`Place.of`)."""
         if isinstance(event, EventsList):
             entries = [e for ev in event for e in self.add(ev, handler, args, kwargs, priority).entries()]
             return EventHandle(event, handler, self._engine, entries)
@@ -270,8 +417,7 @@ class EventRegistry:
             )
         if not callable(handler):
             raise TypeError(f"{handler!r} is not a callable object: the handler must be callable")
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
-            raise TypeError(f"priority must be a number (see engine.Priority), got {priority!r}")
+        place = Place.of(priority)  # checked before anything is registered
         every = ignite_adapter.every_of(event_filter) if event_filter is not None else None
         attr = None
         if event_filter is not None:
@@ -282,7 +428,7 @@ class EventRegistry:
                 )
         pass_engine = _accepts_engine(handler, base, args, kwargs, self._engine)
         entry = _Entry(
-            base, handler, handler, tuple(args), dict(kwargs), float(priority), next(self._seq),
+            base, handler, handler, tuple(args), dict(kwargs), place, next(self._seq),
             every, None if every is not None else event_filter, attr, pass_engine,
         )  # fmt: skip
         entries = self._entries.setdefault(base, [])

@@ -14,6 +14,7 @@ ones, and a user's own, follow one pattern::
     class EveryN(Handler):
         Config = EveryNConfig                # the section's schema
         section = "every_n"                  # its name in a run config (YAML / overrides)
+        asks_after_agreement = False         # on STEP_END, never asks for a stop: no extra collective
 
         def __init__(self, every: int = 10) -> None:
             checked_settings(EveryNConfig, locals())   # the section's rules, the only copy
@@ -103,11 +104,18 @@ class Handler:
     state_key: str | None = None
     #: Whether a rollback restores this handler's state (a detector keeps its own counters).
     restore_on_rollback: bool = True
-    #: Whether this handler's callbacks that run after the step's agreement (STEP_END,
-    #: VALIDATION_END, ...) may ask for a stop that other ranks do not know of. True unless the
-    #: class knows better: a handler that asks only through agreement slots, or decides only from
-    #: values every rank shares, sets it False and spares the trainer a second collective per step.
-    asks_after_agreement: bool = True
+    #: Whether this handler may ask for a stop or a rollback after the step's agreement (from a
+    #: callback on STEP_END, VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK) on one rank alone. A
+    #: handler attached to any of those events must say; None (not said) is refused when the run
+    #: starts (:mod:`engine.step_decisions`):
+    #:
+    #: - ``False``: it never asks there, or asks only through agreement slots or from values every
+    #:   rank shares (the agreed loss, a validation result, a collective of its own). No cost; a
+    #:   stop it asks for there is agreed at the next step's agreement.
+    #: - ``True``: it may ask on one rank alone. **Cost: a second small all-reduce at the end of
+    #:   every step**, on every rank, while it is attached: the late agreement that makes every rank
+    #:   stop or roll back after the same step.
+    asks_after_agreement: ClassVar[bool | None] = None
 
     trainer: Any = None
 

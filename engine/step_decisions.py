@@ -17,9 +17,14 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         an agreed rollback: fire(ROLLBACK)          every rank restores the same checkpoint
         step requests and schedule flags reset      a save asked after the agreement carries over
 
-With the default handlers (each of which says ``asks_after_agreement = False``) a step that does
-not validate issues the first all-reduce and nothing else. A validation asked for on one rank only
-is agreed like a save: every rank validates at that step, and no collective is added for it.
+Who could ask after the agreement is declared, never assumed: a :class:`~engine.Handler` attached to
+an event of :data:`AFTER_AGREEMENT` says ``asks_after_agreement`` (True costs the second all-reduce
+on every step, False costs nothing); one that does not say is refused when the run starts
+(:meth:`StepDecisions.start_run`). A function or another library's object there (ignite's
+``EarlyStopping``) may call ``terminate()`` on one rank, so it counts as asking unless it carries
+``asks_after_agreement = False`` itself. With the default handlers (each of which says False) a step
+that does not validate issues the first all-reduce and nothing else. A validation asked for on one
+rank only is agreed like a save: every rank validates at that step, and no collective is added for it.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from hookloop.engine.control import merge_rollbacks
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 
-__all__ = ["AFTER_AGREEMENT", "StepDecisions"]
+__all__ = ["AFTER_AGREEMENT", "StepDecisions", "undeclared_late_askers"]
 
 #: Events whose handlers run after the step's agreement.
 AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
+_AFTER_AGREEMENT_NAMES = ("STEP_END", "VALIDATION_END", "CHECKPOINT_SAVED", "ROLLBACK")
 
 
 class StepDecisions:
@@ -72,8 +78,18 @@ class StepDecisions:
         self.late = False
 
     def start_run(self) -> None:
-        """TRAIN_START: no step agreed yet."""
+        """TRAIN_START: no step agreed yet; every handler that runs after the agreement has said
+        whether it asks there (:func:`undeclared_late_askers`)."""
         self.late = False
+        undeclared = undeclared_late_askers(self._events)
+        if undeclared:
+            raise TypeError(
+                f"{'; '.join(undeclared)}: say whether it asks for a stop or a rollback after the step's "
+                "agreement with the class attribute asks_after_agreement: False when it never asks "
+                "there or asks only from values every rank shares (no cost), True when it may ask on "
+                "one rank alone (the trainer then agrees such requests with a second small all-reduce "
+                "at the end of every step)"
+            )
 
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
@@ -121,13 +137,14 @@ class StepDecisions:
     def late_requests_possible(self) -> bool:
         """Whether a stop may still be asked for after the step's agreement on this rank: a handler
         of STEP_END (besides the trainer's own and handlers that say they never ask late, see
-        :attr:`engine.Handler.asks_after_agreement`), of VALIDATION_END, CHECKPOINT_SAVED or
-        ROLLBACK (a validation agreed for this step counts too, see :meth:`agree`). Agreed across
-        ranks; when false everywhere the trainer needs no second collective at the end of the step."""
+        :attr:`engine.Handler.asks_after_agreement`; a function or an object that does not say
+        counts as asking), of VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK (a validation agreed
+        for this step counts too, see :meth:`agree`). Agreed across ranks; when false everywhere
+        the trainer needs no second collective at the end of the step."""
         for event in AFTER_AGREEMENT:
             for entry in self._events.entries(event):
-                owner = getattr(entry.original, "__self__", None)
-                if owner is not self._owner and getattr(owner, "asks_after_agreement", True):
+                owner = _owner(entry)
+                if owner is not self._owner and getattr(owner, "asks_after_agreement", True) is not False:
                     return True
         return False
 
@@ -160,3 +177,22 @@ class StepDecisions:
         control.end_step(stop)
         state.clear_schedule_flags()
         return stop
+
+
+def _owner(entry: Any) -> Any:
+    """Who says whether ``entry`` asks late: the object of a bound method, else the callable itself."""
+    return getattr(entry.original, "__self__", entry.original)
+
+
+def undeclared_late_askers(events: Any) -> list[str]:
+    """The hookloop handlers attached after the step's agreement that leave
+    ``asks_after_agreement`` unsaid (None), as ``"<class> attaches to <events>"`` lines."""
+    found: dict[str, list[str]] = {}
+    for event, event_name in zip(AFTER_AGREEMENT, _AFTER_AGREEMENT_NAMES):
+        for entry in events.entries(event):
+            owner = _owner(entry)
+            if getattr(owner, "asks_after_agreement", True) is None:
+                names = found.setdefault(type(owner).__name__, [])
+                if event_name not in names:
+                    names.append(event_name)
+    return [f"{name} attaches to {' and '.join(names)}" for name, names in found.items()]

@@ -323,8 +323,8 @@ class Trainer(IgniteAdapter):
         priority: float = Priority.DEFAULT,
         **kwargs: Any,
     ) -> EventHandle:
-        """ignite's ``add_event_handler`` plus ``priority``: higher runs earlier, ties run in attach
-        order (:class:`engine.Priority` names the phases of an event to place a handler relative to)."""
+        """ignite's ``add_event_handler`` plus ``priority``: a :class:`engine.Place` inside a phase of
+        :class:`engine.Priority` (higher runs earlier, ties in attach order); a number: DEFAULT + it."""
         return self.events.add(event_name, handler, args, kwargs, priority)
 
     def has_event_handler(self, handler: Callable, event_name: Any | None = None) -> bool:

@@ -3,13 +3,15 @@
 Each handler's config section (``NaNConfig``, ``CheckpointConfig``, ...) lives beside it;
 :class:`RunConfig` composes them with the engine's sections, :func:`load_run_config` loads and
 validates one, :func:`compose_config` adds a user's sections, and :func:`attach_handlers` builds and
-attaches every enabled handler in :data:`HANDLER_ORDER`. :class:`Priority` is the engine's phase
-table plus the place of every shipped handler (``Priority.CHECKPOINT``, ``Priority.LOG``, ...).
+attaches every enabled handler in :data:`HANDLER_ORDER`. :class:`Places` is the place of every
+shipped handler (``Places.CHECKPOINT``, ``Places.LOG``, ...), each inside one of the engine's phases;
+``Priority`` here is the engine's own phase table (``hookloop.Priority``, the same object).
 
 Importing ``handlers`` stays cheap: optional backends (tensorboard, wandb, matplotlib) are imported
 only when the handler that needs them is built.
 """
 
+from hookloop.engine.events import Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.curriculum import Phase, PhaseCurriculum
@@ -24,7 +26,7 @@ from hookloop.handlers.metrics import (
     peak_flops_for_device,
 )
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
-from hookloop.handlers.order import Priority
+from hookloop.handlers.order import Places
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
 from hookloop.handlers.run_config import (
     HANDLER_ORDER,
@@ -59,6 +61,7 @@ __all__ = [
     "PerDatasetMetrics",
     "Phase",
     "PhaseCurriculum",
+    "Places",
     "Priority",
     "ProfilerWindow",
     "ProfilingConfig",

@@ -60,9 +60,10 @@ __all__ = ["Phase", "PhaseCurriculum", "check_phases"]
 ALIGN_PHASE = Priority.OBSERVE
 #: STEP_START: this step's lr_scale and phase; STEP_END: the next phase's weights. After the step's
 #: metrics are published and validation ran, before the per-dataset sums.
-PHASE = Priority.OBSERVE - 1e5
-#: ROLLBACK: re-align to the restored step, after the restore and after user handlers near DEFAULT.
-ALIGN_AFTER_RESTORE = Priority.DEFAULT - 1e6
+PHASE = Priority.OBSERVE - 100
+#: ROLLBACK: re-align to the restored step, late in DEFAULT: after the restore and after user handlers
+#: near DEFAULT's order 0.
+ALIGN_AFTER_RESTORE = Priority.DEFAULT - 900
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class PhaseCurriculum(Handler):
     # configured by the engine's ``data`` section (phases and their temperature)
     Config = DataConfig
     section = "data"
+    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

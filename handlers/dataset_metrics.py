@@ -41,7 +41,7 @@ __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 
 # Where the per-dataset sums run, relative to the phases of an event (engine.Priority).
 #: TRAIN_START (zero the sums), MICROBATCH, STEP_END: the last observer, after the data's phase.
-DATASET_METRICS = Priority.OBSERVE - 9e5
+DATASET_METRICS = Priority.OBSERVE - 900
 #: TRAIN_END: the last sums, just before the metrics tracker closes its files.
 DATASET_METRICS_END = Priority.DECIDE + 1
 
@@ -76,6 +76,7 @@ class PerDatasetMetrics(Handler):
 
     Config = DatasetMetricsConfig
     section = "dataset_metrics"
+    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

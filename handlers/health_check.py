@@ -38,7 +38,7 @@ from hookloop.engine.watchdog import dump_stacks
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
 
 #: Where the health check runs on STEP_END: the first observer, before anything reads the step.
-HEALTH = Priority.OBSERVE + 4e6
+HEALTH = Priority.OBSERVE + 400
 
 
 @dataclass
@@ -79,6 +79,9 @@ class HealthCheck(Handler):
 
     Config = HealthConfig
     section = "health"
+    # A failed probe raises (the error path, no agreement: the peer is gone); the stop it records
+    # on the control point is never agreed. No extra collective.
+    asks_after_agreement = False
 
     def __init__(
         self,

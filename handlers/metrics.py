@@ -53,7 +53,7 @@ __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_
 #: Its clocks (data, step, rollback): CLOCK, so they time every other handler's work.
 TIME = Priority.CLOCK
 #: STEP_END: the step's metrics into the state, before validation and everything that reads them.
-PUBLISH = Priority.OBSERVE + 5e5
+PUBLISH = Priority.OBSERVE + 50
 #: TRAIN_START / ROLLBACK: start the clocks after the restore and user setup, before loggers open.
 TRACK = Priority.DEFAULT - 100
 #: TRAIN_END / TRAIN_FAILED: close progress.jsonl after the last sums, before the loggers close.

@@ -66,11 +66,12 @@ __all__ = ["NaNConfig", "NaNDetector"]
 #: BEFORE_OPTIMIZER_STEP: this rank's verdict on its gradients, before user handlers that may veto.
 NAN_CHECK = Priority.DECIDE - 900
 #: STEP_END: ask for a rollback once the loggers recorded the bad step.
-ROLLBACK_REQUEST = Priority.RECORD - 1000
-#: ROLLBACK: count the rollback this detector asked for, before anything restores.
-ROLLBACK_COUNT = Priority.CLOCK + 1e9
-#: ROLLBACK: take the restored step, once the checkpointer and every other handler have run.
-ROLLBACK_DONE = Priority.CLEANUP - 1e9
+ROLLBACK_REQUEST = Priority.RECORD - 900
+#: ROLLBACK: count the rollback this detector asked for, before anything restores: the head of CLOCK
+#: (it writes only its own counter and a log line, before the rollback's clock starts).
+ROLLBACK_COUNT = Priority.CLOCK + 900
+#: ROLLBACK: take the restored step, late in CLEANUP: after the checkpointer and every other shipped handler.
+ROLLBACK_DONE = Priority.CLEANUP - 900
 
 logger = logging.getLogger(__name__)
 

@@ -1,21 +1,21 @@
-"""Where every shipped handler runs, by name: the engine's phases plus each handler's own place.
+"""Where every shipped handler runs, by name: :class:`Places`.
 
 The engine's :class:`~hookloop.engine.Priority` names only the phases of an event (``CLOCK``,
 ``RESTORE``, ``OBSERVE``, ``DECIDE``, ``ACT``, ``DEFAULT``, ``RECORD``, ``CLEANUP``); each shipped
-handler's module defines its own place relative to one of them (``checkpoint.CHECKPOINT =
-Priority.ACT``). This table gathers those places under the names they have always had, so a handler
-can be placed relative to a shipped one::
+handler's module defines its own place inside one of them (``checkpoint.CHECKPOINT =
+Priority.ACT``), a :class:`~hookloop.engine.Place` that cannot leave its phase. This table gathers
+those places under the names they have always had, so a handler can be placed relative to a shipped
+one::
 
-    from hookloop.handlers import Priority
+    from hookloop.handlers import Places
 
-    trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)   # just before the save
+    trainer.on(Events.STEP_END, priority=Places.CHECKPOINT + 1)   # in ACT, just before the save
 
 The whole order, event by event, is in ``docs/concepts.md`` ("The order of a step").
 """
 
 from __future__ import annotations
 
-from hookloop.engine.events import Priority as _Phases
 from hookloop.handlers import (
     checkpoint,
     console,
@@ -33,13 +33,16 @@ from hookloop.handlers import (
     wandb_logger,
 )
 
-__all__ = ["Priority"]
+__all__ = ["Places"]
 
 
-class Priority(_Phases):
-    """The engine's phases and the place of every shipped handler (highest runs first)."""
+class Places:
+    """The place of every shipped handler on the events it attaches to (higher runs first). Each is
+    a :class:`~hookloop.engine.Place` inside one of the engine's phases (``Places.CHECKPOINT.phase ==
+    "ACT"``); ``Places.CHECKPOINT + 1`` stays in that phase."""
 
     PROFILE = profiler.PROFILE
+    ROLLBACK_COUNT = nan_detector.ROLLBACK_COUNT
     TIME = metrics.TIME
     TIME_STRAGGLER = straggler.TIME_STRAGGLER
     RESUME = checkpoint.RESUME
@@ -49,21 +52,21 @@ class Priority(_Phases):
     ALIGN_PHASE = curriculum.ALIGN_PHASE
     PHASE = curriculum.PHASE
     DATASET_METRICS = dataset_metrics.DATASET_METRICS
-    SCHEDULE = step_scheduler.SCHEDULE
     DATASET_METRICS_END = dataset_metrics.DATASET_METRICS_END
+    SCHEDULE = step_scheduler.SCHEDULE
     TRACK_END = metrics.TRACK_END
     STRAGGLER = straggler.STRAGGLER
     NAN_CHECK = nan_detector.NAN_CHECK
     CHECKPOINT = checkpoint.CHECKPOINT
     TRACK = metrics.TRACK
+    ALIGN_AFTER_RESTORE = curriculum.ALIGN_AFTER_RESTORE
     LOG_JSONL = jsonl_logger.LOG_JSONL
     LOG_TENSORBOARD = tensorboard_logger.LOG_TENSORBOARD
     LOG_WANDB = wandb_logger.LOG_WANDB
     LOG_CONSOLE = console.LOG_CONSOLE
     LOG = metric_logger.LOG
     ROLLBACK_REQUEST = nan_detector.ROLLBACK_REQUEST
-    ROLLBACK_COUNT = nan_detector.ROLLBACK_COUNT
-    ROLLBACK_DONE = nan_detector.ROLLBACK_DONE
-    ALIGN_AFTER_RESTORE = curriculum.ALIGN_AFTER_RESTORE
     STAGING_WAIT = checkpoint.STAGING_WAIT
+    CAPTURE = checkpoint.CAPTURE
     PROFILE_END = profiler.PROFILE_END
+    ROLLBACK_DONE = nan_detector.ROLLBACK_DONE

@@ -32,10 +32,10 @@ from hookloop.engine.handler import Handler, checked_settings, section_settings
 __all__ = ["ProfilerWindow", "ProfilingConfig"]
 
 # Where the profiler runs, relative to the phases of an event (engine.Priority).
-#: STEP_START: step the profiler before any clock starts.
-PROFILE = Priority.CLOCK + 1e9
-#: STEP_END / TRAIN_END / TRAIN_FAILED: the last of CLEANUP, so a trace holds every handler's work.
-PROFILE_END = Priority.CLEANUP - 999e9
+#: STEP_START: step the profiler before any clock starts (the head of CLOCK).
+PROFILE = Priority.CLOCK + 900
+#: STEP_END / TRAIN_END / TRAIN_FAILED: late in CLEANUP, so a trace holds every other handler's work.
+PROFILE_END = Priority.CLEANUP - 900
 
 # OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
@@ -101,6 +101,7 @@ class ProfilerWindow(Handler):
 
     Config = ProfilingConfig
     section = "profiling"
+    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

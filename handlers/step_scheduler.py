@@ -53,7 +53,7 @@ __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 SCHEDULE = Priority.DECIDE
 #: STEP_END: the loss-average window, before the metrics are published; TRAIN_END / TRAIN_FAILED:
 #: restore signal handlers and GC.
-EXIT_CHECK = Priority.OBSERVE + 1e6
+EXIT_CHECK = Priority.OBSERVE + 100
 
 # OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045

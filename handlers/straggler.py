@@ -34,7 +34,7 @@ __all__ = ["StragglerConfig", "StragglerDetector"]
 
 # Where the straggler detector runs, relative to the phases of an event (engine.Priority).
 #: STEP_START / STEP_END: its step clock, inside the metrics tracker's.
-TIME_STRAGGLER = Priority.CLOCK - 1e9
+TIME_STRAGGLER = Priority.CLOCK - 100
 #: STEP_END: the report, after the observers, before the checkpointer acts.
 STRAGGLER = Priority.DECIDE - 500
 
@@ -78,6 +78,14 @@ class StragglerDetector(Handler):
 
     Config = StragglerConfig
     section = "straggler"
+
+    @property
+    def asks_after_agreement(self) -> bool:  # type: ignore[override]
+        """Whether it may stop the run at STEP_END: only with ``stop_threshold`` set. Its stop comes
+        from figures every rank shares, but is carried out at the end of the same step, so it costs
+        the trainer's second small all-reduce at the end of every step; without a threshold it
+        only reports, at no cost."""
+        return self.stop_threshold is not None
 
     def __init__(
         self,

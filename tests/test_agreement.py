@@ -208,7 +208,7 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     saved = []
     trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
 
-    @trainer.on(Events.STEP_END, priority=1e6)  # before the checkpointer, after the agreement
+    @trainer.on(Events.STEP_END, priority=Priority.OBSERVE)  # before the checkpointer, after the agreement
     def ask_late(e):
         if rank == 0 and e.state.step == 2:
             e.control.request_save()

@@ -457,8 +457,7 @@ def _class_names(folder: Path) -> set[str]:
 
 def shipped_class_names() -> set[str]:
     """Every public class defined in ``handlers/``, by parsing the source (not importing it), less
-    the ones that extend an engine class of the same name (``handlers.Priority``: the phase table
-    plus the shipped handlers' places)."""
+    the ones that share a name with an engine class."""
     return _class_names(REPO / "handlers") - _class_names(REPO / "engine") - GENERIC_CLASS_NAMES
 
 
@@ -504,12 +503,12 @@ def test_the_engine_order_table_names_phases_only():
     """Each shipped handler's place is defined in its own module, from a phase; the engine's table
     holds the phases and the trainer's own places, none of them a shipped handler's name."""
     from hookloop.engine import Priority
-    from hookloop.handlers import Priority as ShippedPriority
+    from hookloop.handlers import Places
 
     phases = {"ENGINE_FIRST", "CLOCK", "RESTORE", "OBSERVE", "VALIDATION", "DECIDE", "ACT", "DEFAULT",
               "RECORD", "CLEANUP", "ENGINE_LAST"}  # fmt: skip
     assert {k for k in vars(Priority) if not k.startswith("_")} == phases
-    shipped = {k for k in vars(ShippedPriority) if not k.startswith("_")}
+    shipped = {k for k in vars(Places) if not k.startswith("_")}
     assert shipped and not shipped & phases
     defined_in_modules = set()
     for path in sorted((REPO / "handlers").rglob("*.py")):  # a handler package's modules too

@@ -99,7 +99,7 @@ def stop_at(trainer: Trainer, step: int) -> None:
             engine.control.request_save()
             engine.control.request_stop("test stop", ExitCode.STOPPED)
 
-    trainer.add_event_handler(Events.STEP_END, request, priority=1_000)
+    trainer.add_event_handler(Events.STEP_END, request, priority=Priority.DECIDE)
 
 
 # ------------------------------------------------------------------------------ single process
@@ -308,7 +308,7 @@ def test_rollback_restores_the_newest_checkpoint_bitwise_and_keeps_or_rewinds_da
     checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=3).attach(trainer)
     at_save, after_rollback, batches = {}, {}, []
 
-    @trainer.on(Events.STEP_END, priority=100)
+    @trainer.on(Events.STEP_END, priority=Priority.DECIDE - 900)
     def _remember(engine):
         if engine.state.step == 3 and not at_save:
             at_save.update(snapshot(engine))

@@ -31,7 +31,7 @@ from hookloop.engine.checkpoint_format.directory import (
 )
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
-from hookloop.handlers import Priority
+from hookloop.handlers import Places, Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
 from tests.scripts import ckpt_train
@@ -127,7 +127,7 @@ def race(rank: int, world: int, directory: str, scenario: str) -> dict[str, Any]
                 time.sleep(0.001)  # must not meet the closed gate
             stager.gate.clear()
 
-    @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT - 1)
+    @trainer.on(Events.STEP_END, priority=Places.CHECKPOINT - 1)
     def _after_save(engine: Trainer) -> None:
         if engine.state.step != at or "staging_at_save" in out:
             return

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import Events, Priority, Trainer
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.config import TrainConfig
@@ -61,7 +61,7 @@ def _restored_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The model's weights right after the checkpointer restored them at TRAIN_START."""
     seen: dict[str, torch.Tensor] = {}
 
-    @trainer.on(Events.TRAIN_START, priority=-5000)
+    @trainer.on(Events.TRAIN_START, priority=Priority.CLEANUP + 1)
     def grab() -> None:
         seen.update({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
 
@@ -120,7 +120,7 @@ def test_metrics_leave_the_first_step_out_of_the_averages(caplog):
     MetricsTracker(3, flops_per_token=1e6, peak_flops_per_device=1e12).attach(trainer)
     published: dict[int, dict] = {}
 
-    @trainer.on(Events.STEP_END, priority=-5000)
+    @trainer.on(Events.STEP_END, priority=Priority.CLEANUP + 1)
     def grab() -> None:
         if trainer.state.metrics_step == trainer.state.step:
             published[trainer.state.step] = dict(trainer.state.metrics)
@@ -144,7 +144,7 @@ def test_an_interval_of_the_first_step_alone_publishes_no_timing():
     MetricsTracker(1).attach(trainer)
     published: dict[int, dict] = {}
 
-    @trainer.on(Events.STEP_END, priority=-5000)
+    @trainer.on(Events.STEP_END, priority=Priority.CLEANUP + 1)
     def grab() -> None:
         published[trainer.state.step] = dict(trainer.state.metrics)
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import Events, Priority, Trainer
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.models.gpt import cross_entropy_loss
@@ -68,7 +68,7 @@ def test_rate_leaves_out_the_first_step():
     out = io.StringIO()
     logger = ConsoleLogger(stream=out, progress_bar=True, refresh_every=1).attach(trainer)
 
-    @trainer.on(Events.STEP_END, priority=1_000)
+    @trainer.on(Events.STEP_END, priority=Priority.DECIDE)
     def _slow_first_step():
         if trainer.state.step == 1:
             time.sleep(1.0)  # a compile-sized first step

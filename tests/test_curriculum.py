@@ -20,7 +20,7 @@ from hookloop.engine.data import MixtureDataset, MixtureSampler, TokenDataset
 from hookloop.engine.data.config import DataConfig, PhaseConfig
 from hookloop.engine.data.loader import MixtureLoader
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events
+from hookloop.engine.events import Events, Priority
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.engine.trainer import Trainer
 from hookloop.handlers.checkpoint import AsyncCheckpointer
@@ -208,7 +208,7 @@ def _resume(mixture, first: Run, k: int, n: int, workers: int) -> Run:
     second.optimizer.load_state_dict(first.optimizer.state_dict())
     second.trainer.lr_scheduler.load_state_dict(first.trainer.lr_scheduler.state_dict())
 
-    @second.trainer.on(Events.TRAIN_START, priority=1e9)
+    @second.trainer.on(Events.TRAIN_START, priority=Priority.RESTORE)
     def restore(engine: Trainer) -> None:
         engine.state.load_counters(counters)
         for key, obj in engine.stateful.items():

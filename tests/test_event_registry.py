@@ -4,15 +4,18 @@ The first four tests reproduce dispatch faults of the registry that kept priorit
 gates in dicts keyed by ``id()`` of ignite's handler entries: each fails on that design.
 """
 
+import copy
 import gc
+import pickle
 import weakref
 
 import pytest
 import torch
 from ignite.engine.events import EventEnum, RemovableEventHandle
 
-from hookloop.engine import Events, Priority, Trainer
-from hookloop.handlers import Priority as ShippedPriority
+from hookloop.engine import Events, Place, PlaceError, Priority, Trainer
+from hookloop.engine.events import ORDER_LIMIT, PHASES
+from hookloop.handlers import Places
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 
@@ -227,32 +230,161 @@ def test_every_filter_groups_and_custom_filters_all_hold():
 
 def test_priority_table_orders_the_engine_around_users():
     phases = ["ENGINE_FIRST", "CLOCK", "RESTORE", "OBSERVE", "DECIDE", "ACT", "DEFAULT", "RECORD", "CLEANUP"]
-    values = [getattr(Priority, name) for name in [*phases, "ENGINE_LAST"]]
+    assert list(PHASES) == [*phases, "ENGINE_LAST"]
+    values = [getattr(Priority, name) for name in PHASES]
     assert values == sorted(values, reverse=True) and len(set(values)) == len(values)
+    assert all(isinstance(v, Place) and v.order == 0 for v in values)
     assert Priority.VALIDATION == Priority.OBSERVE  # the trainer's own place among the observers
-    shipped = ShippedPriority
-    assert shipped.ENGINE_FIRST > shipped.RESUME > shipped.VALIDATION > shipped.CHECKPOINT
-    assert shipped.CHECKPOINT > shipped.DEFAULT > shipped.LOG_JSONL > shipped.ROLLBACK_REQUEST
-    assert shipped.ROLLBACK_REQUEST > shipped.ENGINE_LAST
+    assert Priority.ENGINE_FIRST > Places.RESUME > Priority.VALIDATION > Places.CHECKPOINT
+    assert Places.CHECKPOINT > Priority.DEFAULT > Places.LOG_JSONL > Places.ROLLBACK_REQUEST
+    assert Places.ROLLBACK_REQUEST > Priority.ENGINE_LAST
+    import hookloop
+    import hookloop.handlers
+
+    assert hookloop.Priority is Priority is hookloop.handlers.Priority  # one Priority, one object
 
 
-def test_each_shipped_place_keeps_its_value_outside_the_engine_table():
-    """The shipped handlers' places are the numbers they always were (user code and old tests pick
-    places relative to them); each handler module defines its own from a phase, and the engine's
-    table names none of them."""
-    expected = {
-        "PROFILE": 4e9, "TIME": 3e9, "TIME_STRAGGLER": 2e9, "RESUME": 1e9, "HEALTH": 5e6,
-        "EXIT_CHECK": 2e6, "PUBLISH": 1.5e6, "ALIGN_PHASE": 1e6, "PHASE": 9e5, "DATASET_METRICS": 1e5,
-        "DATASET_METRICS_END": 1001, "SCHEDULE": 1e3, "TRACK_END": 1000, "STRAGGLER": 500,
-        "NAN_CHECK": 100, "CHECKPOINT": 10, "TRACK": -100, "LOG_JSONL": -1000, "LOG_TENSORBOARD": -1001,
-        "LOG_WANDB": -1002, "LOG_CONSOLE": -1003, "LOG": -1500, "ROLLBACK_REQUEST": -2000,
-        "ALIGN_AFTER_RESTORE": -1e6, "STAGING_WAIT": -1e9, "PROFILE_END": -1e12,
-    }  # fmt: skip
-    for name, value in expected.items():
-        assert getattr(ShippedPriority, name) == value, name
+#: Every shipped place: (phase, order). The order inside a phase is what docs/concepts.md shows.
+SHIPPED = {
+    "PROFILE": ("CLOCK", 900),
+    "ROLLBACK_COUNT": ("CLOCK", 900),
+    "TIME": ("CLOCK", 0),
+    "TIME_STRAGGLER": ("CLOCK", -100),
+    "RESUME": ("RESTORE", 0),
+    "HEALTH": ("OBSERVE", 400),
+    "EXIT_CHECK": ("OBSERVE", 100),
+    "PUBLISH": ("OBSERVE", 50),
+    "ALIGN_PHASE": ("OBSERVE", 0),
+    "PHASE": ("OBSERVE", -100),
+    "DATASET_METRICS": ("OBSERVE", -900),
+    "DATASET_METRICS_END": ("DECIDE", 1),
+    "SCHEDULE": ("DECIDE", 0),
+    "TRACK_END": ("DECIDE", 0),
+    "STRAGGLER": ("DECIDE", -500),
+    "NAN_CHECK": ("DECIDE", -900),
+    "CHECKPOINT": ("ACT", 0),
+    "TRACK": ("DEFAULT", -100),
+    "ALIGN_AFTER_RESTORE": ("DEFAULT", -900),
+    "LOG_JSONL": ("RECORD", 0),
+    "LOG_TENSORBOARD": ("RECORD", -1),
+    "LOG_WANDB": ("RECORD", -2),
+    "LOG_CONSOLE": ("RECORD", -3),
+    "LOG": ("RECORD", -500),
+    "ROLLBACK_REQUEST": ("RECORD", -900),
+    "STAGING_WAIT": ("CLEANUP", 0),
+    "CAPTURE": ("CLEANUP", 0),
+    "PROFILE_END": ("CLEANUP", -900),
+    "ROLLBACK_DONE": ("CLEANUP", -900),
+}
+
+#: The order the shipped handlers have always run in, event by event (docs/concepts.md's table).
+SHIPPED_ORDER = {
+    "STEP_START": ["PROFILE", "TIME", "TIME_STRAGGLER", "RESUME", "PHASE", "SCHEDULE"],
+    "STEP_END": [
+        "TIME",
+        "TIME_STRAGGLER",
+        "HEALTH",
+        "EXIT_CHECK",
+        "PUBLISH",
+        "VALIDATION",
+        "PHASE",
+        "DATASET_METRICS",
+        "STRAGGLER",
+        "CHECKPOINT",
+        "DEFAULT",
+        "LOG_JSONL",
+        "LOG_TENSORBOARD",
+        "LOG_WANDB",
+        "LOG_CONSOLE",
+        "LOG",
+        "ROLLBACK_REQUEST",
+        "CAPTURE",
+        "PROFILE_END",
+    ],
+    "TRAIN_START": [
+        "RESUME",
+        "ALIGN_PHASE",
+        "DATASET_METRICS",
+        "SCHEDULE",
+        "DEFAULT",
+        "TRACK",
+        "LOG_JSONL",
+        "LOG",
+    ],
+    "BEFORE_OPTIMIZER_STEP": ["NAN_CHECK", "DEFAULT", "STAGING_WAIT"],
+    "ROLLBACK": ["ROLLBACK_COUNT", "TIME", "RESUME", "TRACK", "ALIGN_AFTER_RESTORE", "ROLLBACK_DONE"],
+    "TRAIN_END": [
+        "RESUME",
+        "EXIT_CHECK",
+        "DATASET_METRICS_END",
+        "TRACK_END",
+        "LOG_JSONL",
+        "LOG",
+        "PROFILE_END",
+    ],
+}
+
+
+def test_every_shipped_place_lies_inside_its_phase():
+    """Each shipped handler's place is a phase and an order strictly inside that phase's room: above
+    every place the next phase can hold and below every place the previous one can."""
+    assert set(SHIPPED) == {k for k in vars(Places) if not k.startswith("_")}
+    for name, (phase, order) in SHIPPED.items():
+        place = getattr(Places, name)
+        assert isinstance(place, Place) and (place.phase, place.order) == (phase, order), name
         assert not hasattr(Priority, name), f"the engine's table names a shipped handler's place: {name}"
-    with pytest.raises(AttributeError, match=r"hookloop\.handlers\.Priority"):
+        i = PHASES.index(phase)
+        earlier, later = float(getattr(Priority, PHASES[i - 1])), float(getattr(Priority, PHASES[i + 1]))
+        assert later + ORDER_LIMIT < place < earlier - ORDER_LIMIT, f"{name} = {place!r} leaves {phase}"
+    for event, names in SHIPPED_ORDER.items():
+        places = [getattr(Places, n, None) or getattr(Priority, n) for n in names]
+        assert places == sorted(places, reverse=True), event
+        assert len(set(places)) == len(places), f"{event}: two shipped places tie"
+    with pytest.raises(AttributeError, match=r"named by the handlers package \(hookloop\.handlers\)"):
         Priority.CHECKPOINT  # noqa: B018 -- the lookup itself is what is tested
+
+
+def test_a_place_cannot_leave_its_phase():
+    assert (Priority.ACT + 1).phase == "ACT" and (Priority.ACT + 1).order == 1
+    assert Priority.DECIDE - 999 > Priority.ACT + 999 > Priority.ACT + 1 > Priority.ACT > Priority.ACT - 999
+    assert Priority.ACT - 999 > Priority.DEFAULT + 999
+    assert (
+        repr(Places.CHECKPOINT + 1) == "Priority.ACT + 1"
+        and repr(Priority.RECORD - 0.5) == "Priority.RECORD - 0.5"
+    )
+    with pytest.raises(PlaceError, match=r"leaves the ACT phase.*-1000 and \+1000.*DECIDE - n.*DEFAULT \+ n"):
+        Priority.ACT + 1e9  # noqa: B018
+    with pytest.raises(PlaceError, match="leaves the ACT phase"):
+        Places.CHECKPOINT - 1000  # noqa: B018
+    with pytest.raises(PlaceError, match="leaves the CLOCK phase.*nothing but the trainer runs before CLOCK"):
+        Priority.CLOCK + 1000  # noqa: B018
+    with pytest.raises(PlaceError, match=r"ENGINE_FIRST is the trainer's own place.*Priority.CLOCK \+ n"):
+        Priority.ENGINE_FIRST + 1  # noqa: B018
+    with pytest.raises(TypeError, match="not another place"):
+        Priority.ACT + Priority.DEFAULT  # noqa: B018
+    with pytest.raises(ValueError, match="not a phase"):
+        Place("SOMETIME")
+    for place in (Priority.ACT - 3.5, Priority.ENGINE_LAST):
+        assert pickle.loads(pickle.dumps(place)) == place and copy.deepcopy(place).phase == place.phase
+
+
+def test_a_plain_number_is_an_order_inside_default():
+    trainer = make_trainer()
+    handle = trainer.add_event_handler(Events.STEP_END, lambda: None, priority=5)
+    assert handle.priority == Priority.DEFAULT + 5 and handle.priority.phase == "DEFAULT"
+    before = trainer.events.entries(Events.STEP_END)
+    for number in (5000, 1e6, -1e9, float("inf")):
+        with pytest.raises(PlaceError, match=rf"priority={number!r} .*leaves the DEFAULT phase.*ACT - n"):
+            trainer.add_event_handler(Events.STEP_END, lambda: None, priority=number)
+    assert trainer.events.entries(Events.STEP_END) == before  # nothing was attached
+    # A place keeps its phase: ACT + 1 runs before every plain number, RECORD + 1 after every one.
+    order = []
+    trainer.add_event_handler(Events.STEP_END, lambda: order.append("999"), priority=999)
+    trainer.add_event_handler(Events.STEP_END, lambda: order.append("act"), priority=Priority.ACT - 999)
+    trainer.add_event_handler(Events.STEP_END, lambda: order.append("-999"), priority=-999)
+    trainer.add_event_handler(Events.STEP_END, lambda: order.append("record"), priority=Priority.RECORD + 999)
+    trainer.run(token_batches(1), max_steps=1)
+    assert order == ["act", "999", "-999", "record"]
 
 
 def test_bad_priorities_and_handlers_are_refused():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookloop.engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
+from hookloop.engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Priority, Trainer
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
@@ -91,7 +91,7 @@ def test_stop_and_resume_is_bitwise_with_every_shipped_loader(tmp_path, kind):
     first = make_trainer(0)
     AsyncCheckpointer(tmp_path / "run", mode="sync", every_steps=5).attach(first)
 
-    @first.on(Events.STEP_END, priority=1_000)
+    @first.on(Events.STEP_END, priority=Priority.DECIDE)
     def stop(engine):
         if engine.state.step == STOP:
             engine.control.request_stop("test stop", ExitCode.STOPPED)

@@ -100,6 +100,7 @@ class StepCounter(Handler):
     """Counts the steps it saw; its count is checkpointed, so a resumed run continues it."""
 
     Config = StepCounterConfig
+    asks_after_agreement = False  # counts at STEP_END, never asks for a stop
     publishes = ("steps_counted",)  # what it writes into state.metrics: checkpoint.metric may rank by it
 
     def __init__(self, every: int = 1, run_dir: str = ".") -> None:
@@ -279,10 +280,10 @@ class Recorder:
 
     def attach(self, trainer) -> None:
         from hookloop import Events
-        from hookloop.handlers import Priority
+        from hookloop.handlers import Places
 
         self.trainer = trainer
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.CHECKPOINT + 1)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Places.CHECKPOINT + 1)
 
     def _on_step_end(self) -> None:
         self.steps.append(self.trainer.state.step)

@@ -1,7 +1,7 @@
 """Every shipped handler has one shape: a ``Handler`` whose ``attach`` returns it and registers it.
 
 Registered handlers are found by type or state key (``trainer.get_handler``), stateful ones are
-checkpointed under their historical keys, each runs at its named ``Priority`` (never two shipped
+checkpointed under their historical keys, each runs at its named place (``Places``) (never two shipped
 handlers at one priority on one event), and they find each other through the registry only.
 """
 
@@ -32,6 +32,7 @@ from hookloop.handlers import (
     NaNDetector,
     PerDatasetMetrics,
     PhaseCurriculum,
+    Places,
     Priority,
     ProfilerWindow,
     StepScheduler,
@@ -167,9 +168,9 @@ def _owner(entry) -> object:
 
 
 def _priority_values() -> set[float]:
-    """Every named place: the engine's phases and each shipped handler's own (``handlers.Priority``)."""
-    values = (getattr(Priority, k) for k in dir(Priority) if not k.startswith("_"))
-    return {v for v in values if isinstance(v, (int, float))}
+    """Every named place: the engine's phases and each shipped handler's own (``handlers.Places``)."""
+    phases = [getattr(Priority, k) for k in vars(Priority) if not k.startswith("_")]
+    return {*phases, *(getattr(Places, k) for k in vars(Places) if not k.startswith("_"))}
 
 
 def _attach_everything(tmp_path: Path, sampler: MixtureSampler) -> tuple[Trainer, list, MixtureLoader]:
@@ -229,7 +230,19 @@ def test_the_order_table_in_the_docs_reads_as_the_code():
     assert len({name for name, *_ in found}) >= 20
     for name, phase, sign, offset in found:
         value = getattr(Priority, phase) + (float(sign + offset) if sign else 0.0)
-        assert getattr(Priority, name) == value, f"docs/concepts.md: {name} = {phase} {sign} {offset}"
+        place = getattr(Places, name, None) or getattr(Priority, name)  # VALIDATION: the trainer's own
+        assert (place.phase, place) == (phase, value), f"docs/concepts.md: {name} = {phase} {sign} {offset}"
+
+
+def test_every_shipped_handler_says_whether_it_asks_after_the_agreement(tmp_path, mixture_sampler):
+    """Each shipped handler on STEP_END / ROLLBACK / ... says asks_after_agreement, and all of them
+    together cost no second all-reduce (the straggler detector only with a stop threshold)."""
+    from hookloop.engine.step_decisions import undeclared_late_askers
+
+    trainer, _, _ = _attach_everything(tmp_path, mixture_sampler)
+    assert undeclared_late_askers(trainer.events) == []
+    assert not trainer.step_decisions.late_requests_possible()
+    assert StragglerDetector(stop_threshold=2.0).asks_after_agreement is True
 
 
 def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
@@ -295,7 +308,7 @@ def test_a_user_logger_runs_after_the_shipped_ones(tmp_path):
     JSONLLogger(tmp_path / "m.jsonl").attach(trainer)
     order = [_owner(e) for e in trainer.events.entries(Events.STEP_END)]
     assert order.index(user) > order.index(trainer.get_handler(JSONLLogger))
-    assert user.priority == Priority.LOG
+    assert user.priority == Places.LOG
 
 
 # ---------------------------------------------------------------------------------- one loss average
@@ -313,7 +326,7 @@ def test_the_scheduler_owns_loss_avg_when_attached_else_the_tracker():
         losses: list[float] = []
         published: dict[int, float] = {}
 
-        @trainer.on(Events.STEP_END, priority=Priority.LOG - 1)
+        @trainer.on(Events.STEP_END, priority=Places.LOG - 1)
         def grab() -> None:
             losses.append(trainer.state.loss)
             if trainer.state.metrics_step == trainer.state.step:

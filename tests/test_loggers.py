@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookloop.engine import Events, TokenAccuracy, Trainer
+from hookloop.engine import Events, Priority, TokenAccuracy, Trainer
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import metric_tag
@@ -47,7 +47,7 @@ def _record_logged(trainer: Trainer) -> dict[int, dict]:
     expected: dict[int, dict] = {}
     seen_validations = [0]
 
-    @trainer.on(Events.STEP_END, priority=-5000)
+    @trainer.on(Events.STEP_END, priority=Priority.CLEANUP + 1)
     def grab() -> None:
         state = trainer.state
         out = {}
@@ -378,7 +378,7 @@ def test_a_logger_creates_its_files_only_once_the_run_has_started(tmp_path):
         Events.TRAIN_START, lambda: seen.setdefault("start", sorted(os.listdir(tmp_path)))
     )
     after_loggers = lambda: seen.setdefault("run", sorted(os.listdir(tmp_path)))  # noqa: E731
-    trainer.add_event_handler(Events.RUN_STARTED, after_loggers, priority=-5000)
+    trainer.add_event_handler(Events.RUN_STARTED, after_loggers, priority=Priority.CLEANUP + 1)
     assert list(tmp_path.iterdir()) == []  # attached: nothing yet
     trainer.run(_tokens(), max_steps=2)
     assert seen == {"start": [], "run": ["metrics.jsonl", "tb"]}

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, Trainer
-from hookloop.handlers import Priority
+from hookloop.engine import ConfigError, Events, Priority, Trainer
+from hookloop.handlers import Places
 from hookloop.handlers.metrics import MetricsTracker, estimate_flops_per_token
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from tests.dist_utils import run_distributed
@@ -34,7 +34,7 @@ def _snapshots(trainer: Trainer) -> dict[int, dict]:
     """state.metrics as published, keyed by the step it was published at."""
     seen: dict[int, dict] = {}
 
-    @trainer.on(Events.STEP_END, priority=-5000)
+    @trainer.on(Events.STEP_END, priority=Priority.CLEANUP + 1)
     def grab() -> None:
         if trainer.state.metrics_step == trainer.state.step:
             seen[trainer.state.step] = dict(trainer.state.metrics)
@@ -163,7 +163,7 @@ def test_progress_log_is_appended_across_a_resume(tmp_path):
     tracker2 = MetricsTracker(2, run_dir=tmp_path).attach(second)
     assert second.stateful["metrics_tracker"] is tracker2
 
-    @second.on(Events.TRAIN_START, priority=10_000)
+    @second.on(Events.TRAIN_START, priority=Priority.RESTORE)
     def resume() -> None:  # as a checkpointer restores state at TRAIN_START
         second.state.load_counters(saved_counters)
         tracker2.load_state_dict(saved_tracker)
@@ -207,7 +207,7 @@ def test_first_interval_after_a_real_resume_counts_only_this_process_steps(tmp_p
     MetricsTracker(5, run_dir=tmp_path).attach(second)
     published = _snapshots(second)
 
-    @second.on(Events.TRAIN_START, priority=Priority.RESUME - 1)
+    @second.on(Events.TRAIN_START, priority=Places.RESUME - 1)
     def slow_load() -> None:  # right after the checkpointer restored step 7
         assert second.state.step == 7
         time.sleep(load_s)

@@ -205,12 +205,12 @@ def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp
     firing, also those below the detector's priority down to the lowest a handler may take, sees
     step 11 with its NaN loss; ROLLBACK handlers see the restored step 8; the next step is 9 and no
     handler ever sees step 8 (or 9) with a NaN loss."""
-    from hookloop.handlers import Priority
+    from hookloop.handlers import Places, Priority
 
     trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10})
     seen: list = []
-    for name, priority in [("early", Priority.DEFAULT), ("late", Priority.ROLLBACK_REQUEST - 1),
-                           ("last", Priority.PROFILE_END - 1)]:  # fmt: skip
+    for name, priority in [("early", Priority.DEFAULT), ("late", Places.ROLLBACK_REQUEST - 1),
+                           ("last", Places.PROFILE_END - 1)]:  # fmt: skip
         trainer.add_event_handler(
             Events.STEP_END,
             lambda e, name=name: seen.append(("STEP_END", name, e.state.step, e.state.loss)),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.engine import ConfigError, Events, Priority, Trainer
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
 
 
@@ -19,7 +19,7 @@ def _trainer(resume_at: int | None = None) -> Trainer:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.mse_loss)
     if resume_at is not None:
 
-        @trainer.on(Events.TRAIN_START, priority=10_000)
+        @trainer.on(Events.TRAIN_START, priority=Priority.RESTORE)
         def resume() -> None:  # restore counters as a checkpointer does, before other handlers
             trainer.state.load_counters({"step": resume_at, "epoch": 0})
 

@@ -25,6 +25,8 @@ from hookloop.engine import parallel
 class OnOneRank(Handler):
     """At ``step`` on ``rank``: raise, ask for a rollback, or ask for a stop (``what``)."""
 
+    asks_after_agreement = True  # asks at STEP_END on one rank: the late agreement must run
+
     def __init__(self, what: str, step: int = 3, rank: int = 1, run_dir: str = ".") -> None:
         self.what, self.step, self.rank, self.run_dir = what, step, rank, Path(run_dir)
         self.steps, self.acted = [], False

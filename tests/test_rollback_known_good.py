@@ -17,7 +17,7 @@ import torch
 from hookloop.engine import Events, ExitCode, Trainer
 from hookloop.engine.checkpoint_format.directory import MARKER, complete_checkpoints, parse_step
 from hookloop.engine.checkpoint_format.manifest import read_marker
-from hookloop.handlers import Priority, attach_handlers, load_run_config
+from hookloop.handlers import Places, attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
@@ -194,7 +194,7 @@ def test_a_checkpoint_of_nan_weights_with_a_finite_loss_is_never_a_rollback_targ
 
     done = []
 
-    @trainer.on(Events.STEP_END(once=8), priority=Priority.CHECKPOINT + 1)  # before step 8's save
+    @trainer.on(Events.STEP_END(once=8), priority=Places.CHECKPOINT + 1)  # before step 8's save
     def nan_update(engine):
         if not done:  # once: step 8 comes again after the rollback
             done.append(True)
@@ -219,7 +219,7 @@ def test_the_marker_records_whether_the_saved_state_is_finite(tmp_path, mode):
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
     checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=1, keep_last=5).attach(trainer)
 
-    @trainer.on(Events.STEP_END(once=2), priority=Priority.CHECKPOINT + 1)
+    @trainer.on(Events.STEP_END(once=2), priority=Places.CHECKPOINT + 1)
     def inf_moment(engine):
         next(iter(engine.optimizer.state.values()))["exp_avg"].view(-1)[0] = float("inf")
 

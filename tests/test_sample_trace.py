@@ -15,7 +15,7 @@ from hookloop.engine import Events, MixtureDataset, MixtureLoader, MixtureSample
 from hookloop.engine.data import SampleTrace, read_sample_traces
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import StepBatches
-from hookloop.handlers import Priority
+from hookloop.handlers import Places
 from hookloop.models.gpt import cross_entropy_loss
 
 
@@ -76,7 +76,7 @@ def make_trainer(run_dir, stop_at=None, start_step=0):
     SampleTrace(run_dir, loader, rank=0, world_size=1).attach(trainer)
     if start_step:  # what a checkpointer does at TRAIN_START: counters and data position back
 
-        @trainer.on(Events.TRAIN_START, priority=Priority.RESUME)
+        @trainer.on(Events.TRAIN_START, priority=Places.RESUME)
         def _resume(engine):
             engine.state.load_counters({"step": start_step})
             sampler.load_state_dict(sampler.state_dict_at(start_step * 4))

@@ -11,8 +11,9 @@ from hookloop.engine.control import StepControl
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.events import Events
 from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.handler import Handler
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_decisions import StepDecisions
+from hookloop.engine.step_decisions import StepDecisions, undeclared_late_askers
 
 
 class FakeEvents:
@@ -96,6 +97,57 @@ def test_a_validation_asked_after_the_agreement_carries_over_to_the_next_step():
     assert not control.decided.validate
     decisions.end_step()
     assert control.validate  # still asked: the next step's agreement decides it
+
+
+class Silent(Handler):  # says nothing about asking late
+    def on_step_end(self) -> None: ...
+
+
+class Asks(Handler):
+    asks_after_agreement = True
+
+    def on_step_end(self) -> None: ...
+
+
+class Quiet(Handler):
+    asks_after_agreement = False
+
+    def on_step_end(self) -> None: ...
+
+
+def test_a_handler_after_the_agreement_says_whether_it_asks_late():
+    decisions, _, _, events, _, _ = make()
+    events.handlers[Events.STEP_END] = [Quiet().on_step_end]
+    decisions.start_run()
+    assert not decisions.late_requests_possible()  # False: no second all-reduce
+    events.handlers[Events.ROLLBACK] = [Silent().on_step_end]
+    assert undeclared_late_askers(events) == ["Silent attaches to ROLLBACK"]
+    with pytest.raises(
+        TypeError, match=r"Silent attaches to ROLLBACK: say whether.*asks_after_agreement.*all-reduce"
+    ):
+        decisions.start_run()
+    events.handlers[Events.ROLLBACK] = [Asks().on_step_end]
+    decisions.start_run()
+    assert decisions.late_requests_possible()  # True: it costs the late all-reduce, by its own word
+
+    def said_false() -> None: ...
+
+    said_false.asks_after_agreement = False  # a function may say so too
+    events.handlers = {Events.STEP_END: [said_false]}
+    assert not decisions.late_requests_possible()
+
+
+def test_a_trainer_refuses_to_start_with_a_handler_that_did_not_say():
+    from hookloop.engine.trainer import Trainer
+
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    trainer.add_event_handler(Events.STEP_END, Silent().attach(trainer).on_step_end)
+    started = []
+    trainer.add_event_handler(Events.RUN_STARTED, lambda: started.append(True))
+    with pytest.raises(TypeError, match="Silent attaches to STEP_END"):
+        trainer.run([(torch.randn(8, 4), torch.randn(8, 1))] * 2, max_steps=2)
+    assert started == [] and trainer.state.step == 0
 
 
 def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, ExitCode, Trainer
+from hookloop.engine import ConfigError, Events, ExitCode, Priority, Trainer
 from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
@@ -372,7 +372,7 @@ def test_attached_resume_mid_epoch_continues_flags_and_data(restored_by):
         if checkpoint is not None and restored_by == "scheduler":
             s.load_state_dict(checkpoint["scheduler"])  # fresh trainer: the scheduler moves it there
 
-        @trainer.on(Events.TRAIN_START, priority=10_000)  # what a checkpoint handler does, first
+        @trainer.on(Events.TRAIN_START, priority=Priority.RESTORE)  # what a checkpoint handler does, first
         def _restore():
             if checkpoint is not None and restored_by == "checkpoint_handler":
                 trainer.state.load_counters(checkpoint["counters"])
@@ -710,7 +710,7 @@ def _loss_avg_run(directory, stop_at=None):
     AsyncCheckpointer(directory, mode="sync").attach(trainer)
     averages = {}
 
-    @trainer.on(Events.STEP_END, priority=1_000)
+    @trainer.on(Events.STEP_END, priority=Priority.DECIDE)
     def _record():
         averages[trainer.state.step] = float(trainer.state.metrics["loss_avg"])  # may be a 0-dim tensor
         if trainer.state.step == stop_at:

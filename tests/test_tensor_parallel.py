@@ -218,7 +218,7 @@ def _ckpt_worker(
     from hookloop.engine import Events, Trainer, init_distributed, wrap_data_parallel
     from hookloop.engine.parallel import parallel_mesh
     from hookloop.engine.tensor_parallel import apply_tensor_parallel
-    from hookloop.handlers import Priority
+    from hookloop.handlers import Places
     from hookloop.handlers.checkpoint import AsyncCheckpointer
     from hookloop.models.gpt import cross_entropy_loss, tp_plan
     from tests.conftest import tiny_gpt, token_batches
@@ -258,7 +258,7 @@ def _ckpt_worker(
     checkpointer = AsyncCheckpointer(directory, every_steps=SAVE_AT, mode="sync").attach(trainer)
     seen: dict = {}
 
-    @trainer.on(Events.TRAIN_START, priority=Priority.RESUME - 1)
+    @trainer.on(Events.TRAIN_START, priority=Places.RESUME - 1)
     def after_resume(engine):
         seen["start"] = engine.state.iteration
         if engine.state.iteration:

@@ -170,6 +170,8 @@ class SampleTrace:
             cut nothing and write nothing, so each file has one writer.
     """
 
+    asks_after_agreement = False  # writes files, never asks for a stop: no extra collective
+
     def __init__(
         self, run_dir: str | os.PathLike, data: Any, *, rank: int = 0, world_size: int = 1, write: bool = True
     ) -> None:
@@ -212,9 +214,9 @@ class SampleTrace:
         # start of OBSERVE on TRAIN_START and a little later on each step, late on ROLLBACK.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.OBSERVE)
         trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=Priority.OBSERVE)
-        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.OBSERVE - 1e5)
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.OBSERVE - 1e5)
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.DEFAULT - 1e6)
+        trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=Priority.OBSERVE - 100)
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.OBSERVE - 100)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=Priority.DEFAULT - 900)
         return self
 
     def _on_train_start(self) -> None:

@@ -55,7 +55,7 @@ from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
-from hookloop.handlers import AsyncCheckpointer, Priority, attach_handlers
+from hookloop.handlers import AsyncCheckpointer, Places, attach_handlers
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
 from hookloop.run_settings import resume_settings
@@ -175,7 +175,7 @@ class Run:
 
 def _log_summary(run: Run) -> None:
     """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
-    resumes (so it runs at a priority below ``Priority.RESUME``)."""
+    resumes (so it runs at a priority below ``Places.RESUME``)."""
     trainer, state, cfg = run.trainer, run.trainer.state, run.config
     if state.iteration > 0 and state.last_checkpoint:
         start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
@@ -343,5 +343,5 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
             save_config(cfg, run_dir)
             _log_summary(run)
 
-    trainer.add_event_handler(Events.RUN_STARTED, note_start, priority=Priority.RESUME - 1)
+    trainer.add_event_handler(Events.RUN_STARTED, note_start, priority=Places.RESUME - 1)
     return run

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hookloop.engine import Events, Trainer
-from hookloop.handlers import Priority
+from hookloop.handlers import Places, Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     if args.stall_staging_at is not None:
         stager = checkpointer._writer.stager = GatedStager()
 
-        @trainer.on(Events.STEP_END, priority=Priority.CHECKPOINT + 1)
+        @trainer.on(Events.STEP_END, priority=Places.CHECKPOINT + 1)
         def _stall(engine: Trainer) -> None:  # before the checkpointer starts this step's save
             if engine.state.step == args.stall_staging_at:
                 stager.gate.clear()

@@ -19,7 +19,7 @@ import torch
 from hookloop.engine import Events, MixtureDataset, MixtureSampler, Trainer
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.parallel import init_distributed, wrap_data_parallel
-from hookloop.handlers import Priority
+from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     checkpointer.attach(trainer)
     SampleTrace(args.run_dir, loader, rank=info.rank, world_size=info.world_size).attach(trainer)
 
-    @trainer.on(Events.TRAIN_START, priority=Priority.RESUME - 1)
+    @trainer.on(Events.TRAIN_START, priority=Places.RESUME - 1)
     def _report(engine: Trainer) -> None:
         if info.rank == 0:
             print(f"RESUMED AT {engine.state.step}", flush=True)

@@ -16,6 +16,7 @@ import torch
 
 from hookloop.engine import Events, Trainer, TrainingAborted
 from hookloop.engine.parallel import init_distributed, wrap_data_parallel
+from hookloop.handlers import Places
 from hookloop.handlers.health_check import HealthCheck
 
 
@@ -35,7 +36,7 @@ def main() -> int:
     closed = []
     trainer.add_event_handler(Events.TRAIN_FAILED, lambda e: closed.append(type(e).__name__))
 
-    @trainer.on(Events.STEP_END, priority=10_000_000)
+    @trainer.on(Events.STEP_END, priority=Places.HEALTH + 1)
     def stall() -> None:
         if info.rank == sleep_rank and trainer.state.step == sleep_step:
             time.sleep(sleep_s)
