@@ -39,7 +39,7 @@ from hookloop.engine.control import merge_rollbacks
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 
-__all__ = ["AFTER_AGREEMENT", "StepDecisions", "undeclared_late_askers"]
+__all__ = ["AFTER_AGREEMENT", "StepDecisions", "check_declared", "undeclared_late_askers"]
 
 #: Events whose handlers run after the step's agreement.
 AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
@@ -81,15 +81,7 @@ class StepDecisions:
         """TRAIN_START: no step agreed yet; every handler that runs after the agreement has said
         whether it asks there (:func:`undeclared_late_askers`)."""
         self.late = False
-        undeclared = undeclared_late_askers(self._events)
-        if undeclared:
-            raise TypeError(
-                f"{'; '.join(undeclared)}: say whether it asks for a stop or a rollback after the step's "
-                "agreement with the class attribute asks_after_agreement: False when it never asks "
-                "there or asks only from values every rank shares (no cost), True when it may ask on "
-                "one rank alone (the trainer then agrees such requests with a second small all-reduce "
-                "at the end of every step)"
-            )
+        check_declared(self._events)
 
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
@@ -179,18 +171,36 @@ class StepDecisions:
         return stop
 
 
+def check_declared(events: Any, handler: Any = None) -> None:
+    """Raise ``TypeError`` naming every handler (only ``handler``, when given) attached after the
+    step's agreement without saying ``asks_after_agreement``: when it registers
+    (:meth:`engine.Trainer.register_handler`, the end of :meth:`engine.Handler.attach`), and again
+    when a run starts."""
+    undeclared = undeclared_late_askers(events, handler)
+    if undeclared:
+        raise TypeError(
+            f"{'; '.join(undeclared)}: say whether it asks for a stop or a rollback after the step's "
+            "agreement with the class attribute asks_after_agreement: False when it never asks "
+            "there or asks only from values every rank shares (no cost), True when it may ask on "
+            "one rank alone (the trainer then agrees such requests with a second small all-reduce "
+            "at the end of every step)"
+        )
+
+
 def _owner(entry: Any) -> Any:
     """Who says whether ``entry`` asks late: the object of a bound method, else the callable itself."""
     return getattr(entry.original, "__self__", entry.original)
 
 
-def undeclared_late_askers(events: Any) -> list[str]:
-    """The hookloop handlers attached after the step's agreement that leave
-    ``asks_after_agreement`` unsaid (None), as ``"<class> attaches to <events>"`` lines."""
+def undeclared_late_askers(events: Any, handler: Any = None) -> list[str]:
+    """The hookloop handlers (only ``handler``, when given) attached after the step's agreement that
+    leave ``asks_after_agreement`` unsaid (None), as ``"<class> attaches to <events>"`` lines."""
     found: dict[str, list[str]] = {}
     for event, event_name in zip(AFTER_AGREEMENT, _AFTER_AGREEMENT_NAMES):
         for entry in events.entries(event):
             owner = _owner(entry)
+            if handler is not None and owner is not handler:
+                continue
             if getattr(owner, "asks_after_agreement", True) is None:
                 names = found.setdefault(type(owner).__name__, [])
                 if event_name not in names:

@@ -150,6 +150,26 @@ def test_a_trainer_refuses_to_start_with_a_handler_that_did_not_say():
     assert started == [] and trainer.state.step == 0
 
 
+def test_a_handler_that_did_not_say_is_refused_when_it_attaches():
+    from hookloop.engine.trainer import Trainer
+
+    class Attaching(Silent):
+        def attach(self, trainer):
+            trainer.add_event_handler(Events.STEP_END, self.on_step_end)
+            return super().attach(trainer)
+
+    class Said(Attaching):
+        asks_after_agreement = False
+
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    with pytest.raises(TypeError, match="Attaching attaches to STEP_END: say whether"):
+        Attaching().attach(trainer)
+    assert trainer.get_handler(Attaching) is None  # refused before it registered
+    Said().attach(trainer)  # one that says, in the same trainer, attaches
+    assert trainer.get_handler(Said) is not None
+
+
 def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():
     decisions, control, state, _, _, _ = make()
     decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
