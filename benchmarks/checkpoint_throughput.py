@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workload import write_result  # noqa: E402
 
-from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.engine import Events, Priority, Trainer  # noqa: E402
 from hookloop.handlers import Places  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 
@@ -158,7 +158,9 @@ def hookloop(save: str | None, steps: int, every: int, directory: str) -> list[f
         checkpointer = AsyncCheckpointer(os.path.join(directory, "checkpoints"), mode=save, resume=None)
         checkpointer.attach(trainer)
     stamps: list[float] = []
-    trainer.add_event_handler(Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=-1e9)
+    trainer.add_event_handler(
+        Events.STEP_END, lambda: stamps.append(time.perf_counter()), priority=Priority.CLEANUP
+    )
     trainer.run(data)
     if checkpointer is not None:
         checkpointer.close()

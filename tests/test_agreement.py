@@ -263,7 +263,7 @@ def _validate_on_one_rank(rank: int, world: int) -> dict:
         if rank == 0 and e.state.step == 2:
             e.control.request_validate()
 
-    @trainer.on(Events.STEP_END, priority=1e7)  # after the agreement: carried to the next step
+    @trainer.on(Events.STEP_END, priority=Priority.OBSERVE)  # after the agreement: carried to the next step
     def ask_late(e):
         decided[e.state.step] = e.control.decided.validate
         if rank == 1 and e.state.step == 4:
