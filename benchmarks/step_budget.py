@@ -67,12 +67,20 @@ def call_site() -> str:
     here = str(Path(__file__).resolve())
     while frame is not None:
         code = frame.f_code
-        inside = code.co_filename.startswith(str(REPO) + os.sep) and "site-packages" not in code.co_filename
-        if inside and not (code.co_filename == here and code.co_name in _COUNTER_FRAMES):
-            rel = os.path.relpath(code.co_filename, REPO)
+        filename = _source(code.co_filename)
+        inside = filename.startswith(str(REPO) + os.sep) and "site-packages" not in filename
+        if inside and not (filename == here and code.co_name in _COUNTER_FRAMES):
+            rel = os.path.relpath(filename, REPO)
             return f"{rel}:{frame.f_lineno} {code.co_name}"
         frame = frame.f_back
     return "outside the repository"
+
+
+@functools.cache
+def _source(filename: str) -> str:
+    """The file a frame runs, its links resolved (a strict editable install runs the package
+    through links in ``build/__editable__...`` to the repository's files)."""
+    return os.path.realpath(filename)
 
 
 # ----------------------------------------------------------------------------- sync counter
