@@ -15,7 +15,8 @@ from hookloop.engine import ConfigError, EvalResult, Events, LocalStepBody, Trai
 from hookloop.engine.pipeline.runtime import check_trainer_arguments
 
 
-def bare_trainer(**kwargs) -> Trainer:
+def bare_trainer(body_for=None, **kwargs) -> Trainer:
+    """A trainer over a seeded Linear(4, 2); ``body_for(model)`` gives its step body, if any."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     return Trainer(
@@ -23,6 +24,7 @@ def bare_trainer(**kwargs) -> Trainer:
         torch.optim.SGD(model.parameters(), lr=0.1),
         torch.nn.functional.mse_loss,
         hang_timeout_s=None,
+        step_body=body_for(model) if body_for is not None else None,
         **kwargs,
     )
 
@@ -134,22 +136,9 @@ class Scaled(LocalStepBody):
         return output, (loss if not self.model.training else 3 * loss)
 
 
-def with_body(body_for, **kwargs) -> Trainer:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    return Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        torch.nn.functional.mse_loss,
-        hang_timeout_s=None,
-        step_body=body_for(model),
-        **kwargs,
-    )
-
-
 def test_a_local_body_subclass_trains_on_its_own_loss_and_validates_through_its_eval_path():
     data = batches(4)
-    plain, scaled = bare_trainer(), with_body(Scaled)
+    plain, scaled = bare_trainer(), bare_trainer(Scaled)
     assert scaled.step_body.params == scaled._params  # the trainer's parameters: clipped and stepped
     for trainer in (plain, scaled):
         trainer.set_validation(data)
@@ -195,7 +184,7 @@ def test_a_step_body_missing_protocol_members_is_refused_naming_them():
         (object(), ["missing run_step, grad_norm, holds_outputs"]),
     ):
         with pytest.raises(TypeError) as refused:
-            with_body(lambda model, body=body: body)
+            bare_trainer(lambda model, body=body: body)
         message = str(refused.value)
         assert message.startswith("step_body (") and all(w in message for w in words), message
         assert "Subclass hookloop.engine.LocalStepBody and override compute_loss" in message
@@ -205,12 +194,12 @@ def test_a_step_body_class_instead_of_an_instance_is_refused():
     with pytest.raises(
         TypeError, match=r"got the class Scaled; pass an instance, e.g. step_body=Scaled\(model"
     ):
-        with_body(lambda model: Scaled)
+        bare_trainer(lambda model: Scaled)
 
 
 def test_a_local_body_over_another_module_is_refused():
     with pytest.raises(ValueError, match="runs another module than the Trainer's model: build the body over"):
-        with_body(lambda model: Scaled(torch.nn.Linear(4, 2)))
+        bare_trainer(lambda model: Scaled(torch.nn.Linear(4, 2)))
 
 
 def test_step_body_with_a_pipeline_is_refused_before_the_pipeline_is_checked():
@@ -221,10 +210,10 @@ def test_step_body_with_a_pipeline_is_refused_before_the_pipeline_is_checked():
 
 
 def test_fp16_loss_scaling_needs_a_body_that_scales_its_loss():
-    trainer = with_body(Scaled, precision="fp16-mixed")  # a LocalStepBody scales: it gets the scaler
+    trainer = bare_trainer(Scaled, precision="fp16-mixed")  # a LocalStepBody scales: it gets the scaler
     assert trainer.step_body.grad_scaler is trainer.grad_scaler is not None
     with pytest.raises(ConfigError) as refused:
-        with_body(lambda model: OutputsElsewhere(LocalStepBody(model)), precision="fp16-mixed")
+        bare_trainer(lambda model: OutputsElsewhere(LocalStepBody(model)), precision="fp16-mixed")
     assert refused.value.field == "precision" and "subclass hookloop.engine.LocalStepBody" in str(
         refused.value
     )
@@ -247,6 +236,6 @@ def test_compute_loss_must_return_an_output_and_a_scalar_loss():
             r"PerSample.compute_loss must return \(output, loss\) with the loss a scalar tensor, got \(2,\)",
         ),
     ):
-        trainer = with_body(body)
+        trainer = bare_trainer(body)
         with pytest.raises(ValueError, match=message):
             trainer.run(batches(1), max_steps=1)
