@@ -107,13 +107,13 @@ def report_config_error(error: ConfigError) -> None:
     exited first would have torchrun stop rank 0 before its line. A rank that waited in vain says
     the line itself, so it is never lost."""
     line = f"config error: {error}"
-    rank = os.environ.get("RANK", "0")
-    store = _launcher_store()
-    if rank == "0":
-        print(line, file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)  # first: reaching the store may take its timeout
+        store = _launcher_store()
         if store is not None:
             store.set(_SAID_KEY, "1")
         return
+    store = _launcher_store()
     if store is None:
         return
     try:
