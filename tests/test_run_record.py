@@ -126,6 +126,22 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in files}
 
 
+def settled_snapshot(directory: Path, timeout: float = 60) -> dict[str, bytes]:
+    """``snapshot`` of a live run once its background save has finished (no partial checkpoint,
+    two readings 0.2 s apart equal): a held run may still be writing the step before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            first = snapshot(directory)
+            time.sleep(0.2)
+            if first == snapshot(directory) and not any(".partial-" in name for name in first):
+                return first
+        except FileNotFoundError:  # a file renamed or removed between listing and reading
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{directory} kept changing for {timeout}s")
+
+
 def hold_entry(project: Path, step: int = 3) -> str:
     here, go = project / "held", project / "go"
     return f"handlers=[{{target: 'my_hooks.py:Hold', here: '{here}', go: '{go}', step: {step}}}]"
@@ -245,7 +261,7 @@ def test_under_torchrun_a_second_start_on_a_live_run_is_refused_by_every_rank(pr
     try:
         wait_for(project / "held", first)
         holder = json.loads((run_dir / ".hookloop.lock").read_text())
-        before = snapshot(run_dir)
+        before = settled_snapshot(run_dir)
         second = run_torchrun("hookloop", 2, common[2:], module=True, cwd=project, timeout=240)
         assert first.poll() is None
         assert second.returncode != 0
