@@ -39,6 +39,7 @@ from hookloop.engine.pipeline import bubble_fraction  # noqa: E402
 PP = 2
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 MICROBATCHES = (2, 4, 8)
+QUICK_MICROBATCHES = (4,)  # --quick: every schedule, one microbatch count
 MB_SIZE = 4
 
 
@@ -80,7 +81,7 @@ def _single_process(m: int, cfg: dict, warmup: int, steps: int) -> tuple[float, 
     return _timed_steps(trainer, _batches(m * (warmup + steps), cfg), warmup, steps)
 
 
-def _worker(rank: int, world: int, cfg: dict, warmup: int, steps: int) -> dict:
+def _worker(rank: int, world: int, cfg: dict, warmup: int, steps: int, microbatches: tuple) -> dict:
     import warnings
 
     from hookloop.engine import Trainer, init_distributed
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, cfg: dict, warmup: int, steps: int) -> dict:
     warnings.simplefilter("ignore", UserWarning)  # m < stages is measured on purpose
     info = init_distributed(mesh_shape=(1, world), mesh_dim_names=("dp", "pp"))
     out: dict = {}
-    for m in MICROBATCHES:
+    for m in microbatches:
         singles = []
         for name in SCHEDULES:
             # the one-process reference is re-measured next to every schedule; its fastest step wins
@@ -125,8 +126,9 @@ def main() -> None:
     cfg = _model_cfg(args.quick)
     warmup, steps = (1, 4) if args.quick else (2, 6)
     start = time.perf_counter()
-    results = run_ranks(_worker, PP, cfg, warmup, steps, timeout=900)[0]
-    single = {m: results[("single", m)] for m in MICROBATCHES}
+    microbatches = QUICK_MICROBATCHES if args.quick else MICROBATCHES
+    results = run_ranks(_worker, PP, cfg, warmup, steps, microbatches, timeout=900)[0]
+    single = {m: results[("single", m)] for m in microbatches}
     figures = []
     lines = [
         f"Pipeline schedules, p = {PP} ranks (gloo, 1 thread each), GPT {cfg}, microbatch {MB_SIZE} samples.",
@@ -136,7 +138,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in SCHEDULES:
-        for m in MICROBATCHES:
+        for m in microbatches:
             times, v, error = results[(name, m)]
             ideal = bubble_fraction(m, PP)
             one = f"{single[m][0] * 1e3:.1f} / {single[m][1] * 1e3:.1f}"

@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks/run.py format)")
     args = parser.parse_args()
-    repeats = args.repeats or (2 if args.quick else 7)
+    repeats = args.repeats or (1 if args.quick else 7)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory() as tmp_name:
