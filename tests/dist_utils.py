@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import free_port, rank_env, run_ranks
+from tests.forked import forkable, run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,10 +52,19 @@ def run_torchrun(
 
 
 def run_process(
-    cmd: Sequence[str], *, timeout: float = 180.0, env: dict | None = None, cwd: str | Path | None = None
+    cmd: Sequence[str],
+    *,
+    timeout: float = 180.0,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout kill the group and raise TimeoutError."""
+    """Run ``cmd`` in a session of its own; on timeout kill it and raise TimeoutError. A ``python``
+    command runs as a fork of a server that imported torch once (``tests/forked.py``) unless
+    ``fresh``: what must see a new interpreter (import-time settings and claims) asks for one."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    if not fresh and forkable(cmd):
+        return run_forked(cmd, cwd=cwd or REPO, env=full_env, timeout=timeout)
     proc = subprocess.Popen(
         list(cmd),
         cwd=cwd or REPO,

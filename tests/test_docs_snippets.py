@@ -3,10 +3,8 @@
 Pages are discovered, not listed. Each block runs as ``python -c BLOCK`` would, from its own
 temporary directory outside the repository (so a snippet that only works from the repository root
 fails here), with the repository importable the way an installed checkout is, one OpenMP thread and
-a hard timeout; ``TMPDIR`` points into that directory, so ``tempfile`` output lands there too. The
-process is a fork of an interpreter that already imported torch, torch.distributed.checkpoint and
-ignite (``tests/scripts/block_server.py``; the seconds of importing them once per block were most
-of this file's time); nothing of hookloop is imported before the block's own lines run.
+a hard timeout; ``TMPDIR`` points into that directory, so ``tempfile`` output lands there too (the
+process is forked from an interpreter that imported torch once: ``tests/forked.py``).
 
 First-line markers:
 
@@ -34,14 +32,9 @@ one trained in must say that it resumes: ``# resumes`` in the comment on its own
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import select
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -61,65 +54,6 @@ GENERATED = {"configuration.md"}  # reference pages written by a script (tests/t
 _BLOCK = re.compile(r"^```(python|bash|yaml)\n(.*?)^```", re.S | re.M)
 FILE = re.compile(r"^# file: (\S+)\n")
 RESUMES = re.compile(r"#.*\bresumes\b")
-
-
-class BlockServer:
-    """Runs a block in a fork of ``tests/scripts/block_server.py`` (see the module docstring)."""
-
-    def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "scripts" / "block_server.py")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, start_new_session=True,
-        )  # fmt: skip
-        self.outputs = Path(tempfile.mkdtemp(prefix="block-output-"))  # not in the block's directory
-
-    def _reply(self, timeout: float) -> dict | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the block server ended ({self.proc.wait(timeout=10)})")
-        return json.loads(line)
-
-    def run(self, code: str, *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """``python -c code`` in ``cwd`` with ``env`` on top of this environment; on timeout the
-        block's session is killed and TimeoutError raised."""
-        out, err = self.outputs / "stdout", self.outputs / "stderr"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
-        request = {"code": code, "cwd": str(cwd), "env": full_env, "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        started = self._reply(60)
-        if started is None:
-            raise RuntimeError("the block server did not start a block within 60 s")
-        ended = self._reply(timeout)
-        if ended is None:
-            os.killpg(started["pid"], signal.SIGKILL)
-            self._reply(60)
-            raise TimeoutError(
-                f"did not finish within {timeout}s\nstdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
-            )
-        return subprocess.CompletedProcess(
-            ["-c", code], ended["returncode"], out.read_text(), err.read_text()
-        )
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        shutil.rmtree(self.outputs, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def block_server():
-    server = BlockServer()
-    yield server
-    server.close()
 
 
 def blocks_of(text: str, lang: str = "python") -> list[str]:
@@ -161,37 +95,6 @@ def _walkthroughs() -> list:
     return out
 
 
-SERVER_CASES = {  # code -> (exit status, what stdout or stderr holds)
-    "raise SystemExit(3)": (3, ""),
-    "import sys; sys.exit('said and failed')": (1, "said and failed"),
-    "1 / 0": (1, "ZeroDivisionError"),
-    "import sys; print(sys.argv, __name__, sys.path[0] == '')": (0, "['-c'] __main__ True"),
-    "import sys; print(sorted(m for m in sys.modules if m.startswith('hookloop')))": (0, "[]"),
-    "import atexit; atexit.register(print, 'at exit')": (0, "at exit"),
-    "import threading, time; threading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()": (
-        0,
-        "joined",
-    ),
-}
-
-
-def test_the_block_server_does_what_python_c_does(block_server, tmp_path):
-    env = {"TMPDIR": str(tmp_path)}
-    for code, (status, said) in SERVER_CASES.items():
-        proc = block_server.run(code, cwd=tmp_path, env=env, timeout=60)
-        assert proc.returncode == status, (code, proc.stderr)
-        assert said in proc.stdout + proc.stderr, (code, proc.stdout, proc.stderr)
-    where = "import os, tempfile; print(os.getcwd(), tempfile.gettempdir())"
-    proc = block_server.run(where, cwd=tmp_path, env=env, timeout=60)
-    assert proc.stdout.split() == [str(tmp_path), str(tmp_path)]
-    with pytest.raises(TimeoutError):
-        block_server.run("import time; time.sleep(60)", cwd=tmp_path, env=env, timeout=1)
-    assert (
-        block_server.run("print('still serving')", cwd=tmp_path, env=env, timeout=60).stdout
-        == "still serving\n"
-    )
-
-
 def test_pages_are_found():
     names = {_name(p) for p in PAGES}
     assert {"README.md", "docs/concepts.md", "docs/writing_handlers.md", "docs/configuration.md"} <= names
@@ -217,7 +120,7 @@ def test_fragments_are_a_small_minority():
 
 
 @pytest.mark.parametrize(("page", "index", "block"), CASES)
-def test_block_runs(page, index, block, tmp_path, block_server):
+def test_block_runs(page, index, block, tmp_path):
     env = {
         "TMPDIR": str(tmp_path),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -234,12 +137,11 @@ def test_block_runs(page, index, block, tmp_path, block_server):
             f"--master-port={free_port()}",
             str(script),
         ]
+    else:
+        cmd = [sys.executable, "-c", block]
     where = f"{_name(page)} block {index}"
     try:
-        if multi:
-            proc = run_process(cmd, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
-        else:
-            proc = block_server.run(block, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
+        proc = run_process(cmd, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     except TimeoutError as e:
         pytest.fail(f"{where} ran longer than {TIMEOUT_S}s\n{str(e)[-4000:]}")
     assert proc.returncode == 0, (
@@ -249,7 +151,7 @@ def test_block_runs(page, index, block, tmp_path, block_server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("page", "bash", "block"), _walkthroughs())
-def test_walkthrough_runs(page, bash, block, tmp_path, block_server):
+def test_walkthrough_runs(page, bash, block, tmp_path):
     for entry in ("examples", "setup.cfg"):  # what the commands read from the repository root
         (tmp_path / entry).symlink_to(REPO / entry)
     for name, body in page_files(page.read_text()).items():  # the page's own files (# file: NAME)
@@ -260,7 +162,7 @@ def test_walkthrough_runs(page, bash, block, tmp_path, block_server):
     try:
         proc = run_process(["bash", "-e", "-c", bash], timeout=WALKTHROUGH_TIMEOUT_S, env=env, cwd=tmp_path)
         assert proc.returncode == 0, f"{where} exited {proc.returncode}\n{proc.stderr[-4000:]}"
-        proc = block_server.run(block, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
+        proc = run_process([sys.executable, "-c", block], timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     except TimeoutError as e:
         pytest.fail(f"{where} ran too long\n{str(e)[-4000:]}")
     assert proc.returncode == 0, (

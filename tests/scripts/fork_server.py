@@ -1,0 +1,137 @@
+"""Starts test commands as forks of an interpreter that imported torch once.
+
+``tests/forked.py`` starts one per test process. It imports the heavy third-party modules every
+command pays for (torch, torch.distributed.checkpoint, ignite) and nothing of hookloop's, so a
+command still runs its own imports of the project. Then, for each request (one JSON line on stdin:
+``argv`` after the interpreter -- ``["-c", CODE]``, ``["-m", MODULE, *args]`` or
+``[SCRIPT, *args]`` --, ``cwd``, ``env``, ``stdout`` and ``stderr`` file paths), it forks a child
+that becomes what ``python ARGV`` would be: its own session, that directory and environment,
+``sys.path`` rebuilt from that environment's ``PYTHONPATH``, stdin from /dev/null, stdout and
+stderr to the files, ``sys.argv`` and ``__main__`` as the interpreter sets them; the child's exit
+runs what interpreter shutdown runs (non-daemon threads joined, atexit callbacks, streams flushed).
+
+Replies on stdout, one JSON line each: ``{"pid": N}`` when the child started, ``{"returncode": N}``
+when it ended (``-signal`` if a signal ended it, as ``subprocess`` reports).
+
+The server exits 3 instead of forking if importing started a thread: a fork of a process that runs
+other threads can leave the child holding a lock no thread will release.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import sys
+import tempfile
+import threading
+import traceback
+import types
+
+import ignite.engine  # noqa: F401
+import torch  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+
+_OWN_PATH = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+_BASE_PATH = [p for p in sys.path[1:] if p not in _OWN_PATH]  # stdlib and site-packages
+
+
+def _os_threads() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _become(request: dict) -> None:
+    """The process state ``python ARGV`` starts with, in this directory and environment."""
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR is read again
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fds = [os.open(os.devnull, os.O_RDONLY), *(os.open(request[name], write) for name in ("stdout", "stderr"))]
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    argv = request["argv"]
+    if argv[0] == "-c":
+        first = ""
+    elif argv[0] == "-m":
+        first = os.getcwd()
+    else:
+        first = os.path.dirname(os.path.abspath(argv[0]))
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *_BASE_PATH]
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+
+
+def _run(argv: list[str]) -> None:
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file first
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _child(request: dict) -> None:
+    """Become ``python ARGV`` and exit with its status; never returns."""
+    code = 1
+    try:
+        _become(request)
+        try:
+            _run(request["argv"])
+            code = 0
+        except SystemExit as e:
+            code = _exit_code(e)
+        except BaseException:  # what the interpreter prints for an uncaught exception
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # what interpreter shutdown does: join the non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def main() -> None:
+    reply = sys.stdout
+    for line in sys.stdin:
+        if _os_threads() != 1:
+            sys.exit(3)
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    main()
