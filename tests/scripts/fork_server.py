@@ -60,7 +60,8 @@ def _become(request: dict) -> None:
     os.environ.update(request["env"])
     tempfile.tempdir = None  # TMPDIR is read again
     write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fds = [os.open(os.devnull, os.O_RDONLY), *(os.open(request[name], write) for name in ("stdout", "stderr"))]
+    fds = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], write)]
+    fds.append(os.open(request["stderr"], write))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
