@@ -256,14 +256,14 @@ def test_a_users_engine_and_handlers_stay_theirs(tmp_path):
         "print(train_one_epoch(), NAME, hookloop.Trainer.__module__)\n"
     )
     env = {"PYTHONPATH": ""}
-    proc = run_process([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)
+    proc = run_process([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120, fresh=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["mine", "my", "handlers", "hookloop.engine.trainer"]
     # Outside the repository there is no top-level engine or handlers at all.
     empty = tmp_path / "empty"
     empty.mkdir()
     for name in ("engine", "handlers", "examples"):
-        proc = run_process([sys.executable, "-c", f"import {name}"], cwd=empty, env=env, timeout=60)
+        proc = run_process([sys.executable, "-c", f"import {name}"], cwd=empty, env=env, timeout=60, fresh=True)
         assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, name
 
 

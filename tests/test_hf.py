@@ -402,6 +402,6 @@ def test_importing_engine_does_not_import_transformers():
         "import sys, engine, engine.batch, engine.pipeline, engine.pipeline.hf_patches, handlers\n"
         "print('transformers' in sys.modules)"
     )
-    proc = run_process([sys.executable, "-c", code], timeout=120)
+    proc = run_process([sys.executable, "-c", code], timeout=120, fresh=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"

@@ -89,7 +89,7 @@ def test_importing_hookloop_loads_no_tokenizer_library():
         "heavy = {'datasets', 'tokenizers', 'transformers', 'pyarrow'}\n"
         "print(sorted(heavy & {name.split('.')[0] for name in sys.modules}))\n"
     )
-    proc = run_process([sys.executable, "-c", probe], timeout=120)
+    proc = run_process([sys.executable, "-c", probe], timeout=120, fresh=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
