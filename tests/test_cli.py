@@ -263,7 +263,8 @@ def test_a_users_engine_and_handlers_stay_theirs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     for name in ("engine", "handlers", "examples"):
-        proc = run_process([sys.executable, "-c", f"import {name}"], cwd=empty, env=env, timeout=60, fresh=True)
+        cmd = [sys.executable, "-c", f"import {name}"]
+        proc = run_process(cmd, cwd=empty, env=env, timeout=60, fresh=True)
         assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, name
 
 
