@@ -127,14 +127,14 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 
 
 def settled_snapshot(directory: Path, timeout: float = 60) -> dict[str, bytes]:
-    """``snapshot`` of a live run once its background save has finished (no partial checkpoint,
-    two readings 0.2 s apart equal): a held run may still be writing the step before."""
+    """``snapshot`` of a live run once its background writes have finished (two readings 0.5 s
+    apart equal): a held run may still be writing the save of the step before."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             first = snapshot(directory)
-            time.sleep(0.2)
-            if first == snapshot(directory) and not any(".partial-" in name for name in first):
+            time.sleep(0.5)
+            if first == snapshot(directory):
                 return first
         except FileNotFoundError:  # a file renamed or removed between listing and reading
             pass
