@@ -57,10 +57,13 @@ class RunningMean:
             return
         values = list(self._values)
         at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        if at:
+        read: list[float] = []  # none left: the window dropped them
+        if len(at) == 1:  # the usual case (one step between reads): one read, no new tensors
+            read = [values[at[0]].item()]
+        elif at:  # several: one transfer for all
             read = torch.stack([values[i].to(torch.float64) for i in at]).cpu().tolist()
-            for i, v in zip(at, read):
-                values[i] = v
+        for i, v in zip(at, read):
+            values[i] = v
         self._values.clear()
         self._values.extend(v for v in values if math.isfinite(v))
         self._unread = False

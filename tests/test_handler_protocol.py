@@ -352,6 +352,19 @@ def test_running_mean_skips_non_finite_values_and_keeps_its_window():
     assert math.isnan(mean.mean)
 
 
+def test_running_mean_reads_pushed_tensors_to_floats_one_or_many_at_a_time():
+    mean = RunningMean(3)
+    mean.push(torch.tensor(1.0))
+    assert mean.values == [1.0]  # one unread value
+    for value in (2.0, float("nan"), 4.0):
+        mean.push(torch.tensor(value))
+    assert mean.values == [2.0, 4.0] and all(type(v) is float for v in mean.values)  # several
+    mean.push(torch.tensor(float("inf")))
+    for value in (5.0, 6.0, 7.0):  # the unread tensor falls out of the window before a read
+        mean.push(value)
+    assert mean.values == [5.0, 6.0, 7.0] and mean.mean == pytest.approx(6.0)
+
+
 # ---------------------------------------------------------------------------------- NaN rollback
 
 

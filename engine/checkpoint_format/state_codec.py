@@ -21,7 +21,7 @@ def encode(obj: Any, where: str = "state") -> Any:
         return obj
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
-        raw = t.view(torch.uint8) if t.numel() and t.dtype != torch.bool else t
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() and t.dtype != torch.bool else t  # 0-dim too
         data = raw.numpy().tobytes() if t.numel() else b""
         return {
             "__tensor__": base64.b64encode(data).decode(),

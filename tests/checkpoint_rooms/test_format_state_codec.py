@@ -23,6 +23,9 @@ def test_tensors_come_back_bitwise_with_dtype_and_shape(dtype):
     assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
     empty = round_trip(torch.empty(0, 5, dtype=dtype))
     assert empty.shape == (0, 5) and empty.dtype == dtype
+    scalar = torch.tensor(2, dtype=dtype)  # 0-dim: a loss a handler keeps without reading it
+    back = round_trip(scalar)
+    assert back.shape == () and back.dtype == dtype and torch.equal(back, scalar)
 
 
 def test_containers_keys_and_arrays_come_back_as_they_were():
