@@ -4,13 +4,6 @@ import torch
 from hookloop.models.gpt import GPT, GPTConfig
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked slow or distributed (most of the long ones) run first, in their usual order: on
-    two workers the long tests then start early and the short ones fill the end, instead of one
-    long test running alone at the end while the other worker has nothing left."""
-    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("distributed")))
-
-
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Bitwise comparisons hold only at a fixed thread count.
