@@ -126,7 +126,13 @@ def test_a_node_whose_workers_are_killed_ends_the_other_nodes_workers_with_77(tm
     extra = ["step_scheduler.max_steps=100000", "step_scheduler.ckpt_every_steps=1000", "health.enabled=true",
              "health.every_steps=1", "health.timeout_s=5", "distributed.hang_timeout_s=30"]  # fmt: skip
     with _launch(tmp_path, "run", *extra) as nodes:
-        _await_steps(nodes, tmp_path / "run" / "metrics.jsonl", 3)
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        _await_steps(nodes, metrics, 3)
+        deadline = time.monotonic() + HARD_TIMEOUT_S
+        while not (tmp_path / "run" / "checkpoints").is_dir() or not _complete(tmp_path):
+            assert time.monotonic() < deadline, f"no complete checkpoint\n{nodes.output()}"
+            time.sleep(0.2)  # the start's save is durable (on a loaded machine it can trail step 3)
+        _await_steps(nodes, metrics, len(metrics.read_text().splitlines()) + 2)  # and known as such
         holds_rank0 = 0 if 0 in nodes.ranks(0) else 1
         lost = holds_rank0 if lost == "rank 0" else 1 - holds_rank0
         killed = time.monotonic()
