@@ -385,9 +385,7 @@ class MetricsTracker(Handler):
         cuda = self.trainer.device.type == "cuda"
         if cuda:
             local.append(torch.cuda.max_memory_allocated(self.trainer.device) / 2**20)
-        if parallel.world_size() > 1:
-            local = _all_reduce_max(local, self.trainer.collective_device)
-        step_time, data_time, rss, *cuda_mem = local
+        step_time, data_time, rss, *cuda_mem = _all_reduce_max(local, self.trainer.collective_device)
         # the interval as seen by the slowest rank (its timed steps: a run's first is apart)
         interval_s = (step_time + data_time) * self._timed
         self.train_time_s += interval_s
