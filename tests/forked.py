@@ -36,7 +36,8 @@ class ForkServer:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
+            bufsize=0,  # unbuffered: readline takes one reply, select sees the next one still waiting
         )  # fmt: skip
         self.outputs = Path(tempfile.mkdtemp(prefix="forked-output-"))  # not in the command's directory
 
@@ -54,8 +55,7 @@ class ForkServer:
     ) -> subprocess.CompletedProcess:
         out, err = self.outputs / "stdout", self.outputs / "stderr"
         request = {"argv": list(argv), "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         started = self._reply(START_S)
         if started is None:
             raise RuntimeError(f"the fork server did not start a command within {START_S} s")
