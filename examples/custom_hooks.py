@@ -235,7 +235,6 @@ def early_stop(trainer: Trainer, patience: int = 3, min_delta: float = 0.02) -> 
 
 
 if __name__ == "__main__":
-    from hookloop.cli import train_script
-    from hookloop.engine.parallel import exit_process
+    from hookloop.cli import run, train_script
 
-    exit_process(train_script(DEFAULT_CONFIG))
+    run(lambda: train_script(DEFAULT_CONFIG))

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hookloop.cli import train_script
-from hookloop.engine.parallel import exit_process
+from hookloop.cli import run, train_script
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "hf_tiny.yaml"
 
@@ -30,4 +29,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    run(main)  # the thread settings, then main(), then the exit code

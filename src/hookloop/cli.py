@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from hookloop import threads
 
 __all__ = ["main", "run", "train_script"]
 
@@ -75,6 +78,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    threads.apply_environment()  # before torch is imported (nothing when a caller imported it)
     if argv and argv[0] in DELEGATED:
         import importlib
 
@@ -133,12 +137,14 @@ def train_script(default_config: str | os.PathLike, argv: list[str] | None = Non
     return main(["train", str(args.config), *args.overrides])
 
 
-def run() -> None:
-    """The console script: :func:`main`, then leave the way a gloo process group allows."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def run(main_function: Callable[[], int] | None = None) -> None:
+    """The console script: :func:`main` (or ``main_function``, a training script's), then leave the
+    way a gloo process group allows. Torch is imported after the thread settings are made
+    (:mod:`hookloop.threads`) when the script has not imported it before."""
+    code = main() if main_function is None else main_function()
     from hookloop.engine.parallel import exit_process
 
-    exit_process(main())
+    exit_process(code)
 
 
 if __name__ == "__main__":

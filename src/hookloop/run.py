@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookloop import threads
 from hookloop.engine import (
     ConfigError,
     Events,
@@ -189,6 +190,7 @@ def _log_summary(run: Run) -> None:
         "world size %d (dp %d x tp %d x pp %d), precision %s",
         run.dist.world_size, run.dp_size, tp, pp, cfg.train.precision,
     )  # fmt: skip
+    logger.info("threads: %s", threads.describe(torch.get_num_threads()))
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
     logger.info("handlers: %s", handlers)
