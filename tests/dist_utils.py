@@ -61,8 +61,10 @@ def run_process(
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in a session of its own; on timeout kill it and raise TimeoutError. A ``python``
     command runs as a fork of a server that imported torch once (``tests/forked.py``) unless
-    ``fresh``: what must see a new interpreter (import-time settings and claims) asks for one."""
+    ``fresh``: what must see a new interpreter (import-time settings and claims) asks for one. A
+    None in ``env`` leaves that variable out (``OMP_NUM_THREADS`` is 1 unless ``env`` says)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
     if not fresh and forkable(cmd):
         return run_forked(cmd, cwd=cwd or REPO, env=full_env, timeout=timeout)
     proc = subprocess.Popen(

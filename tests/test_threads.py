@@ -42,9 +42,16 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _env(**variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in threads.ENVIRONMENT}
-    return {**env, "OMP_DISPLAY_ENV": "VERBOSE", **variables}  # the runtime prints what it read
+def _env(**variables: str) -> dict[str, str | None]:
+    # No OMP_NUM_THREADS unless given; the OpenMP runtime prints what it read as it loads.
+    return {"OMP_NUM_THREADS": None, "OMP_DISPLAY_ENV": "TRUE", **variables}
+
+
+def _runtime_threads(stderr: str) -> str:
+    """OMP_NUM_THREADS as the OpenMP runtime read it when it loaded (OMP_DISPLAY_ENV)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip().startswith("OMP_NUM_THREADS = ")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0].split("'")[1]
 
 
 def test_importing_hookloop_and_its_command_imports_no_torch_until_a_name_is_used(tmp_path):
@@ -68,48 +75,42 @@ def test_importing_hookloop_and_its_command_imports_no_torch_until_a_name_is_use
     assert "module 'hookloop' has no attribute 'Trainr'" in proc.stdout
 
 
-def test_the_command_sets_its_wait_default_before_torch_loads_and_keeps_the_users(project):
-    ours = run_process(
-        [sys.executable, "-m", "hookloop", "check", "run.yaml"], cwd=project, env=_env(), timeout=120, fresh=True
-    )
-    assert ours.returncode == 0, ours.stderr
-    assert f"GOMP_SPINCOUNT = '{threads.ENVIRONMENT['GOMP_SPINCOUNT']}'" in ours.stderr, ours.stderr
-    theirs = run_process(
-        [sys.executable, "-m", "hookloop", "check", "run.yaml"],
-        cwd=project,
-        env=_env(GOMP_SPINCOUNT="77"),
-        timeout=120,
-        fresh=True,
-    )
-    assert theirs.returncode == 0, theirs.stderr
-    assert "GOMP_SPINCOUNT = '77'" in theirs.stderr, theirs.stderr
-
-
-def test_the_start_up_summary_says_the_threads_and_where_their_settings_came_from(project):
-    env = _env(OMP_NUM_THREADS="2")
-    proc = run_process(
-        [sys.executable, "-m", "hookloop", "train", "run.yaml"], cwd=project, env=env, timeout=180, fresh=True
-    )
+def _train(project: Path, *args: str, env: dict[str, str], code: str | None = None):
+    command = ["-c", code] if code else ["-m", "hookloop", "train", "run.yaml"]
+    proc = run_process([sys.executable, *command, *args], cwd=project, env=env, timeout=180, fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    spin = threads.ENVIRONMENT["GOMP_SPINCOUNT"]
-    assert f"[hookloop] threads: 2 intra-op thread(s); waits: GOMP_SPINCOUNT={spin} (hookloop's default)" in (
-        proc.stderr
-    ), proc.stderr[-3000:]
-    # A script that imported torch first: the runtime's own settings, and the summary says why.
+    return proc
+
+
+def test_the_command_starts_torch_with_one_thread_unless_the_environment_or_config_says(project):
+    ours = _train(project, "train.run_dir=runs/a", env=_env())
+    assert _runtime_threads(ours.stderr) == "1", "OMP_NUM_THREADS was not set before the runtime loaded"
+    assert "[hookloop] threads: 1 intra-op (hookloop's default; train.num_threads=" in ours.stderr
+    theirs = _train(project, "train.run_dir=runs/b", env=_env(OMP_NUM_THREADS="2"))
+    assert _runtime_threads(theirs.stderr) == "2"
+    assert "[hookloop] threads: 2 intra-op (OMP_NUM_THREADS=2 in the environment)" in theirs.stderr
+    configured = _train(project, "train.run_dir=runs/c", "train.num_threads=2", env=_env())
+    assert "[hookloop] threads: 2 intra-op (train.num_threads)" in configured.stderr
+
+
+def test_a_script_that_imported_torch_first_still_trains_with_one_thread(project):
+    # The runtime started with torch's own count; the run is built with torch.set_num_threads(1).
     code = (
         "import torch, sys\n"
         "from hookloop.cli import run\n"
         "sys.argv = ['train', 'train', 'run.yaml', 'train.run_dir=runs/late']\n"
         "run()\n"
     )
-    late = run_process([sys.executable, "-c", code], cwd=project, env=env, timeout=180, fresh=True)
-    assert late.returncode == 0, late.stderr[-3000:]
-    assert f"GOMP_SPINCOUNT = '{spin}'" not in late.stderr and "GOMP_SPINCOUNT = '300000'" in late.stderr
-    assert "waits: the OpenMP runtime's defaults (torch was imported before hookloop" in late.stderr
+    late = _train(project, env=_env(), code=code)
+    assert _runtime_threads(late.stderr) == str(os.cpu_count())
+    assert "[hookloop] threads: 1 intra-op (hookloop's default;" in late.stderr
 
 
-def test_apply_environment_changes_nothing_once_torch_is_imported():
+def test_apply_environment_changes_nothing_once_torch_is_imported_or_the_variable_is_set():
     import torch  # noqa: F401  (as a training script that imported torch first)
 
     environ: dict[str, str] = {}
-    assert threads.apply_environment(environ) == {} and environ == {}
+    assert threads.apply_environment(environ) is False and environ == {}
+    assert threads.chosen(None, {"OMP_NUM_THREADS": "4"}) is None
+    assert threads.chosen(None, {}) == threads.DEFAULT_THREADS
+    assert threads.chosen(3, {"OMP_NUM_THREADS": "4"}) == 3

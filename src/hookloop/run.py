@@ -190,7 +190,7 @@ def _log_summary(run: Run) -> None:
         "world size %d (dp %d x tp %d x pp %d), precision %s",
         run.dist.world_size, run.dp_size, tp, pp, cfg.train.precision,
     )  # fmt: skip
-    logger.info("threads: %s", threads.describe(torch.get_num_threads()))
+    logger.info("threads: %s", threads.describe(torch.get_num_threads(), cfg.train.num_threads))
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
     logger.info("handlers: %s", handlers)
@@ -204,8 +204,9 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     behind. ``checked`` is :func:`~hookloop.train.check`'s result, when the caller has it."""
     checked = checked or check(cfg)
     recipe = checked.model.recipe
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    count = threads.chosen(cfg.train.num_threads)  # one per process unless the config or environment says
+    if count is not None:
+        torch.set_num_threads(count)
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

@@ -1,18 +1,20 @@
-"""The CPU thread settings hookloop trains with: a fair share of a machine other jobs use too.
+"""The intra-op thread count hookloop trains with: one per process unless told otherwise.
 
 torch runs its intra-op work on an OpenMP team of one thread per core, and GNU OpenMP (the runtime
 torch's wheels use) keeps a waiting thread spinning for ~300,000 rounds before it sleeps. Alone on
-a machine that is the fastest choice; beside another job doing the same it is the slowest: each
-barrier waits for a thread the scheduler has given to the other job, while the spinning threads
-burn the slices that thread needed (measured in ``benchmarks/threads.py``, figures in
-docs/performance.md). The defaults below keep the team but let a waiting thread sleep soon.
+an idle machine that is the fastest choice for one process; beside any other busy process it is
+the slowest: every barrier waits for a team thread the scheduler gave to the other process, while
+its partner spins through the slice that thread needed. Measured here (``benchmarks/threads.py``,
+figures in docs/performance.md), one thread per process kept its throughput beside a competing job
+where a team of two fell to a tenth of its own, and a shorter spin or passive waits did not close
+the gap. torchrun makes the same choice for its workers (``OMP_NUM_THREADS=1``).
 
-The ``hookloop`` command applies them (:func:`apply_environment`) before torch is imported, since
-the OpenMP runtime reads them when it loads; a variable already set in the environment is kept.
-``hookloop.train`` runs in a process that imported torch already: there only the intra-op count can
-still change (``train.num_threads``), and the start-up summary (:func:`describe`) says what the run
-got. Users of the bare :class:`~hookloop.engine.Trainer` set the same variables before importing
-torch (docs/performance.md).
+So ``hookloop train`` and :func:`hookloop.train.build` use one intra-op thread unless
+``train.num_threads`` or ``OMP_NUM_THREADS`` says otherwise (set it to the cores on a machine the
+run has to itself). The ``hookloop`` command sets ``OMP_NUM_THREADS`` before torch is imported
+(:func:`apply_environment`), so the OpenMP runtime starts with it; a process that imported torch
+first gets the count from ``torch.set_num_threads`` when the run is built. The start-up summary
+(:func:`describe`) says the count and where it came from.
 
 Nothing here imports torch.
 """
@@ -23,38 +25,43 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-__all__ = ["ENVIRONMENT", "apply_environment", "describe"]
+__all__ = ["DEFAULT_THREADS", "apply_environment", "chosen", "describe"]
 
-_applied: dict[str, str] = {}  # what apply_environment set in this process
-
-# Variable -> hookloop's default. GOMP_SPINCOUNT: rounds a waiting GNU OpenMP thread spins before it
-# sleeps (the runtime's default is 300,000); KMP_BLOCKTIME: the same for Intel's OpenMP, in ms.
-ENVIRONMENT: dict[str, str] = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"}
+DEFAULT_THREADS = 1  # intra-op threads per process when neither the config nor the environment says
+_VARIABLE = "OMP_NUM_THREADS"
+_set_here = False  # apply_environment set the variable in this process
 
 
-def apply_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set each of :data:`ENVIRONMENT` that ``environ`` (``os.environ``) does not name; return the
-    ones set. Has an effect only before torch is imported (the OpenMP runtime reads them as it
-    loads): returns ``{}`` and changes nothing when torch is imported already."""
+def apply_environment(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set ``OMP_NUM_THREADS`` to :data:`DEFAULT_THREADS` when ``environ`` (``os.environ``) does not
+    name it and torch is not imported yet (its OpenMP runtime reads the variable as it loads);
+    return whether it was set."""
+    global _set_here
     environ = os.environ if environ is None else environ
-    if "torch" in sys.modules:
-        return {}
-    applied = {k: v for k, v in ENVIRONMENT.items() if k not in environ}
-    environ.update(applied)
+    if "torch" in sys.modules or _VARIABLE in environ:
+        return False
+    environ[_VARIABLE] = str(DEFAULT_THREADS)
     if environ is os.environ:
-        _applied.update(applied)
-    return applied
+        _set_here = True
+    return True
 
 
-def describe(num_threads: int) -> str:
-    """One line for the start-up summary: the intra-op thread count and where the wait settings came
-    from (hookloop's defaults, the environment, or the OpenMP runtime's own)."""
-    applied, environ = _applied, os.environ
-    waits = []
-    for name in ENVIRONMENT:
-        if name in applied:
-            waits.append(f"{name}={applied[name]} (hookloop's default)")
-        elif name in environ:
-            waits.append(f"{name}={environ[name]} (environment)")
-    said = ", ".join(waits) if waits else "the OpenMP runtime's defaults (torch was imported before hookloop could set them)"
-    return f"{num_threads} intra-op thread(s); waits: {said}"
+def chosen(configured: int | None, environ: MutableMapping[str, str] | None = None) -> int | None:
+    """The count to pass to ``torch.set_num_threads`` for a run whose ``train.num_threads`` is
+    ``configured``: that, else hookloop's default when the environment names none; None: keep the
+    count the environment gave."""
+    environ = os.environ if environ is None else environ
+    if configured:
+        return configured
+    return None if _VARIABLE in environ else DEFAULT_THREADS
+
+
+def describe(num_threads: int, configured: int | None) -> str:
+    """The start-up summary's words for the intra-op thread count and where it came from."""
+    if configured:
+        source = "train.num_threads"
+    elif _set_here or _VARIABLE not in os.environ:
+        source = f"hookloop's default; train.num_threads={os.cpu_count()} for every core"
+    else:
+        source = f"{_VARIABLE}={os.environ[_VARIABLE]} in the environment"
+    return f"{num_threads} intra-op ({source})"
