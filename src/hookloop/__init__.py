@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr_
 
     __all__ = [*_engine_all, "__version__"]
 
+
 def __getattr__(name: str) -> Any:
     """A module of the package, or one of the engine's public names (and ``__all__``,
     ``__version__``), imported on first use, then cached."""
