@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -14,6 +15,11 @@ __all__ = ["JSONLLogger"]
 
 #: Where the JSONL logger records a step: the first of the shipped loggers.
 LOG_JSONL = Priority.RECORD
+
+
+def _line(record: tuple[int, float, dict[str, float]]) -> str:
+    step, unix_time, metrics = record
+    return json.dumps({"step": step, "time": unix_time, **metrics})
 
 
 class JSONLLogger(MetricLogger):
@@ -59,11 +65,11 @@ class JSONLLogger(MetricLogger):
         return self.path if r == 0 else self.path.with_name(f"{self.path.stem}.rank{r}{self.path.suffix}")
 
     def open(self) -> None:
-        self._file = RecordFile(self._rank_path(), flush_secs=self.flush_secs)
+        self._file = RecordFile(self._rank_path(), flush_secs=self.flush_secs, encode=_line)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is not None:
-            self._file.write({"step": step, "time": time.time(), **metrics})
+            self._file.write((step, time.time(), metrics))
 
     def flush(self) -> None:
         if self._file is not None:

@@ -320,12 +320,13 @@ class MetricsTracker(Handler):
                 self._tokens += tokens
             self._samples += state.samples_seen - self._samples_mark
             self._samples_mark = state.samples_seen
-        if self._owns_loss_avg:
-            self._loss_window.push(state.peek("loss"))
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
+        publish = state.step % self.log_interval == 0 or self.trainer.at_last_step
+        if self._owns_loss_avg:  # the loss unread (a tensor stays one) unless it is published now
+            self._loss_window.push(state.loss if publish else state.peek("loss"))
+        if publish:
             self._publish()
 
     def _publish(self) -> None:
