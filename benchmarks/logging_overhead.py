@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds = 20, 12
+        args.steps, args.rounds = 20, 10
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     contenders = dict(CONTENDERS) if args.quick else {**CONTENDERS, **EVERY_10}
