@@ -9,8 +9,9 @@ least every ``flush_secs`` seconds. The promise:
 * records reach the file whole and in the order they were written (one thread writes at a time,
   whole lines only);
 * a record is in the file (the operating system's: it survives the process being killed) at most
-  ``flush_secs`` after it was written, after every :meth:`flush`, and after :meth:`close`. A process
-  killed with SIGKILL (or ended by ``os._exit``) loses at most its last ``flush_secs`` of records.
+  ``flush_secs`` after it was written, after every :meth:`flush`, after :meth:`close`, and when the
+  interpreter exits (an open RecordFile is flushed then). A process killed with SIGKILL (or ended
+  by ``os._exit``) loses at most its last ``flush_secs`` of records.
 
 The target is a path (opened for appending, its directory created), an open text stream (the
 console's ``sys.stdout``: only the flusher thread writes to it, or :meth:`flush` and :meth:`close`
@@ -23,9 +24,11 @@ encoding or writing one is raised by the next :meth:`write`, :meth:`flush` or :m
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +38,17 @@ __all__ = ["FLUSH_SECS", "RecordFile"]
 
 #: How long a written record may stay in memory: a killed run loses at most this many seconds of lines.
 FLUSH_SECS = 1.0
+
+_open: weakref.WeakSet[RecordFile] = weakref.WeakSet()  # flushed at exit if nobody closed them
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for records in list(_open):
+        try:
+            records.flush()
+        except Exception:  # noqa: S110 (exiting: nothing is left to tell)
+            pass
 
 
 class RecordFile:
@@ -71,6 +85,7 @@ class RecordFile:
         self._closed = threading.Event()  # tells the flusher thread to stop
         self._flusher = threading.Thread(target=self._flush_every, name=f"flush {name}", daemon=True)
         self._flusher.start()
+        _open.add(self)
 
     def write(self, record: Any) -> None:
         """Append ``record`` (encoded and written later, on the flusher thread or at :meth:`flush`)."""
@@ -95,6 +110,7 @@ class RecordFile:
             self.flush()
         finally:
             self._done = True
+            _open.discard(self)
             if self.path is not None:
                 self._file.close()
 

@@ -1,12 +1,14 @@
 """RecordFile: records come back as whole lines in the order written, reach the file within
-``flush_secs`` while the writer does nothing more, at ``flush()`` and at ``close()``; a record that
-cannot be encoded is said to the writer."""
+``flush_secs`` while the writer does nothing more, at ``flush()``, at ``close()`` and when the
+interpreter exits; a record that cannot be encoded is said to the writer."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -84,3 +86,18 @@ def test_a_record_that_cannot_be_encoded_is_said_to_the_writer_and_the_others_ar
         records.flush()
     records.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3]
+
+
+def test_records_left_open_are_written_when_the_interpreter_exits(tmp_path):
+    path = tmp_path / "r.jsonl"
+    script = (
+        "import sys\n"
+        "from hookloop.engine import RecordFile\n"
+        "records = RecordFile(sys.argv[1], flush_secs=3600)\n"
+        "for step in range(1, 6):\n"
+        "    records.write({'step': step})\n"
+    )
+    cmd = [sys.executable, "-c", script, str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
