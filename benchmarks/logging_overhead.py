@@ -1,171 +1,232 @@
-"""Step-time overhead of observability: MetricsTracker + JSONL + TensorBoard vs no handlers.
+"""Step-time overhead of logging every step: the default logging configuration, and with TensorBoard,
+against a Trainer with no logging.
 
-Trains the same tiny GPT for N steps in one process, alternating configurations so drift on a
-shared machine hits them alike; reports per configuration the median (over repeats) of the mean
-step time, in wall time and in CPU time of the training thread (robust to other processes on the
-machine), with ratios to the bare Trainer measured in the same run, and the CPU time spent inside
-the handlers' own callbacks.
+Contenders train the same tiny GPT (d_model 64, 2 layers, seq 32, batch 8, one microbatch a step)
+on the same data from the same seed:
 
-    python benchmarks/logging_overhead.py            # full (about a minute on 2 cores)
-    python benchmarks/logging_overhead.py --quick    # well under a minute
-    python benchmarks/logging_overhead.py --json out.json   # figures for benchmarks/run.py
+* no logging: a bare Trainer;
+* default logging, every step: what ``hookloop train`` attaches with ``logging.log_interval=1`` and
+  the other settings at their defaults (MetricsTracker with ``progress.jsonl``, JSONLLogger, and the
+  console's plain lines, written to a file here as a CI log would be);
+* the same with TensorBoard (``logging.tensorboard=true``).
+
+A step's time is read where every contender reads its data (the time between fetching one step's
+batch and the next), so all are timed by the same clock at the same places and no handler is added
+to time them; the first step and the run's set-up are left out. Contenders alternate over
+``--rounds`` rounds of ``--steps`` steps, the order turning each round. Per round, each contender's
+median step (as ``overhead.py``; a step another process disturbed is left out); the ratio is the
+median over rounds of the per-round ratio to no logging (rounds next to each other see the same
+machine: this one's speed drifts by up to 50% over seconds). The clock is the CPU time of the whole
+process (every thread): other processes on a shared machine stretch wall time far more than CPU
+time. Work done on some steps only (a background thread writing a second's records) is in the
+mean step, whose ratio is printed beside the median's, as is the wall-time ratio.
+
+    python benchmarks/logging_overhead.py [--quick] [--json PATH] [--profile]
+
+``--profile`` also times each handler's callbacks (CPU time of the training thread) and the records'
+background writing in separate runs (wrapping them costs a little; those runs are not in the ratios).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
 import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from workload import Stamped, write_result  # noqa: E402
+
 from hookloop.engine import Events, Trainer  # noqa: E402
+from hookloop.handlers.loggers import LoggingConfig, build_loggers  # noqa: E402
+from hookloop.handlers.metrics import MetricsConfig, MetricsTracker  # noqa: E402
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
 
+TARGET = 1.03
+BASE = "no logging"
+CONTENDERS = {
+    BASE: None,
+    "default logging, every step": LoggingConfig(log_interval=1),
+    "default logging + TensorBoard, every step": LoggingConfig(log_interval=1, tensorboard=True),
+}
+# the default interval, for the full run's table only
+EVERY_10 = {"default logging + TensorBoard, every 10": LoggingConfig(log_interval=10, tensorboard=True)}
 
-def make_data(steps: int, batch: int, seq: int) -> list:
+
+def make_data(steps: int, batch: int = 8, seq: int = 32) -> list:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (steps * batch, seq + 1), generator=g)
     return [(x[i : i + batch, :-1], x[i : i + batch, 1:]) for i in range(0, steps * batch, batch)]
 
 
-def _time_handlers(trainer: Trainer, owners: tuple, spent: list[float]) -> None:
-    """Wrap the event handlers bound to ``owners`` so the CPU time inside them adds up in ``spent``."""
-
-    def timed(fn):
-        def wrapper(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[0] += time.thread_time() - start
-
-        return wrapper
-
-    events = {getattr(Events, name) for name in dir(Events) if name.isupper()}
-    for event in events:
-        for entry in trainer.events.entries(event):  # the registry's own entries: wrap in place
-            if getattr(entry.original, "__self__", None) in owners:
-                entry.func = timed(entry.original)
+def attach_logging(trainer: Trainer, cfg: LoggingConfig, run_dir: Path) -> list:
+    """The tracker and loggers ``hookloop train`` builds from these sections (its HANDLER_ORDER)."""
+    handlers = [MetricsTracker.from_config(MetricsConfig(), run_dir=run_dir, log_interval=cfg.log_interval)]
+    handlers += build_loggers(cfg, run_dir)
+    for handler in handlers:
+        if hasattr(handler, "stream"):  # the console: its lines into the run directory, not our printout
+            handler.stream = open(run_dir / "console.log", "a")  # noqa: SIM115 (lives as long as the run)
+        handler.attach(trainer)
+    return handlers
 
 
-def run(config: str, data: list, steps: int, log_dir: Path, spent: list | None = None) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the training thread) per step of one run of ``config``; with
-    ``spent``, CPU time inside the handlers is added to ``spent[0]``."""
-    from hookloop.handlers.jsonl_logger import JSONLLogger
-    from hookloop.handlers.metrics import MetricsTracker
-    from hookloop.handlers.tensorboard_logger import TensorBoardLogger
-
+def run(cfg: LoggingConfig | None, data: list, tmp: Path, spent: dict | None = None) -> Stamped:
+    """One run of one contender; with ``spent``, nanoseconds inside each handler's callbacks add up
+    there by handler class."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=data[0][0].shape[1], n_layers=2, d_model=64, n_heads=4))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
-    if config != "bare":
-        every = 1 if config.endswith("every step") else 10
-        run_dir = Path(tempfile.mkdtemp(dir=log_dir))
-        owners: tuple = (
-            MetricsTracker(every, run_dir=run_dir).attach(trainer),
-            JSONLLogger(run_dir / "metrics.jsonl").attach(trainer),
-        )
-        if "+tb" in config:
-            owners += (TensorBoardLogger(run_dir / "tb").attach(trainer),)
+    if cfg is not None:
+        handlers = attach_logging(trainer, cfg, Path(tempfile.mkdtemp(dir=tmp)))
         if spent is not None:
-            _time_handlers(trainer, owners, spent)
-    wall, cpu = time.perf_counter(), time.thread_time()
-    trainer.run(data, max_steps=steps)
-    return (time.perf_counter() - wall) / steps, (time.thread_time() - cpu) / steps
+            _time_handlers(trainer, handlers, spent)
+    stamped = Stamped(data, accum=1)
+    trainer.run(stamped, max_epochs=1)
+    return stamped
 
 
-def main() -> None:
+def _time_handlers(trainer: Trainer, handlers: list, spent: dict) -> None:
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time_ns() - start
+
+        return wrapper
+
+    for event in {getattr(Events, name) for name in dir(Events) if name.isupper()}:
+        for entry in trainer.events.entries(event):  # the registry's own entries: wrap in place
+            owner = getattr(entry.original, "__self__", None)
+            if owner in handlers:
+                entry.func = timed(entry.original, type(owner).__name__)
+
+
+@contextlib.contextmanager
+def _timed_background_writing(spent: dict):
+    """Add the CPU time RecordFiles spend writing records out (on their threads, or at a flush or
+    close on the training thread) to ``spent``."""
+    from hookloop.engine.record_file import RecordFile
+
+    drain = RecordFile._drain
+
+    def timed(self):
+        start = time.thread_time_ns()
+        try:
+            drain(self)
+        finally:
+            spent["writing records (background)"] += time.thread_time_ns() - start
+
+    RecordFile._drain = timed
+    try:
+        yield
+    finally:
+        RecordFile._drain = drain
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks/run.py format)")
-    args = parser.parse_args()
-    steps = args.steps or (60 if args.quick else 200)
-    repeats = args.repeats or (3 if args.quick else 7)
+    parser.add_argument("--steps", type=int, default=40, help="steps per contender per round")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (CI)")
+    parser.add_argument("--profile", action="store_true", help="also time inside each handler")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds = 20, 10
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
-    data = make_data(steps, batch=8, seq=32)
-    configs = [
-        "bare",
-        "tracker+jsonl, every step",
-        "tracker+jsonl+tb, every step",
-        "tracker+jsonl+tb, every 10",
-    ]
-    wall: dict[str, list[float]] = {c: [] for c in configs}
-    cpu: dict[str, list[float]] = {c: [] for c in configs}
+    contenders = dict(CONTENDERS) if args.quick else {**CONTENDERS, **EVERY_10}
+    names = list(contenders)
+    data = make_data(args.steps + 1)  # the first step is left out
+    wall: dict[str, list[float]] = {name: [] for name in names}  # per round: the median step
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    cpu_mean: dict[str, list[float]] = {name: [] for name in names}  # per round: the mean step
     with tempfile.TemporaryDirectory() as tmp:
-        for c in configs:  # warm-up: imports, allocator, first event file
-            run(c, data, min(steps, 10), Path(tmp))
-        for r in range(repeats):
-            for c in configs if r % 2 == 0 else configs[::-1]:
-                w, u = run(c, data, steps, Path(tmp))
-                wall[c].append(w)
-                cpu[c].append(u)
-        # CPU time spent inside the three handlers' callbacks, measured around each call
-        inside: dict[str, float] = {"bare": 0.0}
-        for c in configs[1:]:
-            spent = [0.0]
-            run(c, data, steps, Path(tmp), spent=spent)
-            inside[c] = spent[0] / steps
-    base_wall, base_cpu = statistics.median(wall["bare"]), statistics.median(cpu["bare"])
-    print(f"\n{steps} steps x {repeats} repeats, GPT d_model=64 layers=2 seq=32 batch=8, 1 thread")
+        for cfg in contenders.values():  # warm-up: imports, allocator, the first event file
+            run(cfg, data[:4], Path(tmp))
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                stamped = run(contenders[name], data, Path(tmp))
+                wall[name].append(statistics.median(stamped.step_times("wall")))
+                cpu[name].append(statistics.median(stamped.step_times("cpu")))
+                cpu_mean[name].append(statistics.fmean(stamped.step_times("cpu")))
+        spent: dict[str, dict[str, int]] = {}
+        if args.profile:
+            for name in names[1:]:
+                spent[name] = defaultdict(int)
+                with _timed_background_writing(spent[name]):
+                    for _ in range(3):
+                        run(contenders[name], data, Path(tmp), spent[name])
+
+    def ratio(times: dict[str, list[float]], name: str) -> float:
+        # per round (same round, same machine load), then the median over rounds
+        return statistics.median(t / b for t, b in zip(times[name], times[BASE]))
+
     print(
-        f"{'configuration':32s} {'wall ms/step':>12s} {'ratio':>6s} {'CPU ms/step':>12s} {'ratio':>6s}"
-        f" {'in handlers us/step':>20s} {'% of bare CPU step':>19s}"
+        f"{args.rounds} rounds x {args.steps} steps per contender, order turning each round; "
+        "GPT d_model=64 layers=2 seq=32 batch=8, 1 thread"
     )
-    for c in configs:
-        mw, mc = statistics.median(wall[c]), statistics.median(cpu[c])
-        print(
-            f"{c:32s} {1e3 * mw:12.3f} {mw / base_wall:6.3f} {1e3 * mc:12.3f} {mc / base_cpu:6.3f}"
-            f" {1e6 * inside[c]:20.1f} {100 * inside[c] / base_cpu:18.2f}%"
-        )
+    head = f"{'contender':42s} {'CPU ms/step':>12s} {'ratio':>6s} {'mean-step ratio':>15s}"
+    print(f"{head} {'wall ms/step':>12s} {'ratio':>6s}")
+    rows = {}
+    for name in names:
+        mw, mc = statistics.median(wall[name]), statistics.median(cpu[name])
+        rows[name] = {
+            "wall_ms": 1e3 * mw,
+            "wall_ratio": ratio(wall, name),
+            "cpu_ms": 1e3 * mc,
+            "cpu_ratio": ratio(cpu, name),
+            "cpu_mean_step_ratio": ratio(cpu_mean, name),
+        }
+        row = rows[name]
+        cpu_part = f"{row['cpu_ms']:12.3f} {row['cpu_ratio']:6.3f} {row['cpu_mean_step_ratio']:15.3f}"
+        print(f"{name:42s} {cpu_part} {row['wall_ms']:12.3f} {row['wall_ratio']:6.3f}")
     print(
-        "wall / CPU: medians over repeats of the per-step mean; CPU = time.thread_time of the training thread"
+        "ms/step: median over rounds of the round's median step; ratio: median over rounds of the "
+        f"round's ratio to {BASE!r} (mean-step ratio: the same with each round's mean step); "
+        f"target <= {TARGET} for logging every step"
     )
-    print("in handlers: CPU time inside the MetricsTracker, JSONL (and TensorBoard) callbacks per step")
-    if args.json:
-        figures = []
-        for c, target in (("tracker+jsonl+tb, every step", 1.03), ("tracker+jsonl+tb, every 10", None)):
-            # training-thread CPU time: on a shared machine far steadier than wall time
-            mc = statistics.median(cpu[c])
-            figures.append(
-                {
-                    "figure": f"step CPU time, tracker + JSONL + TensorBoard logging {c.split(', ')[1]}",
-                    "hookloop": 1e3 * mc,
-                    "reference": 1e3 * base_cpu,
-                    "ratio": mc / base_cpu,
-                    "target": f"<= {target}" if target else None,
-                    "met": (mc / base_cpu <= target) if target else None,
-                    "unit": "ms",
-                }
-            )
-        rows = {
-            c: {
-                "wall_ms": 1e3 * statistics.median(wall[c]),
-                "cpu_ms": 1e3 * statistics.median(cpu[c]),
-                "in_handlers_us": 1e6 * inside[c],
-            }
-            for c in configs
+    for name, by_handler in spent.items():
+        per_step = {h: ns / (3 * args.steps * 1e3) for h, ns in by_handler.items()}
+        parts = ", ".join(f"{h} {us:.1f}" for h, us in per_step.items())
+        print(f"in handlers, {name}: {sum(per_step.values()):.1f} us/step ({parts})")
+    figures = [
+        {
+            "figure": f"step CPU time, {name}",
+            "hookloop": rows[name]["cpu_ms"],
+            "reference": rows[BASE]["cpu_ms"],
+            "ratio": rows[name]["cpu_ratio"],
+            "target": f"<= {TARGET}",
+            "met": rows[name]["cpu_ratio"] <= TARGET,
+            "unit": "ms",
         }
-        result = {
-            "benchmark": "logging",
-            "steps": steps,
-            "repeats": repeats,
-            "rows": rows,
-            "figures": figures,
-            "notes": "Reference: the bare Trainer on the same model and data in the same run.",
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        for name in CONTENDERS
+        if name != BASE
+    ]
+    result = {
+        "benchmark": "logging",
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "rows": rows,
+        "figures": figures,
+        "notes": (
+            "Reference: a Trainer with no logging on the same model and data. Steady-state steps timed "
+            "at data fetch by the process's CPU time (the first step and set-up left out), the round's "
+            "median step, median of per-round ratios over rounds whose order turns."
+        ),
+    }
+    write_result(args.json, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, Stamped, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from hookloop.engine import Events, Trainer  # noqa: E402
 from hookloop.models.gpt import cross_entropy_loss  # noqa: E402
@@ -48,27 +47,6 @@ def setup(seed: int = 0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, opt, sched
-
-
-class Stamped:
-    """``data`` as an iterable that notes the time each step's first microbatch is fetched."""
-
-    def __init__(self, data: list) -> None:
-        self.data, self.stamps = data, []
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __iter__(self):
-        for i, batch in enumerate(self.data):
-            if i % ACCUM == 0:
-                self.stamps.append(time.perf_counter())
-            yield batch
-        self.stamps.append(time.perf_counter())
-
-    def step_seconds(self) -> float:
-        """Median seconds per step, the first step left out."""
-        return statistics.median(b - a for a, b in zip(self.stamps[1:], self.stamps[2:]))
 
 
 def hand_written(data: list) -> float:

@@ -4,6 +4,7 @@ result file every benchmark writes for ``benchmarks/run.py``."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,43 @@ def seconds_per_step(trainer: Any, data: list, accum: int = ACCUM) -> float:
     start = time.perf_counter()
     trainer.run(data, max_epochs=1)
     return (time.perf_counter() - start) / (len(data) // accum)
+
+
+class Stamped:
+    """``data`` as an iterable that notes the time each step's first microbatch is fetched: the one
+    place every contender (a hand-written loop, a Trainer with or without handlers) passes through
+    at the same point of its step, so all are timed by the same clock with no handler added to time.
+
+    ``wall`` holds ``time.perf_counter`` stamps, ``cpu`` ``time.process_time`` ones (every thread of
+    the process, so work a handler hands to a thread of its own still counts)."""
+
+    def __init__(self, data: list, accum: int = ACCUM) -> None:
+        self.data, self.accum = data, accum
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def _stamp(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def __iter__(self):
+        for i, batch in enumerate(self.data):
+            if i % self.accum == 0:
+                self._stamp()
+            yield batch
+        self._stamp()
+
+    def step_times(self, clock: str = "wall") -> list[float]:
+        """Seconds per step by ``clock`` (``"wall"`` or ``"cpu"``), the first step left out."""
+        stamps = self.wall if clock == "wall" else self.cpu
+        return [b - a for a, b in zip(stamps[1:], stamps[2:])]
+
+    def step_seconds(self) -> float:
+        """Median wall seconds per step, the first step left out."""
+        return statistics.median(self.step_times())
 
 
 def write_result(path: Path | None, result: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from hookloop.engine.logging_setup import install_default, setup_logging
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
+from hookloop.engine.record_file import RecordFile
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
@@ -50,6 +51,7 @@ __all__ = [
     "ConfigError",
     "Decided",
     "Rollback",
+    "RecordFile",
     "SavePolicy",
     "StepControl",
     "DistInfo",

@@ -45,7 +45,7 @@ class RunningMean:
     def push(self, value: Any) -> None:
         """Add ``value`` without computing the mean; a tensor is kept unread."""
         if isinstance(value, torch.Tensor):
-            self._values.append(value.detach())
+            self._values.append(value.detach() if value.requires_grad else value)
             self._unread = True
             return
         value = float(value)

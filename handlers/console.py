@@ -7,6 +7,7 @@ import sys
 from typing import IO, Any
 
 from hookloop.engine.events import Events, Priority
+from hookloop.engine.record_file import FLUSH_SECS, RecordFile
 from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, is_validation_metric
 
 __all__ = ["ConsoleLogger"]
@@ -21,7 +22,10 @@ def _fmt(value: float, spec: str) -> str:
 
 def _validation_parts(metrics: dict[str, float]) -> list[str]:
     """``val_loss 2.3411``, then every other validation metric (``val_accuracy 0.4120``)."""
-    names = sorted((n for n in metrics if is_validation_metric(n)), key=lambda n: n != "val_loss")
+    names = [n for n in metrics if is_validation_metric(n)]
+    if not names:
+        return names
+    names.sort(key=lambda n: n != "val_loss")
     return [
         f"{name} {metrics[name]}"
         if isinstance(metrics[name], int)
@@ -42,6 +46,10 @@ class ConsoleLogger(MetricLogger):
 
         step 120/1000 | loss 2.3411 (avg 2.4020) | lr 3.00e-04 | 18,204 tok/s | 0.0412 s/step
         step 200/1000 | val_loss 2.2950 | val_accuracy 0.3418
+
+    The plain lines are formatted and written by a background thread (a
+    :class:`~hookloop.engine.RecordFile` on the stream): each reaches the stream, flushed, within
+    ``flush_secs`` seconds, when a checkpoint is published and at the end, in step order.
     """
 
     priority = LOG_CONSOLE
@@ -54,12 +62,16 @@ class ConsoleLogger(MetricLogger):
         refresh_every: int = 10,
         every_steps: int | None = None,
         all_ranks: bool = False,
+        flush_secs: float = FLUSH_SECS,
     ) -> None:
         super().__init__(every_steps=every_steps, all_ranks=all_ranks)
         self.stream = stream
         self.progress_bar = progress_bar
         self.refresh_every = refresh_every
+        self.flush_secs = flush_secs
         self.pbar: Any = None
+        self._plain = True
+        self._lines: RecordFile | None = None
 
     @classmethod
     def from_config(cls, cfg: LoggingConfig) -> ConsoleLogger | None:
@@ -76,6 +88,7 @@ class ConsoleLogger(MetricLogger):
         if use_bar is None:
             stream = self.stream if self.stream is not None else sys.stderr
             use_bar = bool(getattr(stream, "isatty", lambda: False)())
+        self._plain = not use_bar
         if use_bar and self.active:
             trainer.add_event_handler(Events.RUN_STARTED, self._open_bar, priority=self.priority)
             trainer.add_event_handler(Events.STEP_END, self._advance_bar, priority=self.priority)
@@ -136,20 +149,28 @@ class ConsoleLogger(MetricLogger):
         if self.pbar is not None:
             self.pbar.close()  # idempotent; the closed bar stays readable (its n, total, format_dict)
 
+    def open(self) -> None:
+        if self._plain:
+            self._lines = RecordFile(self._stream(), flush_secs=self.flush_secs, encode=self._line)
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        validation = _validation_parts(metrics)
         if self.pbar is not None:
+            validation = _validation_parts(metrics)
             if validation:
                 self.pbar.write(" | ".join([f"step {step}", *validation]), file=self.stream)
-            return
-        max_steps = self.trainer.limits[0]
+        elif self._lines is not None:
+            self._lines.write((step, self.trainer.limits[0], metrics))
+
+    @staticmethod
+    def _line(record: tuple[int, int | None, dict[str, float]]) -> str:
+        step, max_steps, metrics = record
         parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
         if "loss" in metrics:
             loss = f"loss {_fmt(metrics['loss'], '.4f')}"
             if "loss_avg" in metrics:
                 loss += f" (avg {_fmt(metrics['loss_avg'], '.4f')})"
             parts.append(loss)
-        parts.extend(validation)
+        parts.extend(_validation_parts(metrics))
         if "lr" in metrics:
             parts.append(f"lr {_fmt(metrics['lr'], '.2e')}")
         if "tokens_per_s" in metrics:
@@ -158,10 +179,15 @@ class ConsoleLogger(MetricLogger):
             parts.append(f"{_fmt(metrics['step_time_s'], '.4f')} s/step")
         if "mfu" in metrics:
             parts.append(f"mfu {_fmt(100 * metrics['mfu'], '.1f')}%")
-        stream = self._stream()
-        stream.write(" | ".join(parts) + "\n")
-        stream.flush()
+        return " | ".join(parts)
+
+    def flush(self) -> None:
+        if self._lines is not None:
+            self._lines.flush()
 
     def close(self) -> None:
         self._close_bar()  # the bar's last state stays on screen
+        if self._lines is not None:
+            self._lines.close()
+            self._lines = None
         self._stream().flush()

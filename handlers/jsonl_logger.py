@@ -6,15 +6,20 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import IO
 
 from hookloop.engine.events import Priority
+from hookloop.engine.record_file import FLUSH_SECS, RecordFile
 from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
 __all__ = ["JSONLLogger"]
 
 #: Where the JSONL logger records a step: the first of the shipped loggers.
 LOG_JSONL = Priority.RECORD
+
+
+def _line(record: tuple[int, float, dict[str, float]]) -> str:
+    step, unix_time, metrics = record
+    return json.dumps({"step": step, "time": unix_time, **metrics})
 
 
 class JSONLLogger(MetricLogger):
@@ -24,16 +29,27 @@ class JSONLLogger(MetricLogger):
     logged twice across a restart appears twice; readers keep the last). Non-finite values are
     written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them). Rank 0 only unless
     ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
+
+    Lines are whole and in step order; they reach the file within ``flush_secs`` seconds, when a
+    checkpoint is published and at the end (a :class:`~hookloop.engine.RecordFile`): a killed run
+    loses at most its last ``flush_secs`` seconds of lines, which a run resumed from its last
+    checkpoint writes again.
     """
 
     priority = LOG_JSONL
 
     def __init__(
-        self, path: str | os.PathLike, *, every_steps: int | None = None, all_ranks: bool = False
+        self,
+        path: str | os.PathLike,
+        *,
+        every_steps: int | None = None,
+        all_ranks: bool = False,
+        flush_secs: float = FLUSH_SECS,
     ) -> None:
         super().__init__(every_steps=every_steps, all_ranks=all_ranks)
         self.path = Path(path)
-        self._file: IO[str] | None = None
+        self.flush_secs = flush_secs
+        self._file: RecordFile | None = None
 
     @classmethod
     def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> JSONLLogger | None:
@@ -49,14 +65,11 @@ class JSONLLogger(MetricLogger):
         return self.path if r == 0 else self.path.with_name(f"{self.path.stem}.rank{r}{self.path.suffix}")
 
     def open(self) -> None:
-        path = self._rank_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # line-buffered: each record reaches the file when written, so a crash loses nothing logged
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (closed at TRAIN_END / TRAIN_FAILED)
+        self._file = RecordFile(self._rank_path(), flush_secs=self.flush_secs, encode=_line)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self._file.write((step, time.time(), metrics))
 
     def flush(self) -> None:
         if self._file is not None:

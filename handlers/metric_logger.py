@@ -8,10 +8,11 @@ names map to stable tags with :func:`metric_tag` (``loss`` -> ``train/loss``,
 ``tokens_per_s`` -> ``perf/tokens_per_s``, ``val_loss`` -> ``val/loss``; names with a ``/`` such as
 ``loss/<dataset>`` are kept as they are).
 
-Loggers are active on rank 0 only unless ``all_ranks=True``; they flush and close at TRAIN_END and,
-when the run fails, at TRAIN_FAILED. Backends (tensorboard, wandb) are imported only when a logger is
-attached. The concrete loggers import this module; :mod:`handlers.loggers` builds them from the
-``logging`` section.
+Loggers are active on rank 0 only unless ``all_ranks=True``; they flush when a checkpoint is
+published (CHECKPOINT_SAVED: a run resumed from it finds every record up to its step), and flush and
+close at TRAIN_END and, when the run fails, at TRAIN_FAILED. Backends (tensorboard, wandb) are
+imported only when a logger is attached. The concrete loggers import this module;
+:mod:`handlers.loggers` builds them from the ``logging`` section.
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ def metric_tag(name: str) -> str:
     return f"train/{name}"
 
 
+_VALIDATION_PREFIXES = ("val_", "val/")  # val_loss among them
+
+
 def is_validation_metric(name: str) -> bool:
-    return name == "val_loss" or name.startswith(("val_", "val/"))
+    return name.startswith(_VALIDATION_PREFIXES)
 
 
 def _number(value: Any) -> float | int | None:
@@ -175,6 +179,7 @@ class MetricLogger(Handler):
             trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=self.priority)
             trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=self.priority)
             trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=self.priority)
+            trainer.add_event_handler(Events.CHECKPOINT_SAVED, self._on_checkpoint, priority=self.priority)
         return super().attach(trainer)
 
     def _on_train_start(self) -> None:
@@ -202,9 +207,9 @@ class MetricLogger(Handler):
             for name in ("loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"):
                 out[name] = getattr(state, name)
         for name, value in state.metrics.items():
-            is_val = is_validation_metric(name)
-            if (is_val and validation) or (not is_val and train):
-                number = _number(value)
+            if validation if name.startswith(_VALIDATION_PREFIXES) else train:
+                kind = type(value)
+                number = value if kind is float or kind is int else _number(value)
                 if number is not None:
                     out[name] = number
         return out
@@ -225,6 +230,10 @@ class MetricLogger(Handler):
             self._train_logged = state.step
         if metrics:
             self.write(state.step, metrics)
+
+    def _on_checkpoint(self, *_saved: Any) -> None:
+        if not self._closed:
+            self.flush()
 
     def _on_train_end(self) -> None:
         # a final partial interval the tracker published at TRAIN_END has not been written yet

@@ -23,7 +23,8 @@ Timing contract (what ``step_time_s`` means):
 Every ``log_interval`` steps (and at the last step) the tracker reduces its interval averages across
 ranks with one all-reduce (MAX: the job runs at the pace of its slowest rank), writes them into
 ``state.metrics``, sets ``state.metrics_step`` to the step (so loggers know the metrics are fresh)
-and appends one line to ``<run_dir>/progress.jsonl`` on rank 0. Token and sample counts come from the
+and appends one line to ``<run_dir>/progress.jsonl`` on rank 0 (a :class:`RecordFile`: on disk within
+a second, at every published checkpoint and at the end). Token and sample counts come from the
 trainer, which already sums them over data-parallel ranks.
 """
 
@@ -36,7 +37,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 import torch
 from ignite.engine import Events as IgniteEvents
@@ -44,7 +45,9 @@ from ignite.engine import Events as IgniteEvents
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.events import Events, Priority
+from hookloop.engine.flops import estimate_flops_per_token, peak_flops_for_device
 from hookloop.engine.handler import Handler, checked_settings
+from hookloop.engine.record_file import RecordFile
 from hookloop.engine.running_mean import RunningMean
 
 __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
@@ -84,86 +87,25 @@ class MetricsConfig:
         check_bool(dotted(prefix, "enabled"), self.enabled)
 
 
-# Dense bf16/fp16 tensor-core peak FLOP/s per device, by a substring of the CUDA device name.
-# Checked in order, so more specific names come first.
-_PEAK_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("A10G", 125e12),
-    ("A10", 125e12),
-    ("L4", 121e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-    ("MI300X", 1307e12),
-    ("MI250X", 383e12),
-)
-
 # one encoder for every line: json.dumps with non-default separators builds a new one per call
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
-def peak_flops_for_device(device: torch.device | str | None = None) -> float | None:
-    """Peak dense FLOP/s of a known accelerator, or None (always None on CPU: give it in config)."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in _PEAK_FLOPS:
-        if key in name:
-            return peak
-    return None
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
-def estimate_flops_per_token(model: torch.nn.Module, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: ``6 * N`` (non-embedding parameters) plus the attention term
-    ``12 * layers * d_model * seq_len`` when the model's config tells the shape.
-
-    A model with its own ``flops_per_token()`` method is asked directly.
-    """
-    model = _unwrap(model)
-    if callable(getattr(model, "flops_per_token", None)):
-        return float(model.flops_per_token())
-    embedding = sum(
-        p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
-    )
-    n = sum(p.numel() for p in model.parameters()) - embedding
-    flops = 6.0 * n
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    layers = _first_attr(cfg, ("n_layers", "num_layers", "num_hidden_layers", "n_layer"))
-    width = _first_attr(cfg, ("d_model", "hidden_size", "n_embd", "dim"))
-    seq_len = seq_len or _first_attr(
-        cfg, ("seq_len", "max_seq_len", "max_position_embeddings", "n_positions")
-    )
-    if layers and width and seq_len:
-        flops += 12.0 * layers * width * seq_len
-    return flops
-
-
-def _first_attr(obj: Any, names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = getattr(obj, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 _statm_fd: int | None = None
+_rss_read: tuple[float, float] = (-1.0, 0.0)  # (monotonic time, MB) of the last reading
 
 
 def _rss_mb() -> float:
+    """Resident set size of this process, read at most once a second (reading it costs a system
+    call as dear as the rest of a publication)."""
+    global _rss_read
+    now = time.monotonic()
+    if now - _rss_read[0] >= 1.0 or _rss_read[0] < 0:
+        _rss_read = (now, _read_rss_mb())
+    return _rss_read[1]
+
+
+def _read_rss_mb() -> float:
     """Resident set size of this process now (Linux ``/proc/self/statm``, kept open), else its peak."""
     global _statm_fd
     try:
@@ -229,7 +171,8 @@ class MetricsTracker(Handler):
         self._t_start = self._t_data = 0.0
         self._data_time = 0.0
         self._job_start = time.time()
-        self._progress: IO[str] | None = None
+        self._progress: RecordFile | None = None
+        self._world, self._cuda = 1, False
 
     @classmethod
     def from_config(
@@ -288,6 +231,8 @@ class MetricsTracker(Handler):
         # and the step it went back to (after).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=TIME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=TRACK)
+        # a run resumed from a checkpoint finds every progress line up to its step
+        trainer.add_event_handler(Events.CHECKPOINT_SAVED, self._flush, priority=TRACK)
         return super().attach(trainer)
 
     def _on_rollback_start(self) -> None:
@@ -304,6 +249,7 @@ class MetricsTracker(Handler):
         self._step_time = 0.0
         self._interval_data_time = 0.0
         self._tokens = 0
+        self._token_counts: list[torch.Tensor] = []
         self._samples = 0
 
     def _on_train_start(self) -> None:
@@ -313,17 +259,19 @@ class MetricsTracker(Handler):
         self._job_start = time.time()
         self._first_step = True
         state.metrics_step = None
+        self._world, self._cuda = parallel.world_size(), self.trainer.device.type == "cuda"
         # A StepScheduler publishes loss_avg every step over its own window: the tracker leaves it be.
         self._owns_loss_avg = self.trainer.get_handler("step_scheduler") is None
 
     def _on_run_started(self) -> None:
         state = self.trainer.state
+        self._open_progress()
         self._write_progress(
             {
                 "event": "start",
                 "step": state.step,
                 "tokens_seen": state.tokens_seen,
-                "world_size": parallel.world_size(),
+                "world_size": self._world,
             }
         )
         if state.step > 0:  # the checkpointer (earlier at TRAIN_START) restored a checkpoint
@@ -365,84 +313,95 @@ class MetricsTracker(Handler):
             self._step_time += step_time
             self._interval_data_time += data_time
             self._timed += 1
-            self._tokens = self._tokens + state.peek("step_tokens")  # a tensor stays unread
+            tokens = state.peek("step_tokens")
+            if isinstance(tokens, torch.Tensor):  # counted on the device: left unread until publishing
+                self._token_counts.append(tokens)
+            else:
+                self._tokens += tokens
             self._samples += state.samples_seen - self._samples_mark
             self._samples_mark = state.samples_seen
-        if self._owns_loss_avg:
-            self._loss_window.push(state.peek("loss"))
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
+        publish = state.step % self.log_interval == 0 or self.trainer.at_last_step
+        if self._owns_loss_avg:  # the loss unread (a tensor stays one) unless it is published now
+            self._loss_window.push(state.loss if publish else state.peek("loss"))
+        if publish:
             self._publish()
 
     def _publish(self) -> None:
-        state = self.trainer.state
-        if isinstance(self._tokens, torch.Tensor):  # counted on the device: read once per interval
-            self._tokens = int(self._tokens.item())
-        n = max(self._timed, 1)
+        state, world = self.trainer.state, self._world
+        if self._token_counts:  # counted on the device: read once per interval
+            counts = self._token_counts
+            self._tokens += int((counts[0] if len(counts) == 1 else torch.stack(counts).sum()).item())
+        tokens, timed, n = self._tokens, self._timed, max(self._timed, 1)
         local = [self._step_time / n, self._interval_data_time / n, _rss_mb()]
-        cuda = self.trainer.device.type == "cuda"
-        if cuda:
+        if self._cuda:
             local.append(torch.cuda.max_memory_allocated(self.trainer.device) / 2**20)
-        step_time, data_time, rss, *cuda_mem = _all_reduce_max(local, self.trainer.collective_device)
+        if world > 1:
+            local = _all_reduce_max(local, self.trainer.collective_device)
+        step_time, data_time, rss, *cuda_mem = local
         # the interval as seen by the slowest rank (its timed steps: a run's first is apart)
-        interval_s = (step_time + data_time) * self._timed
+        interval_s = (step_time + data_time) * timed
         self.train_time_s += interval_s
         m = state.metrics
         m["loss"] = state.loss
         if self._owns_loss_avg and ("loss_avg" not in m or m["loss_avg"] is self._written_loss_avg):
             # no StepScheduler, and no other handler writes the average: publish our own
-            self._written_loss_avg = self._loss_window.mean
-            m["loss_avg"] = self._written_loss_avg
+            self._written_loss_avg = m["loss_avg"] = self._loss_window.mean
         m["grad_norm"] = state.grad_norm
         m["lr"] = state.lr
-        if self._timed:  # an interval of the first step alone has no timing figures
+        tokens_per_s = None
+        if timed:  # an interval of the first step alone has no timing figures
             m["step_time_s"] = step_time
             m["data_time_s"] = data_time
-            if self._tokens:  # token models only: a float-input model has no tokens to count
-                m["tokens_per_s"] = self._tokens / interval_s if interval_s > 0 else float("nan")
-            m["samples_per_s"] = self._samples / interval_s if interval_s > 0 else float("nan")
+            if tokens:  # token models only: a float-input model has no tokens to count
+                m["tokens_per_s"] = tokens_per_s = tokens / interval_s if interval_s > 0 else math.nan
+            m["samples_per_s"] = self._samples / interval_s if interval_s > 0 else math.nan
         m["skipped_steps"] = state.skipped_steps
-        m["tokens_seen"] = state.tokens_seen
+        m["tokens_seen"] = tokens_seen = state.tokens_seen
         m["rss_mb"] = rss
         if cuda_mem:
             m["cuda_max_allocated_mb"] = cuda_mem[0]
-        flops_per_s = None
-        if self.flops_per_token and self._tokens:
+        if self.flops_per_token and tokens:
             flops_per_s = self.flops_per_token * m["tokens_per_s"]
-            m["tflops_per_device"] = flops_per_s / parallel.world_size() / 1e12
+            m["tflops_per_device"] = flops_per_s / world / 1e12
             if self.peak_flops_per_device:
-                m["mfu"] = flops_per_s / (self.peak_flops_per_device * parallel.world_size())
+                m["mfu"] = flops_per_s / (self.peak_flops_per_device * world)
         state.metrics_step = state.step
-        record = {
-            "event": "progress",
-            "step": state.step,
-            "tokens_seen": state.tokens_seen,
-            "step_time_s": step_time if self._timed else None,
-            "tokens_per_s": m.get("tokens_per_s") if self._timed else None,
-            "train_time_s": self.train_time_s,
-        }
-        if "tflops_per_device" in m and self._tokens:
-            record["flops"] = self.flops_per_token * state.tokens_seen
-            record["tflops_per_device"] = m["tflops_per_device"]
-            cumulative = record["flops"] / self.train_time_s if self.train_time_s > 0 else float("nan")
-            record["cumulative_tflops_per_device"] = cumulative / parallel.world_size() / 1e12
-            if "mfu" in m:
-                record["mfu"] = m["mfu"]
-        self._write_progress(record)
+        if self._progress is not None:
+            record = {
+                "event": "progress",
+                "step": state.step,
+                "tokens_seen": tokens_seen,
+                "step_time_s": step_time if timed else None,
+                "tokens_per_s": tokens_per_s,
+                "train_time_s": self.train_time_s,
+            }
+            if "tflops_per_device" in m and tokens:
+                record["flops"] = flops = self.flops_per_token * tokens_seen
+                record["tflops_per_device"] = m["tflops_per_device"]
+                cumulative = flops / self.train_time_s if self.train_time_s > 0 else math.nan
+                record["cumulative_tflops_per_device"] = cumulative / world / 1e12
+                if "mfu" in m:
+                    record["mfu"] = m["mfu"]
+            self._write_progress(record)
         self._reset_interval()
 
+    def _open_progress(self) -> None:
+        """Rank 0 of a tracker with a run directory appends to ``progress.jsonl`` (history survives
+        restarts), opened once the run has started."""
+        if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
+            self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
+
     def _write_progress(self, record: dict[str, Any]) -> None:
-        if self.run_dir is None or parallel.rank() != 0:
-            return
-        record = {"time": time.time(), "job_start": self._job_start, **record}
-        record = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in record.items()}
-        if self._progress is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # appended (history survives restarts), line-buffered (a crash loses no finished line)
-            self._progress = open(self.run_dir / "progress.jsonl", "a", buffering=1)  # noqa: SIM115
-        self._progress.write(_COMPACT_JSON.encode(record) + "\n")
+        if self._progress is not None:
+            self._progress.write({"time": time.time(), "job_start": self._job_start, **record})
+
+    def _flush(self, *_saved: Any) -> None:
+        """A checkpoint was published: the lines up to its step go to disk now."""
+        if self._progress is not None:
+            self._progress.flush()
 
     def close(self) -> None:
         """Close the progress log (done at TRAIN_END and on the exception path)."""
@@ -451,10 +410,15 @@ class MetricsTracker(Handler):
             self._progress = None
 
 
+def _progress_line(record: dict[str, Any]) -> str:
+    """A progress record as its line: compact, a non-finite number as null."""
+    return _COMPACT_JSON.encode(
+        {k: None if type(v) is float and not math.isfinite(v) else v for k, v in record.items()}
+    )
+
+
 def _all_reduce_max(values: list[float], device: torch.device) -> list[float]:
-    """Elementwise MAX over ranks with one collective on ``device`` (identity in one process)."""
-    if parallel.world_size() == 1:
-        return values
+    """Elementwise MAX over ranks with one collective on ``device``."""
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64, device=device)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine.events import Priority
+from hookloop.engine.record_file import RecordFile
 from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, metric_tag
 
 __all__ = ["TensorBoardLogger"]
@@ -22,11 +23,14 @@ class TensorBoardLogger(MetricLogger):
 
     Writes through ``torch.utils.tensorboard.SummaryWriter`` (imported when the logger is
     attached, created once the run has started: RUN_STARTED); ``logger.writer`` is that writer,
-    for images or histograms of your own.
+    for images or histograms of your own. The training thread only hands each step's scalars over:
+    a background thread (a :class:`~hookloop.engine.RecordFile`) builds the events and writes them
+    out, in step order, at least every ``flush_secs``, when a checkpoint is published and at the end.
 
     Args:
         log_dir: the event files' directory (``tensorboard --logdir`` it).
-        flush_secs: flush the event file at least this often (and at TRAIN_END / on errors).
+        flush_secs: write the scalars out at least this often (and at a published checkpoint,
+            TRAIN_END or an error).
     """
 
     priority = LOG_TENSORBOARD
@@ -43,6 +47,7 @@ class TensorBoardLogger(MetricLogger):
         self.log_dir = Path(log_dir)
         self.flush_secs = flush_secs
         self.writer: Any = None
+        self._scalars: RecordFile | None = None
 
     @classmethod
     def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> TensorBoardLogger | None:
@@ -68,21 +73,31 @@ class TensorBoardLogger(MetricLogger):
 
         self._summary = Summary
         self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=self.flush_secs)
+        self._scalars = RecordFile(self._write_events, flush_secs=self.flush_secs)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self.writer is not None:
-            # One event holding every scalar of the step: the writer frames and checksums each event
-            # in Python, so one per step instead of one per scalar keeps logging cheap.
-            values = [
-                self._summary.Value(tag=metric_tag(k), simple_value=float(v)) for k, v in metrics.items()
-            ]
-            self.writer.file_writer.add_summary(self._summary(value=values), global_step=step)
+        if self._scalars is not None:
+            self._scalars.write((step, metrics))
+
+    def _write_events(self, records: list[tuple[int, dict[str, float]]]) -> None:
+        # One event holding every scalar of a step: the writer frames and checksums each event in
+        # Python, so one per step instead of one per scalar keeps logging cheap.
+        summary, add = self._summary, self.writer.file_writer.add_summary
+        for step, metrics in records:
+            values = [summary.Value(tag=metric_tag(k), simple_value=float(v)) for k, v in metrics.items()]
+            add(summary(value=values), global_step=step)
+        self.writer.flush()
 
     def flush(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
+        if self._scalars is not None:
+            self._scalars.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        scalars, self._scalars = self._scalars, None
+        try:
+            if scalars is not None:
+                scalars.close()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -192,6 +193,123 @@ def test_console_progress_bar_when_asked():
     text = out.getvalue()
     assert logger.pbar is not None and "loss=" in text and "tok/s=" in text
     assert "step 2" not in text, "no plain lines next to the bar"
+
+
+# ---------------------------------------------------------------------------- what a kill leaves
+
+KILLED_RUN = """
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hookloop import Events, Priority, Trainer
+from hookloop.handlers import ConsoleLogger, JSONLLogger, MetricsTracker
+
+run_dir, hang = Path(sys.argv[1]), sys.argv[2] == "hang"
+model = torch.nn.Linear(4, 1)
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.mse_loss)
+MetricsTracker(1, run_dir=run_dir).attach(trainer)
+JSONLLogger(run_dir / "metrics.jsonl").attach(trainer)
+ConsoleLogger(stream=open(run_dir / "console.log", "a"), progress_bar=False).attach(trainer)
+
+
+@trainer.on(Events.STEP_END, priority=Priority.CLEANUP)
+def mark():
+    if trainer.state.step == 50:  # every logger has recorded step 50
+        (run_dir / "at_50").write_text("")
+        if hang:
+            time.sleep(600)  # blocked, as in a collective whose peer is gone
+    elif trainer.state.step > 50:
+        time.sleep(0.001)
+
+
+trainer.run([(torch.randn(8, 4), torch.randn(8, 1))] * 1_000_000, max_steps=1_000_000)
+"""
+
+
+def _steps_on_disk(run_dir: Path) -> dict[str, list[int]]:
+    """The steps each record holds; every line on disk must be whole (ends with a newline, parses)."""
+    out = {}
+    for name in ("metrics.jsonl", "progress.jsonl", "console.log"):
+        text = (run_dir / name).read_text()
+        assert text.endswith("\n"), f"{name} ends with a partial line: {text[-200:]!r}"
+        lines = text.splitlines()
+        if name == "console.log":
+            out[name] = [int(line.split()[1].split("/")[0]) for line in lines]
+        else:
+            rows = [json.loads(line) for line in lines]
+            out[name] = [r["step"] for r in rows if r.get("event", "progress") == "progress"]
+    return out
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["training", "hung"])
+def test_a_sigkill_leaves_whole_lines_in_step_order_and_loses_at_most_the_last_flush_secs(tmp_path, hang):
+    """Logged lines reach the disk at least every FLUSH_SECS (a background thread writes them, also
+    while the training thread is blocked): a run killed FLUSH_SECS + 2 s after it logged step 50 has
+    every step up to 50 on disk in all three records, each a whole line, in order, none missing."""
+    from hookloop.engine.record_file import FLUSH_SECS
+
+    (tmp_path / "run.py").write_text(KILLED_RUN)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(tmp_path / "run.py"), str(run_dir), "hang" if hang else "train"],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+            stderr=err,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "at_50").exists():
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 50"
+            time.sleep(0.05)
+        time.sleep(FLUSH_SECS + 2.0)
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    for name, steps in _steps_on_disk(run_dir).items():
+        assert steps == list(range(1, len(steps) + 1)), f"{name}: steps missing or out of order"
+        if hang:
+            assert len(steps) == 50, name
+        else:
+            assert len(steps) >= 50, name
+
+
+def test_the_records_are_on_disk_when_a_checkpoint_is_published(tmp_path, monkeypatch):
+    """A run resumed from a checkpoint finds every record up to its step: the loggers and the
+    tracker flush when CHECKPOINT_SAVED fires, however long their flush interval."""
+    from hookloop.engine.record_file import RecordFile
+    from hookloop.handlers import metrics
+    from hookloop.handlers.checkpoint import AsyncCheckpointer
+
+    monkeypatch.setattr(metrics, "RecordFile", functools.partial(RecordFile, flush_secs=3600))
+    trainer = _trainer()
+    AsyncCheckpointer(tmp_path / "ckpt", mode="sync", every_steps=3).attach(trainer)
+    MetricsTracker(1, run_dir=tmp_path).attach(trainer)
+    JSONLLogger(tmp_path / "metrics.jsonl", flush_secs=3600).attach(trainer)
+    TensorBoardLogger(tmp_path / "tb", flush_secs=3600).attach(trainer)
+    seen: dict[int, tuple[list[int], ...]] = {}
+
+    @trainer.on(Events.CHECKPOINT_SAVED, priority=Priority.CLEANUP)
+    def read_back(_trainer: Trainer, step: int = 0, _path: str = "") -> None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        metrics = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+        curves = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+        curves.Reload()
+        logged = "train/loss" in curves.Tags()["scalars"]
+        tb = [e.step for e in curves.Scalars("train/loss")] if logged else []
+        seen[step] = (metrics, [r["step"] for r in rows if r["event"] == "progress"], tb)
+
+    trainer.run(_tokens(), max_steps=6)
+    assert seen == {3: ([1, 2, 3],) * 3, 6: ([1, 2, 3, 4, 5, 6],) * 3}
 
 
 # ---------------------------------------------------------------------------- W&B

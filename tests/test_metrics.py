@@ -231,6 +231,30 @@ def test_publishes_a_partial_interval_when_the_run_stops_early():
     assert trainer.state.metrics_step == 3 and trainer.state.metrics["tokens_seen"] == 3 * 2 * SEQ
 
 
+def test_resident_memory_is_read_at_most_once_a_second(monkeypatch):
+    """Reading /proc/self/statm costs a system call as dear as the rest of a publication: a tracker
+    publishing every step reads it about once a second and publishes the last reading between."""
+    from hookloop.handlers import metrics
+
+    reads: list[float] = []
+
+    def read() -> float:
+        reads.append(time.monotonic())
+        return 100.0 + len(reads)
+
+    monkeypatch.setattr(metrics, "_read_rss_mb", read)
+    monkeypatch.setattr(metrics, "_rss_read", (-1.0, 0.0))
+    trainer = _gpt_trainer()
+    MetricsTracker(1).attach(trainer)
+    published = _snapshots(trainer)
+    start = time.monotonic()
+    trainer.run(_tokens(20), max_steps=20)
+    elapsed = time.monotonic() - start
+    assert len(published) == 20 and 1 <= len(reads) <= elapsed + 1
+    assert all(b - a >= 1.0 for a, b in zip(reads, reads[1:]))
+    assert {m["rss_mb"] for m in published.values()} == {100.0 + i for i in range(1, len(reads) + 1)}
+
+
 def test_flops_per_token_estimates():
     gpt = GPT(GPTConfig(seq_len=SEQ, n_layers=2, d_model=32, n_heads=2))
     assert estimate_flops_per_token(gpt) == gpt.flops_per_token()
