@@ -102,6 +102,8 @@ class CheckpointStore:
             }
             if finite is not None:
                 marker["finite"] = finite
+            # Every file is fsynced by its writer; the marker's fsync of ``partial`` makes their
+            # names durable with its own, before the rename can show the checkpoint to anyone.
             write_json_atomic(os.path.join(partial, MARKER), marker)
             if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{final}.replaced-{self._session.id}"

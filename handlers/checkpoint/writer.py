@@ -5,6 +5,7 @@ publishing it through the store. Only one save is in flight at a time."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -20,9 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_format.directory import step_dir_name, write_json_atomic
+from hookloop.engine.checkpoint_format.directory import step_dir_name
+from hookloop.engine.checkpoint_format.durable_files import write_durable
 from hookloop.engine.checkpoint_format.errors import CheckpointError
-from hookloop.engine.checkpoint_format.manifest import RecordingWriter, checksum_files
+from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest_entry
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
@@ -103,17 +105,18 @@ def all_of(futures: list[Future]) -> Future:
 
 
 def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Write this rank's state JSON durably into ``partial``; its manifest entries. A file larger
-    than a resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
-    write_json_atomic(os.path.join(partial, name), extra)
-    entries = checksum_files(partial, [name], parallel.rank())  # tens of kB
-    if entries[name]["size"] > MAX_BYTES:
+    """Write this rank's state JSON durably into ``partial`` (fsynced; its name is made durable
+    with the directory when the save is published); its manifest entries. A file larger than a
+    resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
+    data = json.dumps(extra).encode("utf-8")
+    if len(data) > MAX_BYTES:
         raise CheckpointError(
-            f"the state of rank {parallel.rank()} takes {entries[name]['size']} bytes, more than the "
+            f"the state of rank {parallel.rank()} takes {len(data)} bytes, more than the "
             f"{MAX_BYTES} a resume reads: a handler's state_dict() holds too much (keep large tensors "
             "in the model or the optimizer)"
         )
-    return entries
+    size, crc = write_durable(os.path.join(partial, name), data)
+    return {name: manifest_entry(size, crc, parallel.rank())}
 
 
 class CheckpointWriter:
@@ -184,7 +187,7 @@ class CheckpointWriter:
             elif self.mode is AsyncMode.SYNC:
                 with self._long_wait():
                     rank_file = done_future(write_rank_file(partial, own_state, extra))
-            else:  # two fsyncs that training need not wait for: beside the DCP write
+            else:  # an fsync that training need not wait for: beside the DCP write
                 rank_file = self._session.io_thread().submit(write_rank_file, partial, own_state, extra)
         except OSError as e:
             raise CheckpointError(
