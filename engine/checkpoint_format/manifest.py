@@ -179,6 +179,9 @@ class RecordingWriter(_FileSystemWriter):
 
             def check() -> None:
                 use_one_intra_op_thread()  # reductions stay off training's cores
+                wait_copied = getattr(planner, "wait_copied", None)
+                if wait_copied is not None:  # a state copied while it is written
+                    wait_copied()
                 start = time.perf_counter()
                 try:
                     outcome["finite"] = all_finite(getattr(planner, "state_dict", {}), self.checked)

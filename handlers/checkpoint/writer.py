@@ -34,6 +34,7 @@ from hookloop.handlers.checkpoint.dcp_calls import (
     reraise_interrupt,
     trained_entries,
 )
+from hookloop.handlers.checkpoint.host_copy import HostCopy
 from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
@@ -150,8 +151,10 @@ class CheckpointWriter:
         self._long_wait = long_wait
         self.inflight: Save | None = None
         self._state_slot: tuple[str, str, Future] | None = None  # a rank state JSON still to come
-        #: DCP's stager (``mode="async"``), made at the first save; its host buffers are reused.
+        #: DCP's stager, made at the first background save; its host buffers are reused.
         self.stager: Any = None
+        self._own_stager: Any = None
+        self._host_copy = HostCopy()  # mode="async": writing while copying, from the second save
 
     @property
     def staging(self) -> bool:
@@ -217,11 +220,13 @@ class CheckpointWriter:
                     done = done_future()
                 elif self.mode is AsyncMode.ASYNC_COPY:  # the copy here, into the first save's buffers
                     done = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
-                else:  # the copy and the write both on the writer thread: the call returns at once
+                else:  # the copy and the write both in the background: the call returns at once
                     staged = Future()
                     stager = self._get_stager()
+                    # a stager put in place of ours (tests hold the copy with one) copies all first
+                    own = self._host_copy if stager is self._own_stager else None
                     done = self._session.write_thread().submit(
-                        _stage_then_write, stager, state_dict, staged, kwargs
+                        _stage_then_write, stager, state_dict, staged, kwargs, own
                     )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:
@@ -267,7 +272,7 @@ class CheckpointWriter:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(
+            self.stager = self._own_stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
@@ -405,14 +410,19 @@ class CheckpointWriter:
         """Release the stager's host buffers (no save may be in flight)."""
         if self.stager is not None:
             self.stager.close()
-            self.stager = None
+            self.stager = self._own_stager = None
+        self._host_copy.close()
 
 
 def _stage_then_write(
-    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any], host: HostCopy | None
 ) -> None:
     """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
-    training may change the state), then write the copy with DCP."""
+    training may change the state), then write the copy with DCP; with ``host``, write each tensor
+    as soon as it is copied (see :mod:`.host_copy`)."""
+    if host is not None:
+        host.save(state_dict, staged, stager.stage, kwargs)
+        return
     try:
         with torch.no_grad():
             host = stager.stage(state_dict)
