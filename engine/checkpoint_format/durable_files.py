@@ -38,6 +38,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from hookloop.engine.files import fsync_fd
+
 __all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "write_durable"]
 
 #: How much a stream writes before it asks the kernel to start writing it back.
@@ -135,7 +137,7 @@ class _ChecksummingFile(io.IOBase):
             self.flush()
             if self._writeback is not None:  # the file stays open until the last one returned
                 self._writeback.result()
-            os.fsync(self._fd)
+            fsync_fd(self._fd)
             self._on_close(self.size, self.crc)
         finally:
             self._pending.clear()
@@ -221,5 +223,5 @@ def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        fsync_fd(f.fileno())
     return len(data), zlib.crc32(data)

@@ -28,7 +28,6 @@ from hookloop.engine.checkpoint_format.directory import (
 )
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.manifest import make_manifest, read_marker
-from hookloop.engine.files import fsync_dir
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
 __all__ = ["CheckpointStore", "delete_tree", "not_finite"]
@@ -110,7 +109,7 @@ class CheckpointStore:
                 os.replace(final, trash)
                 delete_tree(trash)
             os.replace(partial, final)
-            fsync_dir(self.directory)
+            # ``latest``'s own directory fsync makes this rename durable with its own (one fsync)
             write_latest(self.directory, os.path.basename(final))
         except OSError as e:
             logger.error("could not publish checkpoint %s: %s", final, e)
