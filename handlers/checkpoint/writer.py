@@ -218,8 +218,8 @@ class CheckpointWriter:
                     with self._long_wait():
                         dcp.save(state_dict, **kwargs)
                     done = done_future()
-                elif self.mode is AsyncMode.ASYNC_COPY:  # the copy here, into the first save's buffers
-                    done = dcp.async_save(state_dict, async_stager=self._get_stager(), **kwargs)
+                elif self.mode is AsyncMode.ASYNC_COPY:
+                    done = dcp.async_save(state_dict, **kwargs)
                 else:  # the copy and the write both in the background: the call returns at once
                     staged = Future()
                     stager = self._get_stager()
@@ -264,10 +264,8 @@ class CheckpointWriter:
             self._session.io_thread().submit(_fill, future, write_rank_file, partial, name, extra)
 
     def _get_stager(self) -> Any:
-        """DCP's stager, used by one save at a time (on the writer thread with ``mode="async"``, in
-        the training thread with ``"async_copy"``): it keeps the host buffers of the first save and
-        copies into them at every later one (pinned with CUDA, for fast device-to-host copies).
-        ``async_save``'s own stager allocated new buffers at every save."""
+        """DCP's stager, used on the writer thread only: it keeps the host buffers of the first save
+        and copies into them at every later one (pinned with CUDA, for fast device-to-host copies)."""
         if self.stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -276,7 +274,7 @@ class CheckpointWriter:
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
-                    use_async_staging=False,  # on our writer thread already, or in the call
+                    use_async_staging=False,  # it runs on our writer thread already
                     use_non_blocking_copy=cuda,
                 )
             )
