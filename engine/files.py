@@ -13,7 +13,7 @@ import uuid
 
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["atomic_write", "check_writable_dir", "fsync_dir", "fsync_file"]
+__all__ = ["atomic_write", "check_writable_dir", "fsync_dir", "fsync_fd", "fsync_file"]
 
 
 def _fsync_path(path: str | os.PathLike) -> None:
@@ -32,6 +32,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def fsync_file(path: str | os.PathLike) -> None:
     """Make the contents of the (closed) file at ``path`` durable."""
     _fsync_path(path)
+
+
+def fsync_fd(fd: int) -> None:
+    """Make the contents of the file open as ``fd`` durable (a writer that fsyncs before it closes)."""
+    os.fsync(fd)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:

@@ -75,7 +75,11 @@ CHECKPOINT_FORMAT = "hookloop.engine.checkpoint_format"
 # What the format package may import besides its own modules: the engine's leaves.
 FORMAT_MAY_IMPORT = {"hookloop.engine.errors", "hookloop.engine.files", "hookloop.engine.intra_op"}
 # The format's modules whose classes extend DCP's: the only ones that load it when imported.
-FORMAT_DCP_MODULES = {f"{CHECKPOINT_FORMAT}.manifest", f"{CHECKPOINT_FORMAT}.safe_read"}
+FORMAT_DCP_MODULES = {
+    f"{CHECKPOINT_FORMAT}.manifest",
+    f"{CHECKPOINT_FORMAT}.durable_files",
+    f"{CHECKPOINT_FORMAT}.safe_read",
+}
 # The trainer: the loop and the step's tail; its rooms (run limits, start, end, error path, step
 # decisions, handler registry, validation) live in their own modules.
 TRAINER_MAX_LINES = 700

@@ -4,13 +4,14 @@ it. One module per part, imported by its own name (this package hands no names o
     errors          CheckpointError and its kinds (another model layout, an index over the bound)
     directory       step_N names, the .complete marker, ``latest``, resolving a path a user gave
     manifest        checksums, the manifest in the marker, RecordingWriter (DCP's writer, recording)
+    durable_files   the files RecordingWriter writes: checksummed as written, fsynced once at close
     safe_read       verify_checkpoint, pickle_problems, SafeReader / SafeLoadPlanner (DCP's reader)
     dcp_pickles     the allowlists for DCP's index and non-tensor entries
     pickle_bounds   the bounded unpickler both are read with
     state_codec     the JSON form of the per-rank state (tensors, arrays, RNG states)
 
-Only ``manifest`` and ``safe_read`` import ``torch.distributed.checkpoint`` when they are imported
-(their classes extend DCP's); the checkpoint handler imports them to save and load, so
+Only ``manifest``, ``durable_files`` and ``safe_read`` import ``torch.distributed.checkpoint`` when
+they are imported (their classes extend DCP's); the checkpoint handler imports them to save and load, so
 ``import hookloop`` does not load DCP.
 
 A directory of checkpoints::
@@ -37,8 +38,10 @@ Integrity: ``.complete`` is JSON and carries a manifest of every file of the che
                             "__1_0.distcp":    {...,                                   "rank": 1},
                             "rank_00000.json": {...}, "rank_00001.json": {...}}}}
 
-Each rank checksums the files it wrote while it makes them durable (:class:`RecordingWriter`, on
-DCP's writer thread for an async save); rank 0 collects the entries and writes the marker. A loader
+Each rank checksums the files it writes as it writes them and fsyncs each once it is closed
+(:class:`RecordingWriter`, on DCP's writer thread for an async save); rank 0 collects the entries
+and writes the marker, whose fsync of the directory makes every file's name durable before the
+rename to ``step_N``. A loader
 verifies the manifest (sizes, then CRC-32 of every listed file; files it does not list are ignored)
 before it reads anything else, and treats a checkpoint whose marker has no manifest (written by an
 earlier version) as unverified. DCP stores no checksum of its own: without this, flipped bytes

@@ -28,7 +28,6 @@ from hookloop.engine.checkpoint_format.directory import (
 )
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.manifest import make_manifest, read_marker
-from hookloop.engine.files import fsync_dir
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
 __all__ = ["CheckpointStore", "delete_tree", "not_finite"]
@@ -102,13 +101,15 @@ class CheckpointStore:
             }
             if finite is not None:
                 marker["finite"] = finite
+            # Every file is fsynced by its writer; the marker's fsync of ``partial`` makes their
+            # names durable with its own, before the rename can show the checkpoint to anyone.
             write_json_atomic(os.path.join(partial, MARKER), marker)
             if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
                 trash = f"{final}.replaced-{self._session.id}"
                 os.replace(final, trash)
                 delete_tree(trash)
             os.replace(partial, final)
-            fsync_dir(self.directory)
+            # ``latest``'s own directory fsync makes this rename durable with its own (one fsync)
             write_latest(self.directory, os.path.basename(final))
         except OSError as e:
             logger.error("could not publish checkpoint %s: %s", final, e)

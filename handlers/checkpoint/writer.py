@@ -5,6 +5,7 @@ publishing it through the store. Only one save is in flight at a time."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -20,9 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_format.directory import step_dir_name, write_json_atomic
+from hookloop.engine.checkpoint_format.directory import step_dir_name
+from hookloop.engine.checkpoint_format.durable_files import write_durable
 from hookloop.engine.checkpoint_format.errors import CheckpointError
-from hookloop.engine.checkpoint_format.manifest import RecordingWriter, checksum_files
+from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest_entry
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
@@ -32,6 +34,7 @@ from hookloop.handlers.checkpoint.dcp_calls import (
     reraise_interrupt,
     trained_entries,
 )
+from hookloop.handlers.checkpoint.host_copy import HostCopy
 from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
@@ -103,17 +106,18 @@ def all_of(futures: list[Future]) -> Future:
 
 
 def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """Write this rank's state JSON durably into ``partial``; its manifest entries. A file larger
-    than a resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
-    write_json_atomic(os.path.join(partial, name), extra)
-    entries = checksum_files(partial, [name], parallel.rank())  # tens of kB
-    if entries[name]["size"] > MAX_BYTES:
+    """Write this rank's state JSON durably into ``partial`` (fsynced; its name is made durable
+    with the directory when the save is published); its manifest entries. A file larger than a
+    resume reads (:data:`rank_file.MAX_BYTES`) fails the save."""
+    data = json.dumps(extra).encode("utf-8")
+    if len(data) > MAX_BYTES:
         raise CheckpointError(
-            f"the state of rank {parallel.rank()} takes {entries[name]['size']} bytes, more than the "
+            f"the state of rank {parallel.rank()} takes {len(data)} bytes, more than the "
             f"{MAX_BYTES} a resume reads: a handler's state_dict() holds too much (keep large tensors "
             "in the model or the optimizer)"
         )
-    return entries
+    size, crc = write_durable(os.path.join(partial, name), data)
+    return {name: manifest_entry(size, crc, parallel.rank())}
 
 
 class CheckpointWriter:
@@ -147,8 +151,10 @@ class CheckpointWriter:
         self._long_wait = long_wait
         self.inflight: Save | None = None
         self._state_slot: tuple[str, str, Future] | None = None  # a rank state JSON still to come
-        #: DCP's stager (``mode="async"``), made at the first save; its host buffers are reused.
+        #: DCP's stager, made at the first background save; its host buffers are reused.
         self.stager: Any = None
+        self._own_stager: Any = None
+        self._host_copy = HostCopy()  # mode="async": writing while copying, from the second save
 
     @property
     def staging(self) -> bool:
@@ -184,7 +190,7 @@ class CheckpointWriter:
             elif self.mode is AsyncMode.SYNC:
                 with self._long_wait():
                     rank_file = done_future(write_rank_file(partial, own_state, extra))
-            else:  # two fsyncs that training need not wait for: beside the DCP write
+            else:  # an fsync that training need not wait for: beside the DCP write
                 rank_file = self._session.io_thread().submit(write_rank_file, partial, own_state, extra)
         except OSError as e:
             raise CheckpointError(
@@ -214,11 +220,13 @@ class CheckpointWriter:
                     done = done_future()
                 elif self.mode is AsyncMode.ASYNC_COPY:
                     done = dcp.async_save(state_dict, **kwargs)
-                else:  # the copy and the write both on the writer thread: the call returns at once
+                else:  # the copy and the write both in the background: the call returns at once
                     staged = Future()
                     stager = self._get_stager()
+                    # a stager put in place of ours (tests hold the copy with one) copies all first
+                    own = self._host_copy if stager is self._own_stager else None
                     done = self._session.write_thread().submit(
-                        _stage_then_write, stager, state_dict, staged, kwargs
+                        _stage_then_write, stager, state_dict, staged, kwargs, own
                     )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:
@@ -262,7 +270,7 @@ class CheckpointWriter:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self.stager = DefaultStager(
+            self.stager = self._own_stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
@@ -400,14 +408,19 @@ class CheckpointWriter:
         """Release the stager's host buffers (no save may be in flight)."""
         if self.stager is not None:
             self.stager.close()
-            self.stager = None
+            self.stager = self._own_stager = None
+        self._host_copy.close()
 
 
 def _stage_then_write(
-    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any], host: HostCopy | None
 ) -> None:
     """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
-    training may change the state), then write the copy with DCP."""
+    training may change the state), then write the copy with DCP; with ``host``, write each tensor
+    as soon as it is copied (see :mod:`.host_copy`)."""
+    if host is not None:
+        host.save(state_dict, staged, stager.stage, kwargs)
+        return
     try:
         with torch.no_grad():
             host = stager.stage(state_dict)

@@ -4,9 +4,9 @@ Usage (torchrun-style environment): slow_storage.py RUN_DIR STEPS [EVERY]
 
 Saves every EVERY steps (default 2) into RUN_DIR/checkpoints and resumes from there. The
 environment makes storage slow, on the ranks listed in ``SLOW_RANKS`` (default all), by sleeping
-inside the write and verify paths: ``SLOW_WRITE_S`` seconds in each DCP write as it makes its
-files durable (the writer thread), ``SLOW_VERIFY_S`` seconds each time a checkpoint is verified on
-load. Marker files in RUN_DIR tell a test when to strike: ``slow-write-rank<R>`` once a slow write
+inside the write and verify paths: ``SLOW_WRITE_S`` seconds in each DCP write once its files are
+durable, before it lists them (the writer thread), ``SLOW_VERIFY_S`` seconds each time a
+checkpoint is verified on load. Marker files in RUN_DIR tell a test when to strike: ``slow-write-rank<R>`` once a slow write
 has begun, ``finish-wait-rank<R>`` once the training thread waits for a save still on disk, and
 ``pid-rank<R>`` (the process id) once training started. Exits with the run's exit code.
 """
@@ -43,14 +43,14 @@ def main() -> int:
     slow_write = float(os.environ.get("SLOW_WRITE_S", "0"))
     slow_verify = float(os.environ.get("SLOW_VERIFY_S", "0"))
     if rank in slow_ranks and slow_write:
-        make_durable = RecordingWriter._make_durable
+        record = RecordingWriter._record
 
-        def slow_make_durable(self, names):
+        def slow_record(self, names):
             (run_dir / f"slow-write-rank{rank}").write_text(str(time.time()))
             time.sleep(slow_write)
-            return make_durable(self, names)
+            return record(self, names)
 
-        RecordingWriter._make_durable = slow_make_durable
+        RecordingWriter._record = slow_record
     if rank in slow_ranks and slow_verify:
         verify = checkpoint_reader.verify_checkpoint
 

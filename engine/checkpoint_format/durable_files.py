@@ -1,0 +1,226 @@
+"""The files a checkpoint writer makes: checksummed as they are written, durable once closed.
+
+DCP's file writer opens every file it writes through its ``FileSystem`` (``create_stream``);
+:class:`ChecksummingFileSystem` hands it streams that
+
+- compute the CRC-32 of the bytes as they pass, so a file is never read back to checksum it. A
+  large write (a tensor's storage) is checksummed on a helper thread while the same bytes are
+  copied into the page cache, and the write returns only once both are done (its buffer is the
+  caller's: nothing may read it later). CRC-32 runs at about 3 GB/s here and the copy at 4, so on
+  2 cores the checksum costs the write almost nothing;
+- start the kernel's writeback of every :data:`WRITEBACK_CHUNK` written (``sync_file_range`` on
+  Linux, from a thread of its own; elsewhere, or when it fails, the fsync does it all), so that
+  the disk writes while the rest is serialized and the fsync at the close has little left: a
+  200 MB write + fsync took 190 ms so against 245 ms without (medians of 6, interleaved);
+- fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off).
+
+``entries`` then maps each closed file's name to ``(size, crc32)``, renames (DCP writes
+``.metadata`` under a temporary name) included. Making the *names* durable is the publisher's
+directory fsync, which comes before anything can see the files (see the checkpoint store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import io
+import os
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from hookloop.engine.files import fsync_fd
+
+__all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "write_durable"]
+
+#: How much a stream writes before it asks the kernel to start writing it back.
+WRITEBACK_CHUNK = 16 << 20
+_HELPED = 1 << 20  # writes from this size on are checksummed beside the copy
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None  # libc's, once looked up; False: none
+
+
+def _writeback() -> Any:
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _sync_file_range = fn
+            except (OSError, AttributeError):
+                pass
+    return _sync_file_range
+
+
+def _timed_crc32(data: Any, crc: int) -> tuple[int, float]:
+    start = time.perf_counter()
+    return zlib.crc32(data, crc), time.perf_counter() - start
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class _ChecksummingFile(io.IOBase):
+    """A new file opened for writing: small writes gathered into one, the CRC-32 and size of what
+    passed, early writeback; at the close, fsync and ``on_close(size, crc)``."""
+
+    def __init__(self, path: str, owner: ChecksummingFileSystem, on_close: Any) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._owner, self._on_close = owner, on_close
+        self._pending = bytearray()
+        self._writeback: Future | None = None
+        self.size = self.crc = self._started = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self.size + len(self._pending)
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if len(view) < _HELPED:
+            self._pending += view
+            if len(self._pending) >= _HELPED:
+                self.flush()
+            return len(view)
+        self.flush()
+        checksum = self._owner.helper("checksum").submit(_timed_crc32, view, self.crc)
+        try:
+            _write_all(self._fd, view)
+        finally:
+            written = time.perf_counter()
+            self.crc, seconds = checksum.result()
+            self._owner.add_timings(seconds, time.perf_counter() - written)
+        self._advance(len(view))
+        return len(view)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.crc, seconds = _timed_crc32(self._pending, self.crc)
+            self._owner.add_timings(seconds, seconds)
+            _write_all(self._fd, memoryview(self._pending))
+            self._advance(len(self._pending))
+            self._pending.clear()
+
+    def _advance(self, n: int) -> None:
+        self.size += n
+        if self.size - self._started >= WRITEBACK_CHUNK and (writeback := _writeback()):
+            # on a thread of its own: submitting the writeback can block, the copying goes on
+            start, length = self._started, self.size - self._started
+            self._writeback = self._owner.helper("writeback").submit(
+                writeback, self._fd, start, length, _SYNC_FILE_RANGE_WRITE
+            )
+            self._started = self.size
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+            if self._writeback is not None:  # the file stays open until the last one returned
+                self._writeback.result()
+            fsync_fd(self._fd)
+            self._on_close(self.size, self.crc)
+        finally:
+            self._pending.clear()
+            os.close(self._fd)
+            super().close()
+
+    def abandon(self) -> None:
+        """Close without writing what is pending, fsync or entry (the write failed)."""
+        if not self.closed:
+            self._pending.clear()
+            if self._writeback is not None:
+                with contextlib.suppress(Exception):
+                    self._writeback.result()
+            os.close(self._fd)
+            super().close()
+
+
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local file system whose written files are checksummed, written back early and fsynced
+    at the close (see the module docstring); ``entries``: ``{name: (size, crc32)}`` of the files
+    closed so far; ``checksum_s`` the seconds spent checksumming, ``exposed_s`` those the writes
+    waited for beyond their own copying. ``close()`` stops the checksum helper thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: dict[str, tuple[int, int]] = {}
+        self.checksum_s = self.exposed_s = 0.0
+        self._lock = threading.Lock()
+        self._helpers: dict[str, ThreadPoolExecutor] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = os.path.basename(path)
+
+        def record(size: int, crc: int) -> None:
+            with self._lock:
+                self.entries[name] = (size, crc)
+
+        stream = _ChecksummingFile(os.fspath(path), self, record)
+        try:
+            yield stream
+        except BaseException:
+            stream.abandon()
+            raise
+        stream.close()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            entry = self.entries.pop(os.path.basename(path), None)
+            if entry is not None:
+                self.entries[os.path.basename(new_path)] = entry
+
+    def add_timings(self, checksum_s: float, exposed_s: float) -> None:
+        with self._lock:
+            self.checksum_s += checksum_s
+            self.exposed_s += exposed_s
+
+    def helper(self, kind: str) -> ThreadPoolExecutor:
+        """The thread that checksums large writes beside their copy (``"checksum"``) or starts the
+        writeback (``"writeback"``), made on first use."""
+        with self._lock:
+            if kind not in self._helpers:
+                self._helpers[kind] = ThreadPoolExecutor(1, thread_name_prefix=f"hookloop-checkpoint-{kind}")
+            return self._helpers[kind]
+
+    def close(self) -> None:
+        with self._lock:
+            helpers, self._helpers = self._helpers, {}
+        for helper in helpers.values():
+            helper.shutdown(wait=True)
+
+
+def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
+    """Write ``data`` to the new file ``path`` and fsync it; ``(size, crc32)``. For files in a
+    directory nobody reads before it is published (no temporary name: the directory's own fsync
+    and rename make it visible)."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        fsync_fd(f.fileno())
+    return len(data), zlib.crc32(data)

@@ -1,0 +1,108 @@
+"""The files a checkpoint writer makes: each one's size and CRC-32 recorded as it is written (large
+writes checksummed beside their copy, small ones gathered), renames followed, nothing recorded for
+a file whose write failed; and the rank state file written in place with its checksum."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hookloop.engine.checkpoint_format import durable_files
+from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSystem, write_durable
+from hookloop.engine.checkpoint_format.manifest import (
+    RecordingWriter,
+    all_finite,
+    file_checksum,
+    record_checksums_off,
+)
+from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
+
+
+def test_streams_record_the_size_and_crc32_of_what_they_wrote(tmp_path, monkeypatch):
+    monkeypatch.setattr(durable_files, "WRITEBACK_CHUNK", 1 << 20)  # writeback started mid-file
+    fs = ChecksummingFileSystem()
+    pieces = [b"header", os.urandom(3 << 20), b"x" * 100, os.urandom((1 << 20) - 1), bytearray(b"end")]
+    try:
+        with fs.create_stream(tmp_path / "data.tmp", "wb") as stream:
+            for piece in pieces:
+                assert stream.write(memoryview(piece)) == len(piece)
+            assert stream.tell() == sum(map(len, pieces))
+        fs.rename(tmp_path / "data.tmp", tmp_path / "data")
+    finally:
+        fs.close()
+    whole = b"".join(pieces)
+    assert (tmp_path / "data").read_bytes() == whole
+    assert fs.entries == {"data": (len(whole), zlib.crc32(whole))}
+    assert file_checksum(tmp_path / "data") == (len(whole), f"{zlib.crc32(whole):08x}")
+
+
+def test_a_stream_whose_write_failed_records_nothing(tmp_path):
+    fs = ChecksummingFileSystem()
+    with pytest.raises(RuntimeError), fs.create_stream(tmp_path / "data", "wb") as stream:
+        stream.write(b"partial")
+        raise RuntimeError("serialization failed")
+    fs.close()
+    assert fs.entries == {} and stream.closed
+
+
+def test_multi_dimensional_buffers_are_written_and_checksummed_as_bytes(tmp_path):
+    array = torch.arange(1 << 19, dtype=torch.float32).reshape(512, 1024).numpy()  # 2 MiB
+    fs = ChecksummingFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as stream:
+        stream.write(memoryview(array))
+    fs.close()
+    assert fs.entries["a"] == (array.nbytes, zlib.crc32(array.tobytes()))
+
+
+def test_write_durable_returns_what_a_reader_computes(tmp_path):
+    data = b'{"a": 1}'
+    assert write_durable(tmp_path / "rank.json", data) == (8, zlib.crc32(data))
+    assert file_checksum(tmp_path / "rank.json") == (8, f"{zlib.crc32(data):08x}")
+
+
+def test_a_save_through_the_writer_is_checksummed_as_on_disk_and_loads(tmp_path):
+    state = {"w": torch.randn(1024, 1024), "b": torch.zeros(3), "n": 7}
+    writer = RecordingWriter(tmp_path, rank=0, checked={"w", "b"})
+    with quiet_single_process():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        loaded = {"w": torch.zeros(1024, 1024), "b": torch.ones(3), "n": 0}
+        dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    for name, entry in writer.entries.items():
+        assert (entry["size"], entry["checksum"]) == file_checksum(tmp_path / name)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["n"] == 7
+    assert torch.serialization.get_crc32_options() is True  # switched back on after the write
+
+
+def test_record_checksums_are_switched_off_only_inside_and_back_after_nesting():
+    assert torch.serialization.get_crc32_options() is True
+    with record_checksums_off():
+        with record_checksums_off():
+            assert torch.serialization.get_crc32_options() is False
+        assert torch.serialization.get_crc32_options() is False
+    assert torch.serialization.get_crc32_options() is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_finite_check_finds_every_nan_and_inf_and_only_those(dtype):
+    big = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite; its sum overflows
+    assert all_finite({"big": big}, ["big"]) is True
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 517, 999):
+            t = torch.randn(1000).to(dtype)
+            t[where] = bad
+            assert all_finite({"t": t, "ok": torch.ones(3, dtype=dtype)}, ["ok", "t"]) is False
+    both = torch.zeros(4, dtype=dtype)
+    both[1], both[2] = float("inf"), float("-inf")  # cancel out into NaN, still caught
+    assert all_finite({"both": both}, ["both"]) is False
+
+
+def test_the_finite_check_skips_integers_and_reads_complex_tensors():
+    assert all_finite({"i": torch.arange(10), "e": torch.empty(0)}, ["i", "e"]) is True
+    z = torch.zeros(3, dtype=torch.complex64)
+    assert all_finite({"z": z}, ["z"]) is True
+    z[1] = complex(0, float("nan"))
+    assert all_finite({"z": z}, ["z"]) is False
