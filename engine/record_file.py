@@ -34,12 +34,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FLUSH_SECS", "RecordFile"]
+__all__ = ["FLUSH_SECS", "RecordFile", "flush_open"]
 
 #: How long a written record may stay in memory: a killed run loses at most this many seconds of lines.
 FLUSH_SECS = 1.0
 
 _open: weakref.WeakSet[RecordFile] = weakref.WeakSet()  # flushed at exit if nobody closed them
+
+
+def flush_open() -> None:
+    """Write out every open RecordFile of this process now. The checkpointer calls it before a
+    checkpoint becomes visible, so a run resumed from that checkpoint finds every record written
+    before it; an error stays with its file and is raised to that file's writer."""
+    for records in list(_open):
+        try:
+            with records._lock:
+                records._drain()
+        except Exception as e:  # a full disk: the checkpoint goes on, the writer hears of it
+            records._error = e
 
 
 @atexit.register

@@ -23,7 +23,7 @@ from hookloop.handlers.loggers import metric_tag
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, run_process
 
 SEQ = 16
 
@@ -310,6 +310,51 @@ def test_the_records_are_on_disk_when_a_checkpoint_is_published(tmp_path, monkey
 
     trainer.run(_tokens(), max_steps=6)
     assert seen == {3: ([1, 2, 3],) * 3, 6: ([1, 2, 3, 4, 5, 6],) * 3}
+
+
+KILLED_AT_PUBLISH = """
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from hookloop import Events, Priority, Trainer
+from hookloop.handlers import JSONLLogger, MetricsTracker
+from hookloop.handlers.checkpoint import AsyncCheckpointer
+
+run_dir = Path(sys.argv[1])
+model = torch.nn.Linear(4, 1)
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.mse_loss)
+AsyncCheckpointer(run_dir / "ckpt", mode="sync", every_steps=5).attach(trainer)
+MetricsTracker(1, run_dir=run_dir).attach(trainer)
+JSONLLogger(run_dir / "metrics.jsonl", flush_secs=3600).attach(trainer)
+
+
+@trainer.on(Events.CHECKPOINT_SAVED, priority=Priority.ENGINE_FIRST)
+def killed(_trainer, step=0, _path=""):  # published, before any logger has heard of it
+    if step == 10:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+trainer.run([(torch.randn(8, 4), torch.randn(8, 1))] * 100, max_steps=100)
+"""
+
+
+def test_a_kill_right_after_a_checkpoint_is_published_leaves_every_record_up_to_its_step(tmp_path):
+    """The checkpointer writes out every open record file before the rename that publishes a
+    checkpoint: killed the moment the step-10 checkpoint is visible (before CHECKPOINT_SAVED reaches
+    any logger), with an hour-long flush interval, the run holds every step's line up to 10."""
+    (tmp_path / "run.py").write_text(KILLED_AT_PUBLISH)
+    run_dir = tmp_path / "run"
+    proc = run_process([sys.executable, str(tmp_path / "run.py"), str(run_dir)], timeout=120)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert (run_dir / "ckpt" / "step_00000010").is_dir()
+    metrics = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    progress = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()]
+    assert metrics == list(range(1, 11))
+    assert [r["step"] for r in progress if r["event"] == "progress"] == list(range(1, 11))
 
 
 # ---------------------------------------------------------------------------- W&B

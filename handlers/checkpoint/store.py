@@ -28,6 +28,7 @@ from hookloop.engine.checkpoint_format.directory import (
 )
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.manifest import make_manifest, read_marker
+from hookloop.engine.record_file import flush_open
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
 __all__ = ["CheckpointStore", "delete_tree", "not_finite"]
@@ -101,6 +102,7 @@ class CheckpointStore:
             }
             if finite is not None:
                 marker["finite"] = finite
+            flush_open()  # the run's records so far reach their files before anyone can resume from here
             # Every file is fsynced by its writer; the marker's fsync of ``partial`` makes their
             # names durable with its own, before the rename can show the checkpoint to anyone.
             write_json_atomic(os.path.join(partial, MARKER), marker)

@@ -6,9 +6,10 @@ Saves every EVERY steps (default 2) into RUN_DIR/checkpoints and resumes from th
 environment makes storage slow, on the ranks listed in ``SLOW_RANKS`` (default all), by sleeping
 inside the write and verify paths: ``SLOW_WRITE_S`` seconds in each DCP write once its files are
 durable, before it lists them (the writer thread), ``SLOW_VERIFY_S`` seconds each time a
-checkpoint is verified on load. Marker files in RUN_DIR tell a test when to strike: ``slow-write-rank<R>`` once a slow write
-has begun, ``finish-wait-rank<R>`` once the training thread waits for a save still on disk, and
-``pid-rank<R>`` (the process id) once training started. Exits with the run's exit code.
+checkpoint is verified on load. Marker files in RUN_DIR tell a test when to strike:
+``slow-write-rank<R>`` once a slow write has begun, ``finish-wait-rank<R>`` once the training
+thread waits for a save still on disk, and ``pid-rank<R>`` (the process id) once training started.
+Exits with the run's exit code.
 """
 
 from __future__ import annotations
