@@ -62,7 +62,7 @@ class TrainConfig:
     seq_len: int = 128  # tokens per sample
     grad_clip_norm: Optional[float] = 1.0  # clip the total gradient norm to this; null: no clipping
     deterministic: bool = False  # torch's deterministic algorithms (bitwise-repeatable runs)
-    num_threads: Optional[int] = None  # intra-op threads; null: OMP_NUM_THREADS, else 1 (hookloop.threads)
+    num_threads: Optional[int] = None  # intra-op threads; null: OMP_NUM_THREADS or torch's (hookloop.threads)
     run_dir: Optional[str] = None  # null: runs/<config file stem> (hookloop train)
     device: Optional[str] = None  # cpu or cuda; null: this rank's GPU under CUDA, else cpu
     activation_checkpointing: str = "none"  # none, full (every block) or selective (every other)

@@ -1,6 +1,7 @@
-"""The thread settings of the ``hookloop`` command: made before torch loads its OpenMP runtime (which
-reads them then), kept when the environment names them, said in the start-up summary; and the
-``hookloop`` package imports no torch until one of its names is used. Every process here is a
+"""The thread settings of the ``hookloop`` command: passive OpenMP waits set before torch loads its
+OpenMP runtime (which reads them then), kept when the environment names them, one thread when a
+script imported torch first, said in the start-up summary; and the ``hookloop`` package imports no
+torch until one of its names is used. Every process here is a
 fresh interpreter (``fresh=True``): the test commands' fork server has torch loaded already."""
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ def project(tmp_path: Path) -> Path:
 
 
 def _env(**variables: str) -> dict[str, str | None]:
-    # No OMP_NUM_THREADS unless given; the OpenMP runtime prints what it read as it loads.
-    return {"OMP_NUM_THREADS": None, "OMP_DISPLAY_ENV": "TRUE", **variables}
+    # Neither variable unless given; the OpenMP runtime prints what it read as it loads.
+    return {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None, "OMP_DISPLAY_ENV": "VERBOSE", **variables}
 
 
-def _runtime_threads(stderr: str) -> str:
-    """OMP_NUM_THREADS as the OpenMP runtime read it when it loaded (OMP_DISPLAY_ENV)."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip().startswith("OMP_NUM_THREADS = ")]
+def _runtime(stderr: str, name: str) -> str:
+    """A setting as the OpenMP runtime read it when it loaded (OMP_DISPLAY_ENV)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip().startswith(f"{name} = ")]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0].split("'")[1]
 
@@ -82,19 +83,29 @@ def _train(project: Path, *args: str, env: dict[str, str], code: str | None = No
     return proc
 
 
-def test_the_command_starts_torch_with_one_thread_unless_the_environment_or_config_says(project):
+def test_the_command_starts_torch_with_sleeping_waits_unless_the_environment_or_config_says(project):
     ours = _train(project, "train.run_dir=runs/a", env=_env())
-    assert _runtime_threads(ours.stderr) == "1", "OMP_NUM_THREADS was not set before the runtime loaded"
-    assert "[hookloop] threads: 1 intra-op (hookloop's default; train.num_threads=" in ours.stderr
-    theirs = _train(project, "train.run_dir=runs/b", env=_env(OMP_NUM_THREADS="2"))
-    assert _runtime_threads(theirs.stderr) == "2"
-    assert "[hookloop] threads: 2 intra-op (OMP_NUM_THREADS=2 in the environment)" in theirs.stderr
-    configured = _train(project, "train.run_dir=runs/c", "train.num_threads=2", env=_env())
-    assert "[hookloop] threads: 2 intra-op (train.num_threads)" in configured.stderr
+    # GNU OpenMP's spin count is 0 with passive waits (300000 by default): set before it loaded.
+    assert _runtime(ours.stderr, "GOMP_SPINCOUNT") == "0", "OMP_WAIT_POLICY was not set before torch loaded"
+    cores = os.cpu_count()
+    assert _runtime(ours.stderr, "OMP_NUM_THREADS") == str(cores)
+    assert (
+        f"[hookloop] threads: {cores} intra-op (torch's default, one per core); "
+        "waits: passive (hookloop's default)"
+    ) in ours.stderr
+    theirs = _train(project, "train.run_dir=runs/b", env=_env(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="active"))
+    assert _runtime(theirs.stderr, "OMP_NUM_THREADS") == "1"
+    assert _runtime(theirs.stderr, "OMP_WAIT_POLICY") == "ACTIVE"
+    assert (
+        "[hookloop] threads: 1 intra-op (OMP_NUM_THREADS=1 in the environment); "
+        "waits: OMP_WAIT_POLICY=active in the environment"
+    ) in theirs.stderr
+    configured = _train(project, "train.run_dir=runs/c", "train.num_threads=1", env=_env())
+    assert "[hookloop] threads: 1 intra-op (train.num_threads); waits: passive" in configured.stderr
 
 
-def test_a_script_that_imported_torch_first_still_trains_with_one_thread(project):
-    # The runtime started with torch's own count; the run is built with torch.set_num_threads(1).
+def test_a_script_that_imported_torch_first_trains_with_one_thread(project):
+    # The runtime started with spinning waits: the run is built with torch.set_num_threads(1).
     code = (
         "import torch, sys\n"
         "from hookloop.cli import run\n"
@@ -102,15 +113,17 @@ def test_a_script_that_imported_torch_first_still_trains_with_one_thread(project
         "run()\n"
     )
     late = _train(project, env=_env(), code=code)
-    assert _runtime_threads(late.stderr) == str(os.cpu_count())
-    assert "[hookloop] threads: 1 intra-op (hookloop's default;" in late.stderr
+    assert _runtime(late.stderr, "GOMP_SPINCOUNT") == "300000"
+    assert "[hookloop] threads: 1 intra-op (hookloop's default when torch was imported first" in late.stderr
+    assert "waits: spinning (the OpenMP runtime's default: torch was imported first)" in late.stderr
 
 
-def test_apply_environment_changes_nothing_once_torch_is_imported_or_the_variable_is_set():
+def test_apply_environment_changes_nothing_once_torch_is_imported():
     import torch  # noqa: F401  (as a training script that imported torch first)
 
     environ: dict[str, str] = {}
     assert threads.apply_environment(environ) is False and environ == {}
     assert threads.chosen(None, {"OMP_NUM_THREADS": "4"}) is None
-    assert threads.chosen(None, {}) == threads.DEFAULT_THREADS
+    assert threads.chosen(None, {"OMP_WAIT_POLICY": "passive"}) is None
+    assert threads.chosen(None, {}) == threads.FALLBACK_THREADS
     assert threads.chosen(3, {"OMP_NUM_THREADS": "4"}) == 3

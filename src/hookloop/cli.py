@@ -78,7 +78,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    threads.apply_environment()  # OMP_NUM_THREADS before torch is imported (not when it is)
+    threads.apply_environment()  # OMP_WAIT_POLICY before torch is imported (not when it is)
     if argv and argv[0] in DELEGATED:
         import importlib
 

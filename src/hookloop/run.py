@@ -204,7 +204,7 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     behind. ``checked`` is :func:`~hookloop.train.check`'s result, when the caller has it."""
     checked = checked or check(cfg)
     recipe = checked.model.recipe
-    count = threads.chosen(cfg.train.num_threads)  # one per process unless the config or environment says
+    count = threads.chosen(cfg.train.num_threads)  # None: torch's own count, its waits passive
     if count is not None:
         torch.set_num_threads(count)
     seed_everything(cfg.train.seed, cfg.train.deterministic)
