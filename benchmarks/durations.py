@@ -11,7 +11,6 @@ nothing is resumed; the token file of the standard library's documentation is bu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from threads import Competitor  # noqa: E402
+from workload import write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
     result = {"benchmark": "durations", "figures": figures}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return result
 
 

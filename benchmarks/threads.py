@@ -41,6 +41,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workload import write_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "configs" / "gpt_tiny.yaml"
 WORKLOADS = {
@@ -212,8 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
             }
         )
     result = {"benchmark": "threads", "figures": figures}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     return result
 
 
