@@ -41,9 +41,10 @@ class _WaitingPlanner(DefaultSavePlanner):
         self.copied, self.all_copied = copied, all_copied
 
     def resolve_data(self, write_item: Any) -> Any:
+        # An item this save did not copy by name (not one of its buffers) waits for every copy:
+        # nothing is handed to the writer before the state it holds was copied.
         event = self.copied.get(id(self.state_dict.get(write_item.index.fqn)))
-        if event is not None:
-            event.wait()
+        (event or self.all_copied).wait()
         return super().resolve_data(write_item)
 
     def wait_copied(self) -> None:
