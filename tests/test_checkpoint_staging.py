@@ -303,9 +303,18 @@ def test_kill_9_while_staging_publishes_nothing_and_resume_takes_the_previous_ch
 
 # ------------------------------------------------------------------------------ intra-op threads
 def _native_only_threads() -> set[int]:
-    """This process's OS threads that are not Python threads (OpenMP workers, among others)."""
-    python = {t.native_id for t in threading.enumerate()}
-    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+    """This process's OS threads that are not Python threads (OpenMP workers, among others), read
+    twice 0.5 s apart: a Python thread that has just ended (joined, gone from
+    ``threading.enumerate()``) stays in ``/proc`` for a moment, longer on a loaded machine, and is
+    not one of them; an OpenMP worker lives as long as the thread that leads its team."""
+
+    def now() -> set[int]:
+        python = {t.native_id for t in threading.enumerate()}
+        return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+    first = now()
+    time.sleep(0.5)
+    return first & now()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists OS threads through /proc")
@@ -318,7 +327,7 @@ def test_background_saves_start_no_openmp_team_and_leave_the_training_threads_al
     threads must work on one intra-op thread, and the training thread keeps its count."""
     torch.set_num_threads(2)  # the autouse fixture restores it
     torch.ones(1 << 20).add_(1)  # the training thread's own team exists before the baseline
-    before = _native_only_threads()
+    before = {int(tid) for tid in os.listdir("/proc/self/task")}  # every thread, Python's too
     torch.manual_seed(0)
     width = 256  # 65536-element weights: copying them is a parallel op
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
