@@ -207,7 +207,7 @@ class MetricLogger(Handler):
             for name in ("loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"):
                 out[name] = getattr(state, name)
         for name, value in state.metrics.items():
-            if validation if name.startswith(_VALIDATION_PREFIXES) else train:
+            if validation if is_validation_metric(name) else train:
                 kind = type(value)
                 number = value if kind is float or kind is int else _number(value)
                 if number is not None:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from hookloop.engine.intra_op import use_one_intra_op_thread
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
 
-__all__ = ["HostCopy"]
+__all__ = ["HostCopy", "stage_then_save"]
 
 
 def _plain(value: Any) -> bool:
@@ -93,16 +93,7 @@ class HostCopy:
         of an earlier save fit, else through ``stage`` (DCP's stager) first."""
         pairs = self._pairs(state_dict)
         if pairs is None or not self._fits(pairs):
-            try:
-                with torch.no_grad():
-                    host = stage(state_dict)
-            except BaseException as e:
-                staged.set_exception(e)
-                raise
-            staged.set_result(None)
-            self._keep(host)
-            with quiet_single_process():
-                dcp.save(host, **kwargs)
+            self._keep(stage_then_save(stage, state_dict, staged, kwargs))
             return
         copied = {id(self._buffers[path]): threading.Event() for path, _ in pairs}
         all_copied = threading.Event()
@@ -157,6 +148,24 @@ class HostCopy:
             self._writer.shutdown(wait=True)
             self._writer = None
         self._buffers = {}
+
+
+def stage_then_save(
+    stage: Callable[[dict[str, Any]], Any], state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any]
+) -> Any:
+    """Copy ``state_dict`` to host memory with ``stage`` (DCP's stager), resolve ``staged`` once it is
+    copied (from then on training may change the state), then write the copy with DCP (``kwargs``:
+    ``dcp.save``'s); the copy."""
+    try:
+        with torch.no_grad():
+            host = stage(state_dict)
+    except BaseException as e:
+        staged.set_exception(e)
+        raise
+    staged.set_result(None)
+    with quiet_single_process():
+        dcp.save(host, **kwargs)
+    return host
 
 
 def _save(host: dict[str, Any], planner: _WaitingPlanner, kwargs: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from hookloop.handlers.checkpoint.dcp_calls import (
     reraise_interrupt,
     trained_entries,
 )
-from hookloop.handlers.checkpoint.host_copy import HostCopy
+from hookloop.handlers.checkpoint.host_copy import HostCopy, stage_then_save
 from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
@@ -420,16 +420,8 @@ def _stage_then_write(
     as soon as it is copied (see :mod:`.host_copy`)."""
     if host is not None:
         host.save(state_dict, staged, stager.stage, kwargs)
-        return
-    try:
-        with torch.no_grad():
-            host = stager.stage(state_dict)
-    except BaseException as e:
-        staged.set_exception(e)
-        raise
-    staged.set_result(None)
-    with quiet_single_process():
-        dcp.save(host, **kwargs)
+    else:
+        stage_then_save(stager.stage, state_dict, staged, kwargs)
 
 
 def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:

@@ -50,8 +50,8 @@ def apply_environment(environ: MutableMapping[str, str] | None = None) -> bool:
     return True
 
 
-def _waits_sleep(environ: MutableMapping[str, str]) -> bool:
-    """Whether the runtime was told how to wait (by hookloop or the environment)."""
+def _waits_told(environ: MutableMapping[str, str]) -> bool:
+    """Whether the runtime was told how to wait before it loaded (by hookloop or the environment)."""
     return _set_here or _WAITS in environ
 
 
@@ -62,7 +62,7 @@ def chosen(configured: int | None, environ: MutableMapping[str, str] | None = No
     environ = os.environ if environ is None else environ
     if configured:
         return configured
-    if _THREADS in environ or _waits_sleep(environ):
+    if _THREADS in environ or _waits_told(environ):
         return None
     return FALLBACK_THREADS
 
@@ -74,7 +74,7 @@ def describe(num_threads: int, configured: int | None) -> str:
         count = "train.num_threads"
     elif _THREADS in environ:
         count = f"{_THREADS}={environ[_THREADS]} in the environment"
-    elif _waits_sleep(environ):
+    elif _waits_told(environ):
         count = "torch's default, one per core"
     else:
         count = "hookloop's default when torch was imported first, its waiting threads spinning"
