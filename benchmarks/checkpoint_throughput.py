@@ -29,13 +29,15 @@ machine's cores), and ``torchrun --nproc-per-node 2`` (DDP over gloo; torchrun s
 process). The contenders run interleaved in rounds inside the same processes.
 
 Then the durable-save cost of each mode against the disk's own write bandwidth, measured in the same
-run: the bandwidth is the median of writing a file of the checkpoint's size and fsyncing it; each
+run: the bandwidth is the median of writing a file of the checkpoint's size and fsyncing it (the
+last two kept, as ``keep_last=2`` keeps checkpoints); each
 save's "durable" time runs from the save call until every file is written and fsynced (for sync:
 the whole call, publishing included), reported as durable / disk time and as the fraction of the
 disk's bandwidth the save reaches (disk time / durable; the target for the large state is >= 0.8).
 Plain ``dcp.save`` of the user-like state dict and of the flattened state dict hookloop writes are
 the references for ``sync``. The modes, the references and the disk take turns in 3 rounds (1
-with ``--quick``), 2 timed saves each per round; medians. Measured at two sizes: the tiny Llama
+with ``--quick``), 4 timed saves each per round after 3 untimed ones (:data:`WARM_SAVES`: a run's
+first writes land on blocks the file system has not used lately, 2-3 times slower here); medians. Measured at two sizes: the tiny Llama
 above and 4 x Linear(2048, 2048) with AdamW (~200 MB; ``--quick``: 1024, ~50 MB).
 
     python benchmarks/checkpoint_throughput.py [--quick [--torchrun]] [--json PATH] [--no-torchrun]
@@ -381,11 +383,20 @@ def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: i
 
 
 # ------------------------------------------------------------------------------ durable-save cost
+#: Saves (and disk writes) of each run not timed: on this machine's disk the first writes of a run
+#: land on blocks the file system has not used lately and took 2-3 times as long (380-450 ms against
+#: 166-180 ms for 200 MB) until deleting the oldest of the last two (``keep_last=2``) gives blocks
+#: back; a training run saves in that steady state, so every contender and the disk are timed in it.
+WARM_SAVES = 3
+
+
 def disk_seconds(directory: str, nbytes: int, repeats: int = 3) -> list[float]:
-    """Seconds to write ``nbytes`` to a new file and fsync it, ``repeats`` times."""
+    """Seconds to write ``nbytes`` to a new file and fsync it, ``repeats`` times after
+    :data:`WARM_SAVES` untimed ones, keeping the last two files as ``keep_last=2`` keeps checkpoints."""
     chunk = os.urandom(min(nbytes, 8 << 20))
     times = []
-    for i in range(repeats):
+    kept: list[str] = []
+    for i in range(WARM_SAVES + repeats):
         path = os.path.join(directory, f"bandwidth-{i}")
         start = time.perf_counter()
         with open(path, "wb") as f:
@@ -395,8 +406,12 @@ def disk_seconds(directory: str, nbytes: int, repeats: int = 3) -> list[float]:
             f.flush()
             os.fsync(f.fileno())
         times.append(time.perf_counter() - start)
+        kept.append(path)
+        if len(kept) > 2:
+            os.remove(kept.pop(0))
+    for path in kept:
         os.remove(path)
-    return times
+    return times[WARM_SAVES:]
 
 
 def fsync_latency(directory: str, repeats: int = 9) -> float:
@@ -426,7 +441,7 @@ def linear_stack(width: int) -> torch.nn.Module:
 def save_costs(
     mode: str, model: torch.nn.Module, batches: list, loss_fn: Any, saves: int, directory: str
 ) -> dict[str, Any]:
-    """One mode's blocked and durable seconds of each save but the first (a warm-up). Durable runs
+    """One mode's blocked and durable seconds of each save after :data:`WARM_SAVES`. Durable runs
     from the save's start until every file is written and fsynced: for ``sync`` until the call
     returned, published; an async save is published at a later step's end."""
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn)
@@ -452,9 +467,13 @@ def save_costs(
         else:
             save.done.add_done_callback(lambda _f, t=begun["t"]: durable.append(time.perf_counter() - t))
 
-    trainer.run(batches, max_steps=2 * saves + 1)  # saves at 2, 4, ...
+    trainer.run(batches, max_steps=2 * (WARM_SAVES + saves) + 1)  # saves at 2, 4, ...
     checkpointer.close()
-    row = {"blocked": blocked[1:], "durable": durable[1:], "bytes": tree_bytes(checkpointer.last_checkpoint)}
+    row = {
+        "blocked": blocked[WARM_SAVES:],
+        "durable": durable[WARM_SAVES:],
+        "bytes": tree_bytes(checkpointer.last_checkpoint),
+    }
     shutil.rmtree(directory, ignore_errors=True)
     return row
 
@@ -470,7 +489,7 @@ def durable_costs(kind: str, saves: int, rounds: int, root: str) -> dict[str, An
 
     if kind == "llama":
         build: Callable[[], torch.nn.Module] = llama
-        batches: list = microbatches(2 * saves + 2)
+        batches: list = microbatches(2 * (WARM_SAVES + saves) + 2)
         loss_fn = None
     else:
         width = int(kind)
@@ -492,7 +511,7 @@ def durable_costs(kind: str, saves: int, rounds: int, root: str) -> dict[str, An
     def plain(name: str, state: Callable[[], dict[str, Any]], r: int) -> dict[str, Any]:
         times = []
         kept: list[str] = []
-        for i in range(saves + 1):
+        for i in range(WARM_SAVES + saves):
             path = os.path.join(root, f"plain-{kind}-{name[-3:]}-{r}-{i}")
             start = time.perf_counter()
             dcp.save(state(), checkpoint_id=path)
@@ -503,7 +522,7 @@ def durable_costs(kind: str, saves: int, rounds: int, root: str) -> dict[str, An
                 shutil.rmtree(kept.pop(0))  # emptied disk (150-560 ms against 150-170 ms, 202 MB)
         for path in kept:
             shutil.rmtree(path)
-        return {"blocked": times[1:], "durable": times[1:], "bytes": size}
+        return {"blocked": times[WARM_SAVES:], "durable": times[WARM_SAVES:], "bytes": size}
 
     contenders: dict[str, Callable[[int], dict[str, Any]]] = {
         mode: lambda r, mode=mode: save_costs(

@@ -6,8 +6,8 @@ DCP's file writer opens every file it writes through its ``FileSystem`` (``creat
 - compute the CRC-32 of the bytes as they pass, so a file is never read back to checksum it. A
   large write (a tensor's storage) is checksummed on a helper thread while the same bytes are
   copied into the page cache, and the write returns only once both are done (its buffer is the
-  caller's: nothing may read it later). CRC-32 runs at about 3 GB/s here and the copy at 4, so on
-  2 cores the checksum costs the write almost nothing;
+  caller's: nothing may read it later). CRC-32 (:func:`crc32`) runs at about 7.7 GB/s here and
+  the copy at 2.5-4, so on 2 cores the checksum costs the write almost nothing;
 - start the kernel's writeback of every :data:`WRITEBACK_CHUNK` written (``sync_file_range`` on
   Linux, from a thread of its own; elsewhere, or when it fails, the fsync does it all), so that
   the disk writes while the rest is serialized and the fsync at the close has little left: a
@@ -29,7 +29,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +38,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hookloop.engine.files import fsync_fd
 
-__all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "write_durable"]
+try:  # zlib-ng's CRC-32 gives zlib's values at 7.7 GB/s on this machine's CPU, against 3.4 GB/s
+    from zlib_ng.zlib_ng import crc32  # (vector instructions); both release the GIL on large buffers
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; a build without it still works
+    from zlib import crc32
+
+__all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "crc32", "write_durable"]
 
 #: How much a stream writes before it asks the kernel to start writing it back.
 WRITEBACK_CHUNK = 16 << 20
@@ -65,7 +69,7 @@ def _writeback() -> Any:
 
 def _timed_crc32(data: Any, crc: int) -> tuple[int, float]:
     start = time.perf_counter()
-    return zlib.crc32(data, crc), time.perf_counter() - start
+    return crc32(data, crc), time.perf_counter() - start
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -223,4 +227,4 @@ def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
         f.write(data)
         f.flush()
         fsync_fd(f.fileno())
-    return len(data), zlib.crc32(data)
+    return len(data), crc32(data)

@@ -10,7 +10,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 from hookloop.engine.checkpoint_format.directory import MARKER, read_json
-from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSystem
+from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSystem, crc32
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.intra_op import use_one_intra_op_thread
 
@@ -45,7 +44,7 @@ _READ_CHUNK = 4 << 20
 def file_checksum(path: str | os.PathLike, mapped: bool = False) -> tuple[int, str]:
     """``(size, crc32 as 8 hex digits)`` of the regular file at ``path``.
 
-    CRC-32 (``zlib.crc32``) runs at several GB/s here and releases the GIL on large buffers, so the
+    CRC-32 (zlib-ng's, the values of ``zlib.crc32``) runs at several GB/s here and releases the GIL on large buffers, so the
     background thread that computes it barely touches training. It detects accidental damage
     (flipped or lost bytes, truncation); it is no defence against someone who can rewrite the
     checkpoint (they could rewrite the manifest too): that is the job of the unpickling allowlist.
@@ -61,7 +60,7 @@ def file_checksum(path: str | os.PathLike, mapped: bool = False) -> tuple[int, s
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                     view = memoryview(mapped)
                     try:
-                        return len(view), f"{zlib.crc32(view):08x}"
+                        return len(view), f"{crc32(view):08x}"
                     finally:
                         view.release()
             except (OSError, ValueError):  # a file system without mmap: read it in chunks
@@ -70,7 +69,7 @@ def file_checksum(path: str | os.PathLike, mapped: bool = False) -> tuple[int, s
         buf = bytearray(_READ_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
             size += n
         return size, f"{crc:08x}"
 

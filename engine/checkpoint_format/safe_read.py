@@ -8,7 +8,6 @@ import io
 import os
 import pickle
 import stat
-import zlib
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from hookloop.engine.checkpoint_format import dcp_pickles
 from hookloop.engine.checkpoint_format.directory import MARKER
+from hookloop.engine.checkpoint_format.durable_files import crc32
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, file_checksum, read_manifest
 from hookloop.engine.checkpoint_format.pickle_bounds import PickleRefused
@@ -223,7 +223,7 @@ class SafeReader(FileSystemReader):
                     )
         data = _read_index(path, self.index_limit, None if entry is None else entry["size"])
         if entry is not None:
-            checksum = f"{zlib.crc32(data):08x}"
+            checksum = f"{crc32(data):08x}"
             if len(data) != entry["size"] or checksum != entry["checksum"]:
                 raise CheckpointError(
                     f"{path} does not match its manifest ({len(data)} bytes, {CHECKSUM_ALGORITHM} "
