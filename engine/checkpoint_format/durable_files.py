@@ -138,6 +138,8 @@ class _ChecksummingFile(io.IOBase):
             return
         try:
             self.flush()
+            if self._owner.on_written is not None:  # every byte has reached the page cache
+                self._owner.on_written()
             if self._writeback is not None:  # the file stays open until the last one returned
                 self._writeback.result()
             fsync_fd(self._fd)
@@ -162,10 +164,13 @@ class ChecksummingFileSystem(FileSystem):
     """DCP's local file system whose written files are checksummed, written back early and fsynced
     at the close (see the module docstring); ``entries``: ``{name: (size, crc32)}`` of the files
     closed so far; ``checksum_s`` the seconds spent checksumming, ``exposed_s`` those the writes
-    waited for beyond their own copying. ``close()`` stops the checksum helper thread."""
+    waited for beyond their own copying; ``on_written``, when set, is called as each written file
+    is closed, once its bytes are in the page cache and before its fsync. ``close()`` stops the
+    helper threads."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.on_written: Any = None
         self.entries: dict[str, tuple[int, int]] = {}
         self.checksum_s = self.exposed_s = 0.0
         self._lock = threading.Lock()

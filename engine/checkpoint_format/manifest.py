@@ -44,10 +44,11 @@ _READ_CHUNK = 4 << 20
 def file_checksum(path: str | os.PathLike, mapped: bool = False) -> tuple[int, str]:
     """``(size, crc32 as 8 hex digits)`` of the regular file at ``path``.
 
-    CRC-32 (zlib-ng's, the values of ``zlib.crc32``) runs at several GB/s here and releases the GIL on large buffers, so the
-    background thread that computes it barely touches training. It detects accidental damage
-    (flipped or lost bytes, truncation); it is no defence against someone who can rewrite the
-    checkpoint (they could rewrite the manifest too): that is the job of the unpickling allowlist.
+    CRC-32 (zlib-ng's, the values of ``zlib.crc32``) runs at several GB/s here and releases the GIL on
+    large buffers, so the background thread that computes it barely touches training. It detects
+    accidental damage (flipped or lost bytes, truncation); it is no defence against someone who can
+    rewrite the checkpoint (they could rewrite the manifest too): that is the job of the unpickling
+    allowlist.
 
     ``mapped``: read through ``mmap`` (no copy out of the page cache: 6 GB/s against 4.7 GB/s with
     ``readinto`` for 200 MB on this machine). Only for files this process just wrote and nobody
@@ -141,15 +142,16 @@ def read_manifest(path: str | os.PathLike) -> dict[str, dict[str, Any]] | None:
 class RecordingWriter(_FileSystemWriter):
     """DCP's file writer that also produces this rank's manifest entries.
 
-    Its files go through a :class:`~.durable_files.ChecksummingFileSystem`: each is checksummed
-    as it is written (never read back), written back to disk while the rest is serialized, and
-    fsynced once when it is closed. DCP's own fsync is off (``sync_files=False``): it syncs before
-    the last buffered bytes are flushed. The names become durable with the directory fsync that
-    publishing makes before anything can see them. A helper thread checks the saved state for
-    NaN/Inf beside the write. All of it runs where DCP writes: on its background thread for an
-    async save. ``entries`` then holds ``{name: {"size", "checksum", "rank"}}``; ``timings`` how
-    long the checksums and the NaN/Inf check took, and how much of the checksums the write waited
-    for beyond its own copying (``exposed``).
+    Its files go through a :class:`~.durable_files.ChecksummingFileSystem`: each is checksummed as it is
+    written (never read back), written back to disk while the rest is serialized, and fsynced once
+    when it is closed. DCP's own fsync is off (``sync_files=False``): it syncs before the last
+    buffered bytes are flushed. The names become durable with the directory fsync that publishing
+    makes before anything can see them. A helper thread checks the saved state for NaN/Inf beside
+    the write, unless the planner checks each tensor as it hands it over (``check_inline``: a state
+    written live, see ``handlers.checkpoint.host_copy``). All of it runs where DCP writes: on its
+    background thread for an async save. ``entries`` then holds ``{name: {"size", "checksum",
+    "rank"}}``; ``timings`` how long the checksums and the NaN/Inf check took, and how much of the
+    checksums the write waited for beyond its own copying (``exposed``).
 
     DCP's data files are written without the CRC-32 ``torch.save`` puts in each zip record
     (:func:`record_checksums_off`): ``torch.load`` never checks those, the manifest covers every byte,
@@ -174,13 +176,14 @@ class RecordingWriter(_FileSystemWriter):
             use_one_intra_op_thread()  # views must not start an OpenMP team beside training's
         outcome: dict[str, Any] = {}
         helper = None
-        if self.checked:  # beside the write: the state as DCP writes it (the host copy when staged)
+        inline = getattr(planner, "check_inline", None)  # a planner that checks as it hands over
+        self.fs.on_written = getattr(planner, "written", None)
+        if self.checked and inline is not None:
+            inline(self.checked)
+        elif self.checked:  # beside the write: the state as DCP writes it (the host copy when staged)
 
             def check() -> None:
                 use_one_intra_op_thread()  # reductions stay off training's cores
-                wait_copied = getattr(planner, "wait_copied", None)
-                if wait_copied is not None:  # a state copied while it is written
-                    wait_copied()
                 start = time.perf_counter()
                 try:
                     outcome["finite"] = all_finite(getattr(planner, "state_dict", {}), self.checked)
@@ -200,6 +203,8 @@ class RecordingWriter(_FileSystemWriter):
                 helper.join()
                 self.finite = outcome.get("finite")
                 self.timings["finite"] += outcome.get("seconds", 0.0)
+        if self.checked and inline is not None:
+            self.finite = planner.finite
         return future
 
     def finish(self, metadata: Any, results: Any) -> None:

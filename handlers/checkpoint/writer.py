@@ -154,7 +154,7 @@ class CheckpointWriter:
         #: DCP's stager, made at the first background save; its host buffers are reused.
         self.stager: Any = None
         self._own_stager: Any = None
-        self._host_copy = HostCopy()  # mode="async": writing while copying, from the second save
+        self._host_copy = HostCopy()  # mode="async": written live, copied only on demand
 
     @property
     def staging(self) -> bool:
@@ -220,14 +220,19 @@ class CheckpointWriter:
                     done = done_future()
                 elif self.mode is AsyncMode.ASYNC_COPY:
                     done = dcp.async_save(state_dict, **kwargs)
-                else:  # the copy and the write both in the background: the call returns at once
+                else:  # written from the live state in the background: the call returns at once
                     staged = Future()
-                    stager = self._get_stager()
                     # a stager put in place of ours (tests hold the copy with one) copies all first
-                    own = self._host_copy if stager is self._own_stager else None
-                    done = self._session.write_thread().submit(
-                        _stage_then_write, stager, state_dict, staged, kwargs, own
+                    live = (
+                        self._host_copy.begin(state_dict, staged) if self.stager is self._own_stager else None
                     )
+                    if live is not None:
+                        done = self._session.write_thread().submit(self._host_copy.save, live, kwargs)
+                    else:
+                        stage = self._get_stager().stage
+                        done = self._session.write_thread().submit(
+                            stage_then_save, stage, state_dict, staged, kwargs
+                        )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:
                 self._state_slot = None
@@ -282,11 +287,14 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------------------ waiting
     def wait_staged(self) -> None:
-        """Wait until the save in flight is copied to host memory (nothing to wait for otherwise)."""
+        """Wait until the save in flight reads the live state no more: copied to host memory, or
+        (``mode="async"``) written or copied now (nothing to wait for otherwise)."""
         save = self.inflight
         if save is None or save.staged is None or save.staged.done():
             return
         with self._long_wait():
+            with contextlib.suppress(Exception):  # a failure is in ``staged``, reported just below
+                self._host_copy.freeze(self.wait_timeout_s)  # copy what is not written yet
             self.result(save.staged, "staging")
 
     def finish(self, wait: bool) -> Save:
@@ -410,18 +418,6 @@ class CheckpointWriter:
             self.stager.close()
             self.stager = self._own_stager = None
         self._host_copy.close()
-
-
-def _stage_then_write(
-    stager: Any, state_dict: dict[str, Any], staged: Future, kwargs: dict[str, Any], host: HostCopy | None
-) -> None:
-    """On the writer thread: copy the state to host memory and resolve ``staged`` (from then on
-    training may change the state), then write the copy with DCP; with ``host``, write each tensor
-    as soon as it is copied (see :mod:`.host_copy`)."""
-    if host is not None:
-        host.save(state_dict, staged, stager.stage, kwargs)
-    else:
-        stage_then_save(stager.stage, state_dict, staged, kwargs)
 
 
 def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:

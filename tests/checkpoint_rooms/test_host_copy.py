@@ -1,160 +1,164 @@
-"""The host copy of an async save, written while it is made: from the second save on, each tensor
-is written once copied, what is written is the state when the save started (not what training
-made of it once staged), the NaN/Inf check sees the copy, and a failed copy fails the save only
-once its write has stopped."""
+"""An async save written from the live state: untouched, it copies nothing and is staged once
+written; frozen at the staging wait, what the writer has not reached is copied (into buffers kept
+for the next save), the wait ends only once the tensor being written is done, and what is on disk
+is the state at the save, not what training made of it afterwards; the NaN/Inf check reads every
+tensor before it can change; a failed copy fails the save without hanging anything; a state with a
+tensor that is not a plain CPU tensor is staged first."""
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from hookloop.engine.checkpoint_format import durable_files
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, file_checksum
-from hookloop.handlers.checkpoint import host_copy
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
 from hookloop.handlers.checkpoint.host_copy import HostCopy
 
-
-def _clone_stage(state):
-    return {k: ({n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in state.items()}
+CHECKED = {"model.w", "model.v", "model.b"}
 
 
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "model": {"w": torch.randn(256, 256, generator=g), "b": torch.randn(3, generator=g)},
+        "model": {
+            "w": torch.randn(512, 1024, generator=g),  # 2 MB: written in one large write
+            "v": torch.randn(512, 1024, generator=g),
+            "b": torch.randn(3, generator=g),
+        },
         "step": seed,
     }
 
 
-def _save(copy: HostCopy, state: dict, path, checked=()) -> tuple[Future, RecordingWriter]:
+def _start(copy: HostCopy, state: dict, path) -> tuple[Future, Future, RecordingWriter]:
+    """Start a live save on a writer thread of its own: (staged, done, writer)."""
     staged: Future = Future()
-    writer = RecordingWriter(path, checked=checked)
-    copy.save(state, staged, _clone_stage, {"checkpoint_id": path, "storage_writer": writer, "no_dist": True})
-    return staged, writer
+    live = copy.begin(state, staged)
+    assert live is not None
+    writer = RecordingWriter(path, checked=CHECKED)
+    pool = ThreadPoolExecutor(1)
+    done = pool.submit(copy.save, live, {"checkpoint_id": path, "storage_writer": writer, "no_dist": True})
+    pool.shutdown(wait=False)
+    return staged, done, writer
 
 
 def _load(path) -> dict:
-    out = {"model": {"w": torch.zeros(256, 256), "b": torch.zeros(3)}, "step": 0}
+    out = {"model": {"w": torch.zeros(512, 1024), "v": torch.zeros(512, 1024), "b": torch.zeros(3)}, "step": 0}
     with quiet_single_process():
         dcp.load(out, checkpoint_id=path, no_dist=True)
     return out
 
 
-def test_the_second_save_writes_while_it_copies_into_the_first_saves_buffers(tmp_path, monkeypatch):
+def _hold_large_writes(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The writer stops in its first large write (a live tensor) until ``go``; ``inside`` once there."""
+    inside, go = threading.Event(), threading.Event()
+    original = durable_files._write_all
+
+    def held(fd, view):
+        if len(view) >= 1 << 20 and not go.is_set():
+            inside.set()
+            assert go.wait(timeout=30)
+        original(fd, view)
+
+    monkeypatch.setattr(durable_files, "_write_all", held)
+    return inside, go
+
+
+def test_a_save_nobody_freezes_copies_nothing_and_is_staged_once_written(tmp_path):
     copy = HostCopy()
-    planners = []
-    original = host_copy._save
-    monkeypatch.setattr(host_copy, "_save", lambda h, p, k: (planners.append(p), original(h, p, k)))
-    try:
-        first = _state(1)
-        staged, _ = _save(copy, first, tmp_path / "a")
-        assert staged.result(timeout=0) is None and planners == []  # copied first, then written
-        buffers = dict(copy._buffers)
-        second = _state(2)
-        staged, writer = _save(copy, second, tmp_path / "b", checked={"model.w", "model.b"})
-        assert staged.done() and len(planners) == 1  # overlapped, into the same buffers
-        assert all(copy._buffers[path] is buffer for path, buffer in buffers.items())
-    finally:
-        copy.close()
-    loaded = _load(tmp_path / "b")
-    assert torch.equal(loaded["model"]["w"], second["model"]["w"]) and loaded["step"] == 2
+    state = _state(1)
+    staged, done, writer = _start(copy, state, tmp_path / "a")
+    done.result(timeout=60)
+    assert staged.result(timeout=0) is None
+    assert copy._buffers == {}  # no host memory taken
+    loaded = _load(tmp_path / "a")
+    assert all(torch.equal(loaded["model"][k], state["model"][k]) for k in "wvb") and loaded["step"] == 1
     assert writer.finite is True
     for name, entry in writer.entries.items():
-        assert (entry["size"], entry["checksum"]) == file_checksum(tmp_path / "b" / name)
+        assert (entry["size"], entry["checksum"]) == file_checksum(tmp_path / "a" / name)
 
 
-def test_what_is_written_is_the_state_at_the_save_not_what_training_made_of_it(tmp_path, monkeypatch):
+def test_a_freeze_mid_write_keeps_the_state_of_the_save_and_waits_for_the_live_tensor(tmp_path, monkeypatch):
+    inside, go = _hold_large_writes(monkeypatch)
     copy = HostCopy()
-    try:
-        _save(copy, _state(1), tmp_path / "a")
-        state = _state(2)
-        expected = state["model"]["w"].clone()
-        release = threading.Event()
-        original = host_copy._WaitingPlanner.resolve_data
+    state = _state(2)
+    expected = {k: t.clone() for k, t in state["model"].items()}
+    staged, done, writer = _start(copy, state, tmp_path / "b")
+    assert inside.wait(timeout=30)  # the writer is in the middle of a live tensor
+    timer = threading.Timer(0.3, go.set)
+    timer.start()
+    copy.freeze(timeout=30)  # copies the rest, returns once the live tensor is written
+    assert go.is_set() and staged.result(timeout=0) is None
+    assert len(copy._buffers) >= 1  # the other large tensor (at least) was copied
+    for tensor in state["model"].values():  # what training does at the optimizer step
+        tensor.fill_(float("nan"))
+    done.result(timeout=60)
+    loaded = _load(tmp_path / "b")
+    assert all(torch.equal(loaded["model"][k], expected[k]) for k in "wvb")
+    assert writer.finite is True  # every tensor was checked before training changed it
 
-        def slow_write(self, item):  # the write lags behind the copy and training
-            release.wait(timeout=30)
-            return original(self, item)
-
-        monkeypatch.setattr(host_copy._WaitingPlanner, "resolve_data", slow_write)
-        staged: Future = Future()
-        staged.add_done_callback(lambda _f: (state["model"]["w"].fill_(float("nan")), release.set()))
-        writer = RecordingWriter(tmp_path / "b", checked={"model.w"})
-        kwargs = {"checkpoint_id": tmp_path / "b", "storage_writer": writer, "no_dist": True}
-        copy.save(state, staged, _clone_stage, kwargs)
-    finally:
-        copy.close()
-    assert torch.equal(_load(tmp_path / "b")["model"]["w"], expected)
-    assert writer.finite is True  # the check read the copy, not the state training changed
+    buffers = dict(copy._buffers)  # the next save copies into the same buffers
+    go.clear()
+    inside.clear()
+    state = _state(3)
+    staged, done, _ = _start(copy, state, tmp_path / "c")
+    assert inside.wait(timeout=30)
+    threading.Timer(0.3, go.set).start()
+    copy.freeze(timeout=30)
+    done.result(timeout=60)
+    assert any(copy._buffers[path] is buffer for path, buffer in buffers.items())
+    copy.close()
 
 
-def test_a_nan_in_the_second_save_is_found(tmp_path):
+def test_a_nan_is_found_in_a_live_tensor_and_in_a_copied_one(tmp_path, monkeypatch):
     copy = HostCopy()
-    try:
-        _save(copy, _state(1), tmp_path / "a")
-        state = _state(2)
-        state["model"]["w"][7, 7] = float("inf")
-        _, writer = _save(copy, state, tmp_path / "b", checked={"model.w"})
-    finally:
-        copy.close()
+    state = _state(4)
+    state["model"]["b"][1] = float("inf")
+    _, done, writer = _start(copy, state, tmp_path / "d")
+    done.result(timeout=60)
     assert writer.finite is False
 
+    inside, go = _hold_large_writes(monkeypatch)
+    state = _state(5)
+    state["model"]["w"][3, 3] = float("nan")
+    state["model"]["v"][3, 3] = float("nan")  # whichever the writer takes live, the other is copied
+    _, done, writer = _start(copy, state, tmp_path / "e")
+    assert inside.wait(timeout=30)
+    threading.Timer(0.3, go.set).start()
+    copy.freeze(timeout=30)
+    done.result(timeout=60)
+    assert len(copy._buffers) >= 1 and writer.finite is False
+    copy.close()
 
-class _NoMemory(torch.Tensor):
-    """A host buffer whose copy fails, as one running out of memory would."""
 
-    def copy_(self, *args, **kwargs):
+def test_a_failed_copy_fails_the_save_and_the_wait_without_hanging(tmp_path, monkeypatch):
+    inside, go = _hold_large_writes(monkeypatch)
+    copy = HostCopy()
+    staged, done, _ = _start(copy, _state(6), tmp_path / "f")
+    assert inside.wait(timeout=30)
+
+    def no_memory(*_args, **_kwargs):
         raise MemoryError("no host memory for the copy")
 
+    monkeypatch.setattr(torch, "empty_like", no_memory)
+    go.set()
+    with pytest.raises(MemoryError):
+        copy.freeze(timeout=30)
+    assert isinstance(staged.exception(timeout=0), MemoryError)
+    with pytest.raises(CheckpointException) as failed:  # the writer stops at the failed tensor
+        done.result(timeout=60)
+    assert "the host copy of the state failed" in str(failed.value)
+    copy.close()
 
-def test_a_failed_copy_fails_the_save_once_its_write_stopped(tmp_path, monkeypatch):
+
+def test_a_state_with_a_tensor_that_is_not_plain_is_not_written_live():
     copy = HostCopy()
-    ends = []
-    original = host_copy._save
-    monkeypatch.setattr(host_copy, "_save", lambda h, p, k: (original(h, p, k), ends.append("written")))
-    try:
-        _save(copy, _state(1), tmp_path / "a")
-        copy._buffers[("model", "w")] = copy._buffers[("model", "w")].as_subclass(_NoMemory)
-        staged: Future = Future()
-        writer = RecordingWriter(tmp_path / "b")
-        kwargs = {"checkpoint_id": tmp_path / "b", "storage_writer": writer, "no_dist": True}
-        with pytest.raises(MemoryError):
-            copy.save(_state(2), staged, _clone_stage, kwargs)
-        assert isinstance(staged.exception(timeout=0), MemoryError)
-        assert ends == ["written"]  # the write ended before the save failed
-        assert copy._buffers == {}  # the next save copies first again
-    finally:
-        copy.close()
-
-
-def test_a_state_with_a_tensor_that_is_not_plain_is_staged_first(tmp_path):
-    class Marked(torch.Tensor):
-        pass
-
-    copy = HostCopy()
-    stages = []
-
-    def stage(state):
-        stages.append(1)
-        model = {n: t.as_subclass(torch.Tensor).clone() for n, t in state["model"].items()}
-        return {**state, "model": model}
-
-    try:
-        for i in range(2):
-            state = _state(i)
-            state["model"]["b"] = state["model"]["b"].as_subclass(Marked)
-            staged: Future = Future()
-            writer = RecordingWriter(tmp_path / str(i))
-            copy.save(
-                state,
-                staged,
-                stage,
-                {"checkpoint_id": tmp_path / str(i), "storage_writer": writer, "no_dist": True},
-            )
-    finally:
-        copy.close()
-    assert stages == [1, 1]
+    state = _state(7)
+    state["model"]["b"] = torch.zeros(3, device="meta")
+    assert copy.begin(state, Future()) is None
+    copy.freeze(timeout=1)  # nothing in flight: nothing to do
