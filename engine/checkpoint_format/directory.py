@@ -28,6 +28,9 @@ __all__ = [
 
 MARKER = ".complete"
 LATEST = "latest"
+#: Inside a checkpoint directory: the data files of the last pruned checkpoint, which the next save
+#: writes over instead of making new files (see ``durable_files``); never read.
+REUSE = ".reuse"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 

@@ -12,7 +12,11 @@ DCP's file writer opens every file it writes through its ``FileSystem`` (``creat
   Linux, from a thread of its own; elsewhere, or when it fails, the fsync does it all), so that
   the disk writes while the rest is serialized and the fsync at the close has little left: a
   200 MB write + fsync took 190 ms so against 245 ms without (medians of 6, interleaved);
-- fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off).
+- fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off);
+- write over the file of the same name a pruned checkpoint left in ``reuse`` (moved into place,
+  cut to its new size at the close) instead of making a new one: its pages are still in the page
+  cache and its blocks allocated, so 200 MB took 37-51 ms to write and 108-160 ms to make durable
+  against 48-63 and 156-210 ms for a new file, on an idle machine and beside training alike.
 
 ``entries`` then maps each closed file's name to ``(size, crc32)``, renames (DCP writes
 ``.metadata`` under a temporary name) included. Making the *names* durable is the publisher's
@@ -26,6 +30,7 @@ import ctypes
 import ctypes.util
 import io
 import os
+import stat
 import sys
 import threading
 import time
@@ -81,8 +86,10 @@ class _ChecksummingFile(io.IOBase):
     """A new file opened for writing: small writes gathered into one, the CRC-32 and size of what
     passed, early writeback; at the close, fsync and ``on_close(size, crc)``."""
 
-    def __init__(self, path: str, owner: ChecksummingFileSystem, on_close: Any) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    def __init__(self, path: str, owner: ChecksummingFileSystem, on_close: Any, reused: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        self._fd = os.open(path, flags if reused else flags | os.O_TRUNC, 0o644)
+        self._reused = reused  # written over from the start, cut to its new size at the close
         self._owner, self._on_close = owner, on_close
         self._pending = bytearray()
         self._writeback: Future | None = None
@@ -142,6 +149,8 @@ class _ChecksummingFile(io.IOBase):
                 self._owner.on_written()
             if self._writeback is not None:  # the file stays open until the last one returned
                 self._writeback.result()
+            if self._reused:
+                os.ftruncate(self._fd, self.size)
             fsync_fd(self._fd)
             self._on_close(self.size, self.crc)
         finally:
@@ -168,9 +177,10 @@ class ChecksummingFileSystem(FileSystem):
     is closed, once its bytes are in the page cache and before its fsync. ``close()`` stops the
     helper threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, reuse: str | os.PathLike | None = None) -> None:
         super().__init__()
         self.on_written: Any = None
+        self.reuse = reuse
         self.entries: dict[str, tuple[int, int]] = {}
         self.checksum_s = self.exposed_s = 0.0
         self._lock = threading.Lock()
@@ -188,13 +198,27 @@ class ChecksummingFileSystem(FileSystem):
             with self._lock:
                 self.entries[name] = (size, crc)
 
-        stream = _ChecksummingFile(os.fspath(path), self, record)
+        stream = _ChecksummingFile(os.fspath(path), self, record, reused=self._take_reused(os.fspath(path)))
         try:
             yield stream
         except BaseException:
             stream.abandon()
             raise
         stream.close()
+
+    def _take_reused(self, path: str) -> bool:
+        """Move the file of ``path``'s name out of ``reuse`` (a pruned checkpoint's, see
+        :data:`~.directory.REUSE`) to ``path``; whether there was one (a regular file) to write over."""
+        if self.reuse is None:
+            return False
+        old = os.path.join(self.reuse, os.path.basename(path))
+        try:
+            if not stat.S_ISREG(os.lstat(old).st_mode):
+                return False
+            os.replace(old, path)
+        except OSError:
+            return False
+        return True
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)

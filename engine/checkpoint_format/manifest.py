@@ -151,7 +151,9 @@ class RecordingWriter(_FileSystemWriter):
     written live, see ``handlers.checkpoint.host_copy``). All of it runs where DCP writes: on its
     background thread for an async save. ``entries`` then holds ``{name: {"size", "checksum",
     "rank"}}``; ``timings`` how long the checksums and the NaN/Inf check took, and how much of the
-    checksums the write waited for beyond its own copying (``exposed``).
+    checksums the write waited for beyond its own copying (``exposed``). ``reuse``: a directory
+    whose files of the same names it writes over instead of making new ones (a pruned
+    checkpoint's, moved there by the checkpoint store).
 
     DCP's data files are written without the CRC-32 ``torch.save`` puts in each zip record
     (:func:`record_checksums_off`): ``torch.load`` never checks those, the manifest covers every byte,
@@ -161,9 +163,15 @@ class RecordingWriter(_FileSystemWriter):
     ``AsyncStager``, and ``async_save`` would then stage through it instead of the stager it uses
     for a bare path, which would change how (and how fast) async saves copy the state."""
 
-    def __init__(self, path: str | os.PathLike, rank: int = 0, checked: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        rank: int = 0,
+        checked: Iterable[str] = (),
+        reuse: str | os.PathLike | None = None,
+    ) -> None:
         super().__init__(path, sync_files=False)
-        self.fs = ChecksummingFileSystem()
+        self.fs = ChecksummingFileSystem(reuse)
         self.writer_rank = rank
         self.checked = set(checked)
         self.entries: dict[str, dict[str, Any]] = {}

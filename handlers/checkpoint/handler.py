@@ -310,6 +310,8 @@ class AsyncCheckpointer(Handler):
             self.wait()
         else:
             self._wait_local()
+        if parallel.rank() == 0:
+            self._store.remove_reused()
         self._release_lock()
 
     def _on_exception(self, _error: BaseException) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from hookloop.engine import parallel
 from hookloop.engine.checkpoint_format.directory import (
     MARKER,
+    REUSE,
     complete_checkpoints,
     parse_step,
     read_json,
@@ -185,8 +186,32 @@ class CheckpointStore:
                 logger.warning("could not delete old checkpoint %s (training goes on): %s", path, e)
                 continue
             trash.append(target)
+        if trash and not os.path.islink(trash[0]):
+            self._keep_for_reuse(trash[0])
         if trash:
             self._pruning = self._session.io_thread().submit(_delete_trees, trash)
+
+    def _keep_for_reuse(self, tree: str) -> None:
+        """Move the DCP data files of pruned checkpoint ``tree`` into :data:`REUSE`, for the next save
+        to write over (what an earlier prune left there goes with ``tree``). The disk holds no
+        more at its peak than without: the next save's files are these."""
+        reuse = os.path.join(self.directory, REUSE)
+        try:
+            if os.path.islink(reuse) or (os.path.exists(reuse) and not os.path.isdir(reuse)):
+                return  # not ours: leave it
+            os.makedirs(reuse, exist_ok=True)
+            for name in os.listdir(reuse):
+                os.replace(os.path.join(reuse, name), os.path.join(tree, f"{name}.unused"))
+            for name in os.listdir(tree):
+                path = os.path.join(tree, name)
+                if name.endswith(".distcp") and os.path.isfile(path) and not os.path.islink(path):
+                    os.replace(path, os.path.join(reuse, name))
+        except OSError as e:  # the next save makes new files
+            logger.debug("could not keep %s's files for the next save: %s", tree, e)
+
+    def remove_reused(self) -> None:
+        """Delete what :data:`REUSE` holds (the end of a run: the directory keeps its checkpoints only)."""
+        delete_tree(os.path.join(self.directory, REUSE))
 
     def wait_pruned(self) -> None:
         """Wait (locally, at most ``wait_timeout_s``) until the old checkpoints the last publish
@@ -261,7 +286,9 @@ class CheckpointStore:
 
     def remove_stale_partials(self) -> None:
         for name in os.listdir(self.directory):
-            if ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
+            if name == REUSE:
+                delete_tree(os.path.join(self.directory, name))
+            elif ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
                 if name.endswith(f"-{self._session.id}"):
                     continue
                 delete_tree(os.path.join(self.directory, name))

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hookloop.engine import parallel
-from hookloop.engine.checkpoint_format.directory import step_dir_name
+from hookloop.engine.checkpoint_format.directory import REUSE, step_dir_name
 from hookloop.engine.checkpoint_format.durable_files import write_durable
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest_entry
@@ -203,7 +203,8 @@ class CheckpointWriter:
             model_sd = copy_buffers(model_sd, model)
         state_dict = {"model": model_sd, "optim": optim_sd}
         # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
-        writer = RecordingWriter(partial, parallel.rank(), checked=checked)
+        reuse = os.path.join(self.directory, REUSE)  # a pruned checkpoint's files, written over
+        writer = RecordingWriter(partial, parallel.rank(), checked=checked, reuse=reuse)
         group = self._session.group
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,

@@ -40,6 +40,30 @@ def test_streams_record_the_size_and_crc32_of_what_they_wrote(tmp_path, monkeypa
     assert file_checksum(tmp_path / "data") == (len(whole), f"{zlib.crc32(whole):08x}")
 
 
+def test_a_file_left_for_reuse_is_written_over_and_cut_to_its_new_size_a_link_never(tmp_path):
+    reuse = tmp_path / "reuse"
+    reuse.mkdir()
+    (reuse / "__0_0.distcp").write_bytes(os.urandom(3 << 20))  # larger than what comes
+    inode = os.stat(reuse / "__0_0.distcp").st_ino
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not a checkpoint's")
+    os.symlink(outside, reuse / "__1_0.distcp")
+    fs = ChecksummingFileSystem(reuse)
+    data = {name: os.urandom((1 << 20) + 5) for name in ("__0_0.distcp", "__1_0.distcp", "__2_0.distcp")}
+    try:
+        for name, payload in data.items():
+            with fs.create_stream(tmp_path / name, "wb") as stream:
+                stream.write(memoryview(payload))
+    finally:
+        fs.close()
+    for name, payload in data.items():
+        assert (tmp_path / name).read_bytes() == payload and not os.path.islink(tmp_path / name)
+        assert fs.entries[name] == (len(payload), zlib.crc32(payload))
+    assert os.stat(tmp_path / "__0_0.distcp").st_ino == inode  # the same file, written over
+    assert outside.read_bytes() == b"not a checkpoint's"  # a link is never written through
+    assert os.listdir(reuse) == ["__1_0.distcp"]
+
+
 def test_a_stream_whose_write_failed_records_nothing(tmp_path):
     fs = ChecksummingFileSystem()
     with pytest.raises(RuntimeError), fs.create_stream(tmp_path / "data", "wb") as stream:

@@ -48,7 +48,8 @@ def _start(copy: HostCopy, state: dict, path) -> tuple[Future, Future, Recording
 
 
 def _load(path) -> dict:
-    out = {"model": {"w": torch.zeros(512, 1024), "v": torch.zeros(512, 1024), "b": torch.zeros(3)}, "step": 0}
+    model = {"w": torch.zeros(512, 1024), "v": torch.zeros(512, 1024), "b": torch.zeros(3)}
+    out = {"model": model, "step": 0}
     with quiet_single_process():
         dcp.load(out, checkpoint_id=path, no_dist=True)
     return out

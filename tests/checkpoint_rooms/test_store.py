@@ -12,6 +12,7 @@ import pytest
 
 from hookloop.engine.checkpoint_format.directory import (
     MARKER,
+    REUSE,
     complete_checkpoints,
     read_json,
     read_latest,
@@ -77,12 +78,32 @@ def test_a_publish_the_file_system_refuses_is_false_and_leaves_latest(tmp_path, 
     assert "could not publish checkpoint" in caplog.text
 
 
-def test_pruning_keeps_the_last_keep_last(tmp_path, sess):
+def test_pruning_keeps_the_last_keep_last_and_the_data_files_of_the_last_pruned_for_reuse(tmp_path, sess):
     st = fakes.store(tmp_path, sess, keep_last=2)
     for step in range(1, 6):
         publish(st, step)
     assert steps(tmp_path) == [5, 4]
+    assert sorted(os.listdir(tmp_path)) == [REUSE, "latest", step_dir_name(4), step_dir_name(5)]
+    assert os.listdir(tmp_path / REUSE) == ["__0_0.distcp"]  # step 3's, for the next save to write over
+    assert (tmp_path / REUSE / "__0_0.distcp").read_bytes() == b"weights3"
+    st.remove_reused()  # at the end of a run
     assert sorted(os.listdir(tmp_path)) == ["latest", step_dir_name(4), step_dir_name(5)]
+
+
+def test_reuse_keeps_regular_files_only_and_leaves_a_reuse_entry_it_did_not_make(tmp_path, sess):
+    st = fakes.store(tmp_path, sess, keep_last=1)
+    publish(st, 1)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.distcp"
+    outside.write_bytes(b"someone else's")
+    os.symlink(outside, tmp_path / step_dir_name(1) / "__1_0.distcp")  # a link among the files
+    publish(st, 2)
+    assert os.listdir(tmp_path / REUSE) == ["__0_0.distcp"] and outside.read_bytes() == b"someone else's"
+    other = tmp_path.parent / f"{tmp_path.name}-other"
+    other.mkdir()
+    delete_tree(str(tmp_path / REUSE))
+    os.symlink(other, tmp_path / REUSE)  # not a directory of ours: never written into
+    publish(st, 3)
+    assert os.listdir(other) == [] and steps(tmp_path) == [3]
 
 
 def test_pruning_never_deletes_latest(tmp_path, sess):
@@ -141,7 +162,8 @@ def test_pruning_removes_torn_checkpoints_older_than_the_newest_only(tmp_path, s
     (tmp_path / step_dir_name(1)).mkdir()  # a deletion a crash interrupted: marker already gone
     (tmp_path / step_dir_name(9)).mkdir()  # newer than anything complete: not pruning's business
     publish(st, 2)
-    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir_name(2), step_dir_name(9)]
+    assert sorted(os.listdir(tmp_path)) == [REUSE, "latest", step_dir_name(2), step_dir_name(9)]
+    assert os.listdir(tmp_path / REUSE) == []  # the torn one held no data file
 
 
 def test_pruning_a_linked_checkpoint_removes_the_link_not_its_target(tmp_path, sess):
@@ -162,7 +184,7 @@ def test_the_sweep_removes_only_other_sessions_leftovers(tmp_path, sess):
     publish(st, 1)
     dead = "00001234"  # a crashed run's session (the directory lock says no live run holds it)
     leftovers = [f"{step_dir_name(2)}.partial-{dead}", f"{step_dir_name(1)}.replaced-{dead}"]
-    leftovers.append(f"{step_dir_name(0)}.pruned-{dead}")
+    leftovers += [f"{step_dir_name(0)}.pruned-{dead}", REUSE]
     own = f"{step_dir_name(3)}.partial-{fakes.SESSION_ID}"  # this run's save in flight
     for name in (*leftovers, own, "notes"):
         (tmp_path / name).mkdir()
