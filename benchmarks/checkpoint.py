@@ -5,9 +5,10 @@ moment buffers). For each mode (sync, async_copy, async: the default) the script
 steps, saving every ``--every`` steps, and reports
 
 * blocked: the time training waited for each save (median; from ``state.times["checkpoint"]`` over
-  the steps from one save to the next: starting the save, an async save's wait for its copy to host
-  memory before the next optimizer step, and publishing the previous save), its ratio to the sync
-  save's in the same run, and the part of it spent in that wait before the optimizer step,
+  the steps from one save to the next: starting the save, an async save's staging wait before the
+  next optimizer step (``async``: copying what the writer has not written from the live state yet),
+  and publishing the previous save), its ratio to the sync save's in the same run, and the part of
+  it spent in that wait before the optimizer step,
 * durable: from the start of a save until its write finished on disk, checksummed for the
   manifest (median),
 * checksums: the CRC-32s of the manifest, computed by a helper thread while the writer fsyncs the

@@ -19,13 +19,15 @@ finite checkpoint at or before ``protected_step``; a fresh run saves step 0 firs
 
 Modes (``mode=``):
 
-* ``"async"`` (the default): the save call returns at once; the checkpointer's writer thread copies
-  the state to host memory (DCP's stager, into buffers reused from save to save, pinned with CUDA)
-  and then writes it with ``dcp.save`` on a gloo process group of its own. Training waits for the
-  copy only where it must (the staging-wait contract): right before the next ``optimizer.step``
-  (parameters and optimizer state must not change mid-copy), and before any load, rollback, next
-  save or drain. Model buffers (which a forward may change, e.g. BatchNorm statistics) are copied
-  at the save itself. ``"async_staged"`` is the old name of this mode and still accepted.
+* ``"async"`` (the default): the save call returns at once; the checkpointer's writer thread writes
+  the state with ``dcp.save`` on a gloo process group of its own, plain CPU tensors straight from
+  the live state (``host_copy``), a CUDA or sharded state after copying it to host memory (DCP's
+  stager, buffers reused from save to save, pinned with CUDA). Training waits only where it must
+  (the staging-wait contract): right before the next ``optimizer.step`` (parameters and optimizer
+  state must not change while they are read; what the writer has not reached is copied then), and
+  before any load, rollback, next save or drain. Model buffers (which a forward may change, e.g.
+  BatchNorm statistics) are copied at the save itself. ``"async_staged"`` is the old name of this
+  mode and still accepted.
 * ``"async_copy"``: ``dcp.async_save``: training waits while the whole state is copied to host
   memory in the save call, then the write runs on a background thread. For code that changes
   parameters or optimizer state outside ``optimizer.step`` (this was ``"async"`` before the

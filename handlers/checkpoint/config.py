@@ -18,8 +18,9 @@ class AsyncMode(enum.StrEnum):
 
     #: ``dcp.save`` in the save call: training waits for the whole write.
     SYNC = "sync"
-    #: The copy to host memory and the write both on the writer thread: training waits for the copy
-    #: only before the next optimizer step, load, rollback, save or drain (the staging-wait contract).
+    #: The write on the writer thread, from the live state (plain CPU tensors; others copied to host
+    #: memory there first): training waits only before the next optimizer step, load, rollback, save
+    #: or drain, until nothing reads the live state (the staging-wait contract).
     ASYNC = "async"
     #: ``dcp.async_save``: training waits for the copy in the save call, the write runs behind it.
     ASYNC_COPY = "async_copy"

@@ -345,8 +345,8 @@ class AsyncCheckpointer(Handler):
 
     @property
     def staging(self) -> bool:
-        """The save in flight is still being copied to host memory (``mode="async"``): the next
-        optimizer step, load, rollback, save or drain waits for the copy first."""
+        """The save in flight still reads the live state (``mode="async"``): the next
+        optimizer step, load, rollback, save or drain waits until it does no more."""
         return self._writer.staging
 
     def wait(self) -> None:

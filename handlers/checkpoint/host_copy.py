@@ -35,7 +35,7 @@ __all__ = ["HostCopy", "stage_then_save"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
-_PENDING, _LIVE, _COPYING, _COPIED, _FAILED = range(5)
+_PENDING, _LIVE, _COPYING, _COPIED, _FAILED, _NOT_WRITTEN = range(6)
 
 
 def _plain(value: Any) -> bool:
@@ -115,6 +115,14 @@ class _LiveSave:
                 self.finite = None
         return chosen
 
+    def only(self, planned: set[int]) -> None:
+        """Writer thread, once DCP planned the save: tensors this rank does not write (another rank
+        writes a replicated one) are never read, so never copied either."""
+        with self.cond:
+            for key, item in self.items.items():
+                if key not in planned and item.state == _PENDING:
+                    item.state = _NOT_WRITTEN
+
     def written(self) -> None:
         """Writer thread: a file is written; staged once no tensor is left to read live."""
         with self.cond:
@@ -193,6 +201,12 @@ class _LivePlanner(DefaultSavePlanner):
         if isinstance(value, torch.Tensor):
             return self.live.take(index.fqn, value)
         return value
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)
+        state = self.state_dict
+        self.live.only({id(state[item.index.fqn]) for item in plan.items if item.index.fqn in state})
+        return plan
 
     def check_inline(self, names: set[str]) -> None:
         self.live.checked = set(names)

@@ -163,3 +163,15 @@ def test_a_state_with_a_tensor_that_is_not_plain_is_not_written_live():
     state["model"]["b"] = torch.zeros(3, device="meta")
     assert copy.begin(state, Future()) is None
     copy.freeze(timeout=1)  # nothing in flight: nothing to do
+
+
+def test_tensors_another_rank_writes_are_never_copied():
+    copy = HostCopy()
+    state = _state(8)
+    staged: Future = Future()
+    assert copy.begin(state, staged) is not None
+    live = copy._live
+    live.only({id(state["model"]["w"])})  # DCP planned only "w" for this rank (the rest deduplicated)
+    copy.freeze(timeout=1)  # the optimizer step comes before the writer started
+    assert list(copy._buffers) == [("model", "w")] and staged.result(timeout=0) is None
+    copy.close()
