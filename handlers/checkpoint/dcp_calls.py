@@ -5,6 +5,8 @@ exit that reached it kept what it is."""
 
 from __future__ import annotations
 
+import io
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,9 +14,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 __all__ = [
+    "SavePlanner",
     "STATE_DICT_OPTIONS",
     "copy_buffers",
     "last_line",
@@ -87,3 +92,38 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), any other tensor itself."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
+
+
+_ATOMS = (bool, int, float, str, type(None))
+_SERIALIZED: dict[tuple[type, str], bytes] = {}  # a value's torch.save bytes, by its type and repr
+_SERIALIZED_MAX = 4096
+_serialized_lock = threading.Lock()
+
+
+def _cache_key(value: Any) -> tuple[type, str] | None:
+    """A key that tells values apart exactly (``repr`` keeps ``-0.0``, ``1`` and ``True`` apart),
+    for atoms and flat tuples or lists of atoms only; None for anything else."""
+    if type(value) in _ATOMS or (type(value) in (tuple, list) and all(type(v) in _ATOMS for v in value)):
+        return type(value), repr(value)
+    return None
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's planner that serializes each small value it has serialized before only once per
+    process. The flattened optimizer state holds every hyperparameter of every parameter as an
+    entry of its own (about 470 of the 585 entries of a 0.9 M-parameter Llama), and ``torch.save``
+    of each took most of a save's time for a small model; the values repeat from save to save."""
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        key = _cache_key(object) if write_item.type == WriteItemType.BYTE_IO else None
+        if key is None:
+            return super().transform_object(write_item, object)
+        with _serialized_lock:
+            data = _SERIALIZED.get(key)
+        if data is None:
+            data = super().transform_object(write_item, object).getvalue()
+            with _serialized_lock:
+                if len(_SERIALIZED) >= _SERIALIZED_MAX:
+                    _SERIALIZED.clear()
+                _SERIALIZED[key] = data
+        return io.BytesIO(data)

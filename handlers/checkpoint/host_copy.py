@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import all_finite
-from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
+from hookloop.handlers.checkpoint.dcp_calls import SavePlanner, quiet_single_process
 
 __all__ = ["HostCopy", "stage_then_save"]
 
@@ -188,7 +187,7 @@ class _LiveSave:
                 self.staged.set_result(None)
 
 
-class _LivePlanner(DefaultSavePlanner):
+class _LivePlanner(SavePlanner):
     """DCP's planner that hands the writer each tensor live or as copied (see :class:`_LiveSave`),
     checking it for NaN/Inf first (``check_inline``, called by the checkpoint's writer)."""
 

@@ -28,6 +28,7 @@ from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
+    SavePlanner,
     copy_buffers,
     last_line,
     quiet_single_process,
@@ -217,10 +218,10 @@ class CheckpointWriter:
             with quiet_single_process():
                 if self.mode is AsyncMode.SYNC:
                     with self._long_wait():
-                        dcp.save(state_dict, **kwargs)
+                        dcp.save(state_dict, planner=SavePlanner(), **kwargs)
                     done = done_future()
                 elif self.mode is AsyncMode.ASYNC_COPY:
-                    done = dcp.async_save(state_dict, **kwargs)
+                    done = dcp.async_save(state_dict, planner=SavePlanner(), **kwargs)
                 else:  # written from the live state in the background: the call returns at once
                     staged = Future()
                     # a stager put in place of ours (tests hold the copy with one) copies all first
@@ -232,7 +233,7 @@ class CheckpointWriter:
                     else:
                         stage = self._get_stager().stage
                         done = self._session.write_thread().submit(
-                            stage_then_save, stage, state_dict, staged, kwargs
+                            stage_then_save, stage, state_dict, staged, {**kwargs, "planner": SavePlanner()}
                         )
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:

@@ -1,17 +1,22 @@
 """How the wing calls DCP: which entries decide known-good, which a background save copies at once,
-errors in one line, and a Ctrl-C that reached DCP kept a Ctrl-C."""
+errors in one line, a Ctrl-C that reached DCP kept a Ctrl-C, and small values serialized once and
+loaded back exactly (values that compare equal but differ kept apart)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from hookloop.handlers.checkpoint import dcp_calls
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
+    SavePlanner,
     copy_buffers,
     last_line,
+    quiet_single_process,
     reraise_interrupt,
     trained_entries,
 )
@@ -56,3 +61,18 @@ def test_an_error_in_one_line_and_an_interrupt_kept_what_it_is():
         reraise_interrupt(CheckpointException("save", {0: (KeyboardInterrupt(), None)}))
     reraise_interrupt(CheckpointException("save", {0: (OSError("disk full"), None)}))  # no interrupt
     reraise_interrupt(ValueError("not an interrupt"))
+
+
+def test_small_values_are_serialized_once_and_load_back_exactly_equal_looking_ones_apart(tmp_path):
+    values = {"a": 0.0, "b": -0.0, "c": 1, "d": True, "e": 1.0, "f": (0.9, 0.999), "g": [1, 2], "h": None}
+    values["i"], values["j"] = "adamw", {"nested": 1}  # a dict is not cached: serialized each time
+    for i in range(2):  # the second save takes the cached bytes
+        with quiet_single_process():
+            dcp.save(dict(values), checkpoint_id=tmp_path / str(i), planner=SavePlanner(), no_dist=True)
+        loaded = {key: "placeholder" for key in values}
+        loaded["j"] = {"nested": 0}
+        with quiet_single_process():
+            dcp.load(loaded, checkpoint_id=tmp_path / str(i), no_dist=True)
+        assert [(type(v), repr(v)) for v in loaded.values()] == [(type(v), repr(v)) for v in values.values()]
+    cached = {key for key in dcp_calls._SERIALIZED if key[1] in ("0.0", "-0.0", "1", "True", "1.0")}
+    assert len(cached) == 5  # one entry each: equal values of other types or signs are not shared
