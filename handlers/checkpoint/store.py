@@ -287,7 +287,7 @@ class CheckpointStore:
     def remove_stale_partials(self) -> None:
         for name in os.listdir(self.directory):
             if name == REUSE:
-                delete_tree(os.path.join(self.directory, name))
+                self.remove_reused()
             elif ".partial-" in name or ".replaced-" in name or ".pruned-" in name:
                 if name.endswith(f"-{self._session.id}"):
                     continue
