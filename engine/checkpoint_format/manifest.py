@@ -28,6 +28,7 @@ __all__ = [
     "all_finite",
     "checksum_files",
     "file_checksum",
+    "finite_or_none",
     "make_manifest",
     "manifest_entry",
     "read_manifest",
@@ -193,10 +194,7 @@ class RecordingWriter(_FileSystemWriter):
             def check() -> None:
                 use_one_intra_op_thread()  # reductions stay off training's cores
                 start = time.perf_counter()
-                try:
-                    outcome["finite"] = all_finite(getattr(planner, "state_dict", {}), self.checked)
-                except Exception as e:  # noqa: BLE001 - no verdict: the checkpoint is not known-good
-                    logger.warning("could not check the saved state for NaN/Inf: %r", e)
+                outcome["finite"] = finite_or_none(getattr(planner, "state_dict", {}), self.checked)
                 outcome["seconds"] = time.perf_counter() - start
 
             helper = threading.Thread(target=check, name="hookloop-checkpoint-finite", daemon=True)
@@ -257,6 +255,16 @@ def record_checksums_off() -> Iterator[None]:
             _record_checksums_off -= 1
             if _record_checksums_off == 0:
                 setter(_record_checksums_before)
+
+
+def finite_or_none(state_dict: dict[str, Any], names: Iterable[str]) -> bool | None:
+    """:func:`all_finite`, or None (said in a warning) when the check itself failed: no verdict,
+    so the checkpoint is not known-good."""
+    try:
+        return all_finite(state_dict, names)
+    except Exception as e:  # noqa: BLE001 - any failure of the check is "no verdict"
+        logger.warning("could not check the saved state for NaN/Inf: %r", e)
+        return None
 
 
 def all_finite(state_dict: dict[str, Any], names: Iterable[str]) -> bool:

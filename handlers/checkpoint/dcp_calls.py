@@ -23,6 +23,7 @@ __all__ = [
     "STATE_DICT_OPTIONS",
     "copy_buffers",
     "last_line",
+    "plain_value",
     "quiet_single_process",
     "reraise_interrupt",
     "trained_entries",
@@ -100,19 +101,24 @@ _SERIALIZED_MAX = 4096
 _serialized_lock = threading.Lock()
 
 
+def plain_value(value: Any, depth: int = 4) -> bool:
+    """An atom, or a tuple or list (nested at most ``depth`` levels) of plain values: a value whose
+    type and ``repr`` tell it apart exactly (``-0.0``, ``0.0``, ``1``, ``True`` and ``(1,)``, ``[1]``
+    included)."""
+    if type(value) in _ATOMS:
+        return True
+    return depth > 0 and type(value) in (tuple, list) and all(plain_value(v, depth - 1) for v in value)
+
+
 def _cache_key(value: Any) -> tuple[type, str] | None:
-    """A key that tells values apart exactly (``repr`` keeps ``-0.0``, ``1`` and ``True`` apart),
-    for atoms and flat tuples or lists of atoms only; None for anything else."""
-    if type(value) in _ATOMS or (type(value) in (tuple, list) and all(type(v) in _ATOMS for v in value)):
-        return type(value), repr(value)
-    return None
+    """A key that tells plain values apart exactly; None for anything else."""
+    return (type(value), repr(value)) if plain_value(value) else None
 
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's planner that serializes each small value it has serialized before only once per
-    process. The flattened optimizer state holds every hyperparameter of every parameter as an
-    entry of its own (about 470 of the 585 entries of a 0.9 M-parameter Llama), and ``torch.save``
-    of each took most of a save's time for a small model; the values repeat from save to save."""
+    process: the optimizer's hyperparameters (:mod:`.optim_layout`) and other plain values repeat
+    from save to save, and ``torch.save`` of each small value costs about as much as of a tensor."""
 
     def transform_object(self, write_item: Any, object: Any) -> Any:
         key = _cache_key(object) if write_item.type == WriteItemType.BYTE_IO else None

@@ -23,6 +23,7 @@ from hookloop.engine.checkpoint_format.errors import (
     CheckpointLayoutError,
 )
 from hookloop.engine.checkpoint_format.safe_read import SafeLoadPlanner, SafeReader, verify_checkpoint
+from hookloop.handlers.checkpoint import optim_layout
 from hookloop.handlers.checkpoint.dcp_calls import last_line, quiet_single_process
 from hookloop.handlers.checkpoint.model_layout import (
     STAGE_PREFIX,
@@ -182,14 +183,15 @@ class CheckpointReader:
         over = next((o for _, _, o in gathered if o is not None), None)
         return everyone, all(v for _, v, _ in gathered), over
 
-    def _check_compatible(self, path: str, state_dict: dict[str, Any], field: str) -> dict[str, str] | None:
+    def _check_compatible(
+        self, path: str, index: Any, state_dict: dict[str, Any], field: str
+    ) -> dict[str, str] | None:
         """Refuse, before anything is read into the model, a checkpoint whose model parameters are
         not this model's (other layers or widths). The verdict is taken on every rank from the union
         of the ranks' parameters, so all ranks raise together. A checkpoint of the same model
         written with pipeline stages and loaded without them (or the reverse) is this model's
         under other names: the map from this rank's parameter names to the checkpoint's is
         returned (None when the names are the same)."""
-        index = SafeReader(path, index_limit=self.index_limit).read_metadata()
         stored = {
             k.removeprefix("model."): tuple(getattr(v, "size", ()))
             for k, v in index.state_dict_metadata.items()
@@ -222,8 +224,12 @@ class CheckpointReader:
         raise error
 
     def load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
-        names = self._check_compatible(path, state_dict, field)
+        index = SafeReader(path, index_limit=self.index_limit).read_metadata()
+        names = self._check_compatible(path, index, state_dict, field)
         target = state_dict if names is None else under_names(state_dict, names)
+        # the optimizer's settings as the checkpoint holds them: per group or per parameter
+        stored = index.state_dict_metadata
+        expand = optim_layout.request(target["optim"], stored, path) if "optim" in target else None
         if names is not None:
             logger.info(
                 "%s was written %s pipeline stages: loading its parameters and optimizer state by name",
@@ -246,6 +252,8 @@ class CheckpointReader:
                     f"loading {path} failed: {last_line(e)}; if the optimizer changed since it was "
                     "written, resume with load_optimizer=False"
                 ) from None
+        if expand is not None:
+            expand()
         if names is not None:  # DCP replaced the non-tensor values (hyper-parameters) in target
             back_to_names(target, state_dict, names)
 

@@ -25,6 +25,7 @@ from hookloop.engine.checkpoint_format.directory import REUSE, step_dir_name
 from hookloop.engine.checkpoint_format.durable_files import write_durable
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest_entry
+from hookloop.handlers.checkpoint import optim_layout
 from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
@@ -199,6 +200,7 @@ class CheckpointWriter:
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        optim_sd = optim_layout.compact(optim_sd)  # hyperparameters once per group of parameters
         checked = trained_entries(model_sd, optim_sd, model)  # finite or not: the writer says
         if self.mode is AsyncMode.ASYNC:  # staged later, while the next forward may change buffers
             model_sd = copy_buffers(model_sd, model)
