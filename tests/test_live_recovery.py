@@ -223,6 +223,11 @@ def trace_rows(run_dir: Path, group: int) -> list[dict]:
     return rows
 
 
+def val_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["val_loss"] for row in rows if "val_loss" in row}
+
+
 def global_stream(project: Path, steps: int, monkeypatch) -> list[list[str]]:
     """The ids of each step's global batch (steps 1..steps), from one rank's view of the stream."""
     from hookloop.run_data import build_data
@@ -304,6 +309,7 @@ def test_a_nan_on_one_group_is_skipped_on_both_and_the_checkpoint_resumes_withou
     # there from the start (min_replicas 2), so every step is trained by both.
     with processes() as started, lighthouse_here(2) as address:
         common = ("step_scheduler.max_steps=16", "fault_tolerance.min_replicas=2")
+        common += ("data.val_samples=16", "step_scheduler.val_every_steps=8")
         g0 = group(project, started, 0, address, "nan", *common, "fault.nan_microbatches=[20,21]")
         g1 = group(project, started, 1, address, "nan", *common)
         assert g0.exit_code() == 0, g0.text()[-3000:]
@@ -315,6 +321,8 @@ def test_a_nan_on_one_group_is_skipped_on_both_and_the_checkpoint_resumes_withou
         skipped = re.findall(r"step (\d+): .*step skipped on every rank", out)
         assert skipped == ["11"], out[-3000:]
     assert_same_state(s0["checkpoint"], s1["checkpoint"], tmp_path)
+    val = [val_losses(run / f"replica_group_{g}") for g in (0, 1)]  # each group on the whole set
+    assert sorted(val[0]) == [8, 16] and val[0] == val[1]
     rows = trace_rows(run / "replica_group_0", 0) + trace_rows(run / "replica_group_1", 1)
     assert all(row["committed"] and row["groups"] == [0, 1] for row in rows) and len(rows) == 32
 

@@ -227,13 +227,14 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
     # one replica share it. Built before the process group: a data error costs nothing.
     dp, dp_rank = world // (tp * pp), rank // (tp * pp)
+    val_shard = (dp_rank, dp)
     run_dir = Path(cfg.train.run_dir)
     ft = cfg.fault_tolerance
-    if ft.enabled:  # the data is shared by every group's ranks; the group keeps its files apart
+    if ft.enabled:  # the training data is shared by every group's ranks; each validates on it all
         group = ft.group_id()
         dp, dp_rank = dp * ft.num_replica_groups, group * dp + dp_rank
         run_dir = group_run_dir(run_dir, group)
-    data = build_data(cfg, dp_rank, dp, recipe.collate_fn)
+    data = build_data(cfg, dp_rank, dp, recipe.collate_fn, val_shard=val_shard)
     joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     info = init_distributed(
         cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **parallel_mesh(world, tp, pp)
