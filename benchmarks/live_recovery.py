@@ -18,6 +18,9 @@ documentation:
   Restart from a checkpoint (today's path): one of 2 DDP workers killed, torchrun ends the job, the
   same command is started again and resumes from the last checkpoint (every ``K`` steps),
   replaying the steps since. Target: live recovery loses at least 5x less (ratio <= 0.2).
+
+``--quick`` is a smoke test (about 20 s on 2 idle cores): no interleaved rounds (the step times
+come from the failure runs before their kills) and one process for the restart path.
 """
 
 from __future__ import annotations
@@ -168,8 +171,12 @@ class Bench:
         return self.root / "runs" / f"{tag}{self.runs}"
 
     def ddp(self, nproc: int, run_dir: Path, *overrides: str) -> Proc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-        cmd += [f"--master-port={free_port()}", "-m", "hookloop", "train", "run.yaml"]
+        """``hookloop train`` under torchrun with ``nproc`` processes (1: no torchrun)."""
+        cmd = [sys.executable]
+        if nproc > 1:
+            cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+            cmd += [f"--master-port={free_port()}"]
+        cmd += ["-m", "hookloop", "train", "run.yaml"]
         return self.start([*cmd, f"train.run_dir={run_dir}", *overrides], run_dir.name)
 
     def group(self, g: int, groups: int, lighthouse: str, run_dir: Path, *overrides: str) -> Proc:
@@ -211,15 +218,19 @@ def step_time_round(bench: Bench, groups: int, steps: int, warmup: int) -> tuple
     return ft, ddp
 
 
-def lost_live(bench: Bench, kill_at: int, more: int) -> float:
-    """Seconds of training lost by the survivor when one of 2 groups is SIGKILLed."""
+def lost_live(bench: Bench, kill_at: int, more: int, warmup: int) -> tuple[float, float]:
+    """Seconds of training lost by the survivor when one of 2 groups is SIGKILLed, and the median
+    step while both trained (after ``warmup`` steps of both)."""
     server, address = lighthouse(1)
     try:
         run = bench.run_dir("ftkill")
         g0 = bench.group(0, 2, address, run, "fault_tolerance.min_replicas=1")
         g1 = bench.group(1, 2, address, run, "fault_tolerance.min_replicas=1")
-        for g in (0, 1):  # both groups training (the later one healed in from the first)
-            wait_step(run / f"replica_group_{g}", kill_at, [g0, g1])
+        dirs = [run / f"replica_group_{g}" for g in (0, 1)]
+        for d in dirs:  # both groups training (the later one healed in from the first)
+            wait_step(d, 0, [g0, g1])
+        both = max(min(step_times(d)) for d in dirs)  # the first step the later group logged
+        wait_step(dirs[1], both + warmup + kill_at, [g0, g1])
         g1.kill()
         killed = time.time()
         survivor = run / "replica_group_0"
@@ -230,25 +241,32 @@ def lost_live(bench: Bench, kill_at: int, more: int) -> float:
         g0.wait()
     finally:
         server.shutdown()
-    return lost_seconds(survivor, killed, reached, more)
+    two = median_step(step_times(dirs[1]), both + warmup)  # group 1's steps: all with group 0
+    return lost_seconds(survivor, killed, reached, more), two
 
 
-def lost_restart(bench: Bench, kill_at: int, more: int, every: int) -> float:
-    """Seconds lost when one of 2 DDP workers is SIGKILLed and the job restarts from its checkpoint."""
+def lost_restart(
+    bench: Bench, kill_at: int, more: int, warmup: int, every: int, nproc: int = 2
+) -> tuple[float, float]:
+    """Seconds lost when one of ``nproc`` DDP workers is SIGKILLed and the job restarts from its
+    checkpoint, and the median step before the kill (after ``warmup`` steps)."""
     run = bench.run_dir("ddpkill")
     ckpt = f"step_scheduler.ckpt_every_steps={every}"
-    job = bench.ddp(2, run, ckpt)
-    wait_step(run, kill_at, [job])
-    workers = _children(job.proc.pid)
+    batch = f"step_scheduler.global_batch_size={nproc * BATCH_SHARE}"
+    job = bench.ddp(nproc, run, ckpt, batch)
+    wait_step(run, warmup + kill_at, [job])
+    workers = _children(job.proc.pid) if nproc > 1 else [job.proc.pid]
     os.kill(workers[-1], signal.SIGKILL)  # one worker: torchrun then ends the job (exit 1)
     killed = time.time()
     job.wait()
+    print(f"  restart path: the job ended {time.time() - killed:.1f} s after the kill", flush=True)
     reached = reached_before(run, killed)
-    again = bench.ddp(2, run, ckpt)  # what a requeued job does: the same command, resume auto
+    before = median_step(step_times(run), warmup, upto=reached)
+    again = bench.ddp(nproc, run, ckpt, batch)  # what a requeued job does: the same command
     wait_step(run, reached + more, [again], after=killed)
     again.proc.send_signal(signal.SIGTERM)
     again.wait()
-    return lost_seconds(run, killed, reached, more)
+    return lost_seconds(run, killed, reached, more), before
 
 
 def _children(pid: int) -> list[int]:
@@ -272,8 +290,8 @@ def main() -> None:
     from hookloop.engine.data import prepare_tokens, stdlib_docs_text
 
     shape = dict(layers=1, d_model=32, seq_len=32) if quick else dict(layers=2, d_model=128, seq_len=64)
-    steps, warmup, rounds = (12, 3, 1) if quick else (120, 20, 3)
-    kill_at, more, every = (6, 5, 4) if quick else (60, 20, 20)
+    steps, warmup, rounds = (12, 3, 0) if quick else (120, 20, 3)
+    kill_at, more, every = (8, 5, 4) if quick else (40, 20, 20)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare_tokens([stdlib_docs_text()[:200_000]], root / "docs.u8")
@@ -290,17 +308,22 @@ def main() -> None:
             for _ in range(rounds):
                 for groups in figures_by_groups:
                     figures_by_groups[groups].append(step_time_round(bench, groups, steps, warmup))
-            live = lost_live(bench, kill_at, more)
-            restart = lost_restart(bench, kill_at, more, every)
+            live, ft_step = lost_live(bench, kill_at, more, warmup)
+            # smoke-sized: one process stands for the DDP job (a torchrun launch costs seconds here)
+            restart, ddp_step = lost_restart(bench, kill_at, more, warmup, every, nproc=1 if quick else 2)
+            if quick:  # smoke-sized: the step times of the failure runs, before their kills
+                figures_by_groups[2].append((ft_step, ddp_step))
         finally:
             bench.close()
     figures = []
-    print(f"step time, median of per-step times after {warmup} steps, {rounds} interleaved round(s):")
+    how = f"{rounds} interleaved round(s)" if rounds else "the failure runs before their kills"
+    print(f"step time, median of per-step times after {warmup} steps, {how}:")
     for groups, pairs in figures_by_groups.items():
         ft = statistics.median(p[0] for p in pairs) * 1000
         ddp = statistics.median(p[1] for p in pairs) * 1000
         ratio = ft / ddp
-        print(f"  {groups} replica groups {ft:.1f} ms, DDP over {groups} processes {ddp:.1f} ms: {ratio:.2f}")
+        ref = "one process (smoke-sized)" if quick else f"DDP over {groups} processes"
+        print(f"  {groups} replica groups {ft:.1f} ms, {ref} {ddp:.1f} ms: {ratio:.2f}")
         figures.append(
             {
                 "figure": f"live recovery: step ms, {groups} replica groups vs DDP",
@@ -313,7 +336,7 @@ def main() -> None:
             }
         )
     ratio = live / restart if restart > 0 else 0.0
-    print(f"work lost per failure (SIGKILL at step ~{kill_at}, back {more} steps further):")
+    print(f"work lost per failure (SIGKILL after ~{warmup + kill_at} steps, back {more} steps further):")
     print(f"  live recovery {live:.2f} s; restart from a checkpoint every {every} steps {restart:.2f} s")
     figures.append(
         {
