@@ -215,7 +215,8 @@ class ReplicaGroups:
         except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse or every peer is gone
             raise TrainingAborted(
                 f"no quorum of replica groups within {self.config.quorum_timeout_s:g} s "
-                f"(fault_tolerance.quorum_timeout_s; lighthouse {self.lighthouse}): {type(e).__name__}: {e}",
+                f"(fault_tolerance.quorum_timeout_s; lighthouse {self.lighthouse}): {type(e).__name__}: "
+                f"{_last_line(e).split(', details:')[0]}",
                 int(ExitCode.HEALTH_CHECK_FAILED),
             ) from e
         trainer.save_policy.release_saves(_HOLDER)
