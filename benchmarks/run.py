@@ -50,12 +50,17 @@ BENCHMARKS = {
     "activation_memory": "activation_memory.py",
     "precision": "precision.py",
     "step_budget": "step_budget.py",
+    "live_recovery": "live_recovery.py",
 }
 # Benchmarks that measure what a user gets with torch's default thread count: OMP_NUM_THREADS is
 # left as the caller had it (the others run with one thread, for steadier ratios).
 DEFAULT_THREADS = {"checkpoint_throughput"}
 # Benchmarks that need longer than the default timeout: name -> (quick, full) seconds.
-TIMEOUTS = {"checkpoint_throughput": (240.0, 1200.0), "tensor_parallel": (240.0, 1200.0)}
+TIMEOUTS = {
+    "checkpoint_throughput": (240.0, 1200.0),
+    "tensor_parallel": (240.0, 1200.0),
+    "live_recovery": (240.0, 1800.0),
+}
 
 
 def machine() -> dict:

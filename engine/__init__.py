@@ -18,12 +18,14 @@ from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler, 
 from hookloop.engine.errors import ConfigError, HookloopError, StartRefused, TrainingAborted
 from hookloop.engine.events import EventHandle, Events, Place, PlaceError, Priority, StepEvents
 from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.fault_tolerance import FaultToleranceConfig
 from hookloop.engine.handler import Handler, HandlerLike
 from hookloop.engine.logging_setup import install_default, setup_logging
 from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from hookloop.engine.record_file import RecordFile
+from hookloop.engine.replica_groups import ReplicaGroups
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
@@ -52,6 +54,8 @@ __all__ = [
     "Decided",
     "Rollback",
     "RecordFile",
+    "ReplicaGroups",
+    "FaultToleranceConfig",
     "SavePolicy",
     "StepControl",
     "DistInfo",

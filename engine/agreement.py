@@ -87,18 +87,26 @@ class StepAgreement:
         return tuple(self._slots.values())
 
 
-def sum_over_ranks(values: Sequence[Value], *, force_read: bool = False) -> list[Value]:
+def sum_over_ranks(
+    values: Sequence[Value], *, force_read: bool = False, across: Callable[[torch.Tensor], None] | None = None
+) -> list[Value]:
     """``values`` summed over every rank with one all-reduce, read back to the host (floats).
 
-    One process: returned as they are (tensors stay tensors) unless ``force_read``, which reads
-    the tensors among them to floats in one transfer."""
-    if parallel.world_size() == 1:
+    ``across``: a further sum over other groups of ranks, applied in place to the packed vector
+    after the sum over this group (the replica groups of a fault-tolerant run,
+    :mod:`engine.replica_groups`). One process and nothing across: returned as they are (tensors
+    stay tensors) unless ``force_read``, which reads the tensors among them to floats in one
+    transfer."""
+    if parallel.world_size() == 1 and across is None:
         if not force_read or not any(isinstance(v, torch.Tensor) for v in values):
             return list(values)
         return pack(values, torch.device("cpu")).tolist()
     device = parallel.collective_device()
     packed = pack(values, device)
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    if parallel.world_size() > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    if across is not None:
+        across(packed)
     return packed.tolist()
 
 

@@ -217,6 +217,14 @@ class StepControl:
             skip=self.skip, stop=self.stop, save=self.save, validate=self.validate, exit_code=self.exit_code
         )
 
+    def void_step(self) -> None:
+        """The step's agreement did not hold (a step a fault-tolerant run did not commit across its
+        replica groups, :mod:`engine.replica_groups`): the step is skipped and nothing else is
+        decided; the requests stay, so a stop, save or validation asked for is agreed at the next
+        step."""
+        self.skip = True
+        self.decided = Decided(skip=True)
+
     def decide_rollback(self) -> Rollback | None:
         """The end of the step: the pending rollback request (None: none) becomes
         ``decided.rollback``; the trainer then fires ROLLBACK and clears the request."""

@@ -143,6 +143,13 @@ def init_distributed(
 _used_process_group = False
 
 
+def note_process_group_used() -> None:
+    """A process group outside torch's default one was used (torchft's): :func:`exit_process`
+    leaves through ``os._exit``."""
+    global _used_process_group
+    _used_process_group = True
+
+
 def parallel_mesh(world: int, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """``init_distributed`` keyword arguments for a ``dp x tp x pp`` layout of ``world`` ranks:
     none (one ``dp`` dimension) without tp and pp, ``("dp", "pp")`` with pp alone, else the 3-D

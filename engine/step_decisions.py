@@ -91,6 +91,7 @@ class StepDecisions:
         become decisions."""
         state, control = self._state(), self._control
         world = parallel.world_size()
+        groups = getattr(self._owner, "replica_groups", None)  # fault tolerance (engine.replica_groups)
         slots = self._agreement.slots
         decisions: list[Any] = [
             samples,
@@ -103,11 +104,13 @@ class StepDecisions:
             *exit_code_votes(int(control.exit_code) if control.stop else 0),
             *(slot.fill() for slot in slots),
         ]
-        if world == 1:
+        if world == 1 and groups is None:
             agreed = sum_over_ranks(decisions, force_read=True)
-        else:
-            agreed = sum_over_ranks([loss, norm, tokens, *decisions])
-            state.loss, state.grad_norm = agreed[0] / world, agreed[1] / world
+        else:  # over this group's ranks, then over the live replica groups when there are some
+            across = None if groups is None else groups.agree_step
+            agreed = sum_over_ranks([loss, norm, tokens, *decisions], across=across)
+            ranks = world if groups is None else world * groups.ranks_summed
+            state.loss, state.grad_norm = agreed[0] / ranks, agreed[1] / ranks
             state.step_tokens = int(agreed[2])
             agreed = agreed[3:]
         samples, overflow_votes, skip, stop, checkpoint, validate, late = agreed[:7]
@@ -115,6 +118,10 @@ class StepDecisions:
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
         state.samples_seen += int(samples)
         state.grad_scaler_overflow = overflow_votes > 0
+        if groups is not None and not groups.committed:  # not committed across replica groups
+            self.late = False
+            control.void_step()
+            return
         control.skip = skip > 0 or state.grad_scaler_overflow
         control.save = checkpoint > 0
         control.validate = validate > 0
@@ -152,7 +159,10 @@ class StepDecisions:
         stop = control.decided.stop
         if self.late:  # stop and rollback requests of any rank, agreed
             code = int(control.exit_code) if control.stop else 0
-            votes = sum_over_ranks([control.stop, control.rollback is not None, *exit_code_votes(code)])
+            groups = getattr(self._owner, "replica_groups", None)
+            across = None if groups is None else groups.agree_late
+            asked = [control.stop, control.rollback is not None, *exit_code_votes(code)]
+            votes = sum_over_ranks(asked, across=across)
             if votes[0] > 0:
                 control.decide_stop(agreed_exit_code(votes[2:]))
                 stop = True

@@ -213,6 +213,8 @@ class Trainer(IgniteAdapter):
             )
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
+        #: The replica groups of a fault-tolerant run (:mod:`engine.replica_groups`), once attached.
+        self.replica_groups: Any = None
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
@@ -615,6 +617,8 @@ class Trainer(IgniteAdapter):
         local_loss, tokens, samples = result
         state = self.state
         scaler = self.grad_scaler
+        if self.replica_groups is not None:  # averaged over the live replica groups too
+            self.replica_groups.average_gradients(self._params)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         norm = self.step_body.grad_norm()

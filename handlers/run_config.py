@@ -35,6 +35,7 @@ from hookloop.engine.config import (
     validate_sections,
 )
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.fault_tolerance import FaultToleranceConfig, check_fault_tolerance
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.lr import check_lr_schedule
 from hookloop.engine.validation import ValidationConfig
@@ -89,6 +90,7 @@ class RunConfig:
     lr: LRConfig = field(default_factory=LRConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     nan: NaNConfig = field(default_factory=NaNConfig)
@@ -128,6 +130,7 @@ class RunConfig:
                 f"({tp}) x distributed.pp_size ({pp}) must divide the world size ({world}); the rest is "
                 "the data-parallel size",
             )
+        check_fault_tolerance(self, world)
         dp = world // (tp * pp)
         sched, lbs = self.step_scheduler, self.train.local_batch_size
         if pp > 1:

@@ -9,6 +9,13 @@ An id is ``"<dataset name>:<index within that dataset>"``, in the order the rank
 samples (microbatch by microbatch). The union of every rank's ``ids`` for a step is that step's
 global batch.
 
+In a fault-tolerant run (:mod:`engine.replica_groups`) each replica group writes its ranks' files
+into its own directory, and each line also says whether the step was committed across the groups
+and which groups took part: ``{"step": 12, "ids": [...], "committed": true, "groups": [0, 1]}``. A
+step that was not committed is never trained again (its samples are dropped: its gradient may still
+have reached a group that committed it); the samples of a group absent from a step's ``groups`` were
+never drawn, and are dropped too.
+
 Resume rule: once the run has started (RUN_STARTED: a checkpoint was restored and every rank
 agreed to go on; a refused start touches no trace file) every trace file in the run
 directory is cut to the lines of steps ``<=`` the step the run starts from, and a rollback cuts this
@@ -242,8 +249,12 @@ class SampleTrace:
     def _on_step_end(self) -> None:
         ids, self._pending = self.ids(self._pending), []
         if self.write:
+            row = {"step": int(self.trainer.state.step), "ids": ids}
+            groups = getattr(self.trainer, "replica_groups", None)
+            if groups is not None:  # fault tolerance: whether the step counted, and who took part
+                row.update(committed=bool(groups.committed), groups=list(groups.live))
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": int(self.trainer.state.step), "ids": ids}) + "\n")
+                f.write(json.dumps(row) + "\n")
 
     def _on_rollback(self) -> None:
         self._pending = []

@@ -9,7 +9,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -17,10 +16,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from hookloop.engine import parallel, rng
+from hookloop.engine import parallel, run_snapshot
 from hookloop.engine.checkpoint_format.directory import parse_step
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointLayoutError
-from hookloop.engine.checkpoint_format.state_codec import decode, encode
+from hookloop.engine.checkpoint_format.state_codec import decode
 from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
 from hookloop.handlers.checkpoint.rank_file import FORMAT, VERSION, rank_file, read_rank_file
@@ -30,9 +29,6 @@ from hookloop.handlers.checkpoint.resume_settings import ResumePlan, ResumeSetti
 __all__ = ["FORMAT", "VERSION", "RankState"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
-
-# Counters that count events fired (filters read them): a rollback keeps them monotonic.
-_EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks", "skipped_steps")
 
 
 class RankState:
@@ -63,36 +59,23 @@ class RankState:
         self._resumed: tuple[str, int, str | None] | None = None  # path, step, settings line: said at start
 
     def capture(self, step: int) -> dict[str, Any]:
-        """This rank's state JSON for a save of ``step``."""
+        """This rank's state JSON for a save of ``step``: the trainer's snapshot
+        (:mod:`engine.run_snapshot`) with what a checkpoint adds."""
         trainer, state = self.trainer, self.trainer.state
-        handlers = {}
-        for key, obj in trainer.stateful.items():
-            handlers[key] = encode(obj.state_dict(), f"handler {key!r} state_dict()")
-        data = trainer.step_data.state_dict() if trainer.step_data is not None else None
-        scheduler = trainer.lr_scheduler
+        snapshot = run_snapshot.capture(trainer)
+        # This save counts itself: a run resumed from it has saved it (CHECKPOINT_SAVED fires only
+        # once the save is published, after these counters were taken).
+        snapshot["counters"]["checkpoints_saved"] = state.checkpoints_saved + 1
         return {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
             "rank": parallel.rank(),
             "world_size": parallel.world_size(),
-            # This save counts itself: a run resumed from it has saved it (CHECKPOINT_SAVED fires
-            # only once the save is published, after these counters were taken).
-            "counters": {**state.counters(), "checkpoints_saved": state.checkpoints_saved + 1},
-            "epoch_length": state.epoch_length,
-            "lr_scheduler": None if scheduler is None else encode(scheduler.state_dict(), "lr_scheduler"),
-            "handlers": handlers,
-            "data": encode(data, "data position"),
-            "rng": rng.capture_rng(self._data_generators()),
-            # What the run last reported, so a resumed run that trains no further step still says it.
-            "last": {"loss": float(state.loss), "metrics": _numeric(state.metrics)},
+            **snapshot,
             # What it was trained with, so a resume can tell what changed (resume_settings).
             "settings": self._settings.capture(trainer),
         }
-
-    def _data_generators(self) -> list[torch.Generator]:
-        step_data = self.trainer.step_data
-        return rng.data_generators(step_data.data) if step_data is not None else []
 
     def load(self, path: str, *, rollback: bool, keep_data_position: bool = False) -> int:
         """Restore ``path`` into the running trainer; any failure is a CheckpointError naming it, or
@@ -133,7 +116,7 @@ class RankState:
         return extra, plan
 
     def _restore(self, path: str, *, rollback: bool, keep_data_position: bool) -> int:
-        trainer, state = self.trainer, self.trainer.state
+        trainer = self.trainer
         extra, plan = self._plan(path, rollback=rollback)
         try:
             if self.load_optimizer:
@@ -155,27 +138,13 @@ class RankState:
                 set_model_state_dict(trainer.model, state_dict["model"])
         except CheckpointLayoutError as e:  # named by the model setting that changed, if one did
             raise plan.layout_error(e) from None
-        if trainer.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(decode(extra["lr_scheduler"]))
-        lrs = self._settings.honour(trainer, plan)  # this run's hyperparameters and schedule
-        self._load_handlers(extra.get("handlers", {}), rollback)
-        counters = dict(extra["counters"])
-        if rollback:
-            for name in (*_EVENT_COUNTERS, "epoch"):
-                counters.pop(name, None)
-        position = decode(extra["data"]) if extra.get("data") is not None else None
-        epoch_length = extra.get("epoch_length")
-        state.load_counters(counters)
-        rng.restore_rng(extra["rng"], self._data_generators())
-        state.lr = trainer.optimizer.param_groups[0]["lr"]
-        if not rollback:
-            last = extra.get("last") or {}
-            if "loss" in last:
-                state.loss = last["loss"]
-            state.metrics.update(last.get("metrics") or {})
-            self._position_data(position, epoch_length, counters["epoch"])
-        elif not keep_data_position:
-            self._rewind_data(position, epoch_length, counters)
+        lrs = run_snapshot.apply(  # this run's hyperparameters and schedule honoured after the scheduler
+            trainer,
+            extra,
+            resume=not rollback,
+            keep_data_position=keep_data_position,
+            after_scheduler=lambda: self._settings.honour(trainer, plan),
+        )
         if rollback:  # a resume is said once the run has started (the checkpointer, at RUN_STARTED)
             logger.info("rolled back to %s (step %d)", path, extra["step"])
         else:  # said once the run has started, with the settings that changed since the checkpoint
@@ -190,49 +159,6 @@ class RankState:
             if line is not None and parallel.rank() == 0:
                 logger.info("%s", line)
             self._resumed = None
-
-    def _position_data(self, position: dict | None, epoch_length: int | None, epoch: int) -> None:
-        """Before the first epoch starts: counters so ignite re-enters the saved epoch at the saved
-        step, and the data source at the saved microbatch."""
-        trainer, state = self.trainer, self.trainer.state
-        if state.epoch_length is None and epoch_length is not None:
-            state.epoch_length = epoch_length
-        elif epoch_length is not None and state.epoch_length != epoch_length:
-            logger.warning(
-                "the data has %s steps per epoch, the checkpoint %s: the data position is not "
-                "restored exactly",
-                state.epoch_length,
-                epoch_length,
-            )
-        steps = position["steps"] if position else 0
-        mid_epoch = (
-            position is not None and steps > 0 and not (epoch_length is not None and steps >= epoch_length)
-        )
-        if position is not None and not mid_epoch:
-            # The saved epoch was complete: only a stateful source's own position carries over.
-            source = position.get("source")
-            position = None if source is None else {"microbatches": 0, "steps": 0, "source": source}
-        trainer.resume_at(epoch, steps if mid_epoch else 0, position)
-
-    def _rewind_data(self, position: dict | None, epoch_length: int | None, counters: dict) -> None:
-        """Rollback without keeping the data position: the live data iterator restarts at the
-        checkpoint's position. ignite's own count of steps in this epoch is not reset, so after such
-        a rollback EPOCH_END may fire early by the rewound steps; the data order is exact."""
-        if position is None:
-            return
-        self.trainer.rewind_data(position)
-
-    def _load_handlers(self, states: dict[str, Any], rollback: bool) -> None:
-        registered = self.trainer.stateful
-        for key, obj in registered.items():
-            if rollback and getattr(obj, "restore_on_rollback", True) is False:
-                continue
-            if key not in states:
-                logger.warning("handler state %r is not in the checkpoint; it starts fresh", key)
-                continue
-            obj.load_state_dict(decode(states[key]))
-        for key in sorted(set(states) - set(registered)):
-            logger.warning("the checkpoint holds state for %r, but no handler registered that key", key)
 
     def check(self, path: str) -> list[str]:
         """What makes checkpoint ``path``'s state file for this rank one the restore cannot take
@@ -259,14 +185,3 @@ class RankState:
 def _step_of(path: str) -> int | None:
     """The step a checkpoint directory's name says (None for a name that is not ``step_N``)."""
     return parse_step(os.path.basename(os.path.normpath(path)))
-
-
-def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    """The plain numbers among ``metrics`` (0-dim tensors read once), for the checkpoint."""
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(key, str):
-            out[key] = float(value)
-    return out

@@ -5,6 +5,7 @@
     hookloop config [CONFIG] [overrides] [--markdown]    the resolved config, every field explained
     hookloop prepare OUT --files F ... [--tokenizer PATH] write a token file (docs/data.md)
     hookloop plot RUN_DIR [-o PNG]                       draw a run's metrics
+    hookloop lighthouse [--bind H:P] [--min-replicas N]  the quorum server of replica groups (torchft)
 
 ``train`` exits with the run's exit code (:class:`hookloop.engine.ExitCode`); every command exits
 with 2 and one line naming the field when the config is wrong, before any process group, data or
@@ -55,6 +56,11 @@ COMMANDS = ("train", "check", "config")
 DELEGATED = {
     "prepare": ("hookloop.engine.data.prepare", "prepare_command", "write a token file from text"),
     "plot": ("hookloop.handlers.plot", "main", "draw a run's metrics to a PNG"),
+    "lighthouse": (
+        "hookloop.lighthouse",
+        "main",
+        "serve the quorum of a fault-tolerant run's replica groups (torchft)",
+    ),
 }
 
 

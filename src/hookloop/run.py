@@ -24,6 +24,7 @@ is written then, and a start refused before that (exit code 2) leaves every file
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -51,8 +52,10 @@ from hookloop.engine import (
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.data import SampleTrace
+from hookloop.engine.fault_tolerance import group_dir_name, group_run_dir
 from hookloop.engine.parallel import DistInfo, destroy_distributed, parallel_mesh
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+from hookloop.engine.replica_groups import ReplicaGroups
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
@@ -129,6 +132,8 @@ class Run:
     _start: list[int] = dataclasses.field(default_factory=lambda: [0], repr=False)
     #: The run directory's lock (rank 0; None elsewhere), held until :meth:`close`.
     lock: RunDirLock | None = dataclasses.field(default=None, repr=False)
+    #: This process's replica group of a fault-tolerant run (``fault_tolerance``), else None.
+    replica_groups: ReplicaGroups | None = None
 
     def run(self) -> int:
         """Train to the config's end (or resume and finish); return the exit code
@@ -165,6 +170,8 @@ class Run:
         lock, self.lock = self.lock, None
         if lock is not None:
             lock.release(remove_created=not self.trainer.started)
+        if self.replica_groups is not None:
+            self.replica_groups.shutdown()
         destroy_distributed()
 
     def __enter__(self) -> Run:
@@ -178,7 +185,10 @@ def _log_summary(run: Run) -> None:
     """The start-up summary, once the checkpointer has decided at TRAIN_START whether this run
     resumes (so it runs at a priority below ``Places.RESUME``)."""
     trainer, state, cfg = run.trainer, run.trainer.state, run.config
-    if state.iteration > 0 and state.last_checkpoint:
+    healed = run.replica_groups.healed_from if run.replica_groups is not None else None
+    if healed is not None:
+        start = f"healed from replica group {healed[0]} (step {healed[1]})"
+    elif state.iteration > 0 and state.last_checkpoint:
         start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
     else:
         start = "fresh (step 0)"
@@ -190,6 +200,10 @@ def _log_summary(run: Run) -> None:
         "world size %d (dp %d x tp %d x pp %d), precision %s",
         run.dist.world_size, run.dp_size, tp, pp, cfg.train.precision,
     )  # fmt: skip
+    if run.replica_groups is not None:
+        groups = run.replica_groups
+        line = f"replica group {groups.group} of {groups.groups}, lighthouse {groups.lighthouse}"
+        logger.info("fault tolerance: %s, min replicas %d", line, cfg.fault_tolerance.min_replicas)
     logger.info("threads: %s", threads.describe(torch.get_num_threads(), cfg.train.num_threads))
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
@@ -213,7 +227,14 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
     # one replica share it. Built before the process group: a data error costs nothing.
     dp, dp_rank = world // (tp * pp), rank // (tp * pp)
-    data = build_data(cfg, dp_rank, dp, recipe.collate_fn)
+    val_shard = (dp_rank, dp)
+    run_dir = Path(cfg.train.run_dir)
+    ft = cfg.fault_tolerance
+    if ft.enabled:  # the training data is shared by every group's ranks; each validates on it all
+        group = ft.group_id()
+        dp, dp_rank = dp * ft.num_replica_groups, group * dp + dp_rank
+        run_dir = group_run_dir(run_dir, group)
+    data = build_data(cfg, dp_rank, dp, recipe.collate_fn, val_shard=val_shard)
     joined = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     info = init_distributed(
         cfg.distributed.backend, timeout_s=cfg.distributed.timeout_s, **parallel_mesh(world, tp, pp)
@@ -221,8 +242,8 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     lock = None
     try:
         # One run per run directory: refused here, on every rank, before anything is built or written.
-        lock = hold_run_dir(cfg.train.run_dir, field="train.run_dir")
-        run = _build(cfg, checked, info, data, dp, dp_rank, list(handlers))
+        lock = hold_run_dir(run_dir, field="train.run_dir")
+        run = _build(cfg, checked, info, data, run_dir, dp, dp_rank, list(handlers))
     except BaseException:
         if lock is not None:
             lock.release(remove_created=True)
@@ -233,10 +254,11 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     return run
 
 
-def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_rank: int, extra: list) -> Run:
+def _build(
+    cfg: Any, checked: Checked, info: DistInfo, data: Any, run_dir: Path, dp: int, dp_rank: int, extra: list
+) -> Run:
     resolved, recipe = checked.model, checked.model.recipe
     pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
-    run_dir = Path(cfg.train.run_dir)
     device = torch.device(cfg.train.device) if cfg.train.device else info.device
     model = resolved.build()
     flops_per_token = resolved.flops_per_token(model, cfg)  # of the whole model, before any split
@@ -299,12 +321,20 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
         tp_mesh=tp_mesh,
         loss_parallel=cfg.distributed.loss_parallel,
     )
+    groups = None
+    sections = cfg
+    if cfg.fault_tolerance.enabled:  # before the handlers: a resume restores its commit count
+        groups = ReplicaGroups(cfg.fault_tolerance).attach(trainer)
+        if cfg.checkpoint.directory is not None:  # each group writes checkpoints of its own
+            sections = copy.copy(cfg)
+            directory = os.path.join(cfg.checkpoint.directory, group_dir_name(groups.group))
+            sections.checkpoint = dataclasses.replace(cfg.checkpoint, directory=directory)
     # Every enabled shipped handler, built from its section and attached in handlers.HANDLER_ORDER
     # (the step scheduler, checkpoints, the NaN detector, the curriculum, metrics, loggers,
     # profiler, health and straggler checks), then the config's handlers: entries, then ``extra``.
     attached = attach_handlers(
         trainer,
-        cfg,
+        sections,
         extra=extra,
         dataloader=data.train,
         dp_size=dp,
@@ -338,6 +368,7 @@ def _build(cfg: Any, checked: Checked, info: DistInfo, data: Any, dp: int, dp_ra
         dp_size=dp,
         dp_rank=dp_rank,
         n_params=n_params,
+        replica_groups=groups,
     )
 
     def note_start() -> None:  # the run has started (resumed, every rank agreed): now it is recorded

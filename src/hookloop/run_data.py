@@ -188,12 +188,15 @@ def build_data(
     *,
     num_workers: int | None = None,
     write_cache: bool = True,
+    val_shard: tuple[int, int] | None = None,
 ) -> RunData:
     """Train loader over the weighted mixture (endless, resumable sampler) and a validation loader
     over ``data.val_samples`` held-out samples shared among the ``world`` data-parallel ranks
     (this process is ``rank``). ``collate_fn`` (default: torch's) turns a list of samples into a
     microbatch. ``num_workers`` overrides ``data.num_workers``; ``write_cache`` is
-    :func:`named_datasets`'."""
+    :func:`named_datasets`'. ``val_shard``: ``(rank, world)`` of the validation's share when it is
+    not the training's (replica groups each validate on the whole set: their ranks within the
+    group)."""
     from torch.utils.data import DataLoader, Subset
 
     datasets = named_datasets(cfg, write_cache=write_cache)
@@ -230,7 +233,8 @@ def build_data(
     val = None
     if val_parts and cfg.data.val_samples:
         val_set = MixtureDataset(val_parts, tag_source=tag)
-        shard = Subset(val_set, validation_indices(len(val_set), cfg.data.val_samples, rank, world))
+        val_rank, val_world = val_shard or (rank, world)
+        shard = Subset(val_set, validation_indices(len(val_set), cfg.data.val_samples, val_rank, val_world))
         # Pipeline stages take whole microbatches only: a partial last batch is dropped there.
         drop_last = cfg.distributed.pp_size > 1
         val = DataLoader(

@@ -1,0 +1,433 @@
+"""Replica groups: data parallelism across groups that keeps training when one of them dies.
+
+A :class:`ReplicaGroups` attached to a :class:`~engine.Trainer` makes this process one rank of one
+replica group (the ``fault_tolerance`` section, :mod:`engine.fault_tolerance`). Across groups a
+torchft ``Manager`` keeps the quorum of live groups (through the lighthouse), reconfigures the
+cross-group process group when it changes, and sends a live group's state to a recovering one. The
+trainer's step, with what this adds marked ``+``::
+
+    TRAIN_START   ... a checkpoint resume (RESTORE) ...
+                + quorum()              join the live groups; a group behind them (restarted, or
+                                        at its first step) receives a peer's whole state here
+    step k        fetch, STEP_START, forward/backward (DDP inside the group)
+                + average_gradients()   one flat all-reduce of the gradients over the live groups
+                  grad norm, BEFORE_OPTIMIZER_STEP
+                  the step's agreement  the packed vector summed inside the group, then
+                +                       over the live groups, then ``should_commit``: a step
+                                        that is not committed (a group died mid-step, too few
+                                        groups) is a skipped step whose other decisions are void
+                  optimizer, LR scheduler (unless skipped), STEP_END handlers, the step's end
+                + quorum()              at the step boundary: a group that died is dropped (the
+                                        others stall about the lighthouse's heartbeat timeout), a
+                                        restarted one joins and is healed before the next fetch
+
+Every decision the engine agrees on (skip, stop and its exit code, save, validate) is summed over
+the live groups, so all of them take it at the same step. Healing: the recovering group receives
+the model and optimizer (by value, over torchft's HTTP transport: a pickle from a peer of the same
+job) and the run's snapshot (:mod:`engine.run_snapshot`: counters, LR scheduler, handlers, data
+position, RNG), the same state a checkpoint holds, and a stop the peer decided. torchft's own step
+(the count of committed steps) travels in checkpoints as the state ``replica_groups``, so after a
+whole-job restart the group that resumed the newest checkpoint is the one the others heal from.
+
+torchft is imported when the first run starts, never by importing this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from hookloop.engine import parallel, run_snapshot
+from hookloop.engine.errors import TrainingAborted
+from hookloop.engine.events import Events, Priority
+from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.fault_tolerance import INSTALL_HINT, FaultToleranceConfig, group_dir_name
+
+__all__ = ["STATE_KEY", "ReplicaGroups"]
+
+logger = logging.getLogger("hookloop.replica_groups")
+
+#: Where torchft's commit count sits in a checkpoint (a registered stateful object).
+STATE_KEY = "replica_groups"
+_HOLDER = "replica groups (an uncommitted step)"
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+class ReplicaGroups:
+    """This process's replica group in a fault-tolerant run (see the module docstring).
+
+    Args:
+        config: the ``fault_tolerance`` section (validated here: a ``ConfigError`` names the field).
+
+    ``attach(trainer)`` wires it in; the trainer then averages gradients and agrees decisions over
+    the live groups. :attr:`group` is this group's id, :attr:`live` the ids of the groups in the
+    current quorum, :attr:`committed` whether the current step committed, :attr:`uncommitted_steps`
+    how many did not in this run. :meth:`shutdown` leaves (the composition root calls it)."""
+
+    asks_after_agreement = False  # its step-end quorum only acts on what a peer's whole state says
+
+    def __init__(self, config: FaultToleranceConfig) -> None:
+        config.validate()
+        if not config.enabled:
+            raise ValueError("ReplicaGroups needs a fault_tolerance section with enabled=true")
+        self.config = config
+        self.group = config.group_id()
+        self.groups = config.num_replica_groups
+        self.lighthouse = config.lighthouse_address()
+        self.manager: Any = None
+        self.trainer: Any = None
+        self.live: tuple[int, ...] = ()
+        self.committed = True
+        self.uncommitted_steps = 0
+        self._in_a_row = 0
+        self._quorum_id = -1
+        self._pg: Any = None
+        self._transport: Any = None
+        self._store: Any = None
+        self._saved_commits: dict[str, int] | None = None  # from a checkpoint, until the manager exists
+        self._healed: dict[str, Any] | None = None
+        self._at_start = True
+        #: ``(group, step)`` of the last heal: which group sent this one its state, at which step.
+        self.healed_from: tuple[int, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"ReplicaGroups(group {self.group} of {self.groups}, lighthouse {self.lighthouse})"
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, trainer: Any) -> ReplicaGroups:
+        if self.trainer is not None:
+            raise RuntimeError("this ReplicaGroups is already attached to a trainer; build one per trainer")
+        self.trainer = trainer
+        trainer.replica_groups = self
+        # After a checkpoint resume (RESTORE, order 0): a peer's state overrides what the disk said.
+        trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.RESTORE - 500)
+        # After the trainer's own end of the step (registered before this): the step boundary.
+        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.ENGINE_LAST)
+        trainer.register_stateful(STATE_KEY, self)
+        return self
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's commit count (``step``, ``batches_committed``), for a checkpoint."""
+        if self.manager is None:
+            return dict(self._saved_commits or {"step": 0, "batches_committed": 0})
+        return {k: int(v) for k, v in self.manager.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        commits = {"step": int(state["step"]), "batches_committed": int(state["batches_committed"])}
+        if self.manager is None:
+            self._saved_commits = commits
+        else:
+            self.manager.load_state_dict(commits)
+
+    # ------------------------------------------------------------------ starting and leaving
+    def _start(self) -> None:
+        """The torchft manager for this process: its store (a one-process group hosts its own),
+        the cross-group process group, the heal transport, the lighthouse connection."""
+        cfg = self.config
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's INFO lines cost 2-3x per step
+        try:
+            from torchft.checkpointing.http_transport import HTTPTransport
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as e:
+            raise TrainingAborted(
+                f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}", ExitCode.ERROR
+            ) from e
+        for name in _TORCHFT_LOGGERS:  # hookloop says what matters in one line; torchft's stay quiet
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+        # torch.load of a received state over a read-only buffer: harmless, tensors are copied in
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        rank, world = parallel.rank(), parallel.world_size()
+        if world == 1:  # no launcher store: host the group's own
+            host = socket.gethostname()
+            self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = host, self._store.port
+        else:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        self._transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        self.manager = Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # the quorum (and a heal) lands before the step's data is fetched
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+            rank=rank,
+            world_size=world,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=group_dir_name(self.group),
+            checkpoint_transport=self._transport,
+        )
+        with contextlib.suppress(AttributeError):  # its HTTP server's line per request, on stderr
+            self._transport._server.RequestHandlerClass.log_message = lambda *args: None
+        self.manager.register_state_dict_fn("hookloop", self._receive, self._payload)
+        if self._saved_commits is not None:
+            self.manager.load_state_dict(self._saved_commits)
+        parallel.note_process_group_used()  # leave through os._exit: torchft's threads never join
+
+    def shutdown(self) -> None:
+        """Leave the replica groups: a peer still receiving this group's state gets all of it
+        (bounded by ``timeout_s``), then the manager, its servers and threads stop."""
+        manager, self.manager = self.manager, None
+        if manager is None:
+            return
+        with contextlib.suppress(Exception):
+            self._transport.disallow_checkpoint()  # waits for a transfer in progress
+        with contextlib.suppress(Exception):
+            manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ the quorum
+    def _on_train_start(self) -> None:
+        if self.manager is None:
+            self._start()
+        self._quorum(at_start=True)
+
+    def _on_step_end(self) -> None:
+        self._quorum(at_start=False)
+
+    def _quorum(self, at_start: bool) -> None:
+        """Join the next quorum (a heal lands here), then say what changed."""
+        trainer = self.trainer
+        self._healed = None
+        self._at_start = at_start  # how _receive applies a peer's state
+        watchdog = getattr(trainer, "watchdog", None)
+        wait = watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
+        try:
+            with wait:  # bounded by quorum_timeout_s, and timeout_s for a heal
+                self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse or every peer is gone
+            raise TrainingAborted(
+                f"no quorum of replica groups within {self.config.quorum_timeout_s:g} s "
+                f"(fault_tolerance.quorum_timeout_s; lighthouse {self.lighthouse}): {type(e).__name__}: "
+                f"{_last_line(e).split(', details:')[0]}",
+                int(ExitCode.HEALTH_CHECK_FAILED),
+            ) from e
+        trainer.save_policy.release_saves(_HOLDER)
+        quorum_id = self.manager._quorum_id  # torchft keeps it private; read in this one place
+        if quorum_id != self._quorum_id:
+            self._quorum_id = quorum_id
+            self._quorum_changed(quorum_id)
+        if self._healed is not None:
+            self._after_heal(at_start)
+
+    def _quorum_changed(self, quorum_id: int) -> None:
+        """Learn which groups are live (one small all-reduce over them) and say it in one line."""
+        before = self.live
+        votes = torch.zeros(self.groups, dtype=torch.float64)
+        votes[self.group] = 1.0
+        if self._sum(votes):
+            self.live = tuple(g for g, v in enumerate(votes.tolist()) if v > 0)
+        else:  # a group died right away: the next quorum says who is left
+            self.live = (self.group,)
+        change = [f"groups {', '.join(str(g) for g in self.live)}"]
+        lost = sorted(set(before) - set(self.live))
+        joined = sorted(set(self.live) - set(before)) if before else []
+        change += [f"lost group {g}" for g in lost] + [f"group {g} joined" for g in joined]
+        if parallel.rank() == 0:
+            logger.info(
+                "replica groups: quorum %d, %d of %d live (%s) at step %d",
+                quorum_id,
+                len(self.live),
+                self.groups,
+                "; ".join(change),
+                self.trainer.state.iteration,
+            )
+
+    # ------------------------------------------------------------------ the step
+    def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """The gradients averaged over the live groups (one flat all-reduce; a failure is recorded
+        and the step will not commit)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            return
+        flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        # Straight on the process group (torchft's managed all-reduce adds thread hops, ~1 ms here).
+        if self._sum(flat):
+            flat /= self.manager.num_participants()
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            part = flat[offset : offset + n].view_as(g)
+            offset += n
+            if p.grad is not None:
+                p.grad.copy_(part)
+            elif part.any():  # no gradient here, one in another group
+                p.grad = part.clone()
+
+    @property
+    def ranks_summed(self) -> int:
+        """How many groups the step's agreed sums cover: the participants if it committed, else 1."""
+        return self.manager.num_participants() if self.committed else 1
+
+    def agree_step(self, packed: torch.Tensor) -> None:
+        """The step's agreement vector (already summed inside the group) summed over the live
+        groups, then whether the step commits. An uncommitted step keeps this group's own sums."""
+        local = packed.clone()
+        self._sum(packed)
+        try:
+            self.committed = bool(self.manager.should_commit())
+        except Exception as e:  # noqa: BLE001 - the group's own commit vote failed
+            logger.warning("replica group %d: the commit vote failed: %s", self.group, e)
+            self.committed = False
+        if self.committed:
+            self._in_a_row = 0
+            return
+        packed.copy_(local)
+        # No save of a state the other groups never had; released once the boundary's quorum (and
+        # a heal, which must not change what a save is copying) is over.
+        self.trainer.save_policy.hold_saves(_HOLDER)
+        self.uncommitted_steps += 1
+        self._in_a_row += 1
+        error = self.manager.errored()
+        why = f"a cross-group collective failed ({_last_line(error)})" if error else "too few replica groups"
+        step = self.trainer.state.iteration
+        if parallel.rank() == 0:
+            logger.warning(
+                "step %d not committed across replica groups: %s; skipped here, its samples dropped",
+                step,
+                why,
+            )
+        if self._in_a_row > self.config.max_uncommitted_steps:
+            raise TrainingAborted(
+                f"step {step}: {self._in_a_row} steps in a row not committed across replica groups "
+                f"(fault_tolerance.max_uncommitted_steps={self.config.max_uncommitted_steps}): {why}",
+                int(ExitCode.HEALTH_CHECK_FAILED),
+            )
+
+    def agree_late(self, packed: torch.Tensor) -> None:
+        """The late agreement (stop and rollback votes after the step's handlers) summed over the
+        live groups; when that fails nothing is decided late (a stop request stays latched and is
+        agreed at the next step)."""
+        if not self._sum(packed):
+            packed.zero_()
+
+    def _sum(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` summed over the live groups, in place, on the cross-group process group;
+        False (and the step will not commit) when that failed."""
+        if self.manager.errored():
+            return False
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        try:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            self._pg.allreduce([tensor], opts).wait()
+        except Exception as e:  # noqa: BLE001 - a group died mid-collective
+            self.manager.report_error(e)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ healing
+    def _payload(self) -> dict[str, Any]:
+        """What a recovering group receives from this one (torchft calls it on its quorum thread
+        while the main thread waits for the quorum)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        trainer = self.trainer
+        model, optim = get_state_dict(
+            trainer.model, trainer.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+        decided, reason = trainer.control.decided, trainer.control.stop_reason
+        return {
+            "group": self.group,
+            "model": model,
+            "optim": optim,
+            "snapshot": run_snapshot.capture(trainer),
+            "stop": {"stop": decided.stop, "exit_code": int(decided.exit_code), "reason": reason},
+        }
+
+    def _receive(self, payload: dict[str, Any]) -> None:
+        """A peer's state, applied in the main thread inside ``start_quorum``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        start = time.perf_counter()
+        trainer = self.trainer
+        set_state_dict(
+            trainer.model,
+            trainer.optimizer,
+            model_state_dict=payload["model"],
+            optim_state_dict=payload["optim"],
+            options=StateDictOptions(flatten_optimizer_state_dict=True),
+        )
+        snapshot = payload["snapshot"]
+        own = run_snapshot.capture(trainer)["data"]
+        run_snapshot.apply(
+            trainer,
+            snapshot,
+            resume=self._at_start,
+            keep_counters=False,
+            keep_data_position=snapshot.get("data") == own,
+            skip_handlers=(STATE_KEY,),
+        )
+        size = sum(t.numel() * t.element_size() for t in _tensors(payload))
+        self._healed = {
+            "group": payload.get("group"),
+            "stop": payload.get("stop") or {},
+            "bytes": size,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _after_heal(self, at_start: bool) -> None:
+        healed, trainer = self._healed, self.trainer
+        self.healed_from = (healed["group"], trainer.state.iteration)
+        if parallel.rank() == 0:
+            logger.info(
+                "replica group %d healed from replica group %s at step %d (%s, applied in %.2f s)",
+                self.group,
+                healed["group"],
+                trainer.state.iteration,
+                _size(healed["bytes"]),
+                healed["seconds"],
+            )
+        stop, control = healed["stop"], trainer.control
+        if stop.get("stop"):  # the peer stopped at this step: so does this group
+            reason = stop.get("reason") or "stopped on another replica group"
+            control.request_stop(reason, stop.get("exit_code"))
+            if not at_start:  # at the step boundary: stop now, at the peer's step (TRAIN_START agrees it)
+                control.decide_stop(int(stop.get("exit_code") or 0))
+                trainer._stop()
+            return
+        max_steps = trainer.limits[0]
+        if at_start and max_steps is not None and trainer.state.iteration >= max_steps:
+            control.request_stop(
+                f"healed at step {trainer.state.iteration} >= max_steps ({max_steps}): nothing left to train"
+            )
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
+
+
+def _last_line(error: Any) -> str:
+    """The gist of a collective's error: its last line without gloo's source location, its first
+    sentence."""
+    lines = str(getattr(error, "original_exception", error)).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[-1]) if lines else type(error).__name__
+    return text.split(". ")[0]
