@@ -33,6 +33,7 @@ __all__ = [
     "destroy_distributed",
     "exit_process",
     "init_distributed",
+    "leave_together",
     "parallel_mesh",
     "process_group_store",
     "rank",
@@ -215,6 +216,28 @@ def bounded_call(operation: Callable[[], Any], timeout_s: float, name: str) -> A
     worker.start()
     worker.join(timeout_s)
     return result.get("value")
+
+
+_leaving = 0  # how many times this process left together (a key per time)
+
+
+def leave_together(store: Any, world: int, timeout_s: float) -> bool:
+    """Wait, at most ``timeout_s``, until all ``world`` ranks have called this with the process
+    group's ``store`` (:func:`process_group_store`, taken before the group is destroyed). Ranks that
+    reached an agreed end then exit within moments of each other, so a launcher that stops the
+    other workers once one exits non-zero (torchrun, on the 75 of an agreed stop) never cuts off a
+    rank still writing the run's records. False when a rank did not arrive in time."""
+    global _leaving
+    _leaving += 1
+    key = f"hookloop/leaving/{_leaving}"
+
+    def arrive() -> bool:
+        if store.add(key, 1) == world:  # the last to arrive lets everyone go
+            store.set(f"{key}/all", b"1")
+        store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+        return True
+
+    return bool(bounded_call(arrive, timeout_s + 1.0, "hookloop-leave-together"))
 
 
 def destroy_distributed() -> None:

@@ -53,7 +53,13 @@ from hookloop.engine.activation_checkpointing import apply_activation_checkpoint
 from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.fault_tolerance import group_dir_name, group_run_dir
-from hookloop.engine.parallel import DistInfo, destroy_distributed, parallel_mesh
+from hookloop.engine.parallel import (
+    DistInfo,
+    destroy_distributed,
+    leave_together,
+    parallel_mesh,
+    process_group_store,
+)
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.replica_groups import ReplicaGroups
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
@@ -134,6 +140,7 @@ class Run:
     lock: RunDirLock | None = dataclasses.field(default=None, repr=False)
     #: This process's replica group of a fault-tolerant run (``fault_tolerance``), else None.
     replica_groups: ReplicaGroups | None = None
+    _agreed_end: bool = dataclasses.field(default=False, repr=False)
 
     def run(self) -> int:
         """Train to the config's end (or resume and finish); return the exit code
@@ -157,6 +164,7 @@ class Run:
             print("interrupted (second Ctrl-C); the last complete checkpoint is kept", file=sys.stderr)
             return 130
         code = int(trainer.control.exit_code)
+        self._agreed_end = True  # every rank ended here, at the same step
         if self.dist.is_main:
             meaning = ExitCode(code).name if code in ExitCode._value2member_map_ else "set by a handler"
             trained = f"loss {state.loss:.4f}" if state.step > self._start[0] else "no step left to train"
@@ -172,7 +180,10 @@ class Run:
             lock.release(remove_created=not self.trainer.started)
         if self.replica_groups is not None:
             self.replica_groups.shutdown()
+        store = process_group_store() if self._agreed_end and self.dist.world_size > 1 else None
         destroy_distributed()
+        if store is not None:  # no rank exits (exit code 75 included) while another writes records
+            leave_together(store, self.dist.world_size, min(30.0, self.config.distributed.timeout_s))
 
     def __enter__(self) -> Run:
         return self

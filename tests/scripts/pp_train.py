@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hookloop.engine import Events, Trainer, init_distributed  # noqa: E402
-from hookloop.engine.parallel import destroy_distributed  # noqa: E402
+from hookloop.engine.parallel import destroy_distributed, exit_process  # noqa: E402
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline  # noqa: E402
 from hookloop.handlers import load_run_config  # noqa: E402
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
@@ -74,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # not the interpreter's shutdown, which gloo's threads can abort
