@@ -107,3 +107,62 @@ def test_ctrl_c_is_left_alone_when_not_graceful_off_the_main_thread_or_taken(tmp
             assert signal.getsignal(signal.SIGINT) is own
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _leave(port: int, world: int, delay: float, timeout: float, out) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from hookloop.engine import parallel
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=10)
+    )
+    time.sleep(delay)
+    called = time.time()
+    left = parallel.leave_together(store, world, timeout)
+    out.put((delay, called, time.time(), left))
+
+
+@pytest.mark.distributed
+def test_ranks_leave_together_when_the_last_arrives_and_never_wait_past_the_timeout():
+    """Two processes: the one that arrives first waits for the other (which comes 1.5 s later) and
+    both leave within moments of its arrival; alone, a rank waits no longer than the timeout."""
+    import datetime
+    import multiprocessing
+    import time
+
+    import torch.distributed as dist
+
+    host = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_leave, args=(host.port, 2, d, 20.0, out)) for d in (0.0, 1.5)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    (_, first_called, first_left, first_ok), (_, last_called, last_left, last_ok) = results
+    assert first_ok and last_ok
+    assert first_left >= last_called  # the first waited for the last
+    assert abs(first_left - last_left) < 1.0 and last_left - last_called < 1.0
+
+    fresh = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a new job's store
+    alone = ctx.Process(target=_leave, args=(fresh.port, 2, 0.0, 1.0, out))
+    started = time.time()
+    alone.start()
+    try:
+        _, _, left_at, ok = out.get(timeout=60)
+    finally:
+        alone.join(10)
+        if alone.is_alive():
+            alone.kill()
+    assert not ok and left_at - started < 15  # bounded by its 1 s timeout (+ the start of a process)
