@@ -17,7 +17,7 @@ import pytest
 
 from hookloop.engine.data import prepare_tokens, read_sample_traces, stdlib_docs_text, stdlib_source_files
 from tests.dist_utils import REPO, kill_ranks, run_process, run_torchrun, start_ranks
-from tests.user_models import tiny_lm_source
+from tests.user_models import tiny_lm_config, tiny_lm_source
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -25,21 +25,9 @@ MY_MODEL = tiny_lm_source(seq_len=8)
 
 # Global batch 8 = local_batch_size 2 x grad_accum 2 x dp 2 = 2 x 4 x 1. Phases: from step 6 only
 # code, from step 10 only docs, so a phase landing one step late or early shows in the ids too.
-CONFIG = """
-model:
-  target: my_models.py:build
-  dim: 8
-train:
-  seq_len: 8
-  local_batch_size: 2
-step_scheduler:
-  global_batch_size: 8
-  max_steps: 12
-  num_epochs: null
-  ckpt_every_steps: 2
-  val_every_steps: null
-lr:
-  warmup_steps: 0
+CONFIG = (
+    tiny_lm_config(max_steps=12, ckpt_every_steps=2)
+    + """
 logging:
   log_interval: 4
 data:
@@ -53,6 +41,7 @@ data:
     - start_step: 10
       dataset_weights: {code: 0.0}
 """
+)
 
 TOTAL = 12
 

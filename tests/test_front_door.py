@@ -19,6 +19,7 @@ from hookloop.engine.run_lock import RunDirInUse
 from hookloop.train import build, check, load_training_config, train
 from tests.dist_utils import run_process, run_torchrun
 from tests.test_elastic_data import global_batches
+from tests.user_models import tiny_lm_config
 
 # A project of its own: samples that are dicts (not token-file tuples), a collate_fn that insists on
 # them, a stateful handler with a section of its own, and an ignite-style object from a factory.
@@ -153,21 +154,10 @@ def loss_file(trainer, run_dir, name: str = "losses.jsonl"):
     return LossFile(trainer, run_dir, name)
 '''
 
-CONFIG = """
-model:
-  target: my_models.py:recipe
-  dim: 8
-train:
-  seq_len: 8
-  local_batch_size: 2
-step_scheduler:
-  global_batch_size: 8
-  max_steps: 12
-  num_epochs: null
-  ckpt_every_steps: 4
-  val_every_steps: 4
-lr:
-  warmup_steps: 0
+HEAD = tiny_lm_config(max_steps=12, ckpt_every_steps=4, val_every_steps=4, target="my_models.py:recipe")
+CONFIG = (
+    HEAD
+    + """
   decay_style: constant   # the same schedule whatever max_steps a leg of the run is given
 logging:
   log_interval: 4
@@ -187,6 +177,7 @@ handlers:
   - target: my_hooks.py:loss_file
     name: losses.jsonl
 """
+)
 
 TOTAL = 12
 

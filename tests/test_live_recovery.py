@@ -33,7 +33,7 @@ import torch
 from hookloop.engine.data import prepare_tokens, stdlib_docs_text
 from hookloop.engine.errors import ConfigError
 from tests.dist_utils import REPO, run_process
-from tests.user_models import tiny_lm_source
+from tests.user_models import tiny_lm_config, tiny_lm_source
 
 pytestmark = [
     pytest.mark.distributed,
@@ -44,21 +44,9 @@ pytestmark = [
 ]
 
 # Global batch 8 = local_batch_size 2 x grad_accum 2 x 2 groups of one process.
-CONFIG = """
-model:
-  target: my_models.py:build
-  dim: 8
-train:
-  seq_len: 8
-  local_batch_size: 2
-step_scheduler:
-  global_batch_size: 8
-  max_steps: 100000
-  num_epochs: null
-  ckpt_every_steps: null
-  val_every_steps: null
-lr:
-  warmup_steps: 0
+CONFIG = (
+    tiny_lm_config(max_steps=100000)
+    + """
 logging:
   log_interval: 5
 nan:
@@ -73,6 +61,7 @@ fault_tolerance:
   timeout_s: 10
   quorum_timeout_s: 60
 """
+)
 PER_GROUP = 4  # samples a group trains on per step
 WAIT_S = 120.0  # the longest any wait on a process takes (a loaded machine starts Python slowly)
 
