@@ -552,3 +552,30 @@ def test_ctrl_c_leaves_no_token_file_cache_or_worker(tmp_path, bpe):
     assert stderr == f"hookloop prepare: interrupted; {out} was not written\n"
     assert list(out.parent.iterdir()) == []
     assert len(workers) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def test_a_ctrl_c_while_the_workers_start_is_not_lost(bpe, monkeypatch):
+    """A Ctrl-C that arrives while the pool forks its workers (when the main process must not let
+    a worker see it) ends the run once the pool stands, with every worker gone."""
+    import multiprocessing
+    import threading
+
+    from hookloop.engine.data import tokenized
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are the main thread's")
+    real = tokenized._pool_context()
+
+    class CtrlCAtStart:
+        def Pool(self, *args, **kwargs):  # noqa: N802 - multiprocessing's name
+            pool = real.Pool(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)
+            return pool
+
+    monkeypatch.setattr(tokenized, "_pool_context", CtrlCAtStart)
+    written: list = []
+    with pytest.raises(KeyboardInterrupt):
+        tokenized._tokenize_in_workers(
+            [["some text"]] * 8, load_tokenizer(bpe), "uint16", 2, lambda *a: written.append(a)
+        )
+    assert not written and not multiprocessing.active_children()

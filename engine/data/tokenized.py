@@ -135,10 +135,12 @@ def _tokenize_in_workers(
     # tokenizers warn and turn parallelism off in the child; saying so up front keeps it quiet.
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Workers are born ignoring Ctrl-C (a SIGINT during a fork would otherwise print a worker's
-    # traceback before its initializer runs); the main process ends the pool on Ctrl-C.
+    # While the workers are forked a Ctrl-C is only noted (a worker would otherwise print a
+    # traceback before its initializer makes it ignore Ctrl-C), then raised once the pool stands:
+    # the main process ends the pool on Ctrl-C, and one pressed during the start is not lost.
     main = threading.current_thread() is threading.main_thread()
-    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    caught: list[int] = []
+    previous_sigint = signal.signal(signal.SIGINT, lambda signum, _: caught.append(signum)) if main else None
     try:
         pool = _pool_context().Pool(
             num_proc,
@@ -153,6 +155,8 @@ def _tokenize_in_workers(
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
     with pool:
+        if caught:
+            raise KeyboardInterrupt
         pending: collections.deque = collections.deque()
         for texts in batches:
             pending.append((len(texts), pool.apply_async(_encode_in_worker, (texts,))))
