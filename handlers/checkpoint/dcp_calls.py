@@ -22,8 +22,8 @@ __all__ = [
     "SavePlanner",
     "STATE_DICT_OPTIONS",
     "copy_buffers",
+    "exact_key",
     "last_line",
-    "plain_value",
     "quiet_single_process",
     "reraise_interrupt",
     "trained_entries",
@@ -101,18 +101,18 @@ _SERIALIZED_MAX = 4096
 _serialized_lock = threading.Lock()
 
 
-def plain_value(value: Any, depth: int = 4) -> bool:
-    """An atom, or a tuple or list (nested at most ``depth`` levels) of plain values: a value whose
-    type and ``repr`` tell it apart exactly (``-0.0``, ``0.0``, ``1``, ``True`` and ``(1,)``, ``[1]``
-    included)."""
+def _plain(value: Any, depth: int = 4) -> bool:
+    """An atom, or a tuple or list (nested at most ``depth`` levels) of plain values."""
     if type(value) in _ATOMS:
         return True
-    return depth > 0 and type(value) in (tuple, list) and all(plain_value(v, depth - 1) for v in value)
+    return depth > 0 and type(value) in (tuple, list) and all(_plain(v, depth - 1) for v in value)
 
 
-def _cache_key(value: Any) -> tuple[type, str] | None:
-    """A key that tells plain values apart exactly; None for anything else."""
-    return (type(value), repr(value)) if plain_value(value) else None
+def exact_key(value: Any) -> tuple[type, str] | None:
+    """``(type, repr)`` of a plain value (an atom, or tuples and lists of them): equal keys only for
+    values that are exactly equal (``-0.0``, ``0.0``, ``1``, ``True`` and ``(1,)``, ``[1]`` told
+    apart); None for anything else (a tensor, an object)."""
+    return (type(value), repr(value)) if _plain(value) else None
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -121,7 +121,7 @@ class SavePlanner(DefaultSavePlanner):
     from save to save, and ``torch.save`` of each small value costs about as much as of a tensor."""
 
     def transform_object(self, write_item: Any, object: Any) -> Any:
-        key = _cache_key(object) if write_item.type == WriteItemType.BYTE_IO else None
+        key = exact_key(object) if write_item.type == WriteItemType.BYTE_IO else None
         if key is None:
             return super().transform_object(write_item, object)
         with _serialized_lock:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hookloop.engine.checkpoint_format.errors import CheckpointError
-from hookloop.handlers.checkpoint.dcp_calls import plain_value
+from hookloop.handlers.checkpoint.dcp_calls import exact_key
 
 __all__ = ["PREFIX", "compact", "request"]
 
@@ -47,8 +47,9 @@ def compact(optim_sd: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
     groups: dict[tuple, list[str]] = {}
     for param, pairs in settings.items():
-        if all(plain_value(v) for _, v in pairs):
-            groups.setdefault(tuple((n, type(v), repr(v)) for n, v in pairs), []).append(param)
+        keys = tuple((n, exact_key(v)) for n, v in pairs)
+        if all(key is not None for _, key in keys):
+            groups.setdefault(keys, []).append(param)
         else:
             out.update({f"{_FLAT}{param}.{n}": v for n, v in pairs})
     for params in groups.values():
