@@ -67,12 +67,13 @@ refused (:class:`PlaceError`). A plain number is an order inside DEFAULT (``prio
   needs finished, export traces.
 - ``ENGINE_LAST``: the trainer's own end of an event: agree on a stop asked for in it, act on it.
 
-Which shipped handler sits where, event by event, is in ``docs/concepts.md`` ("The order of a
-step"); the engine knows its handlers only by these phases.
+The engine knows its handlers only by these phases; which handler sits where, event by event, is
+what :meth:`EventRegistry.describe` prints (``trainer.describe()``, ``hookloop check CONFIG --order``).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -95,6 +96,7 @@ __all__ = [
     "Place",
     "PlaceError",
     "Priority",
+    "RUN_ORDER",
     "StepEvents",
     "STEP_EVENT_TO_ATTR",
 ]
@@ -511,6 +513,22 @@ class EventRegistry:
         """The entries of ``event`` in firing order (a copy)."""
         return list(self._entries.get(event, []))
 
+    def describe(self) -> str:
+        """Every event's handlers in the order they run, one line each: the place (phase ± order),
+        the handler (``Class.method``, or a function's qualified name) and its filter; the events
+        in the order the loop fires them (:data:`RUN_ORDER`), then any other, in attach order."""
+        events = sorted(self.events(), key=lambda e: RUN_ORDER.index(e) if e in RUN_ORDER else len(RUN_ORDER))
+        places = {id(e): str(e.priority).removeprefix("Priority.") for v in events for e in self._entries[v]}
+        width = max(map(len, places.values()), default=0)
+        lines: list[str] = []
+        for event in events:
+            lines.append(_EVENT_NAMES.get(event) or getattr(event, "name", str(event)))
+            for entry in self._entries[event]:
+                note = f" (every {entry.every})" if entry.every is not None else ""
+                note = note or (" (filtered)" if entry.filter else "")
+                lines.append(f"  {places[id(entry)]:<{width}}  {_handler_name(entry.original)}{note}")
+        return "\n".join(lines)
+
     # -------------------------------------------------------------------------------- firing
     def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
         """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after
@@ -580,6 +598,28 @@ class EventRegistry:
     def _changed(self, event: Any) -> None:
         self._plans.clear()  # attaching is rare; an equal event object must not keep a stale plan
         self._version += 1
+
+
+# Each event's name in Events; the events in the order the loop fires them (what describe lists first).
+_EVENT_NAMES = {event: name for name, event in vars(Events).items() if not name.startswith("_")}
+RUN_ORDER = list(_EVENT_NAMES)
+RUN_ORDER[RUN_ORDER.index(Events.STEP_START) : RUN_ORDER.index(Events.STEP_START)] = [
+    IgniteEvents.GET_BATCH_STARTED,  # fetching the step's microbatches
+    IgniteEvents.GET_BATCH_COMPLETED,
+]
+
+
+def _handler_name(handler: Callable) -> str:
+    """``Class.method`` for a bound method (the class of its object), else the qualified name of
+    the function (or of a callable object's class); a wrapper (``functools.wraps``) as what it wraps."""
+    handler = inspect.unwrap(handler)
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    if inspect.ismethod(handler):
+        owner = handler.__self__ if inspect.isclass(handler.__self__) else type(handler.__self__)
+        return f"{owner.__qualname__}.{handler.__name__}"
+    name = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    return name.replace("<locals>.", "")
 
 
 def _split_filter(event: Any) -> tuple[Any, Callable | None]:

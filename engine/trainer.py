@@ -386,6 +386,11 @@ class Trainer(IgniteAdapter):
         """The registered handlers, in attach order."""
         return self.registry.handlers
 
+    def describe(self) -> str:
+        """Every event's handlers in the order they run, with their places (``print`` it to see
+        the order of a run; :meth:`engine.events.EventRegistry.describe`)."""
+        return self.events.describe()
+
     def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
         """The attached handler of type ``kind`` (the first one, subclasses included), or the one
         registered under the state key ``kind``; ``default`` when there is none."""

@@ -38,7 +38,8 @@ from ignite.engine import EventEnum
 from ignite.handlers import EarlyStopping
 from torch.utils.data import Dataset
 
-from hookloop import Events, Handler, Priority, Trainer, check_int, check_number
+from hookloop import Events, Handler, Priority, Trainer
+from hookloop.engine.checks import check_int, check_number
 from hookloop.engine.data import stdlib_docs_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "custom_hooks.yaml"

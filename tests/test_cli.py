@@ -227,6 +227,25 @@ def test_config_markdown_is_the_committed_reference(tmp_path):
     assert "## fault" in proc.stdout and "`model.target`" in proc.stdout
 
 
+def test_check_order_prints_the_runs_order_as_docs_concepts_shows_it(tmp_path, monkeypatch, capsys):
+    """``hookloop check CONFIG --order`` prints ``trainer.describe()`` of the run the config builds,
+    creating nothing; docs/concepts.md's order block is that output for the example config."""
+    from hookloop.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(REPO / "examples" / "configs" / "gpt_tiny.yaml"), "--order"]) == 0
+    first, *order = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert first.startswith("config ok: ") and list(tmp_path.iterdir()) == []
+    assert "  ACT            AsyncCheckpointer._on_step_end" in order  # the save, where the code puts it
+    text = (REPO / "docs" / "concepts.md").read_text()
+    shown = text.split("`hookloop check examples/configs/gpt_tiny.yaml --order` prints", 1)[1]
+    shown = shown.split("```text\n", 1)[1].split("\n```", 1)[0]
+    assert shown.split("\n") == order, (
+        "docs/concepts.md's order is stale: paste what  hookloop check examples/configs/gpt_tiny.yaml "
+        "--order  prints (after its first line)"
+    )
+
+
 @pytest.mark.distributed
 def test_torchrun_module_trains_fsdp_and_resumes(project):
     def torchrun() -> subprocess.CompletedProcess:

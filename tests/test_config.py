@@ -269,7 +269,7 @@ def test_old_names_are_gone_and_load_config_needs_a_schema():
         with pytest.raises(AttributeError):
             getattr(module, name)
     with pytest.raises(TypeError, match="schema"):
-        hookloop.engine.load_config(None, ["step_scheduler.max_steps=10"])  # no schema=
+        hookloop.engine.config.load_config(None, ["step_scheduler.max_steps=10"])  # no schema=
 
 
 def test_engine_config_does_not_import_handlers():

@@ -12,7 +12,8 @@ import pytest
 import torch
 from ignite.engine.events import State
 
-from hookloop.engine import Decided, Events, ExitCode, Rollback, StepControl, Trainer, TrainState
+from hookloop.engine import Events, ExitCode, StepControl, Trainer, TrainState
+from hookloop.engine.control import Decided, Rollback
 from tests.conftest import token_batches
 
 

@@ -397,3 +397,52 @@ def test_bad_priorities_and_handlers_are_refused():
         trainer.add_event_handler(Events.STEP_END, 42)
     with pytest.raises(ValueError, match=r"Error adding .+ takes parameters .+ but will be called with"):
         trainer.add_event_handler(Events.STEP_END, lambda a, b, c: None)
+
+
+# ------------------------------------------------------------------------------ describe
+
+
+class Saver:
+    def save(self) -> None: ...
+
+
+def logged(tag: str) -> None: ...
+
+
+def test_describe_prints_every_events_handlers_in_run_order_with_their_places():
+    """``trainer.describe()`` is the order the registry fires: events as the loop fires them,
+    handlers by place (ties in attach order), each named and placed; attach order does not matter."""
+    import functools
+
+    model = torch.nn.Linear(2, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+
+    @functools.wraps(logged)
+    def timed(*args) -> None: ...
+
+    trainer.add_event_handler(Events.TRAIN_END, Saver().save, priority=Priority.RESTORE)
+    every_10 = Events.STEP_END(every=10)
+    trainer.add_event_handler(every_10, functools.partial(logged, "x"), priority=Priority.RECORD - 3)
+    trainer.add_event_handler(Events.STEP_END, Saver().save, priority=Places.CHECKPOINT + 1)
+    trainer.add_event_handler(Events.STEP_START(once=2), timed)
+    trainer.add_event_handler(Events.STEP_END, lambda: None, priority=5)
+    assert trainer.describe().splitlines() == [
+        "TRAIN_START",
+        "  ENGINE_FIRST  Trainer._on_train_start",
+        "  ENGINE_LAST   Trainer._agree_start",
+        "EPOCH_START",
+        "  ENGINE_LAST   Trainer._start_epoch",
+        "STEP_START",
+        "  DEFAULT       logged (filtered)",
+        "STEP_END",
+        "  OBSERVE       Trainer._maybe_validate",
+        "  ACT + 1       Saver.save",
+        "  DEFAULT + 5   test_describe_prints_every_events_handlers_in_run_order_with_their_places.<lambda>",
+        "  RECORD - 3    logged (every 10)",
+        "  ENGINE_LAST   Trainer._end_step",
+        "EPOCH_END",
+        "  ENGINE_LAST   Trainer._end_epoch",
+        "TRAIN_END",
+        "  RESTORE       Saver.save",
+    ]
+    assert trainer.describe() == trainer.events.describe()

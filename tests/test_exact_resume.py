@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hookloop.engine import Events, ExitCode, MixtureDataset, MixtureLoader, MixtureSampler, Priority, Trainer
+from hookloop.engine import Events, ExitCode, Priority, Trainer
+from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches

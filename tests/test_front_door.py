@@ -84,7 +84,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hookloop import Events, Handler, Priority, check_int
+from hookloop import Events, Handler, Priority
+from hookloop.engine.checks import check_int
 from hookloop.engine import parallel
 
 

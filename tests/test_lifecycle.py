@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hookloop.engine import setup_logging
-from hookloop.engine.logging_setup import LOGGER_NAME, install_default
+from hookloop.engine.logging_setup import LOGGER_NAME, install_default, setup_logging
 from hookloop.handlers import load_run_config
 from hookloop.train import resolve_run_dir
 from tests.dist_utils import REPO, run_process

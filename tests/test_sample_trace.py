@@ -11,8 +11,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hookloop.engine import Events, MixtureDataset, MixtureLoader, MixtureSampler, Trainer
-from hookloop.engine.data import SampleTrace, read_sample_traces
+from hookloop.engine import Events, Trainer
+from hookloop.engine.data import (
+    MixtureDataset,
+    MixtureLoader,
+    MixtureSampler,
+    SampleTrace,
+    read_sample_traces,
+)
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import StepBatches
 from hookloop.handlers import Places

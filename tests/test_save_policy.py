@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hookloop.engine import SavePolicy, Trainer
+from hookloop.engine import Trainer
+from hookloop.engine.save_policy import SavePolicy
 
 
 def test_a_fresh_policy_holds_nothing_protects_nothing_and_wants_no_initial_save():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hookloop import threads
-from hookloop.engine import prepare_tokens
+from hookloop.engine.data import prepare_tokens
 from tests.dist_utils import run_process
 
 CONFIG = """
@@ -53,6 +53,28 @@ def _runtime(stderr: str, name: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip().startswith(f"{name} = ")]
     assert len(lines) == 1, stderr[-3000:]
     return lines[0].split("'")[1]
+
+
+# What users write; helpers (config checks, data sets, logging set-up, ...) stay in their modules.
+PUBLIC = [
+    "Trainer", "Events", "Priority", "Place", "PlaceError", "Handler", "TrainState", "StepControl",
+    "ExitCode", "ConfigError", "HookloopError", "StartRefused", "TrainingAborted", "StepBody",
+    "StepResult", "EvalResult", "StepContext", "LocalStepBody", "init_distributed",
+    "wrap_data_parallel", "apply_tensor_parallel", "PipelineConfig", "build_pipeline",
+    "build_lr_scheduler", "TokenAccuracy", "RecordFile",
+]  # fmt: skip
+
+
+def test_the_public_names_are_pinned():
+    """Adding a name to ``hookloop.__all__`` is a decision: this list changes with it."""
+    import hookloop
+    import hookloop.engine as engine
+
+    assert sorted(hookloop.__all__) == sorted([*PUBLIC, "__version__"])
+    assert sorted(engine.__all__) == sorted(PUBLIC)
+    for name in ("check_int", "load_config", "validate_sections", "setup_logging", "agree_any", "Validator"):
+        with pytest.raises(AttributeError):
+            getattr(hookloop, name)
 
 
 def test_importing_hookloop_and_its_command_imports_no_torch_until_a_name_is_used(tmp_path):

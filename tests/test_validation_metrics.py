@@ -12,7 +12,8 @@ import pytest
 import torch
 from ignite.metrics import Accuracy, Metric
 
-from hookloop.engine import ConfigError, Events, TokenAccuracy, Trainer, ValidationConfig, build_metrics
+from hookloop.engine import ConfigError, Events, TokenAccuracy, Trainer
+from hookloop.engine.validation import ValidationConfig, build_metrics
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.train import load_training_config
 from tests.dist_utils import REPO, run_distributed, run_process, run_torchrun

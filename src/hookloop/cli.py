@@ -2,6 +2,7 @@
 
     hookloop train CONFIG [section.field=value ...]     train (under torchrun too: -m hookloop train)
     hookloop check CONFIG [overrides] [--nproc N]        check everything a run can check up front
+                   [--order]                             and print its handlers' order, event by event
     hookloop config [CONFIG] [overrides] [--markdown]    the resolved config, every field explained
     hookloop prepare OUT --files F ... [--tokenizer PATH] write a token file (docs/data.md)
     hookloop plot RUN_DIR [-o PNG]                       draw a run's metrics
@@ -45,6 +46,9 @@ def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentPa
             type=int,
             default=None,
             help="the world size to check for (default: WORLD_SIZE, else 1)",
+        )
+        parser.add_argument(
+            "--order", action="store_true", help="print every event's handlers in run order, with places"
         )
     if command == "config":
         parser.add_argument("--markdown", action="store_true", help="the reference page as Markdown")
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(annotated_yaml(cfg))
             return 0
         checked = training.check(cfg, world)
+        order = training.describe_order(cfg, checked) if args.command == "check" and args.order else None
     except ConfigError as e:
         training.report_config_error(e)
         return 2
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"config ok: {args.config} (model {checked.target}{own}, run directory {cfg.train.run_dir})"
             f"{tried}"
         )
+        if order is not None:
+            print(order)
         return 0
     return training.train(cfg, checked=checked)
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hookloop.engine import Events, MixtureDataset, MixtureSampler, Trainer
-from hookloop.engine.data import SampleTrace
+from hookloop.engine import Events, Trainer
+from hookloop.engine.data import MixtureDataset, MixtureSampler, SampleTrace
 from hookloop.engine.parallel import init_distributed, wrap_data_parallel
 from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
