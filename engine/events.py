@@ -96,7 +96,6 @@ __all__ = [
     "Place",
     "PlaceError",
     "Priority",
-    "RUN_ORDER",
     "StepEvents",
     "STEP_EVENT_TO_ATTR",
 ]
@@ -516,8 +515,8 @@ class EventRegistry:
     def describe(self) -> str:
         """Every event's handlers in the order they run, one line each: the place (phase ± order),
         the handler (``Class.method``, or a function's qualified name) and its filter; the events
-        in the order the loop fires them (:data:`RUN_ORDER`), then any other, in attach order."""
-        events = sorted(self.events(), key=lambda e: RUN_ORDER.index(e) if e in RUN_ORDER else len(RUN_ORDER))
+        in the order the loop fires them, then any other, in attach order."""
+        events = sorted(self.events(), key=lambda e: _RUN_POSITION.get(e, len(_RUN_POSITION)))
         places = {id(e): str(e.priority).removeprefix("Priority.") for v in events for e in self._entries[v]}
         width = max(map(len, places.values()), default=0)
         lines: list[str] = []
@@ -600,13 +599,14 @@ class EventRegistry:
         self._version += 1
 
 
-# Each event's name in Events; the events in the order the loop fires them (what describe lists first).
+# Each event's name in Events, and its position in the order the loop fires them (describe's order).
 _EVENT_NAMES = {event: name for name, event in vars(Events).items() if not name.startswith("_")}
-RUN_ORDER = list(_EVENT_NAMES)
-RUN_ORDER[RUN_ORDER.index(Events.STEP_START) : RUN_ORDER.index(Events.STEP_START)] = [
+_RUN_ORDER = list(_EVENT_NAMES)
+_RUN_ORDER[_RUN_ORDER.index(Events.STEP_START) : _RUN_ORDER.index(Events.STEP_START)] = [
     IgniteEvents.GET_BATCH_STARTED,  # fetching the step's microbatches
     IgniteEvents.GET_BATCH_COMPLETED,
 ]
+_RUN_POSITION = {event: i for i, event in enumerate(_RUN_ORDER)}
 
 
 def _handler_name(handler: Callable) -> str:
