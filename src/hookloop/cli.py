@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render(TrainingConfig))
         return 0
     from hookloop import train as training
+    from hookloop.training_config import describe_order
 
     try:
         if args.command == "check" and args.nproc is not None and args.nproc < 1:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(annotated_yaml(cfg))
             return 0
         checked = training.check(cfg, world)
-        order = training.describe_order(cfg, checked) if args.command == "check" and args.order else None
+        order = describe_order(cfg, checked) if args.command == "check" and args.order else None
     except ConfigError as e:
         training.report_config_error(e)
         return 2

@@ -186,11 +186,9 @@ def check(cfg: Any, world_size: int | None = None) -> Checked:
 
 
 def describe_order(cfg: Any, checked: Checked) -> str:
-    """``trainer.describe()`` of the run ``cfg`` trains: the config's shipped handlers and
-    ``handlers:`` entries attached as ``hookloop train`` attaches them, every event's handlers in
-    run order with their places (``hookloop check CONFIG --order``). Built as :func:`check`
-    builds, creating nothing: no process group, the data without its cache, a stand-in model (the
-    order does not depend on the model)."""
+    """``hookloop check CONFIG --order``: ``trainer.describe()`` with the config's shipped handlers
+    and ``handlers:`` entries attached as ``hookloop train`` attaches them. Creates nothing, as
+    :func:`check`: no process group, the data without its cache, a stand-in model."""
     from hookloop.engine import Trainer
     from hookloop.engine.data import SampleTrace
     from hookloop.handlers import attach_handlers
