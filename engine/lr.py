@@ -17,11 +17,18 @@ rate after ``s`` scheduler steps, i.e. the one used by optimizer step ``s + 1``:
 ``peak`` is each parameter group's initial learning rate; ``min_lr`` and ``warmup_init`` are
 absolute values for the reference rate ``peak_lr`` (the first group's, by default) and scale with
 every other group's rate.
+
+The schedule is the one writer of ``param_groups[i]["lr"]`` (:class:`ScheduledRates`, the trainer's
+``rates``): a curriculum's per-phase multiplier, a resume that honours a new rate and healing from
+a replica group change its inputs (the multiplier, the scheduler's base rates and position, the
+rates without a scheduler), never the parameter groups.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -32,6 +39,7 @@ from hookloop.engine.errors import ConfigError
 __all__ = [
     "DECAY_STYLES",
     "LRSchedule",
+    "ScheduledRates",
     "WSD_DECAY_STYLES",
     "build_lr_scheduler",
     "check_lr_schedule",
@@ -216,3 +224,53 @@ def build_lr_scheduler(
     check_lr_schedule(**params)
     from_default = decay_steps is None and params["decay_steps"] is not None
     return LRSchedule(optimizer, params, (default_name or "its default") if from_default else None)
+
+
+class ScheduledRates:
+    """The one writer of the optimizer's ``param_groups[i]["lr"]``: the rate optimizer step ``k``
+    updates with is the schedule's own rate (``trainer.lr_scheduler.get_last_lr()``; without a
+    scheduler, ``base``) times ``multiplier(k)``. Others change these inputs and ask for
+    :meth:`write`: the curriculum sets ``multiplier`` (its per-phase ``lr_scale``); a resume that
+    honours a new rate loads the scheduler's base rates (or sets ``base``); healing and rollbacks
+    load the scheduler's state."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        #: the factor on the rates of optimizer step ``k`` (None: 1)
+        self.multiplier: Callable[[int], float] | None = None
+        #: the rates without a scheduler (None: the groups' rates when first needed)
+        self.base: list[float] | None = None
+
+    def unscaled(self) -> list[float]:
+        """The schedule's own rates, one per parameter group."""
+        scheduler = self._trainer.lr_scheduler
+        if scheduler is not None:
+            return list(scheduler.get_last_lr())
+        if self.base is None:
+            self.base = [group["lr"] for group in self._trainer.optimizer.param_groups]
+        return list(self.base)
+
+    def write(self, step: int) -> float:
+        """Every group's rate for optimizer step ``step``; returns the first group's."""
+        groups = self._trainer.optimizer.param_groups
+        if self.multiplier is None and self.base is None and self._trainer.lr_scheduler is None:
+            return groups[0]["lr"]  # no schedule: the optimizer's rates are the run's
+        scale = 1.0 if self.multiplier is None else self.multiplier(step)
+        for group, lr in zip(groups, self.unscaled()):
+            group["lr"] = lr * scale
+        return groups[0]["lr"]
+
+    def step(self, next_step: int) -> None:
+        """Step the scheduler after an optimizer step, then write the rates of ``next_step``. A
+        chainable scheduler (``ExponentialLR``, ...) computes the next rate from the current one, so
+        it steps from its unscaled rates: a multiplier never compounds."""
+        scheduler = self._trainer.lr_scheduler
+        if scheduler is None:
+            return
+        if self.multiplier is None:
+            scheduler.step()
+            return
+        for group, lr in zip(self._trainer.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        scheduler.step()
+        self.write(next_step)

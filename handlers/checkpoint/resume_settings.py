@@ -58,7 +58,7 @@ class ResumePlan:
     """What a resume from the checkpoint at ``step`` does with this run's settings, decided before
     anything loads: ``refusal`` (raised on every rank) or the ``changes`` it says; ``configured``
     and ``base_lrs`` are this run's optimizer hyperparameters and scheduler base rates, put back
-    once the checkpoint's state is loaded."""
+    (the rates as the schedule's inputs) once the checkpoint's state is loaded."""
 
     step: int
     configured: list[dict[str, Any]]
@@ -198,14 +198,21 @@ class ResumeSettings:
 
     def honour(self, trainer: Any, plan: ResumePlan) -> list[float] | None:
         """After the checkpoint's optimizer and scheduler state loaded: this run's hyperparameters
-        back into the parameter groups, and the schedule evaluated at the restored step with this
-        run's base rates. Returns the rates now in force (None without a scheduler)."""
-        groups = trainer.optimizer.param_groups
+        but the rate back into the parameter groups, and this run's rates as the schedule's inputs
+        (``trainer.rates`` writes them): the scheduler's position with this run's base rates, or
+        without a scheduler this run's rates. Returns the scheduler's rates now in force (None
+        without a scheduler)."""
+        groups, rates = trainer.optimizer.param_groups, trainer.rates
         if len(groups) == len(plan.configured):
             for group, configured in zip(groups, plan.configured):
-                group.update(configured)
+                group.update({k: v for k, v in configured.items() if k != "lr"})
         scheduler = trainer.lr_scheduler
-        if scheduler is None or plan.base_lrs is None:
+        if scheduler is None:
+            if rates.base is None:  # the rates this run started with (a rollback keeps them)
+                rates.base = [float(configured["lr"]) for configured in plan.configured]
+            rates.write(plan.step + 1)
+            return None
+        if plan.base_lrs is None:
             return None
         state = scheduler.state_dict()
         lambdas = getattr(scheduler, "lr_lambdas", None)
@@ -216,8 +223,7 @@ class ResumeSettings:
             lrs = [float(lr) for lr in (state.get("_last_lr") or scheduler.get_last_lr())]
         state["_last_lr"] = lrs
         scheduler.load_state_dict(state)
-        for group, lr in zip(groups, lrs):
-            group["lr"] = lr
+        rates.write(plan.step + 1)
         return lrs
 
 
