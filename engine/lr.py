@@ -26,6 +26,7 @@ rates without a scheduler), never the parameter groups.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "build_lr_scheduler",
     "check_lr_schedule",
     "lr_at",
+    "schedule_settings",
 ]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -114,6 +116,19 @@ def check_lr_schedule(
                 f"({wsd_decay_steps}) must fit after warmup: at most decay_steps - warmup_steps "
                 f"= {decay - warmup_steps}",
             )
+
+
+def schedule_settings(cfg: Any) -> dict[str, Any]:
+    """The schedule a run config asks for, as :func:`check_lr_schedule` and
+    :func:`build_lr_scheduler` take it: ``optimizer.lr`` is the peak, the ``lr`` section shapes it,
+    and ``step_scheduler.max_steps`` (``cfg.lr_decay_steps_default``) stands in for a null
+    ``decay_steps``."""
+    return {
+        "peak_lr": cfg.optimizer.lr,
+        **dataclasses.asdict(cfg.lr),
+        "decay_steps_default": cfg.lr_decay_steps_default,
+        "default_name": "step_scheduler.max_steps",
+    }
 
 
 def lr_at(
