@@ -17,11 +17,7 @@ rate after ``s`` scheduler steps, i.e. the one used by optimizer step ``s + 1``:
 ``peak`` is each parameter group's initial learning rate; ``min_lr`` and ``warmup_init`` are
 absolute values for the reference rate ``peak_lr`` (the first group's, by default) and scale with
 every other group's rate.
-
-The schedule is the one writer of ``param_groups[i]["lr"]`` (:class:`ScheduledRates`, the trainer's
-``rates``): a curriculum's per-phase multiplier, a resume that honours a new rate and healing from
-a replica group change its inputs (the multiplier, the scheduler's base rates and position, the
-rates without a scheduler), never the parameter groups.
+:class:`ScheduledRates` is the one writer of ``param_groups[i]["lr"]``; others change its inputs.
 """
 
 from __future__ import annotations
@@ -242,50 +238,43 @@ def build_lr_scheduler(
 
 
 class ScheduledRates:
-    """The one writer of the optimizer's ``param_groups[i]["lr"]``: the rate optimizer step ``k``
-    updates with is the schedule's own rate (``trainer.lr_scheduler.get_last_lr()``; without a
-    scheduler, ``base``) times ``multiplier(k)``. Others change these inputs and ask for
-    :meth:`write`: the curriculum sets ``multiplier`` (its per-phase ``lr_scale``); a resume that
-    honours a new rate loads the scheduler's base rates (or sets ``base``); healing and rollbacks
-    load the scheduler's state."""
+    """The one writer of ``param_groups[i]["lr"]`` (the trainer's ``rates``): step ``k`` updates
+    with the scheduler's ``get_last_lr()`` (without one, ``base``) times ``multiplier(k)``. Others
+    set these inputs and ask for :meth:`write`: the curriculum its ``lr_scale`` as ``multiplier``, a
+    resume that honours a new rate the scheduler's base rates (or ``base``), healing and rollbacks
+    the scheduler's state."""
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
-        #: the factor on the rates of optimizer step ``k`` (None: 1)
-        self.multiplier: Callable[[int], float] | None = None
-        #: the rates without a scheduler (None: the groups' rates when first needed)
-        self.base: list[float] | None = None
-
-    def unscaled(self) -> list[float]:
-        """The schedule's own rates, one per parameter group."""
-        scheduler = self._trainer.lr_scheduler
-        if scheduler is not None:
-            return list(scheduler.get_last_lr())
-        if self.base is None:
-            self.base = [group["lr"] for group in self._trainer.optimizer.param_groups]
-        return list(self.base)
+        self.multiplier: Callable[[int], float] | None = None  # None: 1
+        self.base: list[float] | None = None  # None: the groups' rates when first needed
 
     def write(self, step: int) -> float:
         """Every group's rate for optimizer step ``step``; returns the first group's."""
-        groups = self._trainer.optimizer.param_groups
-        if self.multiplier is None and self.base is None and self._trainer.lr_scheduler is None:
+        scheduler, groups = self._trainer.lr_scheduler, self._trainer.optimizer.param_groups
+        if hasattr(scheduler, "get_last_lr"):
+            rates = scheduler.get_last_lr()
+        elif self.multiplier is None and self.base is None:
             return groups[0]["lr"]  # no schedule: the optimizer's rates are the run's
-        scale = 1.0 if self.multiplier is None else self.multiplier(step)
-        for group, lr in zip(groups, self.unscaled()):
-            group["lr"] = lr * scale
+        else:
+            self.base = self.base or [group["lr"] for group in groups]
+            rates = self.base
+        self._put(rates, 1.0 if self.multiplier is None else self.multiplier(step))
         return groups[0]["lr"]
 
     def step(self, next_step: int) -> None:
-        """Step the scheduler after an optimizer step, then write the rates of ``next_step``. A
-        chainable scheduler (``ExponentialLR``, ...) computes the next rate from the current one, so
-        it steps from its unscaled rates: a multiplier never compounds."""
-        scheduler = self._trainer.lr_scheduler
+        """Step the scheduler after an optimizer step, then write the rates of ``next_step``. Under a
+        multiplier it steps from its unscaled rates (a chainable scheduler such as ``ExponentialLR``
+        computes from the current rate), so the multiplier never compounds."""
+        scheduler, scaled = self._trainer.lr_scheduler, self.multiplier is not None
         if scheduler is None:
             return
-        if self.multiplier is None:
-            scheduler.step()
-            return
-        for group, lr in zip(self._trainer.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+        if scaled:
+            self._put(scheduler.get_last_lr(), 1.0)
         scheduler.step()
-        self.write(next_step)
+        if scaled:
+            self.write(next_step)
+
+    def _put(self, rates: list[float], scale: float) -> None:
+        for group, lr in zip(self._trainer.optimizer.param_groups, rates):
+            group["lr"] = lr * scale
