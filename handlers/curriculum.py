@@ -27,16 +27,13 @@ Resume
     a ``ConfigError`` at TRAIN_START.
 
 Learning rate
-    Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, where ``scheduler_lr`` is what the
-    LR scheduler set after step ``s - 1`` (``get_last_lr()``; without a scheduler, the optimizer's
-    rates when training started). The scaled value is in ``optimizer.param_groups`` (and
-    ``state.lr``) from the end of step ``s - 1`` (right after the scheduler steps, at STEP_END, or at
-    TRAIN_START for a run's first step) until step ``s``'s update. The scale is always applied to the
-    scheduler's own unscaled value, never to the previous scaled one, so even chainable schedulers
-    (``ExponentialLR``, ...) never see a scaled rate and nothing compounds. A vetoed step does not
-    step the scheduler; the next step still gets the right scale. The curriculum does not write the
-    rates: ``lr_scale`` is the multiplier of the trainer's schedule (:class:`engine.lr.ScheduledRates`),
-    which writes them.
+    Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, ``scheduler_lr`` being the LR
+    scheduler's ``get_last_lr()`` after step ``s - 1`` (without a scheduler, the optimizer's rates
+    when training started); the scaled rate is in ``optimizer.param_groups`` (and ``state.lr``) from
+    the end of step ``s - 1`` (or TRAIN_START) until step ``s``'s update. ``lr_scale`` is the
+    multiplier of the trainer's schedule (:class:`engine.lr.ScheduledRates`, which writes the
+    rates): it never compounds, even under chainable schedulers, and a vetoed step (which does not
+    step the scheduler) leaves the next step its own scale.
 """
 
 from __future__ import annotations

@@ -197,16 +197,13 @@ class ResumeSettings:
             raise error
 
     def honour(self, trainer: Any, plan: ResumePlan) -> list[float] | None:
-        """After the checkpoint's optimizer and scheduler state loaded: this run's hyperparameters
-        but the rate back into the parameter groups, and this run's rates as the schedule's inputs
-        (``trainer.rates`` writes them): the scheduler's position with this run's base rates, or
-        without a scheduler this run's rates. Returns the scheduler's rates now in force (None
-        without a scheduler)."""
-        groups, rates = trainer.optimizer.param_groups, trainer.rates
+        """After the checkpoint's state loaded: this run's hyperparameters back into the groups, its
+        rates into the schedule (``trainer.rates`` writes them): the scheduler's base rates, or
+        without one ``rates.base``. Returns the scheduler's rates now in force (None without one)."""
+        groups, rates, scheduler = trainer.optimizer.param_groups, trainer.rates, trainer.lr_scheduler
         if len(groups) == len(plan.configured):
             for group, configured in zip(groups, plan.configured):
                 group.update({k: v for k, v in configured.items() if k != "lr"})
-        scheduler = trainer.lr_scheduler
         if scheduler is None:
             if rates.base is None:  # the rates this run started with (a rollback keeps them)
                 rates.base = [float(configured["lr"]) for configured in plan.configured]
