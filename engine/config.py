@@ -105,6 +105,16 @@ class OptimizerConfig:
         check_number(f"{p}.eps", self.eps, positive=True)
         check_number(f"{p}.momentum", self.momentum, low=0)
 
+    def build(self, params: Any) -> Any:
+        """The torch optimizer this section names, over ``params``; ``lr`` is the rate the LR
+        schedule peaks at (:func:`engine.lr.schedule_settings`)."""
+        import torch
+
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
+        return cls(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
+
 
 @dataclass
 class LRConfig:

@@ -17,11 +17,15 @@ rate after ``s`` scheduler steps, i.e. the one used by optimizer step ``s + 1``:
 ``peak`` is each parameter group's initial learning rate; ``min_lr`` and ``warmup_init`` are
 absolute values for the reference rate ``peak_lr`` (the first group's, by default) and scale with
 every other group's rate.
+:class:`ScheduledRates` is the one writer of ``param_groups[i]["lr"]``; others change its inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -32,10 +36,12 @@ from hookloop.engine.errors import ConfigError
 __all__ = [
     "DECAY_STYLES",
     "LRSchedule",
+    "ScheduledRates",
     "WSD_DECAY_STYLES",
     "build_lr_scheduler",
     "check_lr_schedule",
     "lr_at",
+    "schedule_settings",
 ]
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -106,6 +112,19 @@ def check_lr_schedule(
                 f"({wsd_decay_steps}) must fit after warmup: at most decay_steps - warmup_steps "
                 f"= {decay - warmup_steps}",
             )
+
+
+def schedule_settings(cfg: Any) -> dict[str, Any]:
+    """The schedule a run config asks for, as :func:`check_lr_schedule` and
+    :func:`build_lr_scheduler` take it: ``optimizer.lr`` is the peak, the ``lr`` section shapes it,
+    and ``step_scheduler.max_steps`` (``cfg.lr_decay_steps_default``) stands in for a null
+    ``decay_steps``."""
+    return {
+        "peak_lr": cfg.optimizer.lr,
+        **dataclasses.asdict(cfg.lr),
+        "decay_steps_default": cfg.lr_decay_steps_default,
+        "default_name": "step_scheduler.max_steps",
+    }
 
 
 def lr_at(
@@ -216,3 +235,46 @@ def build_lr_scheduler(
     check_lr_schedule(**params)
     from_default = decay_steps is None and params["decay_steps"] is not None
     return LRSchedule(optimizer, params, (default_name or "its default") if from_default else None)
+
+
+class ScheduledRates:
+    """The one writer of ``param_groups[i]["lr"]`` (the trainer's ``rates``): step ``k`` updates
+    with the scheduler's ``get_last_lr()`` (without one, ``base``) times ``multiplier(k)``. Others
+    set these inputs and ask for :meth:`write`: the curriculum its ``lr_scale`` as ``multiplier``, a
+    resume that honours a new rate the scheduler's base rates (or ``base``), healing and rollbacks
+    the scheduler's state."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self.multiplier: Callable[[int], float] | None = None  # None: 1
+        self.base: list[float] | None = None  # None: the groups' rates when first needed
+
+    def write(self, step: int) -> float:
+        """Every group's rate for optimizer step ``step``; returns the first group's."""
+        scheduler, groups = self._trainer.lr_scheduler, self._trainer.optimizer.param_groups
+        if hasattr(scheduler, "get_last_lr"):
+            rates = scheduler.get_last_lr()
+        elif self.multiplier is None and self.base is None:
+            return groups[0]["lr"]  # no schedule: the optimizer's rates are the run's
+        else:
+            self.base = self.base or [group["lr"] for group in groups]
+            rates = self.base
+        self._put(rates, 1.0 if self.multiplier is None else self.multiplier(step))
+        return groups[0]["lr"]
+
+    def step(self, next_step: int) -> None:
+        """Step the scheduler after an optimizer step, then write the rates of ``next_step``. Under a
+        multiplier it steps from its unscaled rates (a chainable scheduler such as ``ExponentialLR``
+        computes from the current rate), so the multiplier never compounds."""
+        scheduler, scaled = self._trainer.lr_scheduler, self.multiplier is not None
+        if scheduler is None:
+            return
+        if scaled:
+            self._put(scheduler.get_last_lr(), 1.0)
+        scheduler.step()
+        if scaled:
+            self.write(next_step)
+
+    def _put(self, rates: list[float], scale: float) -> None:
+        for group, lr in zip(self._trainer.optimizer.param_groups, rates):
+            group["lr"] = lr * scale

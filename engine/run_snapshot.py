@@ -95,7 +95,7 @@ def apply(
     epoch_length = snapshot.get("epoch_length")
     state.load_counters(counters)
     rng.restore_rng(snapshot["rng"], data_generators(trainer))
-    state.lr = trainer.optimizer.param_groups[0]["lr"]
+    state.lr = trainer.rates.write(state.step + 1)  # the schedule's rates at the restored position
     if resume:
         last = snapshot.get("last") or {}
         if "loss" in last:

@@ -46,6 +46,7 @@ from hookloop.engine.events import (
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler_registry import HandlerRegistry
 from hookloop.engine.ignite_adapter import IgniteAdapter
+from hookloop.engine.lr import ScheduledRates
 from hookloop.engine.pipeline.runtime import check_trainer_arguments
 from hookloop.engine.precision import AUTOCAST_DTYPES
 from hookloop.engine.rank_failure import clear_failure
@@ -82,7 +83,8 @@ class Trainer(IgniteAdapter):
         loss_fn: ``loss_fn(model(inputs), targets) -> scalar tensor``; None: the model computes its
             own loss (``output.loss``) from dict microbatches holding ``labels`` (the Hugging Face
             convention, see :mod:`engine.batch`). A ``step_body`` of your own may use it or not.
-        lr_scheduler: stepped after every optimizer step that was not vetoed.
+        lr_scheduler: stepped after every optimizer step that was not vetoed; ``rates``
+            (:class:`engine.lr.ScheduledRates`) is the one writer of the groups' rates.
         grad_accum_steps: microbatches per optimizer step (>= 1).
         grad_clip_norm: clip the total gradient norm to this value; ``None`` measures only.
         prepare_batch: ``prepare_batch(microbatch, device) -> (inputs, targets)``; dict inputs go to
@@ -179,6 +181,7 @@ class Trainer(IgniteAdapter):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
+        self.rates = ScheduledRates(self)
         self.grad_clip_norm = grad_clip_norm
         self.prepare_batch: PrepareBatch = prepare_batch or default_prepare_batch
         if device is None:
@@ -654,8 +657,7 @@ class Trainer(IgniteAdapter):
                 self.optimizer.step()
             else:
                 scaler.step(self.optimizer)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            self.rates.step(state.step + 1)
         if scaler is not None:
             self._update_scale(scaler, state.grad_scaler_overflow)
         self.optimizer.zero_grad(set_to_none=True)

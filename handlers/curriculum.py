@@ -27,16 +27,13 @@ Resume
     a ``ConfigError`` at TRAIN_START.
 
 Learning rate
-    Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, where ``scheduler_lr`` is what the
-    LR scheduler set after step ``s - 1`` (``get_last_lr()``; without a scheduler, the optimizer's
-    rates when training started). The scaled value is in ``optimizer.param_groups`` (and
-    ``state.lr``) from the end of step ``s - 1`` (right after the scheduler steps, at STEP_END, or at
-    TRAIN_START for a run's first step) until step ``s``'s update. The scale is always applied to the
-    scheduler's own unscaled value, never to the previous scaled one: before each scheduler step the
-    unscaled rates are put back, so even chainable schedulers (``ExponentialLR``, ...) never see a
-    scaled rate and nothing compounds. A vetoed step does not step the scheduler; the next step
-    still gets the right scale. To do this the curriculum replaces ``trainer.lr_scheduler`` with a
-    thin wrapper (state, ``get_last_lr`` and every attribute delegate to the original scheduler).
+    Optimizer step ``s`` updates with ``scheduler_lr * lr_scale(s)``, ``scheduler_lr`` being the LR
+    scheduler's ``get_last_lr()`` after step ``s - 1`` (without a scheduler, the optimizer's rates
+    when training started); the scaled rate is in ``optimizer.param_groups`` (and ``state.lr``) from
+    the end of step ``s - 1`` (or TRAIN_START) until step ``s``'s update. ``lr_scale`` is the
+    multiplier of the trainer's schedule (:class:`engine.lr.ScheduledRates`, which writes the
+    rates): it never compounds, even under chainable schedulers, and a vetoed step (which does not
+    step the scheduler) leaves the next step its own scale.
 """
 
 from __future__ import annotations
@@ -69,35 +66,6 @@ logger = logging.getLogger(__name__)
 
 _STATE_FORMAT = "hookloop-phase-curriculum"
 _STATE_VERSION = 1
-
-
-class _PhaseScaledScheduler:
-    """Steps the wrapped scheduler from unscaled rates, then applies the curriculum's scale."""
-
-    def __init__(self, inner: Any, curriculum: PhaseCurriculum) -> None:
-        self.inner = inner
-        self._curriculum = curriculum
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        curriculum = self._curriculum
-        for group, lr in zip(curriculum.trainer.optimizer.param_groups, self.inner.get_last_lr()):
-            group["lr"] = lr  # chainable schedulers compute the next rate from the current one
-        self.inner.step(*args, **kwargs)
-        curriculum._apply_lr(curriculum.trainer.state.step + 1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    def get_last_lr(self) -> list[float]:
-        return self.inner.get_last_lr()
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "_curriculum"):  # not set yet (e.g. while unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class PhaseCurriculum(Handler):
@@ -154,7 +122,6 @@ class PhaseCurriculum(Handler):
         self._anchor: tuple[int, int] | None = None  # after step s0 the stream is at global draw d0
         self._completed: int | None = None  # the last step that completed (STEP_END)
         self._draws_per_step: int | None = None
-        self._fixed_lrs: list[float] | None = None  # unscaled rates when there is no LR scheduler
         self._last_phase: int | None = None
         self._loaded: tuple[int, int] | None = None  # (draws per step, data-parallel ranks) of a loaded state
 
@@ -218,9 +185,8 @@ class PhaseCurriculum(Handler):
     def attach(self, trainer: Any) -> PhaseCurriculum:
         if self.trainer is not None:
             raise RuntimeError("this PhaseCurriculum is already attached to a trainer")
-        wrap = self._scales_lr and trainer.lr_scheduler is not None
-        if wrap and isinstance(trainer.lr_scheduler, _PhaseScaledScheduler):
-            raise RuntimeError("trainer.lr_scheduler is already scaled by another PhaseCurriculum")
+        if self._scales_lr and trainer.rates.multiplier is not None:
+            raise RuntimeError("the learning rate is already scaled by another PhaseCurriculum")
         # TRAIN_START: after the checkpointer restored the step, before the scheduler and user handlers.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=ALIGN_PHASE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PHASE)
@@ -228,8 +194,8 @@ class PhaseCurriculum(Handler):
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=PHASE)
         # ROLLBACK: after the checkpointer restored the counters (and maybe the data).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=ALIGN_AFTER_RESTORE)
-        if wrap:
-            trainer.lr_scheduler = _PhaseScaledScheduler(trainer.lr_scheduler, self)
+        if self._scales_lr:
+            trainer.rates.multiplier = self.lr_scale_at
         return super().attach(trainer)
 
     def _infer_samples_per_step(self) -> int:
@@ -277,11 +243,8 @@ class PhaseCurriculum(Handler):
         self._completed = state.step
         self._draws_per_step = draws_per_step
         sampler.set_schedule(self._schedule())
-        if self._fixed_lrs is None and trainer.lr_scheduler is None:
-            self._fixed_lrs = [group["lr"] for group in trainer.optimizer.param_groups]
         self._last_phase = None
-        self._apply_lr(state.step + 1)
-        state.lr = trainer.optimizer.param_groups[0]["lr"]
+        state.lr = self._apply_lr(state.step + 1)
 
     def _check_global_batch(self, draws_per_step: int) -> None:
         """A resumed run must take the checkpoint's global batch per step, whatever its number of
@@ -339,8 +302,7 @@ class PhaseCurriculum(Handler):
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._completed = state.step
-        self._apply_lr(state.step + 1)
-        state.lr = self.trainer.optimizer.param_groups[0]["lr"]
+        state.lr = self._apply_lr(state.step + 1)
 
     def _on_rollback(self) -> None:
         # The checkpointer moved the counters back to the checkpoint's step. If it also rewound the data
@@ -353,21 +315,10 @@ class PhaseCurriculum(Handler):
         self._apply_lr(state.step + 1)
 
     # ------------------------------------------------------------------ learning rate
-    def _unscaled_lrs(self) -> list[float] | None:
-        scheduler = self.trainer.lr_scheduler if self.trainer is not None else None
-        if scheduler is not None:
-            return list(scheduler.get_last_lr())
-        return self._fixed_lrs
-
-    def _apply_lr(self, step: int) -> None:
-        if not self._scales_lr:
-            return
-        unscaled = self._unscaled_lrs()
-        if unscaled is None:
-            return
-        scale = self.lr_scale_at(step)
-        for group, lr in zip(self.trainer.optimizer.param_groups, unscaled):
-            group["lr"] = lr * scale
+    def _apply_lr(self, step: int) -> float:
+        """The schedule writes the rates of step ``step`` (this curriculum scales them); the first group's."""
+        trainer = self.trainer
+        return trainer.rates.write(step) if self._scales_lr else trainer.optimizer.param_groups[0]["lr"]
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -387,7 +338,7 @@ class PhaseCurriculum(Handler):
             "phase": self.phase_index(step),
             "draws": int(draws),
             "draws_per_step": self._draws_per_step,
-            "unscaled_lrs": self._fixed_lrs,
+            "unscaled_lrs": self.trainer.rates.base if self.trainer is not None else None,
             "sampler": sampler_state,
         }
 
@@ -430,8 +381,8 @@ class PhaseCurriculum(Handler):
         else:
             self._draws_per_step = 0
         self._loaded = (self._draws_per_step, int(state_dict["sampler"].get("world_size") or 0))
-        if state_dict.get("unscaled_lrs") is not None:
-            self._fixed_lrs = [float(lr) for lr in state_dict["unscaled_lrs"]]
+        if state_dict.get("unscaled_lrs") is not None and self.trainer is not None:
+            self.trainer.rates.base = [float(lr) for lr in state_dict["unscaled_lrs"]]
         if state_dict.get("phase") != self.phase_index(step):
             logger.warning(
                 "the checkpoint was in phase %s at step %d, the configured phases give phase %d: "

@@ -37,7 +37,7 @@ from hookloop.engine.config import (
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.fault_tolerance import FaultToleranceConfig, check_fault_tolerance
 from hookloop.engine.files import check_writable_dir
-from hookloop.engine.lr import check_lr_schedule
+from hookloop.engine.lr import check_lr_schedule, schedule_settings
 from hookloop.engine.validation import ValidationConfig
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
@@ -160,12 +160,7 @@ class RunConfig:
                 field="step_scheduler.global_batch_size",
                 local_field="train.local_batch_size",
             )
-        check_lr_schedule(
-            peak_lr=self.optimizer.lr,
-            **dataclasses.asdict(self.lr),
-            decay_steps_default=self.lr_decay_steps_default,
-            default_name="step_scheduler.max_steps",
-        )
+        check_lr_schedule(**schedule_settings(self))
         if self.nan.enabled and self.nan.action == "rollback" and not self.checkpoint.enabled:
             raise ConfigError(
                 "nan.action",

@@ -24,6 +24,8 @@
 - The engine knows no shipped handler: ``engine/`` names none of their classes (code, comments or
   docstrings), never loads ``hookloop.handlers`` through ``importlib`` / ``__import__``, and its
   order table (``Priority``) names phases only; each shipped handler's place lives in its module.
+- The learning rate has one writer: only the schedule (``engine/lr.py``) writes a parameter group's
+  ``"lr"``, and nothing but the trainer sets an ``lr_scheduler`` (no handler replaces it).
 - Step bodies (``engine/step_body.py``, ``engine/pipeline/``) see the trainer only through the
   ``StepContext`` they are handed: no trainer argument, no call back into the trainer's step.
   Validation runs through the body too: the validator never looks at the pipeline.
@@ -40,6 +42,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IGNITE_ADAPTER = "hookloop.engine.ignite_adapter"
+LR_WRITER = "hookloop.engine.lr"
+# What holds a parameter group's settings: ``group``, ``pg``, ``g``, ``optimizer.param_groups[i]``.
+PARAM_GROUP = re.compile(r"(^|[._])(groups?|pg|g)(\[[^\]]*\])?$")
 IGNITE_PRIVATE = {
     "_event_handlers",
     "_init_iter",
@@ -370,6 +375,38 @@ def test_the_project_asks_through_the_control_point_not_the_state():
     assert offenders == []
 
 
+def _lr_writes(path: Path) -> list[str]:
+    """Where a module writes a parameter group's rate (``g["lr"] = ...``, ``g["lr"] *= ...``,
+    ``g.update({"lr": ...})``, ``g.update(lr=...)``) or sets an ``lr_scheduler`` other than its own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in [t for top in targets for t in ast.walk(top)]:
+            key = getattr(getattr(target, "slice", None), "value", None)
+            if key == "lr" and PARAM_GROUP.search(ast.unparse(target.value)):
+                found.append(f"{path.name}:{node.lineno} [{ast.unparse(target.slice)}] =")
+            owner = getattr(target, "value", None)
+            if getattr(target, "attr", "") == "lr_scheduler" and getattr(owner, "id", "") != "self":
+                found.append(f"{path.name}:{node.lineno} .lr_scheduler =")
+        method = getattr(node, "func", None)
+        if getattr(method, "attr", "") in ("update", "setdefault") and PARAM_GROUP.search(
+            ast.unparse(method.value)
+        ):
+            keys = [getattr(k, "value", None) for a in node.args if isinstance(a, ast.Dict) for k in a.keys]
+            keys += [a.value for a in node.args[:1] if isinstance(a, ast.Constant)]
+            if "lr" in keys + [k.arg for k in node.keywords]:
+                found.append(f"{path.name}:{node.lineno} .{node.func.attr}(lr)")
+    return found
+
+
+def test_only_the_schedule_writes_the_learning_rate():
+    offenders = [hit for name, path in modules().items() if name != LR_WRITER for hit in _lr_writes(path)]
+    assert offenders == []
+    assert _lr_writes(modules()[LR_WRITER])  # the schedule itself writes it
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     # The scanners must find a planted violation, or the tests above prove nothing.
     planted = tmp_path / "planted.py"
@@ -395,6 +432,14 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert _handler_of("hookloop.handlers.checkpoint.writer") == _handler_of("hookloop.handlers.checkpoint")
     assert _handler_of("hookloop.handlers.checkpoint.store") != _handler_of("hookloop.handlers.nan_detector")
     assert len(FSYNC.findall("def fsync_dir(p):\n    os.fsync(fd)\n")) == 2
+    rates = tmp_path / "rates.py"
+    rates.write_text(
+        "def f(trainer, group, groups):\n    group['lr'] = 1.0\n    groups[0]['lr'] *= 0.5\n"
+        "    group.update({'lr': 2.0})\n    group.update(lr=3.0)\n    trainer.lr_scheduler = None\n"
+        "    a, group['lr'] = 1, 2\n    self.lr_scheduler = None\n    group['momentum'] = 0.9\n"
+        "    metrics['lr'] = 1.0\n    metrics.update(lr=1.0)\n"
+    )
+    assert len(_lr_writes(rates)) == 6
 
 
 def test_the_checkpoint_rooms_never_import_the_handler_that_wires_them():

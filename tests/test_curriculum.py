@@ -189,6 +189,8 @@ def test_lr_scale_with_a_chainable_scheduler_and_without_one(mixture, scheduler)
         used[engine.state.step] = engine.optimizer.param_groups[0]["lr"]
 
     run.run(6)
+    if scheduler:  # the curriculum sets the schedule's multiplier; the scheduler is never replaced
+        assert type(run.trainer.lr_scheduler) is torch.optim.lr_scheduler.ExponentialLR
     # ExponentialLR computes each rate from the current one: a scaled current rate would compound
     gamma = 0.9 if scheduler else 1.0
     for step in range(1, 7):

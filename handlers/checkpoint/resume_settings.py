@@ -58,7 +58,7 @@ class ResumePlan:
     """What a resume from the checkpoint at ``step`` does with this run's settings, decided before
     anything loads: ``refusal`` (raised on every rank) or the ``changes`` it says; ``configured``
     and ``base_lrs`` are this run's optimizer hyperparameters and scheduler base rates, put back
-    once the checkpoint's state is loaded."""
+    (the rates as the schedule's inputs) once the checkpoint's state is loaded."""
 
     step: int
     configured: list[dict[str, Any]]
@@ -197,15 +197,19 @@ class ResumeSettings:
             raise error
 
     def honour(self, trainer: Any, plan: ResumePlan) -> list[float] | None:
-        """After the checkpoint's optimizer and scheduler state loaded: this run's hyperparameters
-        back into the parameter groups, and the schedule evaluated at the restored step with this
-        run's base rates. Returns the rates now in force (None without a scheduler)."""
-        groups = trainer.optimizer.param_groups
+        """After the checkpoint's state loaded: this run's hyperparameters back into the groups, its
+        rates into the schedule (``trainer.rates`` writes them): the scheduler's base rates, or
+        without one ``rates.base``. Returns the scheduler's rates now in force (None without one)."""
+        groups, rates, scheduler = trainer.optimizer.param_groups, trainer.rates, trainer.lr_scheduler
         if len(groups) == len(plan.configured):
             for group, configured in zip(groups, plan.configured):
-                group.update(configured)
-        scheduler = trainer.lr_scheduler
-        if scheduler is None or plan.base_lrs is None:
+                group.update({k: v for k, v in configured.items() if k != "lr"})
+        if scheduler is None:
+            if rates.base is None:  # the rates this run started with (a rollback keeps them)
+                rates.base = [float(configured["lr"]) for configured in plan.configured]
+            rates.write(plan.step + 1)
+            return None
+        if plan.base_lrs is None:
             return None
         state = scheduler.state_dict()
         lambdas = getattr(scheduler, "lr_lambdas", None)
@@ -216,8 +220,7 @@ class ResumeSettings:
             lrs = [float(lr) for lr in (state.get("_last_lr") or scheduler.get_last_lr())]
         state["_last_lr"] = lrs
         scheduler.load_state_dict(state)
-        for group, lr in zip(groups, lrs):
-            group["lr"] = lr
+        rates.write(plan.step + 1)
         return lrs
 
 

@@ -53,6 +53,7 @@ from hookloop.engine.activation_checkpointing import apply_activation_checkpoint
 from hookloop.engine.compile import compile_mode, compile_model
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.fault_tolerance import group_dir_name, group_run_dir
+from hookloop.engine.lr import schedule_settings
 from hookloop.engine.parallel import (
     DistInfo,
     destroy_distributed,
@@ -78,11 +79,7 @@ logger = logging.getLogger("hookloop.train")
 
 def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer the ``optimizer`` section names, over ``model``'s parameters."""
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    return cfg.optimizer.build(model.parameters())
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -312,12 +309,7 @@ def _build(
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
         loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
     optimizer = build_optimizer(cfg, model)
-    lr_scheduler = build_lr_scheduler(
-        optimizer,
-        **dataclasses.asdict(cfg.lr),
-        decay_steps_default=cfg.lr_decay_steps_default,
-        default_name="step_scheduler.max_steps",
-    )
+    lr_scheduler = build_lr_scheduler(optimizer, **schedule_settings(cfg))
     trainer = Trainer(
         model,
         optimizer,
