@@ -161,6 +161,9 @@ class Trainer(IgniteAdapter):
             )
         self.loss_parallel = bool(loss_parallel)
         self.pipeline = pipeline
+        #: The step's control point, the trainer's one: handlers request skip / save / validate / stop /
+        #: rollback here, and read what every rank agreed in ``control.decided`` (:mod:`engine.control`).
+        self.control = StepControl()
         self.events = EventRegistry(self)
         super().__init__(self._run_step)
         # ignite logs every error it routes to the error path (twice, for the inner and outer loop);
@@ -234,9 +237,6 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
         #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
         self.agreement = StepAgreement()
-        #: The step's control point: handlers request skip / save / validate / stop / rollback here, and read
-        #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
-        self.control: StepControl = self.__dict__["control"]
         #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).
         self.save_policy = SavePolicy()
         #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
@@ -261,6 +261,7 @@ class Trainer(IgniteAdapter):
         self.error_path = ErrorPath(
             self.events,
             self.run_start,
+            self.control,
             lambda: self.state,
             lambda: self.optimizer.zero_grad(set_to_none=True),
             self.limits_reached,
@@ -577,7 +578,7 @@ class Trainer(IgniteAdapter):
         state = self.state
         self.control.start_run()
         self.run_start.begin()
-        state.clear_step_flags()
+        state.clear_schedule_flags()
         self.step_decisions.start_run()
         self._skip_completed = False
         self.error_path.start_run()
