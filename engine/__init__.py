@@ -25,7 +25,6 @@ from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.engine.parallel import DistInfo, agree_any, init_distributed, wrap_data_parallel
 from hookloop.engine.pipeline import PipelineConfig, PipelineRuntime, available_schedules, build_pipeline
 from hookloop.engine.record_file import RecordFile
-from hookloop.engine.replica_groups import ReplicaGroups
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import TrainState
 from hookloop.engine.step_batches import StepBatches
@@ -54,7 +53,6 @@ __all__ = [
     "Decided",
     "Rollback",
     "RecordFile",
-    "ReplicaGroups",
     "FaultToleranceConfig",
     "SavePolicy",
     "StepControl",

@@ -25,6 +25,21 @@ The values are packed into one float64 vector on the collective device and read 
 in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) it is one
 device-to-host copy per step, the only one the engine makes when nobody reads a step value.
 Tensors that stay on one process (a single process's loss) are never read unless asked for.
+
+Who takes part is the trainer's *agreement transport* (``trainer.agreement.transport``, an
+:class:`AgreementTransport`), as Lightning's ``Strategy.reduce_boolean_decision`` is the strategy's:
+the trainer asks it, never a layout, how gradients and the step's values are combined::
+
+    transport.reduce_gradients(params)      after the body's backward, before the gradient norm
+    transport.agree_step(values)            the step's one agreement (sums; ``ranks_summed``
+                                            ranks took part; ``committed``: False voids the step)
+    transport.agree_late(values)            the late stop / rollback agreement, when run
+    transport.step_boundary()               the step's very end; True: every rank stops now
+
+The default is the plain process group (every rank of the job, nothing beyond what DDP or FSDP2
+already combine). The replica groups of a fault-tolerant run (the ``fault_tolerance`` section's
+handler) extend it: gradients averaged across the live groups, the agreement summed across them and
+then committed or voided, the quorum at the step boundary.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from hookloop.engine import parallel
 from hookloop.engine.exit_codes import ExitCode
 
 __all__ = [
+    "AgreementTransport",
     "Slot",
     "StepAgreement",
     "agreed_exit_code",
@@ -58,11 +74,52 @@ class Slot:
     on_agreed: Callable[[float], None] | None = None
 
 
+class AgreementTransport:
+    """How the ranks of a run agree (see the module docstring): the plain process group.
+
+    Extend it for agreement beyond the process group and give it to the trainer as
+    ``trainer.agreement.transport`` before the run starts."""
+
+    #: Whether the latest step's agreement holds on every rank that took part (False: the step is
+    #: skipped and nothing else is decided; its requests carry over to the next step).
+    committed = True
+
+    def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """Combine the step's gradients beyond what the model's wrapper combines (DDP, FSDP2): here
+        nothing."""
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether an agreement reaches another process (False: values stay as they are)."""
+        return parallel.world_size() > 1
+
+    @property
+    def ranks_summed(self) -> int:
+        """How many ranks' values the latest step's agreed sums cover."""
+        return parallel.world_size()
+
+    def agree_step(self, values: Sequence[Value]) -> list[Value]:
+        """The step's values summed over every rank that takes part (one all-reduce)."""
+        return sum_over_ranks(values)
+
+    def agree_late(self, values: Sequence[Value]) -> list[Value]:
+        """The late agreement's votes summed over every rank that takes part."""
+        return sum_over_ranks(values)
+
+    def step_boundary(self) -> bool:
+        """The step's very end, after its requests were reset; True when every rank must stop now
+        (decided from values every rank shares, so no further agreement is needed)."""
+        return False
+
+
 class StepAgreement:
-    """Handler slots of the per-step all-reduce, and the packing that makes it one collective."""
+    """Handler slots of the per-step all-reduce, and the packing that makes it one collective;
+    :attr:`transport` says who takes part."""
 
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
+        #: How the ranks agree (:class:`AgreementTransport`; the plain process group by default).
+        self.transport = AgreementTransport()
 
     def add(
         self,
@@ -93,8 +150,8 @@ def sum_over_ranks(
     """``values`` summed over every rank with one all-reduce, read back to the host (floats).
 
     ``across``: a further sum over other groups of ranks, applied in place to the packed vector
-    after the sum over this group (the replica groups of a fault-tolerant run,
-    :mod:`engine.replica_groups`). One process and nothing across: returned as they are (tensors
+    after the sum over this group (an :class:`AgreementTransport` reaching further, e.g. the
+    replica groups of a fault-tolerant run). One process and nothing across: returned as they are (tensors
     stay tensors) unless ``force_read``, which reads the tensors among them to floats in one
     transfer."""
     if parallel.world_size() == 1 and across is None:

@@ -216,8 +216,6 @@ class Trainer(IgniteAdapter):
             )
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
-        #: The replica groups of a fault-tolerant run (:mod:`engine.replica_groups`), once attached.
-        self.replica_groups: Any = None
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
@@ -235,7 +233,8 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
-        #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
+        #: Handlers' slots in the step's one all-reduce and who takes part, its ``transport`` (see
+        #: :mod:`engine.agreement`).
         self.agreement = StepAgreement()
         #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).
         self.save_policy = SavePolicy()
@@ -618,8 +617,7 @@ class Trainer(IgniteAdapter):
         local_loss, tokens, samples = result
         state = self.state
         scaler = self.grad_scaler
-        if self.replica_groups is not None:  # averaged over the live replica groups too
-            self.replica_groups.average_gradients(self._params)
+        self.agreement.transport.reduce_gradients(self._params)  # beyond DDP / FSDP2 (engine.agreement)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         norm = self.step_body.grad_norm()

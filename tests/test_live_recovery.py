@@ -422,7 +422,7 @@ def test_config_refusals_name_the_field_before_anything_starts(project, monkeypa
 
 def test_without_the_section_nothing_imports_torchft():
     code = (
-        "import sys, torch, hookloop, hookloop.engine, hookloop.train, hookloop.engine.replica_groups\n"
+        "import sys, torch, hookloop, hookloop.engine, hookloop.train, hookloop.handlers.replica_groups\n"
         "from hookloop import Trainer\n"
         "model = torch.nn.Linear(2, 1)\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
