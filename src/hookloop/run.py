@@ -325,7 +325,7 @@ def _build(
         lr_scheduler=lr_scheduler,
         grad_clip_norm=cfg.train.grad_clip_norm,
         device=device,
-        pipeline=runtime,
+        step_body=runtime,
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
         precision=cfg.train.precision,
