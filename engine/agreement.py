@@ -26,20 +26,11 @@ in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) 
 device-to-host copy per step, the only one the engine makes when nobody reads a step value.
 Tensors that stay on one process (a single process's loss) are never read unless asked for.
 
-Who takes part is the trainer's *agreement transport* (``trainer.agreement.transport``, an
-:class:`AgreementTransport`), as Lightning's ``Strategy.reduce_boolean_decision`` is the strategy's:
-the trainer asks it, never a layout, how gradients and the step's values are combined::
-
-    transport.reduce_gradients(params)      after the body's backward, before the gradient norm
-    transport.agree_step(values)            the step's one agreement (sums; ``ranks_summed``
-                                            ranks took part; ``committed``: False voids the step)
-    transport.agree_late(values)            the late stop / rollback agreement, when run
-    transport.step_boundary()               the step's very end; True: every rank stops now
-
-The default is the plain process group (every rank of the job, nothing beyond what DDP or FSDP2
-already combine). The replica groups of a fault-tolerant run (the ``fault_tolerance`` section's
-handler) extend it: gradients averaged across the live groups, the agreement summed across them and
-then committed or voided, the quorum at the step boundary.
+Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
+Lightning's ``Strategy.reduce_boolean_decision`` is the strategy's): the trainer asks it, never a
+layout. The default, :class:`AgreementTransport`, is the plain process group; the replica groups of
+a fault-tolerant run extend it (gradients averaged and the agreement summed across the live groups,
+then committed or voided; the quorum at the step boundary).
 """
 
 from __future__ import annotations
@@ -75,18 +66,14 @@ class Slot:
 
 
 class AgreementTransport:
-    """How the ranks of a run agree (see the module docstring): the plain process group.
+    """How the ranks of a run agree: the plain process group. Extend it to agree beyond it and set
+    it as ``trainer.agreement.transport`` before the run starts."""
 
-    Extend it for agreement beyond the process group and give it to the trainer as
-    ``trainer.agreement.transport`` before the run starts."""
-
-    #: Whether the latest step's agreement holds on every rank that took part (False: the step is
-    #: skipped and nothing else is decided; its requests carry over to the next step).
+    #: False: the latest step's agreement did not hold; the step is skipped, nothing else decided.
     committed = True
 
     def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
-        """Combine the step's gradients beyond what the model's wrapper combines (DDP, FSDP2): here
-        nothing."""
+        """After the body's backward, before the norm: combine gradients beyond DDP / FSDP2 (no)."""
 
     @property
     def spans_processes(self) -> bool:
@@ -99,16 +86,13 @@ class AgreementTransport:
         return parallel.world_size()
 
     def agree_step(self, values: Sequence[Value]) -> list[Value]:
-        """The step's values summed over every rank that takes part (one all-reduce)."""
+        """The step's values (and the late agreement's, :meth:`agree_late`) summed over its ranks."""
         return sum_over_ranks(values)
 
-    def agree_late(self, values: Sequence[Value]) -> list[Value]:
-        """The late agreement's votes summed over every rank that takes part."""
-        return sum_over_ranks(values)
+    agree_late = agree_step
 
     def step_boundary(self) -> bool:
-        """The step's very end, after its requests were reset; True when every rank must stop now
-        (decided from values every rank shares, so no further agreement is needed)."""
+        """The step's very end: True when every rank stops now (from values every rank shares)."""
         return False
 
 

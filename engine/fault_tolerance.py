@@ -213,9 +213,9 @@ def check_fault_tolerance(cfg: Any, world: int, prefix: str = "fault_tolerance")
 
 
 # ---------------------------------------------------------------------- the adapter over torchft
-def check_torchft_version() -> None:
-    """Warn, once a manager is started, when the installed torchft is not the release whose private
-    attributes :func:`start_manager` and :func:`quorum_id` read."""
+def check_torchft_version() -> bool:
+    """Whether the installed torchft is the release whose private attributes :func:`start_manager`
+    and :func:`quorum_id` read; a warning says so when it is not."""
     try:
         found = importlib.metadata.version("torchft")
     except importlib.metadata.PackageNotFoundError:
@@ -228,6 +228,7 @@ def check_torchft_version() -> None:
             TORCHFT_VERSION,
             INSTALL_HINT,
         )
+    return found == TORCHFT_VERSION
 
 
 def start_manager(cfg: FaultToleranceConfig, *, group_name: str, rank: int, world: int) -> tuple:

@@ -55,10 +55,10 @@ __all__ = [
     "StepBody",
     "StepContext",
     "StepResult",
-    "check_loss",
-    "check_step_body",
     "accumulation",
     "bind_step_body",
+    "check_loss",
+    "check_step_body",
     "grad_norm",
 ]
 
@@ -202,13 +202,8 @@ class StepBody:
     n_microbatches: int | None = None
     #: Whether this rank holds the model's outputs: the evaluator and its metrics run here.
     holds_outputs = True
-    #: Bound by the trainer (:meth:`bind`): its model, trainable parameters, tensor-parallel mesh,
-    #: fp16 loss scaler and loss parallelism.
+    #: The trainer's model, bound with its parameters and layout (:meth:`bind`).
     model: torch.nn.Module
-    params: Sequence[torch.Tensor] = ()
-    tp_mesh: Any = None
-    grad_scaler: torch.amp.GradScaler | None = None
-    loss_parallel = False
     _loss_checked = False
 
     def bind(
