@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, cfg: dict, warmup: int, steps: int, microbatc
                 out[(name, m)] = (None, None, str(e).splitlines()[0])
                 continue
             opt = torch.optim.AdamW(runtime.parameters(), lr=1e-4)
-            trainer = Trainer(runtime.module, opt, cross_entropy_loss, pipeline=runtime)
+            trainer = Trainer(runtime.module, opt, cross_entropy_loss, step_body=runtime)
             t = _timed_steps(trainer, _batches(m * (warmup + steps), cfg), warmup, steps)
             out[(name, m)] = (t, runtime.num_stages // PP, None)  # t = (fastest, median)
         out[("single", m)] = (min(f for f, _ in singles), statistics.median(md for _, md in singles))

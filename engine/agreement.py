@@ -25,6 +25,12 @@ The values are packed into one float64 vector on the collective device and read 
 in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) it is one
 device-to-host copy per step, the only one the engine makes when nobody reads a step value.
 Tensors that stay on one process (a single process's loss) are never read unless asked for.
+
+Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
+Lightning's ``Strategy.reduce_boolean_decision`` is the strategy's): the trainer asks it, never a
+layout. The default, :class:`AgreementTransport`, is the plain process group; the replica groups of
+a fault-tolerant run extend it (gradients averaged and the agreement summed across the live groups,
+then committed or voided; the quorum at the step boundary).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from hookloop.engine import parallel
 from hookloop.engine.exit_codes import ExitCode
 
 __all__ = [
+    "AgreementTransport",
     "Slot",
     "StepAgreement",
     "agreed_exit_code",
@@ -58,11 +65,45 @@ class Slot:
     on_agreed: Callable[[float], None] | None = None
 
 
+class AgreementTransport:
+    """How the ranks of a run agree: the plain process group. Extend it to agree beyond it and set
+    it as ``trainer.agreement.transport`` before the run starts."""
+
+    #: False: the latest step's agreement did not hold; the step is skipped, nothing else decided.
+    committed = True
+
+    def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
+        """After the body's backward, before the norm: combine gradients beyond DDP / FSDP2 (no)."""
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether an agreement reaches another process (False: values stay as they are)."""
+        return parallel.world_size() > 1
+
+    @property
+    def ranks_summed(self) -> int:
+        """How many ranks' values the latest step's agreed sums cover."""
+        return parallel.world_size()
+
+    def agree_step(self, values: Sequence[Value]) -> list[Value]:
+        """The step's values (and the late agreement's, :meth:`agree_late`) summed over its ranks."""
+        return sum_over_ranks(values)
+
+    agree_late = agree_step
+
+    def step_boundary(self) -> bool:
+        """The step's very end: True when every rank stops now (from values every rank shares)."""
+        return False
+
+
 class StepAgreement:
-    """Handler slots of the per-step all-reduce, and the packing that makes it one collective."""
+    """Handler slots of the per-step all-reduce, and the packing that makes it one collective;
+    :attr:`transport` says who takes part."""
 
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
+        #: How the ranks agree (:class:`AgreementTransport`; the plain process group by default).
+        self.transport = AgreementTransport()
 
     def add(
         self,
@@ -93,8 +134,8 @@ def sum_over_ranks(
     """``values`` summed over every rank with one all-reduce, read back to the host (floats).
 
     ``across``: a further sum over other groups of ranks, applied in place to the packed vector
-    after the sum over this group (the replica groups of a fault-tolerant run,
-    :mod:`engine.replica_groups`). One process and nothing across: returned as they are (tensors
+    after the sum over this group (an :class:`AgreementTransport` reaching further, e.g. the
+    replica groups of a fault-tolerant run). One process and nothing across: returned as they are (tensors
     stay tensors) unless ``force_read``, which reads the tensors among them to floats in one
     transfer."""
     if parallel.world_size() == 1 and across is None:

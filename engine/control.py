@@ -218,10 +218,10 @@ class StepControl:
         )
 
     def void_step(self) -> None:
-        """The step's agreement did not hold (a step a fault-tolerant run did not commit across its
-        replica groups, :mod:`engine.replica_groups`): the step is skipped and nothing else is
-        decided; the requests stay, so a stop, save or validation asked for is agreed at the next
-        step."""
+        """The step's agreement did not hold (its :class:`~engine.agreement.AgreementTransport` did
+        not commit it, e.g. across a fault-tolerant run's replica groups): the step is skipped and
+        nothing else is decided; the requests stay, so a stop, save or validation asked for is
+        agreed at the next step."""
         self.skip = True
         self.decided = Decided(skip=True)
 

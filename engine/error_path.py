@@ -37,7 +37,8 @@ class ErrorPath:
 
     ``events``: the trainer's :class:`~engine.events.EventRegistry` (EXCEPTION and TRAIN_FAILED
     handlers); ``run_start``: its :class:`~engine.run_start.RunStart` (a failure at TRAIN_START is
-    voted there); ``state``: gives the trainer's state; ``drop_gradients``: zeroes the optimizer's
+    voted there); ``control``: its :class:`~engine.control.StepControl`; ``state``: gives the
+    trainer's state; ``drop_gradients``: zeroes the optimizer's
     gradients (a step that raised leaves none behind); ``limits_reached``: whether the state is at
     its step or epoch limit (ignite's rule).
     """
@@ -46,12 +47,14 @@ class ErrorPath:
         self,
         events: Any,
         run_start: Any,
+        control: Any,
         state: Callable[[], Any],
         drop_gradients: Callable[[], None],
         limits_reached: Callable[[], bool],
     ) -> None:
         self._events = events
         self._run_start = run_start
+        self._control = control
         self._state = state
         self._drop_gradients = drop_gradients
         self._limits_reached = limits_reached
@@ -107,7 +110,8 @@ class ErrorPath:
         limit, ``control.stop_reason`` says that it ended on a handled error."""
         state = self._state()
         self._drop_gradients()
-        state.clear_step_flags()
+        state.clear_schedule_flags()
+        self._control.drop_step_requests()
         self.handled_errors += 1
         message = str(e).splitlines()[0][:200] if str(e) else ""
         what = f"{type(e).__name__}: {message}" if message else type(e).__name__
@@ -126,8 +130,8 @@ class ErrorPath:
     def explain_handled_end(self) -> None:
         """Set ``control.stop_reason`` (unless a stop already gave one) when the run ends right after an
         error an EXCEPTION handler handled."""
-        state = self._state()
-        if state.control.stop_reason is not None or self._last_handled is None:
+        state, control = self._state(), self._control
+        if control.stop_reason is not None or self._last_handled is None:
             return
         step, what = self._last_handled
         if step != state.iteration:  # a step completed after it: the run ended normally
@@ -139,7 +143,7 @@ class ErrorPath:
             limit = f"at max_epochs={max_epochs}"
         else:
             limit = "there (an error outside an epoch's steps ends the run)"
-        state.control.stop_reason = (
+        control.stop_reason = (
             f"the run ended {limit} on a handled error: {what} at step {step} (epoch {state.epoch}), "
             "handled by an EXCEPTION handler; as in ignite, a handled error ends its epoch "
             f"({self.handled_errors} handled in this run)"

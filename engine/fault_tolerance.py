@@ -5,8 +5,10 @@ or ``torchrun`` for several), every one holding a whole copy of the model (DDP i
 as usual). Across groups, torchft (an optional extra: ``pip install 'hookloop[torchft]'``) keeps a
 quorum of the live groups through a *lighthouse* (``hookloop lighthouse``), averages the gradients
 over them each step, and lets a restarted group receive the model, optimizer and run state from a
-live peer instead of reading a checkpoint. The runtime is :mod:`engine.replica_groups`; this module
-holds the section and its rules only, and imports no torchft.
+live peer instead of reading a checkpoint. The runtime is the replica groups' handler
+(``handlers/replica_groups.py``); this module holds the section, its rules, and the one adapter
+over torchft (:func:`start_manager`, :func:`quorum_id`: the version check and every private
+attribute of torchft that hookloop reads), and imports no torchft until a manager is started.
 
 ::
 
@@ -28,15 +30,22 @@ directory's lock, ``exit_status.json``, ``config.yaml``, metrics, traces, and th
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
+import socket
+import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 from hookloop.engine.checks import check_bool, check_int, check_number, check_str
-from hookloop.engine.errors import ConfigError
+from hookloop.engine.errors import ConfigError, TrainingAborted
+from hookloop.engine.exit_codes import ExitCode
 
 __all__ = [
     "GROUP_ENV",
@@ -45,8 +54,12 @@ __all__ = [
     "check_fault_tolerance",
     "group_dir_name",
     "group_run_dir",
+    "quorum_id",
+    "start_manager",
     "torchft_installed",
 ]
+
+logger = logging.getLogger(__name__)
 
 # OmegaConf resolves annotations at run time, so sections spell Optional the old way.
 # ruff: noqa: UP045
@@ -54,7 +67,10 @@ __all__ = [
 #: Where a null ``replica_group_id`` / ``lighthouse`` is read from (torchft's own names).
 GROUP_ENV = "REPLICA_GROUP_ID"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-INSTALL_HINT = "pip install 'hookloop[torchft]' (torchft==0.2.0)"
+#: The torchft release whose private attributes the adapter below reads.
+TORCHFT_VERSION = "0.2.0"
+INSTALL_HINT = f"pip install 'hookloop[torchft]' (torchft=={TORCHFT_VERSION})"
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 _ADDRESS = re.compile(r"^https?://[^\s/:]+(:\d+)?/?$|^https?://\[[0-9a-fA-F:]+\](:\d+)?/?$")
 
 
@@ -194,3 +210,80 @@ def check_fault_tolerance(cfg: Any, world: int, prefix: str = "fault_tolerance")
                 f"group x {prefix}.num_replica_groups ({cfg.train.local_batch_size} x {world} x "
                 f"{ft.num_replica_groups} = {share}): the global batch is shared by every group",
             )
+
+
+# ---------------------------------------------------------------------- the adapter over torchft
+def check_torchft_version() -> bool:
+    """Whether the installed torchft is the release whose private attributes :func:`start_manager`
+    and :func:`quorum_id` read; a warning says so when it is not."""
+    try:
+        found = importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        found = "unknown"
+    if found != TORCHFT_VERSION:
+        logger.warning(
+            "fault_tolerance: torchft %s is installed, but hookloop is tested with torchft==%s and reads "
+            "private parts of it (the manager's quorum id, its HTTP transport's server); install %s",
+            found,
+            TORCHFT_VERSION,
+            INSTALL_HINT,
+        )
+    return found == TORCHFT_VERSION
+
+
+def start_manager(cfg: FaultToleranceConfig, *, group_name: str, rank: int, world: int) -> tuple:
+    """torchft's ``Manager`` for this process of replica group ``group_name``: ``(manager, process
+    group, heal transport, store)``. Its store: a one-process group hosts its own (``store`` is then
+    that ``TCPStore``, else None); the cross-group process group; the HTTP heal transport, its
+    server's line per request silenced; the lighthouse connection."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's INFO lines cost 2-3x per step
+    try:
+        from torchft.checkpointing.http_transport import HTTPTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as e:
+        raise TrainingAborted(f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}", ExitCode.ERROR) from e
+    check_torchft_version()
+    for name in _TORCHFT_LOGGERS:  # hookloop says what matters in one line; torchft's stay quiet
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torch.load of a received state over a read-only buffer: harmless, tensors are copied in
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    import torch
+
+    store = None
+    if world == 1:  # no launcher store: host the group's own
+        host = socket.gethostname()
+        store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store_addr, store_port = host, store.port
+    else:
+        store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=cfg.timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=cfg.min_replicas,
+        use_async_quorum=False,  # the quorum (and a heal) lands before the step's data is fetched
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+        rank=rank,
+        world_size=world,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=cfg.lighthouse_address(),
+        replica_id=group_name,
+        checkpoint_transport=transport,
+    )
+    with contextlib.suppress(AttributeError):  # its HTTP server's line per request, on stderr
+        transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return manager, pg, transport, store
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of ``manager``'s current quorum (torchft keeps it private): it changes when the set
+    of live groups does."""
+    return manager._quorum_id

@@ -6,7 +6,7 @@ registered stateful handler, the data position, the RNG states and what the run 
 :mod:`engine.checkpoint_format.state_codec`); :func:`apply` puts such a dict back into a running
 trainer. Two users: the checkpointer writes it to disk beside DCP's model and optimizer (its per-rank
 state file, ``handlers.checkpoint.rank_state``), and the replica groups of a fault-tolerant run send
-it to a recovering group with the model and optimizer (:mod:`engine.replica_groups`). No file is
+it to a recovering group with the model and optimizer (the replica groups' handler). No file is
 read or written here.
 
 How it is applied depends on when:

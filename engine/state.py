@@ -4,7 +4,7 @@ The state holds information, never requests. What handlers ask of the loop (skip
 stop, rollback) is requested on the trainer's control point, ``trainer.control``
 (:class:`~engine.control.StepControl`, with its reset rules), and decided there in the step's
 agreement; how the run ended is ``trainer.control.exit_code`` and ``trainer.control.stop_reason``
-(``state.control`` is the same object).
+(``state.control`` reads the same object: the trainer owns it and binds it to its state).
 
 Two flags are a scheduling handler's published view of the current step, set at STEP_START from its
 schedule (the same on every rank, computed from the same settings) for whoever reads them. They are
@@ -83,12 +83,10 @@ class TrainState(State):
     tokens_seen = _StepValue()
 
     def __init__(self, **kwargs: Any) -> None:
-        #: The step's control point; a trainer binds its own (``trainer.control``).
-        self.control = StepControl()
         self.reset_counters()
         self.last_checkpoint: str | None = None
         self.grad_scaler_overflow = False
-        self.clear_step_flags()
+        self.clear_schedule_flags()
         super().__init__(**kwargs)
 
     @classmethod
@@ -132,6 +130,12 @@ class TrainState(State):
         return self.__dict__[f"_{name}"]
 
     @property
+    def control(self) -> StepControl | None:
+        """The control point of the trainer this state belongs to (``trainer.control``, which owns
+        it), to read how a run ended from the state ``run()`` returns; None before it is bound."""
+        return self.__dict__.get("_control")
+
+    @property
     def step(self) -> int:
         return self.iteration
 
@@ -143,11 +147,6 @@ class TrainState(State):
         """Drop this step's published schedule (``should_log_remote``, ``is_last_step``)."""
         for name in _SCHEDULE_FLAGS:
             setattr(self, name, False)
-
-    def clear_step_flags(self) -> None:
-        """Drop this step's published schedule and its requests (skip, save, validate)."""
-        self.clear_schedule_flags()
-        self.control.drop_step_requests()
 
     def counters(self) -> dict[str, Any]:
         """What a checkpoint must hold to continue the run: counters, not flags."""
@@ -171,14 +170,10 @@ class TrainState(State):
 class StateAttribute:
     """The descriptor behind ``trainer.state``: assigning an ignite ``State`` (as ignite's docs and
     tests do) makes it a :class:`TrainState` in place, bound to the trainer's control point
-    (``trainer.control``). Only assignment is intercepted (no
+    (``trainer.control``, which the trainer creates and owns). Only assignment is intercepted (no
     ``__get__``), so reading ``trainer.state`` costs what reading a plain attribute costs."""
 
     def __set__(self, trainer: Any, value: Any) -> None:
         state = TrainState.adopt(value)
-        control: StepControl | None = trainer.__dict__.get("control")
-        if control is None:  # the first state's control point becomes the trainer's
-            trainer.__dict__["control"] = state.control
-        else:
-            state.control = control
+        state.__dict__["_control"] = trainer.control  # created by the trainer before its first state
         trainer.__dict__["state"] = state

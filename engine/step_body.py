@@ -14,12 +14,16 @@ and validation (:mod:`engine.validation`) runs through the same body, forward on
         ...                                     # the evaluator's items where body.holds_outputs
     metrics = body.share_metrics(metrics)       # computed where the outputs are, on every rank
 
-Two bodies ship: :class:`LocalStepBody` (the model on this rank, plain, DDP, FSDP2 or
-tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline stages). A user
-whose step is not "forward, loss, backward" passes a body of their own, ``Trainer(...,
-step_body=body)``: usually a :class:`LocalStepBody` subclass that overrides
-:meth:`LocalStepBody.compute_loss` (a frozen teacher, two views of a batch, several losses), or any
-object with the protocol's members (:func:`check_step_body` says which are missing). A body sees
+A body is a :class:`StepBody`: it implements ``run_step``; the rest has defaults for a model held
+whole on this rank, from what the trainer hands it (:meth:`StepBody.bind`: its model, parameters
+and layout), so a body written from scratch implements the step and, if it validates differently,
+``compute_loss`` or ``eval_batches``. Two bodies ship: :class:`LocalStepBody` (the model on this
+rank, plain, DDP, FSDP2 or tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this
+rank's pipeline stages, declaring its microbatches per step, ``n_microbatches``), both given as
+``Trainer(..., step_body=body)``. A user whose step is not "forward, loss, backward" usually
+subclasses :class:`LocalStepBody` and overrides :meth:`StepBody.compute_loss` (a frozen teacher, two
+views of a batch, several losses); an object of another class needs every member
+(:func:`check_step_body` says which are missing). A body sees
 the trainer only through the :class:`StepContext` it is handed: prepare a microbatch, the autocast
 and loss contexts, the loss function, and one call to report a finished microbatch (the trainer
 then fires MICROBATCH). What comes after the backward (the norm's agreement, clipping, the
@@ -33,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -51,13 +55,14 @@ __all__ = [
     "StepBody",
     "StepContext",
     "StepResult",
+    "accumulation",
+    "bind_step_body",
     "check_loss",
     "check_step_body",
     "grad_norm",
-    "local_step_body",
 ]
 
-#: The members a step body has (:class:`StepBody`), in the order the protocol lists them.
+#: The members a step body has (:class:`StepBody`); a subclass of it implements ``run_step`` only.
 PROTOCOL_MEMBERS = (
     "run_step",
     "grad_norm",
@@ -147,38 +152,6 @@ class StepContext:
             state.microbatches_seen += 1
 
 
-class StepBody(Protocol):
-    """One optimizer step's forward and backward over its microbatches."""
-
-    def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
-        """Forward and backward over ``microbatches``, gradients left in the parameters (the mean
-        over the microbatches); :meth:`StepContext.microbatch_done` once per microbatch, in order."""
-        ...
-
-    def grad_norm(self) -> Any:
-        """The total norm of the accumulated gradients over every shard and stage of the model (a
-        tensor; 0.0 when no parameter has a gradient), before clipping."""
-        ...
-
-    #: Whether this rank holds the model's outputs: the evaluator and its metrics run here.
-    holds_outputs: bool
-
-    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
-        """Validation's forward passes (the caller holds ``torch.no_grad()`` and ``model.eval()``)
-        over at most ``eval_iters`` microbatches of ``data``: one :class:`EvalResult` per microbatch,
-        in order. Every rank of the body iterates it to the end together."""
-        ...
-
-    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """``metrics`` computed on the ranks that hold the outputs, on every rank of the body."""
-        ...
-
-    def data_parallel_group(self, dp: Any) -> Any:
-        """This rank's data-parallel peers (:func:`engine.parallel.data_parallel_group`): ``dp`` when
-        given, else found from the layout; validation metrics reduce over them."""
-        ...
-
-
 def check_loss(loss: Any, loss_fn: Callable | None, source: str | None = None) -> None:
     """A step's loss must be a scalar tensor; the error says how to make it one. ``source``: the
     method that computed it, when not the trainer's ``loss_fn`` (a body's own ``compute_loss``)."""
@@ -215,7 +188,106 @@ def grad_norm(params: Sequence[torch.Tensor], tp_mesh: Any) -> Any:
     return norm
 
 
-class LocalStepBody:
+class StepBody:
+    """One optimizer step's forward and backward over its microbatches: subclass it and implement
+    :meth:`run_step`. Everything else has a default for a model held whole on this rank, from what
+    the trainer hands the body (:meth:`bind`): override :meth:`compute_loss` (or
+    :meth:`eval_batches`) when it validates differently, and the layout members (``holds_outputs``,
+    :meth:`share_metrics`, :meth:`data_parallel_group`, :meth:`grad_norm`, ``n_microbatches``) only
+    for a layout of its own, as the pipeline runtime does. Give the trainer an instance,
+    ``Trainer(model, optimizer, loss_fn, step_body=body)``."""
+
+    #: The microbatches one step takes when the body fixes it (a pipeline schedule does): the
+    #: trainer's ``grad_accum_steps`` follows it. None: the trainer's ``grad_accum_steps``.
+    n_microbatches: int | None = None
+    #: Whether this rank holds the model's outputs: the evaluator and its metrics run here.
+    holds_outputs = True
+    #: The trainer's model, bound with its parameters and layout (:meth:`bind`).
+    model: torch.nn.Module
+    _loss_checked = False
+
+    def bind(
+        self,
+        model: torch.nn.Module,
+        params: Sequence[torch.Tensor],
+        *,
+        loss_fn: Callable | None,
+        tp_mesh: Any,
+        grad_scaler: torch.amp.GradScaler | None,
+        loss_parallel: bool,
+    ) -> None:
+        """Take what the trainer owns, before its first step: the model it trains (checkpoints,
+        clipping and validation's ``eval()`` go through it), the parameters it clips and steps (the
+        gradient norm is theirs), its tensor-parallel mesh, fp16 loss scaler and loss parallelism
+        (``loss_fn`` reaches the step through its context)."""
+        self.model, self.params, self.tp_mesh = model, params, tp_mesh
+        self.grad_scaler, self.loss_parallel = grad_scaler, loss_parallel
+
+    def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
+        """Forward and backward over ``microbatches``, gradients left in the parameters (the mean
+        over the microbatches); :meth:`StepContext.microbatch_done` once per microbatch, in order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement run_step(microbatches, ctx)")
+
+    def grad_norm(self) -> Any:
+        """The total norm of the accumulated gradients over every shard and stage of the model (a
+        tensor; 0.0 when no parameter has a gradient), before clipping."""
+        return grad_norm(self.params, self.tp_mesh)
+
+    def compute_loss(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
+        """One microbatch's ``(output, loss)``: the model's output (what MICROBATCH handlers and
+        validation metrics see) and its scalar loss; the default is ``loss_fn(model(inputs),
+        targets)`` (:func:`engine.batch.forward_and_loss`).
+
+        Override it for another step. It runs under the trainer's autocast, in training (the
+        backward follows) and in validation (``self.model.training`` is False and gradients are
+        off), so a body may validate on another loss than it trains on."""
+        return forward_and_loss(self.model, inputs, targets, ctx.loss_fn)
+
+    def _forward(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
+        """One microbatch's output and loss under the trainer's autocast (training and validation
+        alike); the first loss is checked to be a scalar."""
+        with ctx.autocast():
+            result = self.compute_loss(inputs, targets, ctx)
+        if not self._loss_checked:
+            own = type(self).compute_loss is not StepBody.compute_loss
+            source = f"{type(self).__name__}.compute_loss" if own else None
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise ValueError(
+                    f"{source} must return a pair (output, loss), got {type(result).__name__}; return "
+                    "the model's output beside the loss (MICROBATCH handlers and metrics read it)"
+                )
+            check_loss(result[1], ctx.loss_fn, source)
+            self._loss_checked = True
+        return result
+
+    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
+        """Validation's forward passes (the caller holds ``torch.no_grad()`` and ``model.eval()``)
+        over at most ``eval_iters`` microbatches of ``data``: one :class:`EvalResult` per microbatch,
+        in order; every rank of the body iterates it to the end together. The default: the
+        :meth:`compute_loss` forward per microbatch; with loss parallelism the gathered output and
+        loss."""
+        for microbatch in data if eval_iters is None else itertools.islice(data, eval_iters):
+            inputs, targets = ctx.prepare(microbatch)
+            with ctx.loss_context():
+                output, loss = self._forward(inputs, targets, ctx)
+            if self.loss_parallel:
+                output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
+            yield EvalResult(loss, count_batch(inputs)[0] or 1, output, targets)
+
+    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` computed on the ranks that hold the outputs, on every rank of the body: the
+        default, every rank holds its outputs and computed them."""
+        return metrics
+
+    def data_parallel_group(self, dp: Any) -> Any:
+        """This rank's data-parallel peers (:func:`engine.parallel.data_parallel_group`), which
+        validation metrics reduce over: ``dp``, else the ranks with the same tensor-parallel rank
+        (the whole world without TP)."""
+        positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
+        return parallel.data_parallel_group(dp, positions=positions)
+
+
+class LocalStepBody(StepBody):
     """The step body of a model held whole on this rank (plain, DDP, FSDP2 or tensor-parallel):
     forward and backward per microbatch, gradients synchronised on the last one only.
 
@@ -247,50 +319,15 @@ class LocalStepBody:
         self.tp_mesh = tp_mesh
         self.grad_scaler = grad_scaler
         self.loss_parallel = loss_parallel
-        self._loss_checked = False
 
-    #: The model is whole on this rank: its outputs are here.
-    holds_outputs = True
-
-    def bind(
-        self,
-        params: Sequence[torch.Tensor],
-        *,
-        tp_mesh: Any,
-        grad_scaler: torch.amp.GradScaler | None,
-        loss_parallel: bool,
-    ) -> None:
-        """Take the settings a trainer owns: the parameters it clips and steps (the gradient norm is
-        theirs), its tensor-parallel mesh, its fp16 loss scaler and its loss parallelism."""
-        self.params, self.tp_mesh = params, tp_mesh
-        self.grad_scaler, self.loss_parallel = grad_scaler, loss_parallel
-
-    def compute_loss(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
-        """One microbatch's ``(output, loss)``: the model's output (what MICROBATCH handlers and
-        validation metrics see) and its scalar loss; the default is ``loss_fn(model(inputs),
-        targets)`` (:func:`engine.batch.forward_and_loss`).
-
-        Override it for another step. It runs under the trainer's autocast, in training (the
-        backward follows) and in validation (``self.model.training`` is False and gradients are
-        off), so a body may validate on another loss than it trains on."""
-        return forward_and_loss(self.model, inputs, targets, ctx.loss_fn)
-
-    def _forward(self, inputs: Any, targets: Any, ctx: StepContext) -> tuple[Any, torch.Tensor]:
-        """One microbatch's output and loss under the trainer's autocast (training and validation
-        alike); the first loss is checked to be a scalar."""
-        with ctx.autocast():
-            result = self.compute_loss(inputs, targets, ctx)
-        if not self._loss_checked:
-            own = type(self).compute_loss is not LocalStepBody.compute_loss
-            source = f"{type(self).__name__}.compute_loss" if own else None
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise ValueError(
-                    f"{source} must return a pair (output, loss), got {type(result).__name__}; return "
-                    "the model's output beside the loss (MICROBATCH handlers and metrics read it)"
-                )
-            check_loss(result[1], ctx.loss_fn, source)
-            self._loss_checked = True
-        return result
+    def bind(self, model: torch.nn.Module, params: Sequence[torch.Tensor], **settings: Any) -> None:
+        if model is not self.model:
+            raise ValueError(
+                f"step_body ({type(self).__name__}) runs another module than the Trainer's model: "
+                "build the body over the model you pass to the Trainer (the wrapped one under DDP or "
+                "FSDP2), e.g. Trainer(model, optimizer, loss_fn, step_body=MyBody(model, ...))"
+            )
+        super().bind(model, params, **settings)
 
     def run_step(self, microbatches: Sequence[Any], ctx: StepContext) -> StepResult:
         model = self.model
@@ -328,65 +365,35 @@ class LocalStepBody:
             del output, inputs, targets
         return StepResult(loss_sum / n, tokens, samples)
 
-    def grad_norm(self) -> Any:
-        return grad_norm(self.params, self.tp_mesh)
 
-    def eval_batches(self, data: Iterable, eval_iters: int | None, ctx: StepContext) -> Iterator[EvalResult]:
-        """The step's forward per microbatch, without backward; with loss parallelism the gathered
-        output and loss."""
-        for microbatch in data if eval_iters is None else itertools.islice(data, eval_iters):
-            inputs, targets = ctx.prepare(microbatch)
-            with ctx.loss_context():
-                output, loss = self._forward(inputs, targets, ctx)
-            if self.loss_parallel:
-                output, loss = tensor_parallel.local_value(output), tensor_parallel.local_value(loss)
-            yield EvalResult(loss, count_batch(inputs)[0] or 1, output, targets)
-
-    def share_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return metrics  # every rank holds its outputs and computed them
-
-    def data_parallel_group(self, dp: Any) -> Any:
-        """``dp``, else the ranks with the same tensor-parallel rank (the whole world without TP)."""
-        positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
-        return parallel.data_parallel_group(dp, positions=positions)
-
-
-def check_step_body(step_body: Any, model: torch.nn.Module, pipeline: Any, precision: str) -> None:
-    """``Trainer(step_body=...)`` checked before anything is built: an instance with every member of
-    :class:`StepBody`, not together with a pipeline (the runtime is its own body), a
-    :class:`LocalStepBody` built over the trainer's ``model``, fp16 loss scaling only where the
-    body scales its loss. Each error names ``step_body`` (or the setting) and the fix."""
+def check_step_body(step_body: Any, precision: str) -> None:
+    """``Trainer(step_body=...)`` checked before anything is built: an instance implementing
+    ``run_step`` (a :class:`StepBody` subclass; any other object has every member of
+    :data:`PROTOCOL_MEMBERS`), fp16 loss scaling only where the body scales its loss. Each error
+    names ``step_body`` (or the setting) and the fix."""
     if step_body is None:
         return
-    if pipeline is not None:
-        raise ValueError(
-            "step_body and pipeline were both given, but a pipeline runtime is its own step body (its "
-            "schedule runs the stages' forward and backward): pass one or the other"
-        )
     if isinstance(step_body, type):
         raise TypeError(
             f"step_body must be a step body object, got the class {step_body.__name__}; pass an "
             f"instance, e.g. step_body={step_body.__name__}(model, ...)"
         )
-    missing = [name for name in PROTOCOL_MEMBERS if not hasattr(step_body, name)]
-    methods = [name for name in PROTOCOL_MEMBERS if name != "holds_outputs" and name not in missing]
+    if isinstance(step_body, StepBody):  # the rest has the trainer's defaults
+        missing = [] if type(step_body).run_step is not StepBody.run_step else ["run_step"]
+    else:
+        missing = [name for name in PROTOCOL_MEMBERS if not hasattr(step_body, name)]
+    methods = [name for name in PROTOCOL_MEMBERS if name != "holds_outputs" and hasattr(step_body, name)]
     not_callable = [name for name in methods if not callable(getattr(step_body, name))]
     if missing or not_callable:
         what = [f"missing {', '.join(missing)}"] if missing else []
         what += [f"not callable: {', '.join(not_callable)}"] if not_callable else []
         raise TypeError(
             f"step_body ({type(step_body).__name__}) is not a step body: {'; '.join(what)}. Subclass "
-            "hookloop.engine.LocalStepBody and override compute_loss, or implement every member of "
+            "hookloop.engine.StepBody and implement run_step (or subclass hookloop.engine.LocalStepBody "
+            "and override compute_loss); an object of another class needs every member of "
             f"hookloop.engine.StepBody ({', '.join(PROTOCOL_MEMBERS)})"
         )
-    if isinstance(step_body, LocalStepBody):
-        if step_body.model is not model:
-            raise ValueError(
-                f"step_body ({type(step_body).__name__}) runs another module than the Trainer's model: "
-                "build the body over the model you pass to the Trainer (the wrapped one under DDP or "
-                "FSDP2), e.g. Trainer(model, optimizer, loss_fn, step_body=MyBody(model, ...))"
-            )
-    elif precision == "fp16-mixed":
+    if precision == "fp16-mixed" and not isinstance(step_body, LocalStepBody):
         raise ConfigError(
             "precision",
             f"'fp16-mixed' needs a body that scales its loss before the backward, which "
@@ -395,22 +402,46 @@ def check_step_body(step_body: Any, model: torch.nn.Module, pipeline: Any, preci
         )
 
 
-def local_step_body(
+def accumulation(step_body: Any, grad_accum_steps: int) -> int:
+    """The microbatches a step takes: ``grad_accum_steps``, unless the body declares its own
+    (``n_microbatches``, a pipeline schedule's), which ``grad_accum_steps`` may then only repeat."""
+    declared = getattr(step_body, "n_microbatches", None)
+    if declared is None:
+        return grad_accum_steps
+    if grad_accum_steps not in (1, declared):
+        raise ConfigError(
+            "grad_accum_steps",
+            f"is {grad_accum_steps} but the step body ({type(step_body).__name__}) takes {declared} "
+            "microbatches per step (a pipeline: pipeline.pp_batch_size // pp_microbatch_size); leave "
+            "it unset",
+        )
+    return declared
+
+
+def bind_step_body(
     step_body: Any,
     model: torch.nn.Module,
     params: Sequence[torch.Tensor],
     *,
+    loss_fn: Callable | None,
     tp_mesh: Any,
     grad_scaler: torch.amp.GradScaler | None,
     loss_parallel: bool,
 ) -> StepBody:
-    """The body a trainer without a pipeline runs: ``step_body`` (checked by :func:`check_step_body`;
-    a :class:`LocalStepBody` takes the trainer's settings, :meth:`LocalStepBody.bind`), else a
+    """The body a trainer runs: ``step_body`` (checked by :func:`check_step_body`), given the
+    trainer's settings when it is a :class:`StepBody` (:meth:`StepBody.bind`), else a
     :class:`LocalStepBody` over ``model``."""
     if step_body is None:
         return LocalStepBody(
             model, params, tp_mesh=tp_mesh, grad_scaler=grad_scaler, loss_parallel=loss_parallel
         )
-    if isinstance(step_body, LocalStepBody):
-        step_body.bind(params, tp_mesh=tp_mesh, grad_scaler=grad_scaler, loss_parallel=loss_parallel)
+    if isinstance(step_body, StepBody):
+        step_body.bind(
+            model,
+            params,
+            loss_fn=loss_fn,
+            tp_mesh=tp_mesh,
+            grad_scaler=grad_scaler,
+            loss_parallel=loss_parallel,
+        )
     return step_body

@@ -90,8 +90,7 @@ class StepDecisions:
         are applied and recorded in ``control.decided``: the only place the control's requests
         become decisions."""
         state, control = self._state(), self._control
-        world = parallel.world_size()
-        groups = getattr(self._owner, "replica_groups", None)  # fault tolerance (engine.replica_groups)
+        transport = self._agreement.transport  # who takes part (engine.agreement)
         slots = self._agreement.slots
         decisions: list[Any] = [
             samples,
@@ -104,12 +103,11 @@ class StepDecisions:
             *exit_code_votes(int(control.exit_code) if control.stop else 0),
             *(slot.fill() for slot in slots),
         ]
-        if world == 1 and groups is None:
+        if not transport.spans_processes:
             agreed = sum_over_ranks(decisions, force_read=True)
-        else:  # over this group's ranks, then over the live replica groups when there are some
-            across = None if groups is None else groups.agree_step
-            agreed = sum_over_ranks([loss, norm, tokens, *decisions], across=across)
-            ranks = world if groups is None else world * groups.ranks_summed
+        else:
+            agreed = transport.agree_step([loss, norm, tokens, *decisions])
+            ranks = transport.ranks_summed
             state.loss, state.grad_norm = agreed[0] / ranks, agreed[1] / ranks
             state.step_tokens = int(agreed[2])
             agreed = agreed[3:]
@@ -118,7 +116,7 @@ class StepDecisions:
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
         state.samples_seen += int(samples)
         state.grad_scaler_overflow = overflow_votes > 0
-        if groups is not None and not groups.committed:  # not committed across replica groups
+        if not transport.committed:  # the agreement did not hold (engine.agreement)
             self.late = False
             control.void_step()
             return
@@ -159,10 +157,8 @@ class StepDecisions:
         stop = control.decided.stop
         if self.late:  # stop and rollback requests of any rank, agreed
             code = int(control.exit_code) if control.stop else 0
-            groups = getattr(self._owner, "replica_groups", None)
-            across = None if groups is None else groups.agree_late
             asked = [control.stop, control.rollback is not None, *exit_code_votes(code)]
-            votes = sum_over_ranks(asked, across=across)
+            votes = self._agreement.transport.agree_late(asked)
             if votes[0] > 0:
                 control.decide_stop(agreed_exit_code(votes[2:]))
                 stop = True
@@ -178,6 +174,10 @@ class StepDecisions:
                 raise rollback.failed(step, e) from e
         control.end_step(stop)
         state.clear_schedule_flags()
+        if self._agreement.transport.step_boundary() and not stop:  # a stop every rank shares
+            control.decide_stop()
+            control.end_step(True)
+            stop = True
         return stop
 
 

@@ -9,8 +9,8 @@ agrees; handlers that judge the state and handlers that save it cooperate throug
 
 Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
 tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
-own the trainer holds: the step body (:mod:`engine.step_body`, the pipeline's in
-:mod:`engine.pipeline`), validation through it (:mod:`engine.validation`), the step's decisions
+own the trainer holds: the step body (:mod:`engine.step_body`; the pipeline runtime of
+:mod:`engine.pipeline` is one), validation through it (:mod:`engine.validation`), the step's decisions
 (:mod:`engine.step_decisions`), the run's limits, start and end (:mod:`engine.run_limits`,
 :mod:`engine.run_start`, :mod:`engine.run_end`), the error path (:mod:`engine.error_path`) and the
 handler registry (:mod:`engine.handler_registry`).
@@ -47,7 +47,6 @@ from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler_registry import HandlerRegistry
 from hookloop.engine.ignite_adapter import IgniteAdapter
 from hookloop.engine.lr import ScheduledRates
-from hookloop.engine.pipeline.runtime import check_trainer_arguments
 from hookloop.engine.precision import AUTOCAST_DTYPES
 from hookloop.engine.rank_failure import clear_failure
 from hookloop.engine.run_end import RunEnd
@@ -55,7 +54,7 @@ from hookloop.engine.run_start import RunStart
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
-from hookloop.engine.step_body import StepBody, StepContext, StepResult, local_step_body
+from hookloop.engine.step_body import StepBody, StepContext, StepResult, accumulation, bind_step_body
 from hookloop.engine.step_decisions import StepDecisions, check_declared
 from hookloop.engine.trainer_arguments import check_constructor_arguments
 from hookloop.engine.validation import Validator
@@ -90,15 +89,12 @@ class Trainer(IgniteAdapter):
         prepare_batch: ``prepare_batch(microbatch, device) -> (inputs, targets)``; dict inputs go to
             the model as keyword arguments (:func:`engine.batch.default_prepare_batch`).
         device: where batches go; defaults to the device of the model's first parameter.
-        pipeline: a :class:`engine.pipeline.PipelineRuntime` (from ``build_pipeline``): run the
-            pipeline-parallel step body; ``model`` is then ``runtime.module`` and each step takes
-            ``runtime.n_microbatches`` microbatches.
-        step_body: your own step body (:class:`engine.step_body.StepBody`), for a step that is not
-            "forward, loss, backward"; it trains and validates. A
-            :class:`~engine.step_body.LocalStepBody` subclass overriding ``compute_loss`` is built
-            over ``model`` (checkpoints, clipping and validation's ``eval()`` still go through
-            ``model``) and takes the trainer's parameters, precision and parallel settings. Not
-            with ``pipeline``.
+        step_body: what runs the step's forward and backward and validation's forward
+            (:class:`engine.step_body.StepBody`; None: a :class:`~engine.step_body.LocalStepBody`
+            over ``model``): a body of your own for a step that is not "forward, loss, backward", or
+            the pipeline runtime ``build_pipeline`` returns (``model`` is then ``runtime.module``).
+            It takes the trainer's model, parameters and parallel settings (``bind``); a body that
+            declares ``n_microbatches`` sets ``grad_accum_steps``.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
             watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
             that fails writes neither). None: neither file is written (stacks go to stderr).
@@ -135,7 +131,6 @@ class Trainer(IgniteAdapter):
         grad_clip_norm: float | None = None,
         prepare_batch: PrepareBatch | None = None,
         device: torch.device | str | None = None,
-        pipeline: Any | None = None,
         run_dir: str | os.PathLike | None = None,
         hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S,
         graceful_sigint: bool = True,
@@ -143,6 +138,7 @@ class Trainer(IgniteAdapter):
         tp_mesh: Any | None = None,
         loss_parallel: bool = False,
         step_body: StepBody | None = None,
+        **removed: Any,
     ) -> None:
         check_constructor_arguments(
             model,
@@ -153,16 +149,14 @@ class Trainer(IgniteAdapter):
             precision=precision,
             hang_timeout_s=hang_timeout_s,
             step_body=step_body,
-            pipeline=pipeline,
+            removed=removed,
         )
         self._grad_accum_steps = 1
-        self.grad_accum_steps = grad_accum_steps
-        if pipeline is not None:  # a step takes the pipeline's microbatches
-            self.grad_accum_steps = check_trainer_arguments(
-                pipeline, model, loss_fn, grad_accum_steps, precision, loss_parallel
-            )
+        self.grad_accum_steps = accumulation(step_body, grad_accum_steps)
         self.loss_parallel = bool(loss_parallel)
-        self.pipeline = pipeline
+        #: The step's control point, the trainer's one: handlers request skip / save / validate / stop /
+        #: rollback here, and read what every rank agreed in ``control.decided`` (:mod:`engine.control`).
+        self.control = StepControl()
         self.events = EventRegistry(self)
         super().__init__(self._run_step)
         # ignite logs every error it routes to the error path (twice, for the inner and outer loop);
@@ -202,22 +196,19 @@ class Trainer(IgniteAdapter):
         self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
         #: 1 on the rank of a tensor-parallel group that counts the group's samples and tokens, else 0.
         self.count_share = 1 if self.tp_mesh is None or self.tp_mesh.get_local_rank() == 0 else 0
-        #: What runs a step's forward and backward (:mod:`engine.step_body`): the pipeline runtime,
-        #: the user's ``step_body``, else a :class:`~engine.step_body.LocalStepBody` over ``model``.
-        self.step_body: StepBody = pipeline
-        if pipeline is None:
-            self.step_body = local_step_body(
-                step_body,
-                model,
-                self._params,
-                tp_mesh=self.tp_mesh,
-                grad_scaler=self.grad_scaler,
-                loss_parallel=self.loss_parallel,
-            )
+        #: What runs a step's forward and backward (:mod:`engine.step_body`): ``step_body`` (the
+        #: user's, or the pipeline runtime), else a :class:`~engine.step_body.LocalStepBody`.
+        self.step_body: StepBody = bind_step_body(
+            step_body,
+            model,
+            self._params,
+            loss_fn=loss_fn,
+            tp_mesh=self.tp_mesh,
+            grad_scaler=self.grad_scaler,
+            loss_parallel=self.loss_parallel,
+        )
         #: What the step body sees of the trainer.
         self.step_context = StepContext(self)
-        #: The replica groups of a fault-tolerant run (:mod:`engine.replica_groups`), once attached.
-        self.replica_groups: Any = None
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
@@ -235,11 +226,9 @@ class Trainer(IgniteAdapter):
         self.add_event_handler(Events.STEP_END, self._maybe_validate, priority=Priority.VALIDATION)
         self.add_event_handler(Events.STEP_END, self._end_step, priority=Priority.ENGINE_LAST)
         self.add_event_handler(Events.EPOCH_END, self._end_epoch, priority=Priority.ENGINE_LAST)
-        #: Handlers' slots in the step's one all-reduce (see :mod:`engine.agreement`).
+        #: Handlers' slots in the step's one all-reduce and who takes part, its ``transport`` (see
+        #: :mod:`engine.agreement`).
         self.agreement = StepAgreement()
-        #: The step's control point: handlers request skip / save / validate / stop / rollback here, and read
-        #: what every rank agreed in ``control.decided`` (see :mod:`engine.control`).
-        self.control: StepControl = self.__dict__["control"]
         #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).
         self.save_policy = SavePolicy()
         #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
@@ -264,6 +253,7 @@ class Trainer(IgniteAdapter):
         self.error_path = ErrorPath(
             self.events,
             self.run_start,
+            self.control,
             lambda: self.state,
             lambda: self.optimizer.zero_grad(set_to_none=True),
             self.limits_reached,
@@ -585,7 +575,7 @@ class Trainer(IgniteAdapter):
         state = self.state
         self.control.start_run()
         self.run_start.begin()
-        state.clear_step_flags()
+        state.clear_schedule_flags()
         self.step_decisions.start_run()
         self._skip_completed = False
         self.error_path.start_run()
@@ -625,8 +615,7 @@ class Trainer(IgniteAdapter):
         local_loss, tokens, samples = result
         state = self.state
         scaler = self.grad_scaler
-        if self.replica_groups is not None:  # averaged over the live replica groups too
-            self.replica_groups.average_gradients(self._params)
+        self.agreement.transport.reduce_gradients(self._params)  # beyond DDP / FSDP2 (engine.agreement)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         norm = self.step_body.grad_norm()

@@ -27,10 +27,18 @@ def check_constructor_arguments(
     precision: Any,
     hang_timeout_s: Any,
     step_body: Any,
-    pipeline: Any,
+    removed: dict[str, Any],
 ) -> None:
     """Raise on the first argument a trainer cannot take (``grad_accum_steps`` is checked by its
-    setter, the pipeline's own arguments by the pipeline runtime)."""
+    setter, a step body's own arguments by its ``bind``); ``removed``: keyword arguments the trainer
+    does not take (``pipeline`` is now ``step_body``)."""
+    if "pipeline" in removed:
+        raise TypeError(
+            "Trainer(pipeline=...) is now Trainer(step_body=...): pass the runtime build_pipeline "
+            "returns as step_body=runtime (it declares its microbatches per step)"
+        )
+    if removed:
+        raise TypeError(f"Trainer() got unexpected keyword arguments: {', '.join(removed)}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -54,4 +62,4 @@ def check_constructor_arguments(
         raise ConfigError(
             "hang_timeout_s", f"must be a positive finite number of seconds or None, got {hang_timeout_s!r}"
         )
-    check_step_body(step_body, model, pipeline, precision)
+    check_step_body(step_body, precision)

@@ -28,6 +28,7 @@ from hookloop.handlers.metrics import (
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
 from hookloop.handlers.order import Places
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
+from hookloop.handlers.replica_groups import ReplicaGroups
 from hookloop.handlers.run_config import (
     HANDLER_ORDER,
     RunConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "RunConfig",
     "StepScheduler",
     "StepSchedulerConfig",
+    "ReplicaGroups",
     "StragglerConfig",
     "StragglerDetector",
     "TensorBoardLogger",

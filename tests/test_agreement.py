@@ -299,3 +299,41 @@ def test_a_validation_asked_for_on_one_rank_runs_on_every_rank_at_the_same_step(
             assert r["per_step"][step] == {"all_reduce": 1}, (step, r["per_step"])
     # the validating step: the agreement, the validation's own reductions, the late agreement
     assert r0["per_step"][2] == r1["per_step"][2] and r0["per_step"][2]["all_reduce"] > 1
+
+
+# ------------------------------------------------------------------------------ the transport
+def test_the_trainer_agrees_through_the_transport_it_is_given():
+    """A transport of one's own (as the replica groups extend the process group): it combines the
+    gradients, sums the step's values, voids a step it did not commit and stops at a step boundary."""
+    from hookloop.engine.agreement import AgreementTransport, sum_over_ranks
+
+    trainer = _trainer(hang_timeout_s=None)
+    assert type(trainer.agreement.transport) is AgreementTransport  # the plain process group
+
+    class Doubled(AgreementTransport):
+        """Every value as if two ranks agreed alike; step 2 not committed; a stop after step 3."""
+
+        spans_processes = True
+        ranks_summed = 2
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int]] = []
+
+        def reduce_gradients(self, params) -> None:
+            self.calls.append(("gradients", trainer.state.iteration))
+
+        def agree_step(self, values):
+            self.committed = trainer.state.iteration != 2
+            return [2 * v for v in sum_over_ranks(values, force_read=True)]
+
+        def step_boundary(self) -> bool:
+            self.calls.append(("boundary", trainer.state.iteration))
+            return trainer.state.iteration == 3
+
+    transport = trainer.agreement.transport = Doubled()
+    state = trainer.run(token_batches(6), max_steps=6)
+    assert state.step == 3 and trainer.control.decided.stop  # stopped at the boundary of step 3
+    assert state.skipped_steps == 1  # step 2 was not committed: skipped, nothing else decided
+    assert [c for c in transport.calls if c[0] == "gradients"] == [("gradients", i) for i in (1, 2, 3)]
+    assert [c for c in transport.calls if c[0] == "boundary"] == [("boundary", i) for i in (1, 2, 3)]
+    assert state.samples_seen == 2 * sum(len(b[0]) for b in token_batches(6)[:3])  # doubled sums

@@ -5,8 +5,10 @@
   as top-level names.
 - ``hookloop.engine`` never imports ``hookloop.handlers``; handlers never import the composition root.
 - No import cycles between the project's modules.
-- Handlers never reach into the trainer's private attributes, and only the ignite adapter touches
-  ignite's internals.
+- Neither handlers nor the engine's modules reach into the trainer's private attributes (the trainer's
+  own module and the ignite adapter it extends aside), nothing calls the trainer's ``_stop()`` from
+  outside ``engine/trainer.py`` (a stop is a request on ``trainer.control``), and only the ignite
+  adapter touches ignite's internals.
 - Handlers do not import each other (the loggers' shared base and the run composition aside); a
   handler that is a package (``handlers/checkpoint/``) imports its own modules, and its rooms never
   import the handler module that wires them.
@@ -253,8 +255,33 @@ def _private_accesses(path: Path) -> list[str]:
     return found
 
 
-def test_handlers_never_touch_private_trainer_attributes():
-    offenders = [hit for path in sorted((REPO / "handlers").rglob("*.py")) for hit in _private_accesses(path)]
+# The trainer's own rooms: its module and the ignite adapter it extends.
+TRAINER_ROOMS = {REPO / "engine" / "trainer.py", REPO / "engine" / "ignite_adapter.py"}
+
+
+def test_handlers_and_the_engine_never_touch_private_trainer_attributes():
+    paths = [*(REPO / "handlers").rglob("*.py"), *(REPO / "engine").rglob("*.py")]
+    outside = [path for path in sorted(paths) if path not in TRAINER_ROOMS]
+    offenders = [hit for path in outside for hit in _private_accesses(path)]
+    assert offenders == []
+
+
+def _outside_stops(path: Path) -> list[str]:
+    """Calls of ``<something other than self>._stop()`` in one file: the trainer's stop, called
+    from outside it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_stop":
+            owner = node.func.value
+            if not (isinstance(owner, ast.Name) and owner.id == "self"):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}()")
+    return found
+
+
+def test_nothing_calls_the_trainers_stop_from_outside_the_trainer():
+    paths = [p for folder in ("engine", "handlers", "src", "examples") for p in (REPO / folder).rglob("*.py")]
+    trainer = REPO / "engine" / "trainer.py"
+    offenders = [hit for path in sorted(paths) if path != trainer for hit in _outside_stops(path)]
     assert offenders == []
 
 
@@ -414,6 +441,11 @@ def test_the_checks_see_what_they_look_for(tmp_path):
         "def f(trainer, self):\n    trainer._init_iter = 1\n    return self.trainer._stateful\n"
     )
     assert len(_private_accesses(planted)) == 2
+    stops = tmp_path / "stops.py"
+    stops.write_text(
+        "def f(trainer, self):\n    trainer._stop()\n    self.trainer._stop()\n    self._stop()\n"
+    )  # noqa: E501
+    assert len(_outside_stops(stops)) == 2
     asks = tmp_path / "asks.py"
     asks.write_text(
         "def f(trainer, state):\n    trainer.state.skip_step = True\n    state.request_stop('x')\n"

@@ -28,13 +28,14 @@ class FakeEvents:
 
 
 def make(*, at_limit: bool = False):
-    state = TrainState()
-    state.control = StepControl()
+    state, control = TrainState(), StepControl()
+    state.__dict__["_control"] = control  # bound as a trainer binds its own
     state.iteration, state.epoch, state.max_iters = 3, 1, 3
     events = FakeEvents()
     votes, dropped = [], []
     run_start = SimpleNamespace(fail=votes.append)
-    path = ErrorPath(events, run_start, lambda: state, lambda: dropped.append(True), lambda: at_limit)
+    drop = lambda: dropped.append(True)  # noqa: E731
+    path = ErrorPath(events, run_start, control, lambda: state, drop, lambda: at_limit)
     return path, events, state, votes, dropped
 
 

@@ -183,12 +183,13 @@ def test_non_callable_loss_fn_is_refused_at_construction():
 
 
 def test_loss_fn_none_under_a_pipeline_without_a_stage_loss():
-    from types import SimpleNamespace
+    from hookloop.engine.pipeline import PipelineRuntime
 
     model = KwargsModel()
-    runtime = SimpleNamespace(module=model, run_step=None, n_microbatches=1, loss_fn=None)
+    runtime = PipelineRuntime.__new__(PipelineRuntime)  # no stages: refused before it would need them
+    runtime.module, runtime.n_microbatches, runtime.loss_fn = model, 1, None
     with pytest.raises(ConfigError, match=r"loss_fn: is None but pipeline stages.*patch_causal_lm_model"):
-        trainer_for(model, pipeline=runtime)
+        trainer_for(model, step_body=runtime)
 
 
 # ---------------------------------------------------------------------- pipeline stages of an HF model
@@ -283,7 +284,7 @@ def _nosync_worker(rank: int, world: int) -> dict:
         runtime.module,
         torch.optim.SGD(runtime.parameters(), lr=0.0),
         None,
-        pipeline=runtime,
+        step_body=runtime,
         hang_timeout_s=None,
     )
     grads: dict = {}

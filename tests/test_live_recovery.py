@@ -420,9 +420,21 @@ def test_config_refusals_name_the_field_before_anything_starts(project, monkeypa
     assert lh.returncode == 2 and "--min-replicas" in lh.stderr
 
 
+def test_the_torchft_adapter_checks_the_version_whose_private_parts_it_reads(monkeypatch, caplog):
+    import importlib.metadata
+
+    from hookloop.engine import fault_tolerance
+
+    assert fault_tolerance.check_torchft_version()  # the installed release: no warning
+    assert "is installed, but hookloop is tested" not in caplog.text
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
+    assert not fault_tolerance.check_torchft_version()
+    assert "torchft 0.3.0 is installed, but hookloop is tested with torchft==0.2.0" in caplog.text
+
+
 def test_without_the_section_nothing_imports_torchft():
     code = (
-        "import sys, torch, hookloop, hookloop.engine, hookloop.train, hookloop.engine.replica_groups\n"
+        "import sys, torch, hookloop, hookloop.engine, hookloop.train, hookloop.handlers.replica_groups\n"
         "from hookloop import Trainer\n"
         "model = torch.nn.Linear(2, 1)\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"

@@ -96,7 +96,7 @@ def _run_pipelined(info, pipeline_cfg: PipelineConfig, dp_mode: str = "ddp") -> 
 
     runtime = build_pipeline(_model(), pipeline_cfg, info, cross_entropy_loss, dp_mode=dp_mode)
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
-    trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, pipeline=runtime)
+    trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
     train, val = _data(runtime.dp_rank, runtime.dp_size)
     trainer.set_validation(val, every_steps=2)
     seen: dict = {"loss": [], "mb_losses": [[], []], "grads": [], "norm": [], "mb_index": [[], []]}
@@ -193,12 +193,14 @@ def _veto_run(info, rank: int) -> dict:
     runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
     before = [p.detach().clone() for p in runtime.parameters()]
     try:  # the whole model instead of this rank's stages is refused
-        Trainer(_model(), torch.optim.SGD(runtime.parameters(), lr=0.1), cross_entropy_loss, pipeline=runtime)
+        Trainer(
+            _model(), torch.optim.SGD(runtime.parameters(), lr=0.1), cross_entropy_loss, step_body=runtime
+        )
         refused = False
     except ValueError:
         refused = True
     trainer = Trainer(
-        runtime.module, torch.optim.SGD(runtime.parameters(), lr=0.1), cross_entropy_loss, pipeline=runtime
+        runtime.module, torch.optim.SGD(runtime.parameters(), lr=0.1), cross_entropy_loss, step_body=runtime
     )
     trainer.add_event_handler(
         Events.BEFORE_OPTIMIZER_STEP, lambda e: e.control.request_skip() if rank == 1 else None
@@ -289,7 +291,7 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
     def run(max_steps: int, checkpoint: str | None) -> tuple[dict, int]:
         runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
         opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
-        trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, pipeline=runtime)
+        trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
         if checkpoint is not None:
             AsyncCheckpointer(checkpoint, every_steps=2, mode="async").attach(trainer)
         state = trainer.run(data, max_steps=max_steps)
@@ -539,7 +541,12 @@ def _adamw_pipeline(info, cfg: PipelineConfig, **trainer_kwargs):
     runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss, dp_mode="ddp")
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
     trainer = Trainer(
-        runtime.module, optimizer, cross_entropy_loss, pipeline=runtime, hang_timeout_s=None, **trainer_kwargs
+        runtime.module,
+        optimizer,
+        cross_entropy_loss,
+        step_body=runtime,
+        hang_timeout_s=None,
+        **trainer_kwargs,
     )
     return runtime, trainer
 

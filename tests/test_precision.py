@@ -175,9 +175,14 @@ def test_grad_scaler_state_resumes_exactly(tmp_path, deterministic):
 
 
 def test_fp16_is_refused_with_a_pipeline():
-    class FakeRuntime:
+    from hookloop.engine.pipeline import PipelineRuntime
+
+    class FakeRuntime(PipelineRuntime):
         n_microbatches = 1
         loss_fn = None
+
+        def __init__(self) -> None:  # no stages: refused before it would need them
+            pass
 
         def run_step(self, *a):
             raise AssertionError
@@ -189,7 +194,7 @@ def test_fp16_is_refused_with_a_pipeline():
             runtime.module,
             torch.optim.SGD(runtime.module.parameters(), lr=0.1),
             cross_entropy_loss,
-            pipeline=runtime,
+            step_body=runtime,
             precision="fp16-mixed",
         )
     assert info.value.field == "precision"

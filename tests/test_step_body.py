@@ -6,13 +6,11 @@ its layout. ``Trainer(step_body=...)`` trains and validates through the body it 
 ``LocalStepBody`` subclass overriding ``compute_loss``, or a class of its own) and refuses, naming
 the argument and the fix, what it cannot run."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, EvalResult, Events, LocalStepBody, Trainer
-from hookloop.engine.pipeline.runtime import check_trainer_arguments
+from hookloop.engine import ConfigError, EvalResult, Events, LocalStepBody, StepBody, StepResult, Trainer
+from hookloop.engine.pipeline import PipelineRuntime
 
 
 def bare_trainer(body_for=None, **kwargs) -> Trainer:
@@ -103,25 +101,37 @@ def test_a_body_without_the_outputs_counts_losses_and_takes_the_shared_metrics()
     assert trainer.state.metrics["val_from_the_last_stage"] == 0.5 and val_loss > 0
 
 
+def fake_runtime(model, n_microbatches: int = 4, loss_fn=None) -> PipelineRuntime:
+    """A pipeline runtime without stages: what a Trainer checks before it would run one."""
+    runtime = PipelineRuntime.__new__(PipelineRuntime)
+    runtime.module, runtime.n_microbatches, runtime.loss_fn = model, n_microbatches, loss_fn
+    return runtime
+
+
 def test_a_trainer_given_a_pipeline_takes_its_microbatches_and_refuses_what_it_cannot_run():
     model = torch.nn.Linear(4, 2)
     loss = torch.nn.functional.mse_loss
-    runtime = SimpleNamespace(module=model, run_step=None, n_microbatches=4, loss_fn=None)
-    assert check_trainer_arguments(runtime, model, loss, 1, "fp32", False) == 4
+
+    def trainer(runtime, module=model, **kwargs):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Trainer(module, optimizer, loss, hang_timeout_s=None, step_body=runtime, **kwargs)
+
+    runtime = fake_runtime(model)
+    assert trainer(runtime).grad_accum_steps == 4  # the body's declaration
     assert runtime.loss_fn is loss  # the stages take the trainer's loss
     refused = [
-        ((runtime, model, loss, 3, "fp32", False), "grad_accum_steps"),
-        ((runtime, model, loss, 4, "fp16-mixed", False), "precision"),
-        ((runtime, model, loss, 4, "bf16-mixed", True), "loss_parallel"),
+        ({"grad_accum_steps": 3}, "grad_accum_steps"),
+        ({"precision": "fp16-mixed"}, "precision"),
+        ({"precision": "bf16-mixed", "loss_parallel": True}, "loss_parallel"),
     ]
-    for args, field in refused:
+    for kwargs, field in refused:
         with pytest.raises(ConfigError) as caught:
-            check_trainer_arguments(*args)
+            trainer(fake_runtime(model), **kwargs)
         assert caught.value.field == field
     with pytest.raises(ValueError, match="must be runtime.module"):
-        check_trainer_arguments(runtime, torch.nn.Linear(4, 2), loss, 1, "fp32", False)
-    with pytest.raises(TypeError, match="pipeline must be the runtime"):
-        check_trainer_arguments(object(), model, loss, 1, "fp32", False)
+        trainer(fake_runtime(model), module=torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"Trainer\(pipeline=...\) is now Trainer\(step_body=...\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, pipeline=fake_runtime(model))
 
 
 # ------------------------------------------------------------------ Trainer(step_body=...)
@@ -179,15 +189,19 @@ def test_a_step_body_missing_protocol_members_is_refused_naming_them():
 
         grad_norm = 0.0  # not callable
 
+    class NoStep(StepBody):  # the defaults cover everything but the step
+        grad_norm = 0.0
+
     for body, words in (
         (Half(), ["missing eval_batches, share_metrics, data_parallel_group", "not callable: grad_norm"]),
         (object(), ["missing run_step, grad_norm, holds_outputs"]),
+        (NoStep(), ["missing run_step; not callable: grad_norm"]),
     ):
         with pytest.raises(TypeError) as refused:
             bare_trainer(lambda model, body=body: body)
         message = str(refused.value)
         assert message.startswith("step_body (") and all(w in message for w in words), message
-        assert "Subclass hookloop.engine.LocalStepBody and override compute_loss" in message
+        assert "Subclass hookloop.engine.StepBody and implement run_step" in message
 
 
 def test_a_step_body_class_instead_of_an_instance_is_refused():
@@ -202,11 +216,37 @@ def test_a_local_body_over_another_module_is_refused():
         bare_trainer(lambda model: Scaled(torch.nn.Linear(4, 2)))
 
 
-def test_step_body_with_a_pipeline_is_refused_before_the_pipeline_is_checked():
-    model = torch.nn.Linear(4, 2)
-    runtime = SimpleNamespace(module=model, run_step=None, n_microbatches=4, loss_fn=None)
-    with pytest.raises(ValueError, match="a pipeline runtime is its own step body .*: pass one or the other"):
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=runtime, step_body=Scaled(model))
+class FromScratch(StepBody):
+    """A body written from scratch: the step only (forward, loss, backward per microbatch); the
+    gradient norm, validation and the layout are the trainer's defaults."""
+
+    def run_step(self, microbatches, ctx) -> StepResult:
+        total = 0.0
+        for i, microbatch in enumerate(microbatches):
+            inputs, targets = ctx.prepare(microbatch)
+            output = self.model(inputs)
+            loss = ctx.loss_fn(output, targets)
+            (loss / len(microbatches)).backward()
+            total += loss.detach()
+            ctx.microbatch_done(i, loss.detach(), output, targets)
+        return StepResult(total / len(microbatches), 0, sum(len(mb[0]) for mb in microbatches))
+
+
+def test_a_body_from_scratch_implementing_only_run_step_trains_and_validates():
+    data = batches(4)
+    plain, scratch = (
+        bare_trainer(grad_accum_steps=2),
+        bare_trainer(lambda model: FromScratch(), grad_accum_steps=2),
+    )
+    body = scratch.step_body
+    assert isinstance(body, FromScratch) and body.model is scratch.model and body.params == scratch._params
+    for trainer in (plain, scratch):
+        trainer.set_validation(data)
+        trainer.run(data, max_steps=2)
+    assert scratch.state.step == 2 and scratch.state.samples_seen == plain.state.samples_seen
+    assert scratch.state.grad_norm == pytest.approx(plain.state.grad_norm, rel=1e-6)  # the default norm
+    assert torch.allclose(scratch.model.weight, plain.model.weight, atol=1e-6)  # the same two steps
+    assert scratch.validate() == pytest.approx(plain.validate(), rel=1e-6)  # the default validation
 
 
 def test_fp16_loss_scaling_needs_a_body_that_scales_its_loss():

@@ -31,7 +31,7 @@ class Owner:
 def make(*, due: bool = False, fire=None):
     control = StepControl()
     state = TrainState()
-    state.control = control
+    state.__dict__["_control"] = control  # bound as a trainer binds its own
     state.iteration = 4
     events, fired, owner = FakeEvents(), [], Owner()
     decisions = StepDecisions(

@@ -92,7 +92,7 @@ def _tp_worker(rank: int, world: int, tp: int, pp: int, dp_mode: str, sp: bool, 
         cross_entropy_loss,
         grad_accum_steps=N_MB,
         grad_clip_norm=CLIP,
-        pipeline=runtime,
+        step_body=runtime,
         hang_timeout_s=60,
         graceful_sigint=False,
         loss_parallel=lp,
@@ -253,7 +253,7 @@ def _ckpt_worker(
         grad_accum_steps=N_MB,
         grad_clip_norm=CLIP,
         hang_timeout_s=60,
-        pipeline=runtime,
+        step_body=runtime,
     )
     checkpointer = AsyncCheckpointer(directory, every_steps=SAVE_AT, mode="sync").attach(trainer)
     seen: dict = {}

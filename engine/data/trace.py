@@ -9,7 +9,7 @@ An id is ``"<dataset name>:<index within that dataset>"``, in the order the rank
 samples (microbatch by microbatch). The union of every rank's ``ids`` for a step is that step's
 global batch.
 
-In a fault-tolerant run (:mod:`engine.replica_groups`) each replica group writes its ranks' files
+In a fault-tolerant run (:mod:`engine.fault_tolerance`) each replica group writes its ranks' files
 into its own directory, and each line also says whether the step was committed across the groups
 and which groups took part: ``{"step": 12, "ids": [...], "committed": true, "groups": [0, 1]}``. A
 step that was not committed is never trained again (its samples are dropped: its gradient may still
@@ -250,9 +250,9 @@ class SampleTrace:
         ids, self._pending = self.ids(self._pending), []
         if self.write:
             row = {"step": int(self.trainer.state.step), "ids": ids}
-            groups = getattr(self.trainer, "replica_groups", None)
-            if groups is not None:  # fault tolerance: whether the step counted, and who took part
-                row.update(committed=bool(groups.committed), groups=list(groups.live))
+            live = getattr(self.trainer.agreement.transport, "live", None)
+            if live is not None:  # replica groups: whether the step counted, and who took part
+                row.update(committed=bool(self.trainer.agreement.transport.committed), groups=list(live))
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

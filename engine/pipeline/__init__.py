@@ -5,7 +5,7 @@ Typical use (under ``torchrun``)::
     info = init_distributed(mesh_shape=(world // pp, pp), mesh_dim_names=("dp", "pp"))
     runtime = build_pipeline(model, PipelineConfig(pp_schedule="1f1b", pp_batch_size=8), info)
     optimizer = torch.optim.AdamW(runtime.parameters())
-    trainer = Trainer(runtime.module, optimizer, loss_fn, pipeline=runtime)
+    trainer = Trainer(runtime.module, optimizer, loss_fn, step_body=runtime)
 
 Importing this package is cheap: ``torch.distributed.pipelining`` (about two seconds) is imported
 only when a schedule is looked up or built.

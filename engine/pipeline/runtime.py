@@ -2,8 +2,8 @@
 
 :func:`build_pipeline` cuts the model into stages (see :mod:`engine.pipeline.split`), wraps each
 stage for data parallelism across the ``dp`` mesh dimension, and builds the schedule. A
-:class:`~engine.Trainer` given ``pipeline=runtime`` runs it as its step body (the
-:class:`~engine.step_body.StepBody` protocol) instead of the local one; both fire the same events.
+:class:`~engine.Trainer` given ``step_body=runtime`` runs it as its step body (a
+:class:`~engine.step_body.StepBody`) instead of the local one; both fire the same events.
 
 Microbatches: the trainer's microbatches *are* the schedule's. One step takes
 ``n_microbatches = pp_batch_size // pp_microbatch_size`` microbatches of ``pp_microbatch_size``
@@ -38,12 +38,11 @@ from hookloop.engine.pipeline.config import PipelineConfig
 from hookloop.engine.pipeline.schedules import losses_computed
 from hookloop.engine.pipeline.split import find_layer_container, plan_stages, split_stage_module
 from hookloop.engine.step_batches import iter_groups
-from hookloop.engine.step_body import EvalResult, StepContext, StepResult, check_loss, grad_norm
+from hookloop.engine.step_body import EvalResult, StepBody, StepContext, StepResult, check_loss, grad_norm
 
 __all__ = [
     "PipelineRuntime",
     "build_pipeline",
-    "check_trainer_arguments",
     "forward_through_stages",
     "pipeline_loss_fn",
     "stage_module",
@@ -78,12 +77,14 @@ def stage_pair(inputs: Any, targets: Any) -> tuple[Any, Any]:
     return inputs, targets
 
 
-class PipelineRuntime:
+class PipelineRuntime(StepBody):
     """This rank's pipeline stages and their schedule, and the pipeline's step body (a
-    :class:`~engine.step_body.StepBody`). Build with :func:`build_pipeline`.
+    :class:`~engine.step_body.StepBody` declaring ``n_microbatches``). Build with
+    :func:`build_pipeline`.
 
     ``module`` (an ``nn.ModuleList`` of this rank's stage modules, DDP/FSDP-wrapped when the
-    data-parallel degree is > 1) is what the optimizer and the Trainer take.
+    data-parallel degree is > 1) is what the optimizer and the Trainer take:
+    ``Trainer(runtime.module, optimizer, loss_fn, step_body=runtime)``.
     """
 
     def __init__(
@@ -124,6 +125,26 @@ class PipelineRuntime:
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         #: The tensor-parallel mesh dimension of the stages' parameters (None without one).
         self.tp_mesh = tensor_parallel.find_tp_mesh(self._params)
+
+    def bind(self, model: nn.Module, params: Sequence[torch.Tensor], **settings: Any) -> None:
+        """The trainer's arguments checked against this runtime (it keeps its own layout); the
+        stages take the trainer's ``loss_fn`` when the runtime has none."""
+        if model is not self.module:
+            raise ValueError("with step_body=runtime, the model must be runtime.module (its stages)")
+        if settings["loss_parallel"]:
+            raise ConfigError(
+                "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
+            )
+        if self.loss_fn is None:
+            self.loss_fn = settings["loss_fn"]
+        if self.loss_fn is None:
+            raise ConfigError(
+                "loss_fn",
+                "is None but pipeline stages cannot return the model's own loss: the last stage "
+                "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
+                "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
+                "build_pipeline",
+            )
 
     def parameters(self) -> Iterable[nn.Parameter]:
         """This rank's trainable parameters (build the optimizer over these)."""
@@ -336,52 +357,6 @@ class PipelineRuntime:
         positions = () if self.tp_mesh is None else (self.tp_mesh.get_local_rank(),)
         dp = self.dp_mesh if dp is None else dp
         return parallel.data_parallel_group(dp, positions=(*positions, self.pp_rank))
-
-
-def check_trainer_arguments(
-    runtime: Any,
-    model: nn.Module,
-    loss_fn: Callable | None,
-    grad_accum_steps: int,
-    precision: str,
-    loss_parallel: bool,
-) -> int:
-    """A Trainer's arguments checked against the pipeline ``runtime`` it is given; the stages take
-    the Trainer's ``loss_fn`` when the runtime has none. Returns the microbatches a step takes."""
-    if not hasattr(runtime, "run_step"):
-        raise TypeError(
-            "pipeline must be the runtime engine.pipeline.build_pipeline(model, config, dist_info) "
-            f"returns, got {type(runtime).__name__}; build the optimizer over runtime.parameters()"
-        )
-    if model is not runtime.module:
-        raise ValueError("with pipeline=runtime, the model must be runtime.module (its stages)")
-    if grad_accum_steps not in (1, runtime.n_microbatches):
-        raise ConfigError(
-            "grad_accum_steps",
-            f"is {grad_accum_steps} but the pipeline takes {runtime.n_microbatches} microbatches "
-            "per step (pipeline.pp_batch_size // pp_microbatch_size); leave it unset",
-        )
-    if precision == "fp16-mixed":
-        raise ConfigError(
-            "precision",
-            "'fp16-mixed' (loss scaling) is not supported with pipeline parallelism: the "
-            "schedule runs backward itself; use 'bf16-mixed' or pipeline.dtype",
-        )
-    if runtime.loss_fn is None:
-        runtime.loss_fn = loss_fn
-    if runtime.loss_fn is None:
-        raise ConfigError(
-            "loss_fn",
-            "is None but pipeline stages cannot return the model's own loss: the last stage "
-            "needs loss_fn(logits, labels); build_pipeline sets one for Hugging Face causal "
-            "LMs (pipeline.patch_causal_lm_model), else pass loss_fn to the Trainer or "
-            "build_pipeline",
-        )
-    if loss_parallel:
-        raise ConfigError(
-            "loss_parallel", "is not supported with pipeline parallelism (the schedule runs backward)"
-        )
-    return runtime.n_microbatches
 
 
 def build_pipeline(

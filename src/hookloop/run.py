@@ -62,11 +62,11 @@ from hookloop.engine.parallel import (
     process_group_store,
 )
 from hookloop.engine.pipeline import PipelineConfig, build_pipeline
-from hookloop.engine.replica_groups import ReplicaGroups
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
 from hookloop.handlers import AsyncCheckpointer, Places, attach_handlers
+from hookloop.handlers.replica_groups import ReplicaGroups
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
 from hookloop.run_settings import resume_settings
@@ -317,7 +317,7 @@ def _build(
         lr_scheduler=lr_scheduler,
         grad_clip_norm=cfg.train.grad_clip_norm,
         device=device,
-        pipeline=runtime,
+        step_body=runtime,
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
         precision=cfg.train.precision,

@@ -52,7 +52,9 @@ def main() -> None:
             dp_mode=cfg.distributed.dp_mode,
         )
         optimizer = torch.optim.AdamW(runtime.parameters(), lr=3e-3)
-        trainer = Trainer(runtime.module, optimizer, cross_entropy_loss, grad_clip_norm=1.0, pipeline=runtime)
+        trainer = Trainer(
+            runtime.module, optimizer, cross_entropy_loss, grad_clip_norm=1.0, step_body=runtime
+        )
         # every pp rank of one pipeline reads the same samples; dp ranks read different ones
         g = torch.Generator().manual_seed(runtime.dp_rank)
         stream = torch.arange(64).repeat(64)  # a learnable pattern

@@ -1,23 +1,26 @@
 """Replica groups: data parallelism across groups that keeps training when one of them dies.
 
 A :class:`ReplicaGroups` attached to a :class:`~engine.Trainer` makes this process one rank of one
-replica group (the ``fault_tolerance`` section, :mod:`engine.fault_tolerance`). Across groups a
-torchft ``Manager`` keeps the quorum of live groups (through the lighthouse), reconfigures the
-cross-group process group when it changes, and sends a live group's state to a recovering one. The
-trainer's step, with what this adds marked ``+``::
+replica group (the ``fault_tolerance`` section, :mod:`engine.fault_tolerance`). It is the trainer's
+agreement transport (``trainer.agreement.transport``, :class:`engine.agreement.AgreementTransport`):
+the trainer names no layout, it asks the transport. Across groups a torchft ``Manager`` keeps the
+quorum of live groups (through the lighthouse), reconfigures the cross-group process group when it
+changes, and sends a live group's state to a recovering one. The trainer's step, with what this
+adds marked ``+``::
 
     TRAIN_START   ... a checkpoint resume (RESTORE) ...
                 + quorum()              join the live groups; a group behind them (restarted, or
                                         at its first step) receives a peer's whole state here
     step k        fetch, STEP_START, forward/backward (DDP inside the group)
-                + average_gradients()   one flat all-reduce of the gradients over the live groups
+                + reduce_gradients()    one flat all-reduce of the gradients over the live groups
                   grad norm, BEFORE_OPTIMIZER_STEP
                   the step's agreement  the packed vector summed inside the group, then
                 +                       over the live groups, then ``should_commit``: a step
                                         that is not committed (a group died mid-step, too few
                                         groups) is a skipped step whose other decisions are void
                   optimizer, LR scheduler (unless skipped), STEP_END handlers, the step's end
-                + quorum()              at the step boundary: a group that died is dropped (the
+                + quorum()              at the step boundary (``step_boundary``, the trainer's
+                                        end of the step): a group that died is dropped (the
                                         others stall about the lighthouse's heartbeat timeout), a
                                         restarted one joins and is healed before the next fetch
 
@@ -29,29 +32,27 @@ position, RNG), the same state a checkpoint holds, and a stop the peer decided. 
 (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so after a
 whole-job restart the group that resumed the newest checkpoint is the one the others heal from.
 
-torchft is imported when the first run starts, never by importing this module.
+torchft is imported when the first run starts, never by importing this module, through its one
+adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import socket
 import time
-import warnings
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from hookloop.engine import parallel, run_snapshot
+from hookloop.engine import fault_tolerance, parallel, run_snapshot
+from hookloop.engine.agreement import AgreementTransport, sum_over_ranks
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.fault_tolerance import INSTALL_HINT, FaultToleranceConfig, group_dir_name
+from hookloop.engine.fault_tolerance import FaultToleranceConfig
 
 __all__ = ["STATE_KEY", "ReplicaGroups"]
 
@@ -60,21 +61,19 @@ logger = logging.getLogger("hookloop.replica_groups")
 #: Where torchft's commit count sits in a checkpoint (a registered stateful object).
 STATE_KEY = "replica_groups"
 _HOLDER = "replica groups (an uncommitted step)"
-_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
-class ReplicaGroups:
+class ReplicaGroups(AgreementTransport):
     """This process's replica group in a fault-tolerant run (see the module docstring).
 
     Args:
         config: the ``fault_tolerance`` section (validated here: a ``ConfigError`` names the field).
 
-    ``attach(trainer)`` wires it in; the trainer then averages gradients and agrees decisions over
-    the live groups. :attr:`group` is this group's id, :attr:`live` the ids of the groups in the
-    current quorum, :attr:`committed` whether the current step committed, :attr:`uncommitted_steps`
-    how many did not in this run. :meth:`shutdown` leaves (the composition root calls it)."""
-
-    asks_after_agreement = False  # its step-end quorum only acts on what a peer's whole state says
+    ``attach(trainer)`` wires it in as the trainer's agreement transport; the trainer then averages
+    gradients and agrees decisions over the live groups. :attr:`group` is this group's id,
+    :attr:`live` the ids of the groups in the current quorum, :attr:`committed` whether the current
+    step committed, :attr:`uncommitted_steps` how many did not in this run. :meth:`shutdown` leaves
+    (the composition root calls it)."""
 
     def __init__(self, config: FaultToleranceConfig) -> None:
         config.validate()
@@ -92,8 +91,9 @@ class ReplicaGroups:
         self._in_a_row = 0
         self._quorum_id = -1
         self._pg: Any = None
-        self._transport: Any = None
+        self._heal_transport: Any = None
         self._store: Any = None
+        self._stop_now = False  # healed at the step boundary from a group that stopped there
         self._saved_commits: dict[str, int] | None = None  # from a checkpoint, until the manager exists
         self._healed: dict[str, Any] | None = None
         self._at_start = True
@@ -108,11 +108,9 @@ class ReplicaGroups:
         if self.trainer is not None:
             raise RuntimeError("this ReplicaGroups is already attached to a trainer; build one per trainer")
         self.trainer = trainer
-        trainer.replica_groups = self
+        trainer.agreement.transport = self  # the step agrees over the live groups (engine.agreement)
         # After a checkpoint resume (RESTORE, order 0): a peer's state overrides what the disk said.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.RESTORE - 500)
-        # After the trainer's own end of the step (registered before this): the step boundary.
-        trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=Priority.ENGINE_LAST)
         trainer.register_stateful(STATE_KEY, self)
         return self
 
@@ -134,49 +132,10 @@ class ReplicaGroups:
         """The torchft manager for this process: its store (a one-process group hosts its own),
         the cross-group process group, the heal transport, the lighthouse connection."""
         cfg = self.config
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's INFO lines cost 2-3x per step
-        try:
-            from torchft.checkpointing.http_transport import HTTPTransport
-            from torchft.manager import Manager
-            from torchft.process_group import ProcessGroupGloo
-        except ImportError as e:
-            raise TrainingAborted(
-                f"fault_tolerance needs torchft ({e}): {INSTALL_HINT}", ExitCode.ERROR
-            ) from e
-        for name in _TORCHFT_LOGGERS:  # hookloop says what matters in one line; torchft's stay quiet
-            if logging.getLogger(name).level == logging.NOTSET:
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-        # torch.load of a received state over a read-only buffer: harmless, tensors are copied in
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        rank, world = parallel.rank(), parallel.world_size()
-        if world == 1:  # no launcher store: host the group's own
-            host = socket.gethostname()
-            self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = host, self._store.port
-        else:
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        timeout = timedelta(seconds=cfg.timeout_s)
-        self._pg = ProcessGroupGloo(timeout=timeout)
-        self._transport = HTTPTransport(timeout=timeout, num_chunks=0)
-        self.manager = Manager(
-            pg=self._pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,  # the quorum (and a heal) lands before the step's data is fetched
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
-            rank=rank,
-            world_size=world,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=group_dir_name(self.group),
-            checkpoint_transport=self._transport,
-        )
-        with contextlib.suppress(AttributeError):  # its HTTP server's line per request, on stderr
-            self._transport._server.RequestHandlerClass.log_message = lambda *args: None
+        self.manager, self._pg, self._heal_transport, self._store = fault_tolerance.start_manager(
+            cfg, group_name=fault_tolerance.group_dir_name(self.group), rank=parallel.rank(),
+            world=parallel.world_size(),
+        )  # fmt: skip
         self.manager.register_state_dict_fn("hookloop", self._receive, self._payload)
         if self._saved_commits is not None:
             self.manager.load_state_dict(self._saved_commits)
@@ -189,7 +148,7 @@ class ReplicaGroups:
         if manager is None:
             return
         with contextlib.suppress(Exception):
-            self._transport.disallow_checkpoint()  # waits for a transfer in progress
+            self._heal_transport.disallow_checkpoint()  # waits for a transfer in progress
         with contextlib.suppress(Exception):
             manager.shutdown(wait=False)
 
@@ -199,8 +158,12 @@ class ReplicaGroups:
             self._start()
         self._quorum(at_start=True)
 
-    def _on_step_end(self) -> None:
+    def step_boundary(self) -> bool:
+        """The trainer's end of the step (:meth:`engine.agreement.AgreementTransport.step_boundary`):
+        the next quorum; True when this group was healed from a group that stopped at this step."""
+        self._stop_now = False
         self._quorum(at_start=False)
+        return self._stop_now
 
     def _quorum(self, at_start: bool) -> None:
         """Join the next quorum (a heal lands here), then say what changed."""
@@ -220,7 +183,7 @@ class ReplicaGroups:
                 int(ExitCode.HEALTH_CHECK_FAILED),
             ) from e
         trainer.save_policy.release_saves(_HOLDER)
-        quorum_id = self.manager._quorum_id  # torchft keeps it private; read in this one place
+        quorum_id = fault_tolerance.quorum_id(self.manager)
         if quorum_id != self._quorum_id:
             self._quorum_id = quorum_id
             self._quorum_changed(quorum_id)
@@ -250,8 +213,19 @@ class ReplicaGroups:
                 self.trainer.state.iteration,
             )
 
-    # ------------------------------------------------------------------ the step
-    def average_gradients(self, params: Sequence[torch.Tensor]) -> None:
+    # ------------------------------------------------------------------ the step (the transport)
+    @property
+    def spans_processes(self) -> bool:
+        return True
+
+    def agree_step(self, values: Sequence[Any]) -> list[Any]:
+        """The step's values summed inside the group, then over the live groups (:meth:`_agree_step`)."""
+        return sum_over_ranks(values, across=self._agree_step)
+
+    def agree_late(self, values: Sequence[Any]) -> list[Any]:
+        return sum_over_ranks(values, across=self._agree_late)
+
+    def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """The gradients averaged over the live groups (one flat all-reduce; a failure is recorded
         and the step will not commit)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -273,10 +247,11 @@ class ReplicaGroups:
 
     @property
     def ranks_summed(self) -> int:
-        """How many groups the step's agreed sums cover: the participants if it committed, else 1."""
-        return self.manager.num_participants() if self.committed else 1
+        """The ranks the step's agreed sums cover: the group's, times the participating groups if
+        it committed."""
+        return parallel.world_size() * (self.manager.num_participants() if self.committed else 1)
 
-    def agree_step(self, packed: torch.Tensor) -> None:
+    def _agree_step(self, packed: torch.Tensor) -> None:
         """The step's agreement vector (already summed inside the group) summed over the live
         groups, then whether the step commits. An uncommitted step keeps this group's own sums."""
         local = packed.clone()
@@ -311,7 +286,7 @@ class ReplicaGroups:
                 int(ExitCode.HEALTH_CHECK_FAILED),
             )
 
-    def agree_late(self, packed: torch.Tensor) -> None:
+    def _agree_late(self, packed: torch.Tensor) -> None:
         """The late agreement (stop and rollback votes after the step's handlers) summed over the
         live groups; when that fails nothing is decided late (a stop request stays latched and is
         agreed at the next step)."""
@@ -400,9 +375,9 @@ class ReplicaGroups:
         if stop.get("stop"):  # the peer stopped at this step: so does this group
             reason = stop.get("reason") or "stopped on another replica group"
             control.request_stop(reason, stop.get("exit_code"))
-            if not at_start:  # at the step boundary: stop now, at the peer's step (TRAIN_START agrees it)
-                control.decide_stop(int(stop.get("exit_code") or 0))
-                trainer._stop()
+            # at the step boundary every rank of the group stops now, at the peer's step (a value
+            # every rank shares: the trainer's end of the step carries it out); TRAIN_START agrees it
+            self._stop_now = not at_start
             return
         max_steps = trainer.limits[0]
         if at_start and max_steps is not None and trainer.state.iteration >= max_steps:
