@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Trainer
-from hookloop.engine.run_limits import EpochBounds, check_limit_kind, check_run_arguments, set_up_run
+from hookloop.engine.run_limits import check_limit_kind, check_run_arguments, set_up_run
 from hookloop.engine.state import TrainState
 
 
@@ -91,7 +91,7 @@ def test_a_run_without_data_needs_an_epoch_length():
 
 def test_epoch_bounds_stop_a_step_limited_run_after_two_empty_epochs():
     trainer = bare_trainer()
-    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state, bounds = trainer.state, trainer.plan
     state.max_iters, state.max_epochs, state.iteration, state.epoch = 10, None, 4, 1
     bounds.start_run()
     bounds.epoch_started()
@@ -106,7 +106,7 @@ def test_epoch_bounds_stop_a_step_limited_run_after_two_empty_epochs():
 
 def test_epoch_bounds_keep_a_smaller_epoch_limit_once_the_epoch_length_is_known():
     trainer = bare_trainer()
-    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state, bounds = trainer.state, trainer.plan
     state.max_iters, state.max_epochs, state.epoch_length = 100, 2, None
     bounds.run_set_up()
     state.epoch_length, state.max_epochs, state.iteration = 10, 10, 10  # as ignite sets it

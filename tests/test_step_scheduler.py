@@ -310,7 +310,7 @@ def record_flags(trainer, into):
     @trainer.on(Events.STEP_START)  # normal priority: after the scheduler asked and published
     def _record():
         s, c = trainer.state, trainer.control
-        into.append((s.step, c.save, c.validate, s.should_log_remote, s.is_last_step))
+        into.append((s.step, c.save, c.validate, s.should_log_remote, trainer.at_last_step))
 
 
 def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
