@@ -294,9 +294,11 @@ class RunPlan:
         self.max_epochs: int | None = None
         self._grad_accum_steps = 1
         self.grad_accum_steps = grad_accum_steps
+        self._configured_by: str | None = None  # the handler that configured the limits, once
         self._limit: int | None = None
         self._start_step = 0
         self._empty = 0
+        self._in_epoch = False
 
     @property
     def grad_accum_steps(self) -> int:
@@ -310,16 +312,21 @@ class RunPlan:
         self._grad_accum_steps = value
 
     def configure(
-        self,
-        *,
-        max_steps: int | None = None,
-        max_epochs: int | None = None,
-        grad_accum_steps: int | None = None,
+        self, by: str, max_steps: int, max_epochs: int, grad_accum_steps: int, why: str = ""
     ) -> None:
-        """Set the run's default limits and accumulation (a scheduling handler, once, at attach)."""
-        self.max_steps, self.max_epochs = max_steps, max_epochs
-        if grad_accum_steps is not None:
-            self.grad_accum_steps = grad_accum_steps
+        """Set the run's default limits and accumulation: the handler named ``by`` (a step
+        scheduler), once, at attach; ``why`` says where its accumulation comes from. A trainer built
+        with another accumulation than the default 1 is refused (it was asked for), and so is a
+        ``run()`` whose limits differ from these (:meth:`set_up`)."""
+        if self.grad_accum_steps not in (1, grad_accum_steps):
+            raise ConfigError(
+                "grad_accum_steps",
+                f"the trainer was built with grad_accum_steps={self.grad_accum_steps} but its {by} "
+                f"computes {grad_accum_steps}{why}; drop grad_accum_steps from Trainer(...) and set it "
+                f"on the {by}",
+            )
+        self.max_steps, self.max_epochs, self.grad_accum_steps = max_steps, max_epochs, grad_accum_steps
+        self._configured_by = by
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
@@ -358,6 +365,16 @@ class RunPlan:
         one."""
         continuing = set_up_run(self._engine, data, max_epochs, max_iters, epoch_length, max_steps)
         self.run_set_up()
+        by = self._configured_by
+        for name, mine, theirs in zip(
+            ("max_steps", "max_epochs"), (self.max_steps, self.max_epochs), self.limits
+        ):
+            if by is not None and mine != theirs:
+                raise ConfigError(
+                    name,
+                    f"the trainer has {name}={theirs} but its {by} says {mine}; set it on the {by} and call "
+                    "trainer.run(data) without it",
+                )
         return continuing
 
     def run_set_up(self) -> None:
@@ -390,19 +407,29 @@ class RunPlan:
         engine.step_data.skip_next = skip_microbatches
         logger.info("starting at step %d, epoch %d", step, epoch)
 
+    @property
+    def epoch(self) -> int:
+        """The 0-based index of the current epoch, which is the number of epochs completed before it
+        (ignite's ``state.epoch`` counts the current one from EPOCH_START on)."""
+        epoch = self._engine.state.epoch
+        return epoch - 1 if self._in_epoch else epoch
+
     def start_run(self) -> None:
         """TRAIN_START: no epoch seen yet."""
         self._start_step = 0
         self._empty = 0
+        self._in_epoch = False
 
     def epoch_started(self) -> None:
         self._start_step = self._engine.state.iteration
+        self._in_epoch = True
 
     def epoch_ended(self) -> None:
         """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
         data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
         epochs without end: after two in a row it asks to stop, saying so."""
         state = self._engine.state
+        self._in_epoch = False
         if self._limit is not None and state.epoch_length is not None:
             # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
             # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller

@@ -1,29 +1,18 @@
 """The StepScheduler decides *when*: the cadence of checkpoints, validation, remote logging and
-garbage collection, and the limits and exits a long job needs (``max_steps`` / ``num_epochs``,
-stop signals, ``exit_duration_in_mins``, ``exit_interval``).
+garbage collection, the run's length (``max_steps`` / ``num_epochs``) and the exits a long job
+needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
 
 One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``, or
 ``scheduler.step == k`` when iterating the scheduler yourself) ``is_ckpt_step`` is true when ``k``
-is a multiple of ``ckpt_every_steps``, ``is_val_step`` when ``k`` is a multiple of
-``val_every_steps``, and so on. ``epoch`` is the 0-based index of the current epoch, which is also
-the number of epochs completed before it.
+is a multiple of ``ckpt_every_steps``, and so on; ``epoch`` is the 0-based index of the current
+epoch (the epochs completed before it).
 
-Two ways to use it:
-
-* Standalone (as in NeMo AutoModel): ``for epoch in s.epochs: for microbatches in s: ...``; each
-  item is a list of ``grad_acc_steps`` microbatches (shorter at the end of an epoch) and the
-  predicates describe the step being run.
-* As a handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``. The scheduler configures the
-  trainer's run plan (``trainer.plan``, :mod:`engine.run_limits`: ``grad_accum_steps``, ``max_steps``
-  and ``max_epochs``) at attach and its start position at TRAIN_START, and reads it after that
-  (``is_last_step`` is the plan's). At STEP_START it *requests* what its schedule wants of the step
-  on the trainer's control point (``trainer.control``): its checkpoint steps as ``request_save()``,
-  its validation steps as ``request_validate()``; the trainer decides them in the step's agreement,
-  like any handler's requests. It *publishes* ``state.should_log_remote`` (a remote logging step):
-  information, the same on every rank, not a request. Its stop signals and time limit are the
-  trainer's (``trainer.run_end.stop_on``, :mod:`engine.run_end`): a final checkpoint request plus a
-  stop request on ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`
-  (and the step's validation withdrawn: time is short).
+Standalone (as in NeMo AutoModel): ``for epoch in s.epochs: for microbatches in s: ...``. As a
+handler (``s.attach(trainer)``): it configures the trainer's run plan once (``trainer.plan``,
+:mod:`engine.run_limits`: limits and accumulation at attach, the start position at TRAIN_START)
+and reads it; its stop signals and time limit go to the trainer's run end
+(:meth:`engine.run_end.RunEnd.stop_on`); at STEP_START it *requests* its checkpoint and validation
+steps on ``trainer.control`` and publishes ``state.should_log_remote``.
 """
 
 from __future__ import annotations
@@ -139,9 +128,7 @@ class StepScheduler(Handler):
     Config = StepSchedulerConfig
     section = "step_scheduler"
     state_key = "step_scheduler"
-    # Its position is the trainer's (step and epoch): a rollback moves the trainer back, and the
-    # scheduler follows without reloading, so the cadence after a rollback is the same as without,
-    # and a stop signal received before the rollback still stands.
+    # Its position is the trainer's: after a rollback it follows without reloading.
     restore_on_rollback = False
 
     def __init__(
@@ -176,11 +163,8 @@ class StepScheduler(Handler):
                 "dataloader", f"must be an iterable of microbatches, got {type(dataloader).__name__}"
             )
 
-        self.grad_acc_steps = grad_acc_steps
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.dp_size = dp_size
-        self.dataloader = dataloader
+        self.grad_acc_steps, self.global_batch_size = grad_acc_steps, global_batch_size
+        self.local_batch_size, self.dp_size, self.dataloader = local_batch_size, dp_size, dataloader
         length = data_length(dataloader) if dataloader is not None else None
         if length == 0:
             raise ConfigError("dataloader", "is empty (len() == 0); pass data with at least one microbatch")
@@ -196,18 +180,11 @@ class StepScheduler(Handler):
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
         self.exit_interval = exit_interval
-        #: The stop signals and time limit; attached, the trainer's run end takes them over.
-        self._stops = StopSignals(stop_signals, exit_duration_in_mins)
-        self.stop_signals = self._stops.signals
-        self.exit_duration_in_mins = self._stops.exit_duration_in_mins
+        self._stops = StopSignals(stop_signals, exit_duration_in_mins)  # attached: the run end's
+        self.stop_signals, self.exit_duration_in_mins = self._stops.signals, self._stops.exit_duration_in_mins
         self.resume_skip = resume_skip
-
-        start_epoch = check_position(start_step, start_epoch, self.epoch_len, "start_step", "start_epoch")
-        self._step = start_step
-        self._epoch = start_epoch
-        self._pending_start = start_step > 0 or start_epoch > 0
-
-        self._in_epoch = False
+        self._epoch = check_position(start_step, start_epoch, self.epoch_len, "start_step", "start_epoch")
+        self._step, self._pending_start = start_step, start_step > 0 or start_epoch > 0
         self._loss_window = RunningMean(loss_average_window_steps)
         self._loss_window_loaded = False  # a checkpoint's window survives the next start
         self._exit_kind: str | None = None  # "signal", "duration" or "interval" once agreed
@@ -251,10 +228,9 @@ class StepScheduler(Handler):
     @property
     def epoch(self) -> int:
         """0-based index of the current epoch = epochs completed before it."""
-        if self.trainer is not None and not self._pending_start:
-            epoch = self.trainer.state.epoch
-            return epoch - 1 if self._in_epoch else epoch
-        return self._epoch
+        return (
+            self.trainer.plan.epoch if self.trainer is not None and not self._pending_start else self._epoch
+        )
 
     def _every(self, n: int | None) -> bool:
         k = self.step
@@ -314,8 +290,7 @@ class StepScheduler(Handler):
         """A stop signal reached some rank and every rank agreed on it (latches)."""
         if self.trainer is not None:
             return self.trainer.run_end.stop_kind == "signal"
-        self._stopping()
-        return self._exit_kind == "signal"
+        return self._stopping() and self._exit_kind == "signal"
 
     @property
     def exit_reason(self) -> str | None:
@@ -489,44 +464,22 @@ class StepScheduler(Handler):
         ``trainer.state``, from STEP_START of step k on."""
         if self.trainer is not None:
             raise RuntimeError("this StepScheduler is already attached to a trainer")
-        # 1 is the trainer's default: anything else was asked for and must not be silently replaced
-        if trainer.plan.grad_accum_steps not in (1, self.grad_acc_steps):
-            raise ConfigError(
-                "grad_accum_steps",
-                f"the trainer was built with grad_accum_steps={trainer.plan.grad_accum_steps} but its "
-                f"StepScheduler computes {self.grad_acc_steps} (global_batch_size {self.global_batch_size} "
-                f"/ (local_batch_size {self.local_batch_size} x dp_size {self.dp_size})); drop "
-                "grad_accum_steps from Trainer(...) and set global_batch_size on the StepScheduler",
-            )
-        trainer.plan.configure(
-            max_steps=self.max_steps, max_epochs=self.num_epochs, grad_accum_steps=self.grad_acc_steps
-        )
+        why = f"global_batch_size {self.global_batch_size} / (local_batch_size {self.local_batch_size} x "
+        why = f" ({why}dp_size {self.dp_size}))"
+        trainer.plan.configure("StepScheduler", self.max_steps, self.num_epochs, self.grad_acc_steps, why)
         trainer.run_end.stop_on(self.stop_signals, self.exit_duration_in_mins)
         # Requests are made before user STEP_START handlers run; the loss window is kept at STEP_END
         # before the metrics are published.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
-        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)
-        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=SCHEDULE)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=EXIT_CHECK)
-        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_END, self.close, priority=EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _error: self.close(), priority=EXIT_CHECK)
         return super().attach(trainer)
 
     def _check_trainer(self) -> None:
-        trainer, plan = self.trainer, self.trainer.plan
-        run_steps, run_epochs = plan.limits
-        for name, mine, theirs in (
-            ("max_steps", self.max_steps, run_steps),
-            ("max_epochs", self.num_epochs, run_epochs),
-            ("grad_accum_steps", self.grad_acc_steps, plan.grad_accum_steps),
-        ):
-            if mine != theirs:
-                raise ConfigError(
-                    name,
-                    f"the trainer has {name}={theirs} but its StepScheduler says {mine}; set it on the "
-                    "StepScheduler and call trainer.run(data) without it",
-                )
+        """The run plan checks the limits and accumulation; the data is checked here."""
+        trainer = self.trainer
         data = trainer.step_data.data if trainer.step_data is not None else None
         data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
         if data is not self.dataloader and data_epoch_len != self.epoch_len:
@@ -544,17 +497,10 @@ class StepScheduler(Handler):
         if self._pending_start:
             skip = self._skip(self.trainer.step_data.data)
             self.trainer.plan.start_at(self._step, self._epoch, skip)
-        self._in_epoch = False
         self._reset_run()
         if self.gc_every_steps is not None and self._gc_was_enabled is None:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()
-
-    def _on_epoch_start(self) -> None:
-        self._in_epoch = True
-
-    def _on_epoch_end(self) -> None:
-        self._in_epoch = False
 
     def _on_step_start(self) -> None:
         state = self.trainer.state
@@ -573,9 +519,3 @@ class StepScheduler(Handler):
         state = self.trainer.state
         self._loss_window.push(state.peek("loss"))  # a tensor stays unread until someone asks
         state.metrics["loss_avg"] = self._loss_window.lazy_mean()
-
-    def _on_train_end(self) -> None:
-        self.close()
-
-    def _on_exception(self, _error: BaseException) -> None:
-        self.close()
