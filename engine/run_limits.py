@@ -231,7 +231,7 @@ def check_position(step: int, epoch: int, epoch_len: int | None, step_name: str,
     return epoch
 
 
-def read_position(state: Any, who: str = "StepScheduler") -> tuple[int, int]:
+def read_position(state: Any, who: str) -> tuple[int, int]:
     """``(step, epoch)`` from a saved position (a mapping with ``step`` and ``epoch``, numbers or
     0-dim tensors), checked; errors say what ``who.state_dict()`` returns."""
     if not isinstance(state, Mapping):

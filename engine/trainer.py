@@ -469,8 +469,8 @@ class Trainer(IgniteAdapter):
         default to the run plan's ``max_steps`` / ``max_epochs`` (a scheduling handler configures
         those), else one epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's
         ``max_iters`` is ``max_steps`` under ignite's rules (not together with ``max_epochs``). As
-        in ignite, a run that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
-        continues with its epoch length; a finished one starts afresh. Returns the state;
+        in ignite, a run that is not finished (after ``load_state_dict``, or a larger limit than
+        the last run's) continues with its epoch length; a finished one starts afresh. Returns the state;
         ``trainer.control.exit_code`` (and ``stop_reason``) tell how it ended.
         """
         continuing = self.plan.set_up(data, max_epochs, max_iters, epoch_length, max_steps)

@@ -2,34 +2,32 @@
 garbage collection, the run's length (``max_steps`` / ``num_epochs``) and the exits a long job
 needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
 
-One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``, or
-``scheduler.step == k`` when iterating the scheduler yourself) ``is_ckpt_step`` is true when ``k``
-is a multiple of ``ckpt_every_steps``, and so on; ``epoch`` is the 0-based index of the current
-epoch (the epochs completed before it).
+One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``)
+``is_ckpt_step`` is true when ``k`` is a multiple of ``ckpt_every_steps``, and so on; ``epoch`` is
+the 0-based index of the current epoch (the epochs completed before it).
 
-Standalone (as in NeMo AutoModel): ``for epoch in s.epochs: for microbatches in s: ...``. As a
-handler (``s.attach(trainer)``): it configures the trainer's run plan once (``trainer.plan``,
-:mod:`engine.run_limits`: limits and accumulation at attach, the start position at TRAIN_START)
-and reads it; its stop signals and time limit go to the trainer's run end
-(:meth:`engine.run_end.RunEnd.stop_on`); at STEP_START it *requests* its checkpoint and validation
-steps on ``trainer.control`` and publishes ``state.should_log_remote``.
+A handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``; the trainer runs the loop (there
+is no standalone iteration: the run plan owns the position). The scheduler configures the trainer's
+run plan once (``trainer.plan``, :mod:`engine.run_limits`: limits and accumulation at attach, the
+start position at TRAIN_START) and reads it; its stop signals and time limit go to the trainer's
+run end (:meth:`engine.run_end.RunEnd.stop_on`); at STEP_START it *requests* its checkpoint and
+validation steps on ``trainer.control`` and publishes ``state.should_log_remote``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings, section_settings
-from hookloop.engine.run_end import SignalLike, StopSignals, resolve_signals
+from hookloop.engine.run_end import SignalLike, resolve_signals
 from hookloop.engine.run_limits import (
     check_position,
     derive_limits,
@@ -38,7 +36,7 @@ from hookloop.engine.run_limits import (
     read_position,
 )
 from hookloop.engine.running_mean import RunningMean
-from hookloop.engine.step_batches import data_length, iter_groups, steps_in
+from hookloop.engine.step_batches import data_length, steps_in
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 
@@ -180,17 +178,14 @@ class StepScheduler(Handler):
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
         self.exit_interval = exit_interval
-        self._stops = StopSignals(stop_signals, exit_duration_in_mins)  # attached: the run end's
-        self.stop_signals, self.exit_duration_in_mins = self._stops.signals, self._stops.exit_duration_in_mins
+        self.stop_signals = resolve_signals(stop_signals)
+        self.exit_duration_in_mins = None if exit_duration_in_mins is None else float(exit_duration_in_mins)
         self.resume_skip = resume_skip
         self._epoch = check_position(start_step, start_epoch, self.epoch_len, "start_step", "start_epoch")
         self._step, self._pending_start = start_step, start_step > 0 or start_epoch > 0
         self._loss_window = RunningMean(loss_average_window_steps)
         self._loss_window_loaded = False  # a checkpoint's window survives the next start
-        self._exit_kind: str | None = None  # "signal", "duration" or "interval" once agreed
-        self._exit_reason: str | None = None
-        self._polled_step: int | None = None
-        self._started = False  # standalone: the signals noted and the clock running
+        self._exit_reason: str | None = None  # an exit_interval stop's
         self._gc_was_enabled: bool | None = None
 
     @classmethod
@@ -244,14 +239,8 @@ class StepScheduler(Handler):
 
     @property
     def is_last_step(self) -> bool:
-        """The current step is the last that will run: ``max_steps`` reached, or the last batch of
-        the last epoch (e.g. max_steps=100 with 60 steps of data: step 60). Attached, the run
-        plan's (``trainer.plan.is_last_step``)."""
-        if self.trainer is not None:
-            return self.trainer.plan.is_last_step
-        if self.step >= self.max_steps:
-            return True
-        return self.epoch + 1 >= self.num_epochs and self.is_last_batch
+        """The current step is the run's last: the run plan's (``trainer.plan.is_last_step``)."""
+        return self.trainer is not None and self.trainer.plan.is_last_step
 
     @property
     def is_exit_interval_step(self) -> bool:
@@ -268,14 +257,13 @@ class StepScheduler(Handler):
     def is_ckpt_step(self) -> bool:
         """Every ``ckpt_every_steps``, the last step of an epoch (``save_checkpoint_every_epoch``),
         the last step, and the step a stop (signal, exit duration, exit interval) happens on."""
-        return self._is_regular_ckpt_step() or self.is_exit_interval_step or self._stopping()
+        return self._is_regular_ckpt_step() or self.is_exit_interval_step
 
     @property
     def is_val_step(self) -> bool:
-        """Every ``val_every_steps`` and on regular checkpoint steps; never on a step that stops on
-        a signal or the exit duration (time is short then)."""
-        wanted = self._every(self.val_every_steps) or self._is_regular_ckpt_step()
-        return wanted and not (self._stopping() and self._exit_kind in ("signal", "duration"))
+        """Every ``val_every_steps`` and on regular checkpoint steps (a stop signal or the exit duration
+        withdraws it: time is short then, :meth:`engine.run_end.RunEnd.stop_on`)."""
+        return self._every(self.val_every_steps) or self._is_regular_ckpt_step()
 
     @property
     def is_remote_logging_step(self) -> bool:
@@ -288,9 +276,7 @@ class StepScheduler(Handler):
     @property
     def sigterm_received(self) -> bool:
         """A stop signal reached some rank and every rank agreed on it (latches)."""
-        if self.trainer is not None:
-            return self.trainer.run_end.stop_kind == "signal"
-        return self._stopping() and self._exit_kind == "signal"
+        return self.trainer is not None and self.trainer.run_end.stop_kind == "signal"
 
     @property
     def exit_reason(self) -> str | None:
@@ -299,45 +285,18 @@ class StepScheduler(Handler):
             return self.trainer.control.stop_reason
         return self._exit_reason
 
-    def _stopping(self) -> bool:
-        """Standalone: a stop signal or the time limit agreed across ranks, polled once per step
-        (every rank runs the same loop); attached, the trainer's run end has them."""
-        if self.trainer is not None:
-            return False
-        step, stops = self.step, self._stops
-        if self._polled_step != step and self._exit_kind not in ("signal", "duration"):
-            self._polled_step = step
-            if stops.signals and parallel.agree_any(stops.noted is not None):
-                self._latch("signal", stops.reason("signal"))
-            elif stops.exit_duration_in_mins is not None and parallel.agree_any(stops.time_up()):
-                self._latch("duration", stops.reason("duration"))
-        return self._exit_kind in ("signal", "duration")
-
-    def _latch(self, kind: str, reason: str) -> None:
-        self._exit_kind, self._exit_reason = kind, reason
-        logger.info("stop requested at step %d: %s", self.step, reason)
-
     def _reset_run(self) -> None:
-        self._exit_kind = self._exit_reason = None
-        self._polled_step = None
+        self._exit_reason = None
         if not self._loss_window_loaded:
             self._loss_window.clear()
         self._loss_window_loaded = False
 
     def close(self) -> None:
-        """Restore the signal handlers (standalone) and the GC setting this scheduler replaced."""
-        self._stops.restore()
-        self._started = False
+        """Restore the GC setting this scheduler replaced."""
         if self._gc_was_enabled is not None:
             if self._gc_was_enabled:
                 gc.enable()
             self._gc_was_enabled = None
-
-    def __enter__(self) -> StepScheduler:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ loss average
     def record_loss(self, loss: float) -> float:
@@ -349,87 +308,12 @@ class StepScheduler(Handler):
     def loss_avg(self) -> float:
         return self._loss_window.mean
 
-    # ------------------------------------------------------------------ standalone iteration
-    def _standalone(self, what: str) -> None:
-        if self.trainer is not None:
-            raise RuntimeError(
-                f"this StepScheduler is attached to a trainer: {what} is for standalone use; "
-                "call trainer.run(dataloader) instead"
-            )
-        if self.dataloader is None:
-            raise RuntimeError(f"{what} needs a dataloader: pass one to StepScheduler(dataloader=...)")
-        if not self._started:
-            self._started = True
-            self._reset_run()
-            self._stops.install()
-
-    def _done(self) -> bool:
-        if self.step >= self.max_steps or self._stopping():
-            return True
-        if self.is_exit_interval_step and self._exit_kind is None:
-            self._latch("interval", f"exit_interval={self.exit_interval} reached at step {self.step}")
-        return self._exit_kind is not None
-
     def _skip(self, data: Any) -> int:
         """Microbatches to drop when a run starts at the given position (once; see
         :func:`engine.run_limits.microbatches_to_skip`)."""
         pending, self._pending_start = self._pending_start, False
         args = (self._step, self._epoch, self.epoch_len, self.grad_acc_steps, data, self.resume_skip)
         return microbatches_to_skip(*args) if pending else 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch, and tell the loader (or its sampler) so it reshuffles."""
-        self._epoch = epoch
-        for obj in (self.dataloader, getattr(self.dataloader, "sampler", None)):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
-                break
-
-    def __iter__(self) -> Iterator[list]:
-        """Lists of ``grad_acc_steps`` microbatches for one pass over the data (a shorter list at
-        the end). ``step`` is the number of the yielded step while its body runs. Stops at
-        ``max_steps``, on an agreed stop signal, the exit duration or an exit-interval step."""
-        self._standalone("iterating the scheduler")
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[list]:
-        if self._done():
-            return
-        skip = self._skip(self.dataloader)
-        self.set_epoch(self._epoch)
-        it = iter(self.dataloader)  # type: ignore[arg-type]
-        for _ in range(skip):
-            next(it, None)
-        yielded = False
-        for group in iter_groups(it, self.grad_acc_steps):
-            self._step += 1
-            yielded = True
-            yield group
-            # a shorter group ends the pass: the stop check happens before the next epoch's first step
-            if len(group) == self.grad_acc_steps and self._done():
-                if self.is_last_batch:  # the pass ended exactly here
-                    self._epoch += 1
-                return
-        if not yielded and not skip:
-            raise ValueError("the dataloader yielded no microbatches in this epoch: pass non-empty data")
-        self._epoch += 1
-
-    @property
-    def epochs(self) -> Iterator[int]:
-        """The epochs left to run (0-based), stopping early once ``max_steps`` is reached or a stop
-        was agreed. Restores the signal handlers when exhausted."""
-        self._standalone("epochs")
-        return self._epochs()
-
-    def _epochs(self) -> Iterator[int]:
-        try:
-            for e in range(self._epoch, self.num_epochs):
-                if self.step >= self.max_steps or self._exit_kind is not None:
-                    return
-                self._epoch = e
-                yield e
-        finally:
-            self._stops.restore()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -446,12 +330,11 @@ class StepScheduler(Handler):
         """Continue from ``state`` (``step``, ``epoch`` and, from newer checkpoints, ``loss_window``).
         Attached to a trainer whose state is fresh, the position moves into the trainer when
         training starts."""
-        step, epoch = read_position(state)
+        step, epoch = read_position(state, "StepScheduler")
         self._epoch = check_position(step, epoch, self.epoch_len, "state_dict['step']", "state_dict['epoch']")
         self._step = step
         self._pending_start = True
-        self._polled_step = None
-        self._exit_kind = self._exit_reason = None
+        self._exit_reason = None
         window = state.get("loss_window")
         if window is not None:  # older checkpoints have none: the average restarts, as before
             self._loss_window.restore(float(v.item() if hasattr(v, "item") else v) for v in window)
@@ -474,7 +357,7 @@ class StepScheduler(Handler):
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)
         trainer.add_event_handler(Events.TRAIN_END, self.close, priority=EXIT_CHECK)
-        trainer.add_event_handler(Events.TRAIN_FAILED, lambda _error: self.close(), priority=EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=EXIT_CHECK)
         return super().attach(trainer)
 
     def _check_trainer(self) -> None:
@@ -512,10 +395,14 @@ class StepScheduler(Handler):
             self.trainer.control.request_validate()
         state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
         if self.is_exit_interval_step and not self.is_last_step:
-            self._latch("interval", f"exit_interval={self.exit_interval} reached at step {self.step}")
+            self._exit_reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
+            logger.info("stop requested at step %d: %s", self.step, self._exit_reason)
             self.trainer.control.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._loss_window.push(state.peek("loss"))  # a tensor stays unread until someone asks
         state.metrics["loss_avg"] = self._loss_window.lazy_mean()
+
+    def _on_exception(self, _error: BaseException) -> None:
+        self.close()
