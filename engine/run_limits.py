@@ -14,8 +14,8 @@ into steps, so the plan sets the state up here and then the trainer starts ignit
 (:meth:`engine.ignite_adapter.IgniteAdapter.start_loop`). Where ignite's own check says the same
 (a limit not below the progress reached) it is ignite's check that runs, through the adapter's
 ``extend_max_epochs`` / ``extend_max_iters``. Without any limit a run is one epoch (ignite's
-default, the only default: a step scheduler given neither ``num_epochs`` nor ``max_steps`` says
-the same).
+default); a step scheduler always configures both limits (its ``num_epochs`` defaults to NeMo's
+10), so under a scheduler that default never applies.
 """
 
 from __future__ import annotations
@@ -268,16 +268,9 @@ def microbatches_to_skip(
 
 
 class RunPlan:
-    """Where a run is and where it ends, for one trainer (``trainer.plan``): the one owner of the
-    run's limits and position.
-
-    It holds the default limits (``max_steps`` / ``max_epochs``: what ``run()`` uses when not
-    given them), the microbatches per step (``grad_accum_steps``), sets the state up for a run
-    (:meth:`set_up`), puts a run at its start position after a resume (:meth:`start_at`), keeps the
-    bounds on a run's epochs that ignite's loop lacks, and says whether the current step is the
-    run's last (:attr:`is_last_step`). A scheduling handler configures it once
-    (:meth:`configure`, at attach) and reads it; no handler writes the limits or the position
-    elsewhere.
+    """Where a run is and where it ends, for one trainer (``trainer.plan``; module docstring): the
+    default limits ``run()`` uses when not given them, the accumulation, the set-up of a run
+    (:meth:`set_up`), the start position (:meth:`start_at`), the epoch bounds and the last step.
 
     The bounds on epochs, checked at each epoch's end (the trainer's last EPOCH_END handler): a run
     given both limits keeps its own ``max_epochs`` once ignite learns the epoch length, and a run

@@ -112,3 +112,26 @@ def test_epoch_bounds_keep_a_smaller_epoch_limit_once_the_epoch_length_is_known(
     state.epoch_length, state.max_epochs, state.iteration = 10, 10, 10  # as ignite sets it
     bounds.epoch_ended()
     assert state.max_epochs == 2 and not trainer.control.stop
+
+
+def test_no_handler_writes_the_run_limits_or_position():
+    """The run plan is the one owner of the run's limits and position: no shipped handler assigns
+        the trainer's limits or accumulation, the data's skip count, or the state's step and epoch (the
+    step scheduler wrote all of them before the run plan)."""
+    import ast
+    from pathlib import Path
+
+    def sub_attr(node: ast.AST) -> str | None:
+        return node.attr if isinstance(node, ast.Attribute) else None
+
+    owned = {"max_steps", "max_epochs", "grad_accum_steps", "skip_next", "iteration", "epoch"}
+    writers = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "handlers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets if isinstance(node, (ast.Assign, ast.AugAssign)) else []:
+                for sub in ast.walk(target):
+                    written = ast.unparse(sub) if isinstance(sub, ast.Attribute) else ""
+                    if sub_attr(sub) in owned and ("trainer" in written or written.startswith("state.")):
+                        writers.append(f"{path.name}:{node.lineno} {ast.unparse(sub)}")
+    assert writers == []
