@@ -4,18 +4,12 @@ limit, Ctrl-C and ``exit_status.json``.
 The trainer holds one :class:`RunEnd` (``trainer.run_end``), the counterpart of its
 :class:`~engine.run_start.RunStart`. During ``run()``:
 
-- **Stop signals, the time limit, Ctrl-C: one path.** A signal handler only notes the signal
-  (:class:`StopSignals`). At the next agreement point (before the step's agreement, and at the
-  stop agreement of TRAIN_START / EPOCH_START / EPOCH_END) :meth:`RunEnd.poll`, on the rank that
-  saw it, turns what was noted into requests on the control point: a final checkpoint
-  (``request_save``) and a stop (``request_stop``, exit code 75), agreed across ranks like any other
-  stop (:mod:`engine.control`). The stop signals (``SIGTERM`` by default) and the time limit
-  (``exit_duration_in_mins``, from the run's start on any rank) are the step scheduler's settings
-  (:meth:`RunEnd.stop_on`); they also withdraw the step's validation (time is short), through one
-  agreement slot that tells every rank why it stops; a run that ends at that step anyway ends as a
-  finished one. The first Ctrl-C (SIGINT) asks for the same stop; a second one interrupts at once
-  (``KeyboardInterrupt``, 130). Ctrl-C is handled only in the main thread, and only where SIGINT
-  has Python's default handler (a handler or the user who installed their own keeps it).
+- **Stop signals, the time limit, Ctrl-C: one path.** A signal handler only notes the signal; at
+  the next agreement point :meth:`RunEnd.poll`, on the rank that saw it, asks the control point for
+  a final checkpoint and a stop (exit code 75), agreed like any other stop (:mod:`engine.control`).
+  Stop signals and the time limit are a scheduling handler's settings (:meth:`RunEnd.stop_on`). A
+  second Ctrl-C interrupts at once (``KeyboardInterrupt``, 130); Ctrl-C is handled only in the main
+  thread, and only where SIGINT has Python's default handler (one installed by others is kept).
 - **The exit status.** However the run ends, rank 0 records it in ``run_dir/exit_status.json``
   (:mod:`engine.exit_status`): the exit code, the reason, the step, the last checkpoint, and for a
   run ended by one rank's error the ``rank`` that failed. A lost peer or a hang (77) is also
@@ -85,11 +79,8 @@ def resolve_signals(
 
 
 class StopSignals:
-    """Signals that ask for a stop and a time limit: handlers that only note the signal (nothing
-    else is safe in a signal handler), and the question whether a stop is due.
-
-    ``signals``: what :func:`resolve_signals` takes; ``exit_duration_in_mins``: the time limit from
-    :meth:`install` on (None: none)."""
+    """Signals that ask for a stop (their handlers only note them: nothing else is safe there) and a
+    time limit from :meth:`install` on (``exit_duration_in_mins``, None: none)."""
 
     def __init__(
         self,
@@ -186,10 +177,8 @@ class RunEnd:
     def stop_on(
         self, signals: SignalLike | Sequence[SignalLike] | None, exit_duration_in_mins: float | None
     ) -> None:
-        """Stop (final checkpoint, exit code 75, no validation at that step) on ``signals`` and once
-        ``exit_duration_in_mins`` have passed since the run started on any rank (a scheduling handler
-        configures these, once, at attach). Each travels in one slot of the step's agreement, which
-        tells the ranks that did not see it why every rank stops."""
+        """Stop (final checkpoint, exit code 75, no validation at that step) on ``signals`` and after
+        ``exit_duration_in_mins`` on any rank; a slot of the step's agreement tells every rank why."""
         self.stops = StopSignals(signals, exit_duration_in_mins)
         if self.stops.signals:
             self._agreement.add(
@@ -201,10 +190,8 @@ class RunEnd:
             )
 
     def poll(self, in_step: bool = True) -> None:
-        """At an agreement point, on the rank that saw it: a noted Ctrl-C, stop signal or a reached
-        time limit becomes a save and a stop request on the control point (once a run). Stop signals
-        and the time limit are taken in a step (``in_step``: before its agreement, whose slot tells
-        every rank why), Ctrl-C at every agreement point."""
+        """On the rank that saw it: a noted Ctrl-C (at every agreement point), stop signal or reached
+        time limit (``in_step``, before the step's agreement) becomes a save and a stop request."""
         control = self._control
         if self._sigint_noted:
             self._sigint_noted = False
@@ -227,9 +214,8 @@ class RunEnd:
             self._control.request_stop(reason, ExitCode.STOPPED)
 
     def _agreed(self, kind: str, ranks: float) -> None:
-        """After the step's agreement, on every rank alike: a stop signal or the time limit seen by
-        some rank withdraws this step's validation (time is short); a rank that did not see it asks
-        for the same stop, naming the signal or the limit."""
+        """After the step's agreement, on every rank alike: the validation is withdrawn (time is
+        short), and a rank that did not see the signal or limit asks for the same stop, naming it."""
         if not ranks:
             return
         control = self._control

@@ -199,9 +199,8 @@ def grad_acc_steps_for(
 
 
 def derive_limits(num_epochs: int | None, max_steps: int | None, epoch_len: int | None) -> tuple[int, int]:
-    """A step scheduler's ``(num_epochs, max_steps)`` with a missing one derived from the other:
-    the epochs ``max_steps`` needs (10, NeMo's default, when either is unknown), the steps of
-    ``num_epochs`` epochs. ``max_steps`` is required when the epoch length is unknown."""
+    """``(num_epochs, max_steps)`` with a missing one derived from the other (NeMo's rules: 10
+    epochs when unknown; ``max_steps`` required without an epoch length)."""
     if num_epochs is None:
         num_epochs = 10 if max_steps is None or epoch_len is None else math.ceil(max_steps / epoch_len)
     if max_steps is None:
@@ -323,15 +322,14 @@ class RunPlan:
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
-        """``(max_steps, max_epochs)`` of the current run: the state's ``max_iters`` and
-        ``max_epochs`` (None: no such limit)."""
+        """``(max_steps, max_epochs)`` of the current run (the state's; None: no such limit)."""
         state = self._engine.state
         return state.max_iters, state.max_epochs
 
     @property
     def is_last_step(self) -> bool:
-        """Whether the current step is the run's last (the one place that says so): the step reached
-        the run's ``max_steps``, or the last epoch has taken its last step."""
+        """Whether the current step is the run's last (the one place that says so): ``max_steps``
+        reached, or the last epoch's last step."""
         state = self._engine.state
         max_steps, max_epochs = self.limits
         if max_steps is not None and state.iteration >= max_steps:
@@ -442,7 +440,7 @@ class RunPlan:
 
 
 class PlanAttribute:
-    """A trainer attribute that is the run plan's (``trainer.max_steps`` is ``trainer.plan.max_steps``)."""
+    """A trainer attribute that is the run plan's (``trainer.max_steps``: ``trainer.plan.max_steps``)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name

@@ -327,9 +327,8 @@ class MetricsTracker(Handler):
             self._publish()
 
     def _owns_loss_avg(self) -> bool:
-        """``loss_avg`` has one writer: a handler that publishes it (a StepScheduler, over its
-        ``loss_average_window_steps``, every step before this one publishes) owns it and the
-        tracker neither computes nor writes it; else the tracker averages over ``log_interval``."""
+        """``loss_avg`` is computed once: a handler that publishes it every step before the tracker
+        (a StepScheduler) owns it; else the tracker averages over ``log_interval``."""
         m = self.trainer.state.metrics
         return "loss_avg" not in m or m["loss_avg"] is self._written_loss_avg
 

@@ -361,7 +361,6 @@ class StepScheduler(Handler):
         return super().attach(trainer)
 
     def _check_trainer(self) -> None:
-        """The run plan checks the limits and accumulation; the data is checked here."""
         trainer = self.trainer
         data = trainer.step_data.data if trainer.step_data is not None else None
         data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
