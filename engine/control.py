@@ -8,9 +8,9 @@ small late stop agreement at the end of a step whose handlers may still ask, and
 at TRAIN_START / EPOCH_START / EPOCH_END). What every rank agreed is then on
 :attr:`StepControl.decided`. There is one way to ask for a stop, :meth:`StepControl.request_stop`
 (``trainer.terminate()``, ignite's spelling, is the same request); whoever asks (a handler, a stop
-signal or a time limit seen by a scheduling handler, Ctrl-C, a health or straggler check) takes the
-same path: a request here, agreed at the next agreement point, carried out by the trainer's one
-stop.
+signal, the time limit or Ctrl-C noted by the run end (:mod:`engine.run_end`), a health or
+straggler check) takes the same path: a request here, agreed at the next agreement point, carried
+out by the trainer's one stop.
 
 What resets when:
 

@@ -1,12 +1,15 @@
-"""How a run ends, for the person at the keyboard and the job script: Ctrl-C and ``exit_status.json``.
+"""How a run ends, for the person at the keyboard and the job script: stop signals, the time
+limit, Ctrl-C and ``exit_status.json``.
 
 The trainer holds one :class:`RunEnd` (``trainer.run_end``), the counterpart of its
 :class:`~engine.run_start.RunStart`. During ``run()``:
 
-- **Ctrl-C.** The first SIGINT asks for a stop after the current step with a final checkpoint
-  (exit code 75, agreed across ranks like any other stop, see :mod:`engine.control`); a second one
-  interrupts at once (``KeyboardInterrupt``, 130). Only in the main thread, and only where SIGINT
-  has Python's default handler (a handler or the user who installed their own keeps it).
+- **Stop signals, the time limit, Ctrl-C: one path.** A signal handler only notes the signal; at
+  the next agreement point :meth:`RunEnd.poll`, on the rank that saw it, asks the control point for
+  a final checkpoint and a stop (exit code 75), agreed like any other stop (:mod:`engine.control`).
+  Stop signals and the time limit are a scheduling handler's settings (:meth:`RunEnd.stop_on`). A
+  second Ctrl-C interrupts at once (``KeyboardInterrupt``, 130); Ctrl-C is handled only in the main
+  thread, and only where SIGINT has Python's default handler (one installed by others is kept).
 - **The exit status.** However the run ends, rank 0 records it in ``run_dir/exit_status.json``
   (:mod:`engine.exit_status`): the exit code, the reason, the step, the last checkpoint, and for a
   run ended by one rank's error the ``rank`` that failed. A lost peer or a hang (77) is also
@@ -19,25 +22,117 @@ The trainer holds one :class:`RunEnd` (``trainer.run_end``), the counterpart of 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from hookloop.engine import parallel
-from hookloop.engine.errors import PeerCrashed, exit_code_of
+from hookloop.engine.control import OTHER_RANK_STOP
+from hookloop.engine.errors import ConfigError, PeerCrashed, exit_code_of
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 
-__all__ = ["SIGINT_STOP_REASON", "RunEnd", "first_on_node"]
+__all__ = ["SIGINT_STOP_REASON", "RunEnd", "StopSignals", "first_on_node", "resolve_signals"]
+
+logger = logging.getLogger(__name__)
+
+SignalLike = str | int | signal.Signals
 
 SIGINT_STOP_REASON = (
     "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again to "
     "interrupt at once"
 )
+
+
+def resolve_signals(
+    value: SignalLike | Sequence[SignalLike] | None, field: str = "stop_signals"
+) -> tuple[signal.Signals, ...]:
+    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none. The one
+    rule for ``stop_signals``: catchable signals only; errors name ``field``."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, int, signal.Signals)) else list(value)
+    out: list[signal.Signals] = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                sig = signal.Signals[item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()]
+            elif isinstance(item, int) and not isinstance(item, bool):
+                sig = signal.Signals(item)
+            else:
+                raise TypeError
+        except (KeyError, ValueError, TypeError):
+            raise ConfigError(
+                field, f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(field, f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+class StopSignals:
+    """Signals that ask for a stop (their handlers only note them: nothing else is safe there) and a
+    time limit from :meth:`install` on (``exit_duration_in_mins``, None: none)."""
+
+    def __init__(
+        self,
+        signals: SignalLike | Sequence[SignalLike] | None = (),
+        exit_duration_in_mins: float | None = None,
+    ) -> None:
+        self.signals = resolve_signals(signals)
+        self.exit_duration_in_mins = None if exit_duration_in_mins is None else float(exit_duration_in_mins)
+        #: The signal noted since :meth:`install` (None: none).
+        self.noted: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._start: float | None = None
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.noted = signal.Signals(signum)
+
+    def install(self) -> None:
+        """Start the clock and note the signals from now on (main thread only)."""
+        self.noted = None
+        self._start = time.monotonic()
+        if not self.signals or self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not in the main thread: stop signals %s are not handled", self.signals)
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._note)
+
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def minutes(self) -> float:
+        """Minutes since :meth:`install` (nan before)."""
+        return float("nan") if self._start is None else (time.monotonic() - self._start) / 60.0
+
+    def time_up(self) -> bool:
+        return self.exit_duration_in_mins is not None and self.minutes() >= self.exit_duration_in_mins
+
+    def reason(self, kind: str) -> str:
+        """Why the run stops: ``kind`` ``"signal"`` (the signal noted here, else the one configured,
+        else another rank's) or ``"duration"``."""
+        if kind == "duration":
+            return (
+                f"exit_duration_in_mins={self.exit_duration_in_mins:g} reached ({self.minutes():.2f} min "
+                "on this rank)"
+            )
+        if self.noted is not None:
+            return f"signal {self.noted.name}"
+        return f"signal {self.signals[0].name}" if len(self.signals) == 1 else "signal on another rank"
 
 
 def first_on_node() -> bool:
@@ -63,6 +158,8 @@ class RunEnd:
         run_dir: str | os.PathLike | None,
         *,
         graceful_sigint: bool = True,
+        agreement: Any = None,
+        plan: Any = None,
     ) -> None:
         self._control = control
         self._run_start = run_start
@@ -70,13 +167,74 @@ class RunEnd:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.graceful_sigint = bool(graceful_sigint)
         self._status_seen: tuple[int, int, int] | None = None  # exit_status.json when the run began
+        self._agreement, self._plan = agreement, plan
+        #: The stop signals and time limit of :meth:`stop_on` (none until then).
+        self.stops = StopSignals()
+        self._sigint_noted = False
+        #: ``"signal"`` or ``"duration"`` once a stop signal or the time limit asked for this run's stop.
+        self.stop_kind: str | None = None
+
+    def stop_on(
+        self, signals: SignalLike | Sequence[SignalLike] | None, exit_duration_in_mins: float | None
+    ) -> None:
+        """Stop (final checkpoint, exit code 75, no validation at that step) on ``signals`` and after
+        ``exit_duration_in_mins`` on any rank; a slot of the step's agreement tells every rank why."""
+        self.stops = StopSignals(signals, exit_duration_in_mins)
+        if self.stops.signals:
+            self._agreement.add(
+                "stop.signal", lambda: self.stop_kind == "signal", lambda n: self._agreed("signal", n)
+            )
+        if self.stops.exit_duration_in_mins is not None:
+            self._agreement.add(
+                "stop.duration", lambda: self.stop_kind == "duration", lambda n: self._agreed("duration", n)
+            )
+
+    def poll(self, in_step: bool = True) -> None:
+        """On the rank that saw it: a noted Ctrl-C (at every agreement point), stop signal or reached
+        time limit (``in_step``, before the step's agreement) becomes a save and a stop request."""
+        control = self._control
+        if self._sigint_noted:
+            self._sigint_noted = False
+            control.request_save()
+            control.request_stop(SIGINT_STOP_REASON, ExitCode.STOPPED)
+            if parallel.rank() == 0:
+                print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
+        if self.stop_kind is not None or not in_step:
+            return
+        stops = self.stops
+        kind = "signal" if stops.noted is not None else "duration" if stops.time_up() else None
+        if kind is not None:
+            self.stop_kind = kind
+            self._request(stops.reason(kind))
+
+    def _request(self, reason: str) -> None:
+        logger.info("stop requested at step %d: %s", self._state().iteration, reason)
+        self._control.request_save()
+        if self._plan is None or not self._plan.is_last_step:  # a run ending here ends as finished
+            self._control.request_stop(reason, ExitCode.STOPPED)
+
+    def _agreed(self, kind: str, ranks: float) -> None:
+        """After the step's agreement, on every rank alike: the validation is withdrawn (time is
+        short), and a rank that did not see the signal or limit asks for the same stop, naming it."""
+        if not ranks:
+            return
+        control = self._control
+        control.withdraw_validate()  # agreed values: every rank withdraws alike
+        if self.stop_kind is None:
+            self.stop_kind = kind
+            reason = self.stops.reason(kind)
+            if control.stop_reason == OTHER_RANK_STOP:  # the slot says why every rank stops
+                control.stop_reason = reason
+            self._request(reason)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """The span of one ``run()``: Ctrl-C stops gracefully, the exit status as it is now is
         remembered (to tell whether rank 0 has recorded this run's end since), and an error that
         ends the run is recorded (:meth:`record_error`) before it propagates."""
+        self._sigint_noted, self.stop_kind = False, None
         previous = self._install_sigint()
+        self.stops.install()
         if self.run_dir is not None:
             self._status_seen = exit_status_identity(self.run_dir)
         try:
@@ -85,6 +243,7 @@ class RunEnd:
             self.record_error(e)
             raise
         finally:
+            self.stops.restore()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
@@ -96,13 +255,9 @@ class RunEnd:
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return None  # someone else (a handler listing SIGINT, the user) handles it
 
-        def on_sigint(signum: int, frame: Any) -> None:
+        def on_sigint(signum: int, frame: Any) -> None:  # noted; asked for at the next poll()
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            control = self._control
-            control.request_save()
-            control.request_stop(SIGINT_STOP_REASON, ExitCode.STOPPED)
-            if parallel.rank() == 0:
-                print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
+            self._sigint_noted = True
 
         return signal.signal(signal.SIGINT, on_sigint)
 

@@ -1,28 +1,48 @@
-"""The limits of one ``Trainer.run()``: ignite's argument checks and state set-up, with steps.
+"""The run plan: the limits of one ``Trainer.run()`` and where the run is, with one owner.
+
+:class:`RunPlan` (``trainer.plan``) owns the run's limits and position: the default limits a
+scheduling handler configures (``max_steps`` / ``max_epochs``), the microbatches per step
+(``grad_accum_steps``), the start position after a resume (:meth:`RunPlan.start_at`), the bounds on
+a run's epochs and whether the current step is the last (:attr:`RunPlan.is_last_step`). The step
+scheduler, the checkpointer and the curriculum read it; none of them writes the trainer's limits
+or the state's ``iteration`` / ``epoch``.
 
 ignite's ``Engine.run`` checks its arguments and sets up the state (a new run, or one to continue)
 before its loop. The trainer keeps ignite's rules and words but adds a step limit that combines
-with an epoch limit (``max_steps=N, max_epochs=M``: whichever comes first), default limits a
-scheduling handler sets (``trainer.max_steps`` / ``trainer.max_epochs``) and microbatches grouped
-into steps, so it sets the state up here and then starts ignite's loop
+with an epoch limit (``max_steps=N, max_epochs=M``: whichever comes first) and microbatches grouped
+into steps, so the plan sets the state up here and then the trainer starts ignite's loop
 (:meth:`engine.ignite_adapter.IgniteAdapter.start_loop`). Where ignite's own check says the same
 (a limit not below the progress reached) it is ignite's check that runs, through the adapter's
-``extend_max_epochs`` / ``extend_max_iters``.
-
-Two bounds on a run's epochs are checked at each epoch's end (:class:`EpochBounds`, the trainer's
-last EPOCH_END handler): a run given both limits keeps its own ``max_epochs`` once ignite learns
-the epoch length, and a run limited by steps alone stops after two epochs in a row start no step.
+``extend_max_epochs`` / ``extend_max_iters``. Without any limit a run is one epoch (ignite's
+default); a step scheduler always configures both limits (its ``num_epochs`` defaults to NeMo's
+10), so under a scheduler that default never applies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from hookloop.engine.checks import check_int
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 
-__all__ = ["EpochBounds", "check_limit_kind", "check_run_arguments", "set_up_run"]
+__all__ = [
+    "PlanAttribute",
+    "RunPlan",
+    "check_limit_kind",
+    "check_position",
+    "check_run_arguments",
+    "derive_limits",
+    "grad_acc_steps_for",
+    "microbatches_to_skip",
+    "read_position",
+    "set_up_run",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def check_run_arguments(
@@ -114,8 +134,8 @@ def set_up_run(
     """Check ``run()``'s arguments and set ``engine``'s state up for its loop, as ignite's ``run``
     does; returns whether the run continues an unfinished one (else it starts afresh).
 
-    ``engine`` is the :class:`~engine.Trainer`: its ``state``, its default limits (``max_steps`` /
-    ``max_epochs``), its ``step_data`` (replaced for a new data source) and the adapter's
+    ``engine`` is the :class:`~engine.Trainer`: its ``state``, its plan's default limits
+    (``max_steps`` / ``max_epochs``), its ``step_data`` (replaced for a new data source) and the adapter's
     ``extend_max_epochs`` / ``extend_max_iters`` / ``run_finished`` / ``forget_run``."""
     max_steps, steps_name = check_run_arguments(data, max_epochs, max_iters, epoch_length, max_steps)
     state = engine.state
@@ -129,8 +149,8 @@ def set_up_run(
                 "steps an epoch, each on grad_accum_steps None microbatches that prepare_batch turns "
                 "into (inputs, targets)"
             )
-        max_steps = engine.max_steps if max_steps is None else max_steps
-        max_epochs = engine.max_epochs if max_epochs is None else max_epochs
+        max_steps = engine.plan.max_steps if max_steps is None else max_steps
+        max_epochs = engine.plan.max_epochs if max_epochs is None else max_epochs
         if max_epochs is None and max_steps is None:
             max_epochs = 1
         engine.step_data = StepBatches(source, lambda: engine.grad_accum_steps)
@@ -156,39 +176,251 @@ def set_up_run(
     return True
 
 
-class EpochBounds:
-    """The bounds on a run's epochs that ignite's loop lacks, for one trainer.
+def grad_acc_steps_for(
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_size: int,
+    *,
+    field: str = "global_batch_size",
+    local_field: str = "local_batch_size",
+) -> int:
+    """Microbatches per optimizer step, ``global_batch_size // (local_batch_size * dp_size)``; the
+    one rule that it must divide exactly (the run config checks it with the world size too)."""
+    per_microbatch = local_batch_size * dp_size
+    if global_batch_size % per_microbatch:
+        lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
+        raise ConfigError(
+            field,
+            f"({global_batch_size}) must be a multiple of {local_field} x data-parallel size "
+            f"({local_batch_size} x {dp_size} = {per_microbatch}); use a multiple such as {lower} or "
+            f"change {local_field}",
+        )
+    return global_batch_size // per_microbatch
 
-    ``state``: gives the trainer's state; ``control``: its :class:`~engine.control.StepControl`
-    (the stop after empty epochs is requested there, and agreed like any other)."""
 
-    def __init__(self, state: Callable[[], Any], control: Any) -> None:
-        self._state = state
-        self._control = control
+def derive_limits(num_epochs: int | None, max_steps: int | None, epoch_len: int | None) -> tuple[int, int]:
+    """``(num_epochs, max_steps)`` with a missing one derived from the other (NeMo's rules: 10
+    epochs when unknown; ``max_steps`` required without an epoch length)."""
+    if num_epochs is None:
+        num_epochs = 10 if max_steps is None or epoch_len is None else math.ceil(max_steps / epoch_len)
+    if max_steps is None:
+        if epoch_len is None:
+            raise ConfigError(
+                "max_steps",
+                "is required when the dataloader has no length (an iterable dataset): set max_steps",
+            )
+        max_steps = num_epochs * epoch_len
+    return num_epochs, max_steps
+
+
+def check_position(step: int, epoch: int, epoch_len: int | None, step_name: str, epoch_name: str) -> int:
+    """With a known epoch length, ``step`` must lie in epoch ``epoch``; returns the epoch, moved past
+    an epoch that ``step`` completes exactly."""
+    if epoch_len is None:
+        return epoch
+    first = epoch * epoch_len
+    if step == first + epoch_len:
+        return epoch + 1
+    if not first <= step < first + epoch_len:
+        raise ConfigError(
+            step_name,
+            f"step {step} is not in epoch {epoch} ({epoch_len} steps per epoch: steps {first} to "
+            f"{first + epoch_len}); pass {epoch_name}={step // epoch_len} with it",
+        )
+    return epoch
+
+
+def read_position(state: Any, who: str) -> tuple[int, int]:
+    """``(step, epoch)`` from a saved position (a mapping with ``step`` and ``epoch``, numbers or
+    0-dim tensors), checked; errors say what ``who.state_dict()`` returns."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"a {who} state must be a mapping with 'step' and 'epoch', got {type(state).__name__}: pass "
+            f"what {who}.state_dict() returned"
+        )
+    missing = [key for key in ("step", "epoch") if key not in state]
+    if missing:
+        raise ValueError(
+            f"the {who} state has no {' or '.join(map(repr, missing))} (it has {sorted(map(str, state))}); "
+            f"a state needs 'step' and 'epoch': pass what {who}.state_dict() returned"
+        )
+    step, epoch = (int(v.item() if hasattr(v, "item") else v) for v in (state["step"], state["epoch"]))
+    check_int("state_dict['step']", step, low=0)
+    check_int("state_dict['epoch']", epoch, low=0)
+    return step, epoch
+
+
+def microbatches_to_skip(
+    step: int, epoch: int, epoch_len: int | None, accum: int, data: Any, resume_skip: bool | None
+) -> int:
+    """The microbatches of epoch ``epoch`` already used at ``step``, to drop when a run starts there:
+    none without an epoch length, and none when ``resume_skip`` is False, or is None and the loader
+    (or its sampler) has a ``state_dict`` (it restores its own position)."""
+    into = step - epoch * epoch_len if epoch_len is not None else 0
+    if resume_skip is None:
+        resume_skip = not any(
+            hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+            for obj in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None))
+            if obj is not None
+        )
+    return into * accum if resume_skip and into > 0 else 0
+
+
+class RunPlan:
+    """Where a run is and where it ends, for one trainer (``trainer.plan``; module docstring): the
+    default limits ``run()`` uses when not given them, the accumulation, the set-up of a run
+    (:meth:`set_up`), the start position (:meth:`start_at`), the epoch bounds and the last step.
+
+    The bounds on epochs, checked at each epoch's end (the trainer's last EPOCH_END handler): a run
+    given both limits keeps its own ``max_epochs`` once ignite learns the epoch length, and a run
+    limited by steps alone stops after two epochs in a row start no step (a stop request on the
+    control point, agreed like any other).
+
+    ``engine``: the :class:`~engine.Trainer` (its ``state``, ``control``, ``step_data`` and ignite
+    adapter)."""
+
+    def __init__(self, engine: Any, grad_accum_steps: int = 1) -> None:
+        self._engine = engine
+        #: The run's default limits (``run()``'s arguments override them for one run).
+        self.max_steps: int | None = None
+        self.max_epochs: int | None = None
+        self._grad_accum_steps = 1
+        self.grad_accum_steps = grad_accum_steps
+        self._configured_by: str | None = None  # the handler that configured the limits, once
         self._limit: int | None = None
         self._start_step = 0
         self._empty = 0
+        self._in_epoch = False
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Microbatches per optimizer step (>= 1)."""
+        return self._grad_accum_steps
+
+    @grad_accum_steps.setter
+    def grad_accum_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("grad_accum_steps", f"must be an integer >= 1, got {value!r}")
+        self._grad_accum_steps = value
+
+    def configure(
+        self, by: str, max_steps: int, max_epochs: int, grad_accum_steps: int, why: str = ""
+    ) -> None:
+        """Set the run's default limits and accumulation: the handler named ``by`` (a step
+        scheduler), once, at attach; ``why`` says where its accumulation comes from. A trainer built
+        with another accumulation than the default 1 is refused (it was asked for), and so is a
+        ``run()`` whose limits differ from these (:meth:`set_up`)."""
+        if self.grad_accum_steps not in (1, grad_accum_steps):
+            raise ConfigError(
+                "grad_accum_steps",
+                f"the trainer was built with grad_accum_steps={self.grad_accum_steps} but its {by} "
+                f"computes {grad_accum_steps}{why}; drop grad_accum_steps from Trainer(...) and set it "
+                f"on the {by}",
+            )
+        self.max_steps, self.max_epochs, self.grad_accum_steps = max_steps, max_epochs, grad_accum_steps
+        self._configured_by = by
+
+    @property
+    def limits(self) -> tuple[int | None, int | None]:
+        """``(max_steps, max_epochs)`` of the current run (the state's; None: no such limit)."""
+        state = self._engine.state
+        return state.max_iters, state.max_epochs
+
+    @property
+    def is_last_step(self) -> bool:
+        """Whether the current step is the run's last (the one place that says so): ``max_steps``
+        reached, or the last epoch's last step."""
+        state = self._engine.state
+        max_steps, max_epochs = self.limits
+        if max_steps is not None and state.iteration >= max_steps:
+            return True
+        length, data = state.epoch_length, self._engine.step_data
+        return bool(
+            length
+            and max_epochs
+            and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
+            and state.epoch >= max_epochs
+            and data is not None
+            and data.steps >= length
+        )
+
+    def set_up(
+        self,
+        data: Iterable | None,
+        max_epochs: int | None = None,
+        max_iters: int | None = None,
+        epoch_length: int | None = None,
+        max_steps: int | None = None,
+    ) -> bool:
+        """``run()``'s set-up (:func:`set_up_run`); returns whether the run continues an unfinished
+        one."""
+        continuing = set_up_run(self._engine, data, max_epochs, max_iters, epoch_length, max_steps)
+        self.run_set_up()
+        by = self._configured_by
+        for name, mine, theirs in zip(
+            ("max_steps", "max_epochs"), (self.max_steps, self.max_epochs), self.limits
+        ):
+            if by is not None and mine != theirs:
+                raise ConfigError(
+                    name,
+                    f"the trainer has {name}={theirs} but its {by} says {mine}; set it on the {by} and call "
+                    "trainer.run(data) without it",
+                )
+        return continuing
 
     def run_set_up(self) -> None:
-        """After :func:`set_up_run`: a run given both limits whose epoch length is not known yet
-        remembers its ``max_epochs``."""
-        state = self._state()
+        """A run given both limits whose epoch length is not known yet remembers its ``max_epochs``."""
+        state = self._engine.state
         both = state.max_iters is not None and state.max_epochs is not None
         self._limit = state.max_epochs if both and state.epoch_length is None else None
+
+    def start_at(self, step: int, epoch: int, skip_microbatches: int = 0) -> None:
+        """TRAIN_START, after a checkpoint handler restored (it runs earlier): start the run at
+        ``step`` with ``epoch`` epochs completed, dropping ``skip_microbatches`` of the data.
+
+        A fresh trainer is moved there. One a checkpoint restored to the same step keeps its data
+        position; only its epoch is set to the epochs *completed*, since the loop adds one when the
+        next epoch starts. One at another step keeps its position (with a warning)."""
+        engine = self._engine
+        state = engine.state
+        if state.iteration == step and step > 0:
+            state.epoch = epoch
+            return
+        if state.iteration != 0:
+            logger.warning(
+                "trainer already at step %d: the start position (step %d, epoch %d) is ignored",
+                state.iteration,
+                step,
+                epoch,
+            )
+            return
+        state.iteration, state.epoch = step, epoch
+        engine.step_data.skip_next = skip_microbatches
+        logger.info("starting at step %d, epoch %d", step, epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The 0-based index of the current epoch, which is the number of epochs completed before it
+        (ignite's ``state.epoch`` counts the current one from EPOCH_START on)."""
+        epoch = self._engine.state.epoch
+        return epoch - 1 if self._in_epoch else epoch
 
     def start_run(self) -> None:
         """TRAIN_START: no epoch seen yet."""
         self._start_step = 0
         self._empty = 0
+        self._in_epoch = False
 
     def epoch_started(self) -> None:
-        self._start_step = self._state().iteration
+        self._start_step = self._engine.state.iteration
+        self._in_epoch = True
 
     def epoch_ended(self) -> None:
         """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
         data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
         epochs without end: after two in a row it asks to stop, saying so."""
-        state = self._state()
+        state = self._engine.state
+        self._in_epoch = False
         if self._limit is not None and state.epoch_length is not None:
             # ignite, learning the epoch length of a run with max_iters, sets max_epochs from
             # max_iters alone; a run given both limits keeps its own max_epochs if that is smaller
@@ -199,9 +431,22 @@ class EpochBounds:
             return
         self._empty += 1
         if self._empty >= 2:
-            self._control.request_stop(
+            self._engine.control.request_stop(
                 f"epochs {state.epoch - 1} and {state.epoch} started no step and only max_steps="
                 f"{state.max_iters} limits the run: the data gives no more steps (a one-shot iterator "
                 "used up, or every fetch raising into an EXCEPTION handler that handles it), so the "
                 f"run ends at step {state.iteration} instead of repeating empty epochs"
             )
+
+
+class PlanAttribute:
+    """A trainer attribute that is the run plan's (``trainer.max_steps``: ``trainer.plan.max_steps``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.plan, self._name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.plan, self._name, value)

@@ -6,7 +6,7 @@ stop, rollback) is requested on the trainer's control point, ``trainer.control``
 agreement; how the run ended is ``trainer.control.exit_code`` and ``trainer.control.stop_reason``
 (``state.control`` reads the same object: the trainer owns it and binds it to its state).
 
-Two flags are a scheduling handler's published view of the current step, set at STEP_START from its
+One flag is a scheduling handler's published view of the current step, set at STEP_START from its
 schedule (the same on every rank, computed from the same settings) for whoever reads them. They are
 information, not requests: nothing is agreed on them.
 
@@ -15,9 +15,10 @@ flag               who sets it, who reads it              reset
 =================  =====================================  ==========================================
 should_log_remote  scheduler at STEP_START; remote        False before every STEP_START
                    loggers log on such steps
-is_last_step       scheduler at STEP_START; the trainer   False before every STEP_START
-                   (``trainer.at_last_step``)
 =================  =====================================  ==========================================
+
+Whether the current step is the run's last is the run plan's to say (``trainer.at_last_step``,
+:mod:`engine.run_limits`), not a flag.
 
 ``last_checkpoint`` is a record, not a request: the newest checkpoint published (or resumed from),
 for ``exit_status.json``.
@@ -35,7 +36,7 @@ from hookloop.engine.control import StepControl
 
 __all__ = ["StateAttribute", "TrainState"]
 
-_SCHEDULE_FLAGS = ("should_log_remote", "is_last_step")
+_SCHEDULE_FLAGS = ("should_log_remote",)
 
 
 class _StepValue:
@@ -144,7 +145,7 @@ class TrainState(State):
         self.iteration = value
 
     def clear_schedule_flags(self) -> None:
-        """Drop this step's published schedule (``should_log_remote``, ``is_last_step``)."""
+        """Drop this step's published schedule (``should_log_remote``)."""
         for name in _SCHEDULE_FLAGS:
             setattr(self, name, False)
 

@@ -34,7 +34,6 @@ from hookloop.engine.agreement import StepAgreement
 from hookloop.engine.batch import default_prepare_batch
 from hookloop.engine.control import StepControl, shared_stop_reason
 from hookloop.engine.error_path import ErrorPath
-from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import (
     STEP_EVENT_TO_ATTR,
     EventHandle,
@@ -151,8 +150,8 @@ class Trainer(IgniteAdapter):
             step_body=step_body,
             removed=removed,
         )
-        self._grad_accum_steps = 1
-        self.grad_accum_steps = accumulation(step_body, grad_accum_steps)
+        #: Where the run is and where it ends (:mod:`engine.run_limits`): limits, accumulation, position.
+        self.plan = run_limits.RunPlan(self, accumulation(step_body, grad_accum_steps))
         self.loss_parallel = bool(loss_parallel)
         #: The step's control point, the trainer's one: handlers request skip / save / validate / stop /
         #: rollback here, and read what every rank agreed in ``control.decided`` (:mod:`engine.control`).
@@ -188,9 +187,6 @@ class Trainer(IgniteAdapter):
         if precision == "fp16-mixed":
             self.grad_scaler = torch.amp.GradScaler(self.device.type)
             self.register_stateful("grad_scaler", self.grad_scaler)
-        # Limits a scheduling handler (or the user) configures; run() arguments override them per run.
-        self.max_steps: int | None = None
-        self.max_epochs: int | None = None
         self.step_data = StepBatches(None, lambda: self.grad_accum_steps)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self.tp_mesh = tp_mesh if tp_mesh is not None else tensor_parallel.find_tp_mesh(self._params)
@@ -231,8 +227,6 @@ class Trainer(IgniteAdapter):
         self.agreement = StepAgreement()
         #: What handlers that judge the state tell handlers that save it (:mod:`engine.save_policy`).
         self.save_policy = SavePolicy()
-        #: The bounds on a run's epochs beyond ignite's (:mod:`engine.run_limits`).
-        self.epoch_bounds = run_limits.EpochBounds(lambda: self.state, self.control)
         #: Where the step's requests become decisions (:mod:`engine.step_decisions`).
         self.step_decisions = StepDecisions(
             self.control,
@@ -245,9 +239,15 @@ class Trainer(IgniteAdapter):
         )
         #: Whether the run has started (:mod:`engine.run_start`): RUN_STARTED fired, every rank agreed.
         self.run_start = RunStart(self.control)
-        #: How the run ends (:mod:`engine.run_end`): the Ctrl-C rule and ``exit_status.json``.
+        #: How the run ends (:mod:`engine.run_end`): stop signals, Ctrl-C and ``exit_status.json``.
         self.run_end = RunEnd(
-            self.control, self.run_start, lambda: self.state, run_dir, graceful_sigint=graceful_sigint
+            self.control,
+            self.run_start,
+            lambda: self.state,
+            run_dir,
+            graceful_sigint=graceful_sigint,
+            agreement=self.agreement,
+            plan=self.plan,
         )
         #: Where every error of a run goes (:mod:`engine.error_path`): EXCEPTION, TRAIN_FAILED.
         self.error_path = ErrorPath(
@@ -260,15 +260,10 @@ class Trainer(IgniteAdapter):
         )
 
     # ------------------------------------------------------------------ configuration
-    @property
-    def grad_accum_steps(self) -> int:
-        return self._grad_accum_steps
-
-    @grad_accum_steps.setter
-    def grad_accum_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("grad_accum_steps", f"must be an integer >= 1, got {value!r}")
-        self._grad_accum_steps = value
+    #: The run plan's (:class:`engine.run_limits.RunPlan`): microbatches per step, default limits.
+    grad_accum_steps = run_limits.PlanAttribute()
+    max_steps = run_limits.PlanAttribute()
+    max_epochs = run_limits.PlanAttribute()
 
     @property
     def collective_device(self) -> torch.device:
@@ -420,6 +415,7 @@ class Trainer(IgniteAdapter):
     def _agree_boundary_stop(self) -> None:
         """The stop agreement outside a step (after TRAIN_START, EPOCH_START and EPOCH_END handlers)."""
         control = self.control
+        self.run_end.poll(in_step=False)  # a noted Ctrl-C becomes a request here
         if self.agree_any(control.stop):
             control.decide_stop()
             self._stop()
@@ -427,6 +423,7 @@ class Trainer(IgniteAdapter):
     def _agree_start(self) -> None:
         """TRAIN_START's end: every rank agrees none failed (:mod:`engine.run_start`), the run has
         started (RUN_STARTED), then a stop asked for at TRAIN_START is carried out."""
+        self.run_end.poll(in_step=False)
         stop = self.run_start.agree()
         if self.watchdog is not None:  # from now on a hang's stack dumps go to the run directory
             self.watchdog.dump_dir = self.run_dir
@@ -441,13 +438,13 @@ class Trainer(IgniteAdapter):
         return self.run_start.started
 
     def _start_epoch(self) -> None:
-        self.epoch_bounds.epoch_started()
+        self.plan.epoch_started()
         self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
-        """The bounds on the run's epochs (:class:`engine.run_limits.EpochBounds`), then the stop
-        agreement."""
-        self.epoch_bounds.epoch_ended()
+        """The bounds on the run's epochs (:meth:`engine.run_limits.RunPlan.epoch_ended`), then the
+        stop agreement."""
+        self.plan.epoch_ended()
         self._agree_boundary_stop()
 
     # ------------------------------------------------------------------ running
@@ -467,15 +464,14 @@ class Trainer(IgniteAdapter):
         setting ``state.batch``) turns into the step's data.
 
         ``max_steps`` (keyword) and ``max_epochs`` limit the run, whichever comes first; unset, they
-        default to the trainer's ``max_steps`` / ``max_epochs`` (a scheduling handler sets those), else one
-        epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's ``max_iters`` is
-        ``max_steps`` under ignite's rules (not together with ``max_epochs``). As in ignite, a run
-        that is not finished (after ``load_state_dict``, or a larger limit than the last run's)
-        continues with its epoch length; a finished one starts afresh. Returns the state;
+        default to the run plan's ``max_steps`` / ``max_epochs`` (a scheduling handler configures
+        those), else one epoch. They are the state's ``max_iters`` and ``max_epochs``; ignite's
+        ``max_iters`` is ``max_steps`` under ignite's rules (not together with ``max_epochs``). As
+        in ignite, a run that is not finished (after ``load_state_dict``, or a larger limit than
+        the last run's) continues with its epoch length; a finished one starts afresh. Returns the state;
         ``trainer.control.exit_code`` (and ``stop_reason``) tell how it ended.
         """
-        continuing = run_limits.set_up_run(self, data, max_epochs, max_iters, epoch_length, max_steps)
-        self.epoch_bounds.run_set_up()
+        continuing = self.plan.set_up(data, max_epochs, max_iters, epoch_length, max_steps)
         return self._run_guarded(data, continuing=continuing)
 
     def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
@@ -514,30 +510,13 @@ class Trainer(IgniteAdapter):
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
-        """``(max_steps, max_epochs)`` of the current run: the state's ``max_iters`` and
-        ``max_epochs`` (None: no such limit)."""
-        return self.state.max_iters, self.state.max_epochs
+        """``(max_steps, max_epochs)`` of the current run (:attr:`engine.run_limits.RunPlan.limits`)."""
+        return self.plan.limits
 
     @property
     def at_last_step(self) -> bool:
-        """Whether the current step is the run's last (the one place that says so): a handler
-        flagged it (``state.is_last_step``, set by a scheduling handler), the step reached the run's
-        ``max_steps``, or the last epoch has taken its last step."""
-        state = self.state
-        if state.is_last_step:
-            return True
-        max_steps, max_epochs = self.limits
-        if max_steps is not None and state.iteration >= max_steps:
-            return True
-        length = state.epoch_length
-        return bool(
-            length
-            and max_epochs
-            and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
-            and state.epoch >= max_epochs
-            and self.step_data is not None
-            and self.step_data.steps >= length
-        )
+        """Whether the current step is the run's last (:attr:`engine.run_limits.RunPlan.is_last_step`)."""
+        return self.plan.is_last_step
 
     def set_data(self, data: Iterable) -> None:
         """Switch the data source mid-run (ignite's ``set_data``): the next step's microbatches come
@@ -579,7 +558,7 @@ class Trainer(IgniteAdapter):
         self.step_decisions.start_run()
         self._skip_completed = False
         self.error_path.start_run()
-        self.epoch_bounds.start_run()
+        self.plan.start_run()
 
     def _end_step(self) -> None:
         """The step's end (:meth:`engine.step_decisions.StepDecisions.end_step`), then the stop every
@@ -625,6 +604,7 @@ class Trainer(IgniteAdapter):
         overflow = None
         if scaler is not None:  # fp16: a non-finite norm means the loss scale overflowed
             overflow = ~torch.isfinite(norm) if isinstance(norm, torch.Tensor) else False
+        self.run_end.poll()  # a noted signal or time limit: a request in this step's agreement
         self.step_decisions.agree(local_loss, norm, tokens, samples, overflow)
         return self._optimizer_step(norm)
 

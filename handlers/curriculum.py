@@ -78,7 +78,7 @@ class PhaseCurriculum(Handler):
             ``lr_scale > 0``.
         mix_temperature: temperature of the phases' weights (``p_i ∝ w_i**(1/T)``).
         samples_per_step: samples per optimizer step on one rank; by default ``batch_size *
-            trainer.grad_accum_steps`` from the ``DataLoader`` passed to ``trainer.run``, which must
+            trainer.plan.grad_accum_steps`` from the ``DataLoader`` passed to ``trainer.run``, which must
             draw from ``sampler``.
         state_key: key of the curriculum (and the data position) in checkpoints.
 
@@ -205,12 +205,12 @@ class PhaseCurriculum(Handler):
         sampler = getattr(batch_sampler, "sampler", None)
         batch_size = getattr(loader, "batch_size", None) or getattr(batch_sampler, "batch_size", None)
         if self.samples_per_step is not None:
-            expected = batch_size * trainer.grad_accum_steps if batch_size else None
+            expected = batch_size * trainer.plan.grad_accum_steps if batch_size else None
             if sampler is self.sampler and expected and self.samples_per_step != expected:
                 raise ConfigError(
                     "samples_per_step",
                     f"is {self.samples_per_step} but the loader takes batch_size {batch_size} x "
-                    f"grad_accum_steps {trainer.grad_accum_steps} = {expected} samples per step",
+                    f"grad_accum_steps {trainer.plan.grad_accum_steps} = {expected} samples per step",
                 )
             return self.samples_per_step
         if sampler is not self.sampler or not batch_size:
@@ -224,7 +224,7 @@ class PhaseCurriculum(Handler):
                 "the training DataLoader prefetches with workers: use engine.data.MixtureLoader so that a "
                 "checkpoint of the loader position is exact too (the curriculum's own state is exact)"
             )
-        return batch_size * trainer.grad_accum_steps
+        return batch_size * trainer.plan.grad_accum_steps
 
     # ------------------------------------------------------------------ events
     def _on_train_start(self) -> None:

@@ -166,7 +166,6 @@ class MetricsTracker(Handler):
         self.train_time_s = 0.0  # cumulative over restarts (checkpointed)
         self._loss_window = RunningMean(log_interval)
         self._written_loss_avg: Any = None
-        self._owns_loss_avg = True
         self._reset_interval()
         self._t_start = self._t_data = 0.0
         self._data_time = 0.0
@@ -260,8 +259,6 @@ class MetricsTracker(Handler):
         self._first_step = True
         state.metrics_step = None
         self._world, self._cuda = parallel.world_size(), self.trainer.device.type == "cuda"
-        # A StepScheduler publishes loss_avg every step over its own window: the tracker leaves it be.
-        self._owns_loss_avg = self.trainer.get_handler("step_scheduler") is None
 
     def _on_run_started(self) -> None:
         state = self.trainer.state
@@ -324,10 +321,16 @@ class MetricsTracker(Handler):
     def _maybe_publish(self) -> None:
         state = self.trainer.state
         publish = state.step % self.log_interval == 0 or self.trainer.at_last_step
-        if self._owns_loss_avg:  # the loss unread (a tensor stays one) unless it is published now
+        if self._owns_loss_avg():  # the loss unread (a tensor stays one) unless it is published now
             self._loss_window.push(state.loss if publish else state.peek("loss"))
         if publish:
             self._publish()
+
+    def _owns_loss_avg(self) -> bool:
+        """``loss_avg`` is computed once: a handler that publishes it every step before the tracker
+        (a StepScheduler) owns it; else the tracker averages over ``log_interval``."""
+        m = self.trainer.state.metrics
+        return "loss_avg" not in m or m["loss_avg"] is self._written_loss_avg
 
     def _publish(self) -> None:
         state, world = self.trainer.state, self._world
@@ -346,8 +349,7 @@ class MetricsTracker(Handler):
         self.train_time_s += interval_s
         m = state.metrics
         m["loss"] = state.loss
-        if self._owns_loss_avg and ("loss_avg" not in m or m["loss_avg"] is self._written_loss_avg):
-            # no StepScheduler, and no other handler writes the average: publish our own
+        if self._owns_loss_avg():
             self._written_loss_avg = m["loss_avg"] = self._loss_window.mean
         m["grad_norm"] = state.grad_norm
         m["lr"] = state.lr

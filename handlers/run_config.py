@@ -38,6 +38,7 @@ from hookloop.engine.errors import ConfigError
 from hookloop.engine.fault_tolerance import FaultToleranceConfig, check_fault_tolerance
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.lr import check_lr_schedule, schedule_settings
+from hookloop.engine.run_limits import grad_acc_steps_for
 from hookloop.engine.validation import ValidationConfig
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from hookloop.handlers.console import ConsoleLogger
@@ -50,7 +51,7 @@ from hookloop.handlers.loggers import LoggingConfig
 from hookloop.handlers.metrics import MetricsConfig, MetricsTracker
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
-from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig, grad_acc_steps_for
+from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
 from hookloop.handlers.straggler import StragglerConfig, StragglerDetector
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.handlers.wandb_logger import WandBLogger

@@ -1,50 +1,42 @@
-"""The StepScheduler decides *when*: steps, epochs, and the cadence of checkpoints, validation,
-remote logging and garbage collection, plus the exits a long job needs (stop signals,
-``exit_duration_in_mins``, ``exit_interval``).
+"""The StepScheduler decides *when*: the cadence of checkpoints, validation, remote logging and
+garbage collection, the run's length (``max_steps`` / ``num_epochs``) and the exits a long job
+needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
 
-One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``, or
-``scheduler.step == k`` when iterating the scheduler yourself) ``is_ckpt_step`` is true when ``k``
-is a multiple of ``ckpt_every_steps``, ``is_val_step`` when ``k`` is a multiple of
-``val_every_steps``, and so on. ``epoch`` is the 0-based index of the current epoch, which is also
-the number of epochs completed before it.
+One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``)
+``is_ckpt_step`` is true when ``k`` is a multiple of ``ckpt_every_steps``, and so on; ``epoch`` is
+the 0-based index of the current epoch (the epochs completed before it).
 
-Two ways to use it:
-
-* Standalone (as in NeMo AutoModel): ``for epoch in s.epochs: for microbatches in s: ...``; each
-  item is a list of ``grad_acc_steps`` microbatches (shorter at the end of an epoch) and the
-  predicates describe the step being run.
-* As a handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``. The scheduler sets the
-  trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``. At STEP_START it *requests* what
-  its schedule wants of the step on the trainer's control point (``trainer.control``): its
-  checkpoint steps as ``request_save()``, its validation steps as ``request_validate()``; the trainer
-  decides them in the step's agreement, like any handler's requests. It *publishes* what it knows
-  of the step's place in the schedule on ``trainer.state``: ``should_log_remote`` (a remote logging
-  step) and ``is_last_step`` (the trainer's ``at_last_step`` reads it); information, the same on
-  every rank, not requests. Stop signals and time limits become a final checkpoint request plus a
-  stop request on ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`
-  (and the step's validation withdrawn: time is short).
+A handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``; the trainer runs the loop (there
+is no standalone iteration: the run plan owns the position). The scheduler configures the trainer's
+run plan once (``trainer.plan``, :mod:`engine.run_limits`: limits and accumulation at attach, the
+start position at TRAIN_START) and reads it; its stop signals and time limit go to the trainer's
+run end (:meth:`engine.run_end.RunEnd.stop_on`); at STEP_START it *requests* its checkpoint and
+validation steps on ``trainer.control`` and publishes ``state.should_log_remote``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
-import signal
-import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings, section_settings
+from hookloop.engine.run_end import SignalLike, resolve_signals
+from hookloop.engine.run_limits import (
+    check_position,
+    derive_limits,
+    grad_acc_steps_for,
+    microbatches_to_skip,
+    read_position,
+)
 from hookloop.engine.running_mean import RunningMean
-from hookloop.engine.step_batches import data_length, iter_groups, steps_in
+from hookloop.engine.step_batches import data_length, steps_in
 
 __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 
@@ -52,79 +44,13 @@ __all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
 #: TRAIN_START / EPOCH_START / STEP_START / EPOCH_END: limits, cadence, this step's flags.
 SCHEDULE = Priority.DECIDE
 #: STEP_END: the loss-average window, before the metrics are published; TRAIN_END / TRAIN_FAILED:
-#: restore signal handlers and GC.
+#: restore GC.
 EXIT_CHECK = Priority.OBSERVE + 100
 
 # OmegaConf resolves the config section's annotations at run time: Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
 
 logger = logging.getLogger(__name__)
-
-_SignalLike = str | int | signal.Signals
-
-
-def _calculate_max_steps(num_epochs: int, epoch_len: int | None, default_max_steps: int = 2**63 - 1) -> int:
-    """``num_epochs * epoch_len``; ``default_max_steps`` when the epoch length is unknown."""
-    if epoch_len is None:
-        return default_max_steps
-    return num_epochs * epoch_len
-
-
-def _calculate_num_epochs(max_steps: int | None, epoch_len: int | None, default_num_epochs: int = 10) -> int:
-    """Epochs needed to reach ``max_steps``; ``default_num_epochs`` when either is unknown."""
-    if max_steps is None or epoch_len is None:
-        return default_num_epochs
-    return math.ceil(max_steps / epoch_len)
-
-
-def _resolve_signals(
-    value: _SignalLike | Sequence[_SignalLike] | None, field: str = "stop_signals"
-) -> tuple[signal.Signals, ...]:
-    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none. The one
-    rule for ``stop_signals``: catchable signals only; errors name ``field``."""
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, (str, int, signal.Signals)) else list(value)
-    out: list[signal.Signals] = []
-    for item in items:
-        try:
-            if isinstance(item, str):
-                sig = signal.Signals[item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()]
-            elif isinstance(item, int) and not isinstance(item, bool):
-                sig = signal.Signals(item)
-            else:
-                raise TypeError
-        except (KeyError, ValueError, TypeError):
-            raise ConfigError(
-                field, f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
-            ) from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(field, f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
-        if sig not in out:
-            out.append(sig)
-    return tuple(out)
-
-
-def grad_acc_steps_for(
-    global_batch_size: int,
-    local_batch_size: int,
-    dp_size: int,
-    *,
-    field: str = "global_batch_size",
-    local_field: str = "local_batch_size",
-) -> int:
-    """Microbatches per optimizer step, ``global_batch_size // (local_batch_size * dp_size)``; the
-    one rule that it must divide exactly (the run config checks it with the world size too)."""
-    per_microbatch = local_batch_size * dp_size
-    if global_batch_size % per_microbatch:
-        lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
-        raise ConfigError(
-            field,
-            f"({global_batch_size}) must be a multiple of {local_field} x data-parallel size "
-            f"({local_batch_size} x {dp_size} = {per_microbatch}); use a multiple such as {lower} or "
-            f"change {local_field}",
-        )
-    return global_batch_size // per_microbatch
 
 
 @dataclass
@@ -164,16 +90,7 @@ class StepSchedulerConfig:
             dotted(p, "exit_duration_in_mins"), self.exit_duration_in_mins, positive=True, allow_none=True
         )
         check_int(dotted(p, "exit_interval"), self.exit_interval, allow_none=True)
-        _resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
-
-
-def _restores_own_position(data: Any) -> bool:
-    """A loader (or its sampler) with ``state_dict`` is assumed to restore its own position."""
-    return any(
-        hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
-        for obj in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None))
-        if obj is not None
-    )
+        resolve_signals(self.stop_signals, dotted(p, "stop_signals"))
 
 
 class StepScheduler(Handler):
@@ -209,9 +126,7 @@ class StepScheduler(Handler):
     Config = StepSchedulerConfig
     section = "step_scheduler"
     state_key = "step_scheduler"
-    # Its position is the trainer's (step and epoch): a rollback moves the trainer back, and the
-    # scheduler follows without reloading, so the cadence after a rollback is the same as without,
-    # and a stop signal received before the rollback still stands.
+    # Its position is the trainer's: after a rollback it follows without reloading.
     restore_on_rollback = False
 
     def __init__(
@@ -233,7 +148,7 @@ class StepScheduler(Handler):
         *,
         exit_duration_in_mins: float | None = None,
         exit_interval: int | None = None,
-        stop_signals: _SignalLike | Sequence[_SignalLike] | None = ("SIGTERM",),
+        stop_signals: SignalLike | Sequence[SignalLike] | None = ("SIGTERM",),
         resume_skip: bool | None = None,
     ) -> None:
         checked_settings(StepSchedulerConfig, locals())
@@ -246,54 +161,31 @@ class StepScheduler(Handler):
                 "dataloader", f"must be an iterable of microbatches, got {type(dataloader).__name__}"
             )
 
-        self.grad_acc_steps = grad_acc_steps
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.dp_size = dp_size
-        self.dataloader = dataloader
+        self.grad_acc_steps, self.global_batch_size = grad_acc_steps, global_batch_size
+        self.local_batch_size, self.dp_size, self.dataloader = local_batch_size, dp_size, dataloader
         length = data_length(dataloader) if dataloader is not None else None
         if length == 0:
             raise ConfigError("dataloader", "is empty (len() == 0); pass data with at least one microbatch")
         self.epoch_len: int | None = steps_in(length, self.grad_acc_steps)
 
-        if num_epochs is None:
-            num_epochs = _calculate_num_epochs(max_steps, self.epoch_len)
-        if max_steps is None:
-            if self.epoch_len is None:
-                raise ConfigError(
-                    "max_steps",
-                    "is required when the dataloader has no length (an iterable dataset): set max_steps",
-                )
-            max_steps = _calculate_max_steps(num_epochs, self.epoch_len)
-        self.num_epochs: int = num_epochs
-        self.max_steps: int = max_steps
+        self.num_epochs, self.max_steps = derive_limits(num_epochs, max_steps, self.epoch_len)
         if ckpt_every_steps is None:
-            ckpt_every_steps = self.epoch_len if self.epoch_len is not None else max(1, max_steps // 2)
+            ckpt_every_steps = self.epoch_len if self.epoch_len is not None else max(1, self.max_steps // 2)
         self.ckpt_every_steps: int = ckpt_every_steps
         self.save_checkpoint_every_epoch = save_checkpoint_every_epoch
         self.val_every_steps = val_every_steps
         self.log_remote_every_steps = log_remote_every_steps
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
-        self.exit_duration_in_mins = None if exit_duration_in_mins is None else float(exit_duration_in_mins)
         self.exit_interval = exit_interval
-        self.stop_signals = _resolve_signals(stop_signals)
+        self.stop_signals = resolve_signals(stop_signals)
+        self.exit_duration_in_mins = None if exit_duration_in_mins is None else float(exit_duration_in_mins)
         self.resume_skip = resume_skip
-
-        start_epoch = self._check_position(start_step, start_epoch, "start_step", "start_epoch")
-        self._step = start_step
-        self._epoch = start_epoch
-        self._pending_start = start_step > 0 or start_epoch > 0
-
-        self._in_epoch = False
+        self._epoch = check_position(start_step, start_epoch, self.epoch_len, "start_step", "start_epoch")
+        self._step, self._pending_start = start_step, start_step > 0 or start_epoch > 0
         self._loss_window = RunningMean(loss_average_window_steps)
         self._loss_window_loaded = False  # a checkpoint's window survives the next start
-        self._exit_kind: str | None = None  # "signal", "duration" or "interval" once agreed
-        self._exit_reason: str | None = None
-        self._polled_step: int | None = None
-        self._signal_seen: signal.Signals | None = None
-        self._previous_handlers: dict[signal.Signals, Any] = {}
-        self._start_time: float | None = None
+        self._exit_reason: str | None = None  # an exit_interval stop's
         self._gc_was_enabled: bool | None = None
 
     @classmethod
@@ -331,30 +223,13 @@ class StepScheduler(Handler):
     @property
     def epoch(self) -> int:
         """0-based index of the current epoch = epochs completed before it."""
-        if self.trainer is not None and not self._pending_start:
-            epoch = self.trainer.state.epoch
-            return epoch - 1 if self._in_epoch else epoch
-        return self._epoch
+        return (
+            self.trainer.plan.epoch if self.trainer is not None and not self._pending_start else self._epoch
+        )
 
     def _every(self, n: int | None) -> bool:
         k = self.step
         return n is not None and k > 0 and k % n == 0
-
-    def _check_position(self, step: int, epoch: int, step_name: str, epoch_name: str) -> int:
-        """With a known epoch length, ``step`` must lie in epoch ``epoch``; returns the epoch,
-        moved past an epoch that ``step`` completes exactly."""
-        if self.epoch_len is None:
-            return epoch
-        first = epoch * self.epoch_len
-        if step == first + self.epoch_len:
-            return epoch + 1
-        if not first <= step < first + self.epoch_len:
-            raise ConfigError(
-                step_name,
-                f"step {step} is not in epoch {epoch} ({self.epoch_len} steps per epoch: steps {first} to "
-                f"{first + self.epoch_len}); pass {epoch_name}={step // self.epoch_len} with it",
-            )
-        return epoch
 
     # ------------------------------------------------------------------ predicates
     @property
@@ -364,11 +239,8 @@ class StepScheduler(Handler):
 
     @property
     def is_last_step(self) -> bool:
-        """The current step is the last that will run: ``max_steps`` reached, or the last batch of
-        the last epoch (e.g. max_steps=100 with 60 steps of data: step 60)."""
-        if self.step >= self.max_steps:
-            return True
-        return self.epoch + 1 >= self.num_epochs and self.is_last_batch
+        """The current step is the run's last: the run plan's (``trainer.plan.is_last_step``)."""
+        return self.trainer is not None and self.trainer.plan.is_last_step
 
     @property
     def is_exit_interval_step(self) -> bool:
@@ -385,14 +257,13 @@ class StepScheduler(Handler):
     def is_ckpt_step(self) -> bool:
         """Every ``ckpt_every_steps``, the last step of an epoch (``save_checkpoint_every_epoch``),
         the last step, and the step a stop (signal, exit duration, exit interval) happens on."""
-        return self._is_regular_ckpt_step() or self.is_exit_interval_step or self._stopping()
+        return self._is_regular_ckpt_step() or self.is_exit_interval_step
 
     @property
     def is_val_step(self) -> bool:
-        """Every ``val_every_steps`` and on regular checkpoint steps; never on a step that stops on
-        a signal or the exit duration (time is short then)."""
-        wanted = self._every(self.val_every_steps) or self._is_regular_ckpt_step()
-        return wanted and not (self._stopping() and self._exit_kind in ("signal", "duration"))
+        """Every ``val_every_steps`` and on regular checkpoint steps (a stop signal or the exit duration
+        withdraws it: time is short then, :meth:`engine.run_end.RunEnd.stop_on`)."""
+        return self._every(self.val_every_steps) or self._is_regular_ckpt_step()
 
     @property
     def is_remote_logging_step(self) -> bool:
@@ -405,119 +276,27 @@ class StepScheduler(Handler):
     @property
     def sigterm_received(self) -> bool:
         """A stop signal reached some rank and every rank agreed on it (latches)."""
-        self._stopping()
-        return self._exit_kind == "signal"
+        return self.trainer is not None and self.trainer.run_end.stop_kind == "signal"
 
     @property
     def exit_reason(self) -> str | None:
         """Why the run stops early (signal, exit duration, exit interval), or None."""
+        if self.trainer is not None and self.trainer.run_end.stop_kind is not None:
+            return self.trainer.control.stop_reason
         return self._exit_reason
 
-    def _stopping(self) -> bool:
-        # Standalone, the agreement is polled here (every rank runs the same loop, so every rank
-        # polls once per step); attached, only the STEP_END handler polls and this reads the latch.
-        if self.trainer is None:
-            self._poll_exit(parallel.agree_any)
-        return self._exit_kind in ("signal", "duration")
-
-    # ------------------------------------------------------------------ exits
-    def _poll_exit(self, agree: Any) -> None:
-        """Agree stop signals and the exit duration across ranks, at most once per step (standalone;
-        attached, the two travel in the trainer's step agreement instead)."""
-        step = self.step
-        if self._polled_step == step or self._exit_kind in ("signal", "duration"):
-            return
-        self._polled_step = step
-        if self.stop_signals and agree(self._signal_seen is not None):
-            self._latch_signal()
-        elif self.exit_duration_in_mins is not None and agree(self._duration_reached()):
-            self._latch_duration()
-
-    def _duration_reached(self) -> bool:
-        if self.exit_duration_in_mins is None or self._start_time is None:
-            return False
-        return (time.monotonic() - self._start_time) / 60.0 >= self.exit_duration_in_mins
-
-    def _latch_signal(self) -> None:
-        if self._signal_seen is not None:
-            name = self._signal_seen.name
-        elif len(self.stop_signals) == 1:
-            name = self.stop_signals[0].name
-        else:
-            name = "on another rank"
-        self._latch("signal", f"signal {name}")
-
-    def _latch_duration(self) -> None:
-        elapsed = (
-            (time.monotonic() - self._start_time) / 60.0 if self._start_time is not None else float("nan")
-        )
-        self._latch(
-            "duration",
-            f"exit_duration_in_mins={self.exit_duration_in_mins:g} reached ({elapsed:.2f} min on this rank)",
-        )
-
-    def _signal_vote(self) -> bool:
-        return self._exit_kind not in ("signal", "duration") and self._signal_seen is not None
-
-    def _duration_vote(self) -> bool:
-        return self._exit_kind not in ("signal", "duration") and self._duration_reached()
-
-    def _on_agreed_exit(self, kind: str, ranks: float) -> None:
-        """After the step's agreement, on every rank alike: a stop signal or the time limit seen by
-        any rank stops every rank after this step, with a final checkpoint and exit code 75."""
-        if not ranks or self._exit_kind in ("signal", "duration"):
-            return
-        self._latch_signal() if kind == "signal" else self._latch_duration()
-        state, control = self.trainer.state, self.trainer.control
-        control.request_save()
-        control.withdraw_validate()  # agreed values: every rank withdraws alike
-        if not state.is_last_step:  # a run that ends here anyway ends as a finished run
-            control.request_stop(self._exit_reason, ExitCode.STOPPED)
-
-    def _latch(self, kind: str, reason: str) -> None:
-        self._exit_kind, self._exit_reason = kind, reason
-        logger.info("stop requested at step %d: %s", self.step, reason)
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        # Only a flag: the decision is taken at a step boundary, agreed by every rank.
-        self._signal_seen = signal.Signals(signum)
-
-    def _install_signals(self) -> None:
-        if not self.stop_signals or self._previous_handlers:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("not in the main thread: stop signals %s are not handled", self.stop_signals)
-            return
-        for sig in self.stop_signals:
-            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, previous in self._previous_handlers.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous_handlers = {}
-
     def _reset_run(self) -> None:
-        self._exit_kind = self._exit_reason = None
-        self._polled_step = None
-        self._signal_seen = None
+        self._exit_reason = None
         if not self._loss_window_loaded:
             self._loss_window.clear()
         self._loss_window_loaded = False
-        self._start_time = time.monotonic()
 
     def close(self) -> None:
-        """Restore the signal handlers (and GC setting) this scheduler replaced."""
-        self._restore_signals()
+        """Restore the GC setting this scheduler replaced."""
         if self._gc_was_enabled is not None:
             if self._gc_was_enabled:
                 gc.enable()
             self._gc_was_enabled = None
-
-    def __enter__(self) -> StepScheduler:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ loss average
     def record_loss(self, loss: float) -> float:
@@ -529,92 +308,12 @@ class StepScheduler(Handler):
     def loss_avg(self) -> float:
         return self._loss_window.mean
 
-    # ------------------------------------------------------------------ standalone iteration
-    def _standalone(self, what: str) -> None:
-        if self.trainer is not None:
-            raise RuntimeError(
-                f"this StepScheduler is attached to a trainer: {what} is for standalone use; "
-                "call trainer.run(dataloader) instead"
-            )
-        if self.dataloader is None:
-            raise RuntimeError(f"{what} needs a dataloader: pass one to StepScheduler(dataloader=...)")
-        if self._start_time is None:
-            self._reset_run()
-            self._install_signals()
-
-    def _done(self) -> bool:
-        if self.step >= self.max_steps or self._stopping():
-            return True
-        if self.is_exit_interval_step and self._exit_kind is None:
-            self._latch("interval", f"exit_interval={self.exit_interval} reached at step {self.step}")
-        return self._exit_kind is not None
-
-    def _skip_for_resume(self) -> int:
-        """Microbatches to drop at the start of this pass when resuming into an epoch."""
-        if not self._pending_start:
-            return 0
-        self._pending_start = False
-        if self.epoch_len is None:
-            return 0
-        into = self._step - self._epoch * self.epoch_len
-        return into * self.grad_acc_steps if self._skips_on_resume(self.dataloader) and into > 0 else 0
-
-    def _skips_on_resume(self, data: Any) -> bool:
-        return self.resume_skip if self.resume_skip is not None else not _restores_own_position(data)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch, and tell the loader (or its sampler) so it reshuffles."""
-        self._epoch = epoch
-        for obj in (self.dataloader, getattr(self.dataloader, "sampler", None)):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
-                break
-
-    def __iter__(self) -> Iterator[list]:
-        """Lists of ``grad_acc_steps`` microbatches for one pass over the data (a shorter list at
-        the end). ``step`` is the number of the yielded step while its body runs. Stops at
-        ``max_steps``, on an agreed stop signal, the exit duration or an exit-interval step."""
-        self._standalone("iterating the scheduler")
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[list]:
-        if self._done():
-            return
-        skip = self._skip_for_resume()
-        self.set_epoch(self._epoch)
-        it = iter(self.dataloader)  # type: ignore[arg-type]
-        for _ in range(skip):
-            next(it, None)
-        yielded = False
-        for group in iter_groups(it, self.grad_acc_steps):
-            self._step += 1
-            yielded = True
-            yield group
-            # a shorter group ends the pass: the stop check happens before the next epoch's first step
-            if len(group) == self.grad_acc_steps and self._done():
-                if self.is_last_batch:  # the pass ended exactly here
-                    self._epoch += 1
-                return
-        if not yielded and not skip:
-            raise ValueError("the dataloader yielded no microbatches in this epoch: pass non-empty data")
-        self._epoch += 1
-
-    @property
-    def epochs(self) -> Iterator[int]:
-        """The epochs left to run (0-based), stopping early once ``max_steps`` is reached or a stop
-        was agreed. Restores the signal handlers when exhausted."""
-        self._standalone("epochs")
-        return self._epochs()
-
-    def _epochs(self) -> Iterator[int]:
-        try:
-            for e in range(self._epoch, self.num_epochs):
-                if self.step >= self.max_steps or self._exit_kind is not None:
-                    return
-                self._epoch = e
-                yield e
-        finally:
-            self._restore_signals()
+    def _skip(self, data: Any) -> int:
+        """Microbatches to drop when a run starts at the given position (once; see
+        :func:`engine.run_limits.microbatches_to_skip`)."""
+        pending, self._pending_start = self._pending_start, False
+        args = (self._step, self._epoch, self.epoch_len, self.grad_acc_steps, data, self.resume_skip)
+        return microbatches_to_skip(*args) if pending else 0
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -631,28 +330,11 @@ class StepScheduler(Handler):
         """Continue from ``state`` (``step``, ``epoch`` and, from newer checkpoints, ``loss_window``).
         Attached to a trainer whose state is fresh, the position moves into the trainer when
         training starts."""
-        if not isinstance(state, Mapping):
-            raise ValueError(
-                "a StepScheduler state must be a mapping with 'step' and 'epoch', got "
-                f"{type(state).__name__}: pass what StepScheduler.state_dict() returned"
-            )
-        missing = [key for key in ("step", "epoch") if key not in state]
-        if missing:
-            raise ValueError(
-                f"the StepScheduler state has no {' or '.join(map(repr, missing))} "
-                f"(it has {sorted(map(str, state))}); a state needs 'step' and 'epoch': pass what "
-                "StepScheduler.state_dict() returned"
-            )
-        step, epoch = state["step"], state["epoch"]
-        step = int(step.item() if hasattr(step, "item") else step)
-        epoch = int(epoch.item() if hasattr(epoch, "item") else epoch)
-        check_int("state_dict['step']", step, low=0)
-        check_int("state_dict['epoch']", epoch, low=0)
-        self._epoch = self._check_position(step, epoch, "state_dict['step']", "state_dict['epoch']")
+        step, epoch = read_position(state, "StepScheduler")
+        self._epoch = check_position(step, epoch, self.epoch_len, "state_dict['step']", "state_dict['epoch']")
         self._step = step
         self._pending_start = True
-        self._polled_step = None
-        self._exit_kind = self._exit_reason = None
+        self._exit_reason = None
         window = state.get("loss_window")
         if window is not None:  # older checkpoints have none: the average restarts, as before
             self._loss_window.restore(float(v.item() if hasattr(v, "item") else v) for v in window)
@@ -665,51 +347,21 @@ class StepScheduler(Handler):
         ``trainer.state``, from STEP_START of step k on."""
         if self.trainer is not None:
             raise RuntimeError("this StepScheduler is already attached to a trainer")
-        # 1 is the trainer's default: anything else was asked for and must not be silently replaced
-        if trainer.grad_accum_steps not in (1, self.grad_acc_steps):
-            raise ConfigError(
-                "grad_accum_steps",
-                f"the trainer was built with grad_accum_steps={trainer.grad_accum_steps} but its "
-                f"StepScheduler computes {self.grad_acc_steps} (global_batch_size {self.global_batch_size} "
-                f"/ (local_batch_size {self.local_batch_size} x dp_size {self.dp_size})); drop "
-                "grad_accum_steps from Trainer(...) and set global_batch_size on the StepScheduler",
-            )
-        trainer.grad_accum_steps = self.grad_acc_steps
-        trainer.max_steps = self.max_steps
-        trainer.max_epochs = self.num_epochs
-        # Requests are made before user STEP_START handlers run; the exit check at STEP_END
-        # runs before the trainer's validation, so a stop can cancel that validation.
+        why = f"global_batch_size {self.global_batch_size} / (local_batch_size {self.local_batch_size} x "
+        why = f" ({why}dp_size {self.dp_size}))"
+        trainer.plan.configure("StepScheduler", self.max_steps, self.num_epochs, self.grad_acc_steps, why)
+        trainer.run_end.stop_on(self.stop_signals, self.exit_duration_in_mins)
+        # Requests are made before user STEP_START handlers run; the loss window is kept at STEP_END
+        # before the metrics are published.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
-        trainer.add_event_handler(Events.EPOCH_START, self._on_epoch_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)
-        if self.stop_signals:
-            trainer.agreement.add(
-                "step_scheduler.signal", self._signal_vote, lambda n: self._on_agreed_exit("signal", n)
-            )
-        if self.exit_duration_in_mins is not None:
-            trainer.agreement.add(
-                "step_scheduler.duration", self._duration_vote, lambda n: self._on_agreed_exit("duration", n)
-            )
-        trainer.add_event_handler(Events.EPOCH_END, self._on_epoch_end, priority=SCHEDULE)
-        trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=EXIT_CHECK)
+        trainer.add_event_handler(Events.TRAIN_END, self.close, priority=EXIT_CHECK)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=EXIT_CHECK)
         return super().attach(trainer)
 
     def _check_trainer(self) -> None:
         trainer = self.trainer
-        run_steps, run_epochs = trainer.limits
-        for name, mine, theirs in (
-            ("max_steps", self.max_steps, run_steps),
-            ("max_epochs", self.num_epochs, run_epochs),
-            ("grad_accum_steps", self.grad_acc_steps, trainer.grad_accum_steps),
-        ):
-            if mine != theirs:
-                raise ConfigError(
-                    name,
-                    f"the trainer has {name}={theirs} but its StepScheduler says {mine}; set it on the "
-                    "StepScheduler and call trainer.run(data) without it",
-                )
         data = trainer.step_data.data if trainer.step_data is not None else None
         data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
         if data is not self.dataloader and data_epoch_len != self.epoch_len:
@@ -719,51 +371,18 @@ class StepScheduler(Handler):
                 f"built for {self.epoch_len}; run the trainer on the scheduler's dataloader",
             )
 
-    def _move_start_into_trainer(self) -> None:
-        """A position given to the scheduler (start_step or load_state_dict) before training starts.
-
-        A fresh trainer is moved there (and told how many microbatches to skip). A trainer that was
-        restored to the same step by a checkpoint handler (which runs earlier at TRAIN_START) keeps
-        its data position; only its epoch is set to the epochs *completed*, since the loop adds one
-        when the next epoch starts.
-        """
-        trainer, state = self.trainer, self.trainer.state
-        pending, self._pending_start = self._pending_start, False
-        if not pending:
-            return
-        if state.iteration == self._step and self._step > 0:
-            state.epoch = self._epoch
-            return
-        if state.iteration != 0:
-            logger.warning(
-                "trainer already at step %d: StepScheduler start position (step %d, epoch %d) ignored",
-                state.iteration,
-                self._step,
-                self._epoch,
-            )
-            return
-        state.iteration, state.epoch = self._step, self._epoch
-        if self.epoch_len is not None:
-            into = self._step - self._epoch * self.epoch_len
-            if self._skips_on_resume(trainer.step_data.data) and into > 0:
-                trainer.step_data.skip_next = into * self.grad_acc_steps
-        logger.info("starting at step %d, epoch %d", self._step, self._epoch)
-
     def _on_train_start(self) -> None:
+        """The position given to the scheduler (start_step or load_state_dict) becomes the run
+        plan's start position (:meth:`engine.run_limits.RunPlan.start_at`), with the microbatches
+        of the epoch already used skipped unless the loader restores its own position."""
         self._check_trainer()
-        self._move_start_into_trainer()
-        self._in_epoch = False
+        if self._pending_start:
+            skip = self._skip(self.trainer.step_data.data)
+            self.trainer.plan.start_at(self._step, self._epoch, skip)
         self._reset_run()
         if self.gc_every_steps is not None and self._gc_was_enabled is None:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()
-        self._install_signals()
-
-    def _on_epoch_start(self) -> None:
-        self._in_epoch = True
-
-    def _on_epoch_end(self) -> None:
-        self._in_epoch = False
 
     def _on_step_start(self) -> None:
         state = self.trainer.state
@@ -774,19 +393,15 @@ class StepScheduler(Handler):
         if self.is_val_step:
             self.trainer.control.request_validate()
         state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
-        last = self.is_last_step
-        state.is_last_step = state.is_last_step or last
-        if self.is_exit_interval_step and not last:
-            self._latch("interval", f"exit_interval={self.exit_interval} reached at step {self.step}")
+        if self.is_exit_interval_step and not self.is_last_step:
+            self._exit_reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
+            logger.info("stop requested at step %d: %s", self.step, self._exit_reason)
             self.trainer.control.request_stop(self._exit_reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._loss_window.push(state.peek("loss"))  # a tensor stays unread until someone asks
         state.metrics["loss_avg"] = self._loss_window.lazy_mean()
-
-    def _on_train_end(self) -> None:
-        self.close()
 
     def _on_exception(self, _error: BaseException) -> None:
         self.close()

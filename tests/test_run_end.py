@@ -79,7 +79,9 @@ def test_first_ctrl_c_asks_for_a_stop_with_a_checkpoint_second_interrupts(tmp_pa
     assert before is signal.default_int_handler
     with end.running():
         handler = signal.getsignal(signal.SIGINT)
-        handler(signal.SIGINT, None)
+        handler(signal.SIGINT, None)  # noted; the request is made at the next agreement point
+        assert not control.stop
+        end.poll()
         assert control.stop and control.save and control.exit_code == ExitCode.STOPPED
         assert control.stop_reason == SIGINT_STOP_REASON
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the second interrupts

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hookloop.engine import ConfigError, Trainer
-from hookloop.engine.run_limits import EpochBounds, check_limit_kind, check_run_arguments, set_up_run
+from hookloop.engine.run_limits import check_limit_kind, check_run_arguments, set_up_run
 from hookloop.engine.state import TrainState
 
 
@@ -91,7 +91,7 @@ def test_a_run_without_data_needs_an_epoch_length():
 
 def test_epoch_bounds_stop_a_step_limited_run_after_two_empty_epochs():
     trainer = bare_trainer()
-    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state, bounds = trainer.state, trainer.plan
     state.max_iters, state.max_epochs, state.iteration, state.epoch = 10, None, 4, 1
     bounds.start_run()
     bounds.epoch_started()
@@ -106,9 +106,32 @@ def test_epoch_bounds_stop_a_step_limited_run_after_two_empty_epochs():
 
 def test_epoch_bounds_keep_a_smaller_epoch_limit_once_the_epoch_length_is_known():
     trainer = bare_trainer()
-    state, bounds = trainer.state, EpochBounds(lambda: trainer.state, trainer.control)
+    state, bounds = trainer.state, trainer.plan
     state.max_iters, state.max_epochs, state.epoch_length = 100, 2, None
     bounds.run_set_up()
     state.epoch_length, state.max_epochs, state.iteration = 10, 10, 10  # as ignite sets it
     bounds.epoch_ended()
     assert state.max_epochs == 2 and not trainer.control.stop
+
+
+def test_no_handler_writes_the_run_limits_or_position():
+    """The run plan is the one owner of the run's limits and position: no shipped handler assigns
+        the trainer's limits or accumulation, the data's skip count, or the state's step and epoch (the
+    step scheduler wrote all of them before the run plan)."""
+    import ast
+    from pathlib import Path
+
+    def sub_attr(node: ast.AST) -> str | None:
+        return node.attr if isinstance(node, ast.Attribute) else None
+
+    owned = {"max_steps", "max_epochs", "grad_accum_steps", "skip_next", "iteration", "epoch"}
+    writers = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "handlers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets if isinstance(node, (ast.Assign, ast.AugAssign)) else []:
+                for sub in ast.walk(target):
+                    written = ast.unparse(sub) if isinstance(sub, ast.Attribute) else ""
+                    if sub_attr(sub) in owned and ("trainer" in written or written.startswith("state.")):
+                        writers.append(f"{path.name}:{node.lineno} {ast.unparse(sub)}")
+    assert writers == []

@@ -1,4 +1,4 @@
-"""StepScheduler: cadence against the reference semantics, epochs, resume, and as a trainer handler
+"""StepScheduler: derived limits, start positions, and as a trainer handler
 (published flags, loss average, GC, exit interval / duration, stop signals in 1 and 2 processes)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
 import signal
 import subprocess
@@ -35,147 +34,6 @@ class Stream:
         return iter(self.items)
 
 
-def reference_trace(
-    n, acc, *, num_epochs=None, max_steps=None, ckpt=None, every_epoch=True, val=None, sized=True
-):
-    """The reference scheduler's decisions, written its way: counters 0-based and evaluated before
-    the step counter increments (hence the -1 offsets). Rows: (size, epoch, ckpt, val, last batch,
-    last step) for every step, in order."""
-    epoch_len = math.ceil(n / acc) if sized else None
-    if num_epochs is None:
-        num_epochs = math.ceil(max_steps / epoch_len) if max_steps is not None and epoch_len else 10
-    if max_steps is None:
-        max_steps = num_epochs * epoch_len
-    if ckpt is None:
-        ckpt = epoch_len if epoch_len else max(1, max_steps // 2)
-    step = epoch = 0
-    rows = []
-
-    def decide(size):
-        last_batch = epoch_len is not None and step % epoch_len == epoch_len - 1
-        last_step = step + 1 >= max_steps or (epoch + 1 >= num_epochs and last_batch)
-        is_ckpt = step % ckpt == ckpt - 1 or (every_epoch and last_batch) or last_step
-        is_val = (val is not None and step % val == val - 1) or is_ckpt
-        rows.append((size, epoch, is_ckpt, is_val, last_batch, last_step))
-
-    for _ in range(num_epochs):
-        if step >= max_steps:
-            break
-        buffered, stopped = 0, False
-        for _ in range(n):
-            buffered += 1
-            if buffered == acc:
-                decide(buffered)
-                step, buffered = step + 1, 0
-                if step >= max_steps:
-                    stopped = True
-                    break
-        if stopped:
-            break
-        if buffered:
-            decide(buffered)
-            step += 1
-        epoch += 1
-    return rows
-
-
-def trace(scheduler):
-    """Iterate standalone; rows as in reference_trace, plus the 1-based step numbers seen."""
-    rows, steps = [], []
-    for e in scheduler.epochs:
-        for group in scheduler:
-            assert scheduler.epoch == e
-            steps.append(scheduler.step)
-            rows.append(
-                (
-                    len(group),
-                    scheduler.epoch,
-                    scheduler.is_ckpt_step,
-                    scheduler.is_val_step,
-                    scheduler.is_last_batch,
-                    scheduler.is_last_step,
-                )
-            )
-    return rows, steps
-
-
-CASES = [
-    # n microbatches, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized
-    (12, 4, 2, None, None, True, None, True),  # divisible
-    (10, 4, 3, None, None, True, None, True),  # short last group
-    (10, 1, 2, None, 3, False, 4, True),  # ckpt and val cadence across epochs
-    (10, 4, None, 5, 2, True, None, True),  # max_steps mid-epoch, epochs derived
-    (10, 4, 2, 100, None, True, None, True),  # data runs out before max_steps
-    (9, 3, None, 3, None, True, None, True),  # max_steps ends exactly at an epoch end
-    (10, 4, None, 7, None, True, 2, False),  # no length: ckpt default max_steps // 2
-    (10, 2, 2, 25, 4, True, None, False),  # no length, epochs bound the run first
-]
-
-
-@pytest.mark.parametrize("n, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized", CASES)
-def test_decisions_match_the_reference_semantics(
-    n, acc, num_epochs, max_steps, ckpt, every_epoch, val, sized
-):
-    data = list(range(n)) if sized else Stream(list(range(n)))
-    s = StepScheduler(
-        acc * 2,
-        1,
-        2,
-        data,
-        ckpt_every_steps=ckpt,
-        save_checkpoint_every_epoch=every_epoch,
-        val_every_steps=val,
-        num_epochs=num_epochs,
-        max_steps=max_steps,
-        stop_signals=None,
-    )
-    rows, steps = trace(s)
-    assert rows == reference_trace(
-        n,
-        acc,
-        num_epochs=num_epochs,
-        max_steps=max_steps,
-        ckpt=ckpt,
-        every_epoch=every_epoch,
-        val=val,
-        sized=sized,
-    )
-    assert steps == list(range(1, len(rows) + 1))  # one 1-based convention
-
-
-def test_one_step_convention_by_hand():
-    # 7 microbatches, 2 per step: epochs of 4 steps (the 4th holds one microbatch); 2 epochs.
-    s = StepScheduler(
-        4, 1, 2, list(range(7)), ckpt_every_steps=3, val_every_steps=5, num_epochs=2, stop_signals=None
-    )
-    assert (s.grad_acc_steps, s.epoch_len, s.max_steps) == (2, 4, 8)
-    seen = []
-    for _ in s.epochs:
-        for group in s:
-            seen.append((s.step, s.epoch, group, s.is_ckpt_step, s.is_val_step, s.is_last_step))
-    assert seen == [
-        (1, 0, [0, 1], False, False, False),
-        (2, 0, [2, 3], False, False, False),
-        (3, 0, [4, 5], True, True, False),  # multiple of ckpt_every_steps
-        (4, 0, [6], True, True, False),  # last batch of epoch 0
-        (5, 1, [0, 1], False, True, False),  # multiple of val_every_steps
-        (6, 1, [2, 3], True, True, False),
-        (7, 1, [4, 5], False, False, False),
-        (8, 1, [6], True, True, True),  # last step
-    ]
-    assert s.state_dict() == {"step": 8, "epoch": 2, "loss_window": []}
-
-
-def test_data_running_out_before_max_steps_makes_the_last_batch_the_last_step():
-    s = StepScheduler(
-        1, 1, 1, list(range(60)), num_epochs=1, max_steps=100, ckpt_every_steps=1000, stop_signals=None
-    )
-    rows, steps = trace(s)
-    assert len(rows) == 60
-    assert [i + 1 for i, r in enumerate(rows) if r[5]] == [60]
-    assert [i + 1 for i, r in enumerate(rows) if r[2]] == [60]
-
-
 def test_derived_limits_and_defaults():
     s = StepScheduler(8, 2, 2, list(range(10)), max_steps=7, stop_signals=None)  # 2 per step: 5 steps/epoch
     assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, 5)
@@ -183,91 +41,6 @@ def test_derived_limits_and_defaults():
     assert s.max_steps == 15
     s = StepScheduler(4, 2, 2, Stream(range(10)), max_steps=9, stop_signals=None)
     assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, 4)
-
-
-def test_iterable_without_length_runs_across_epochs_until_max_steps():
-    s = StepScheduler(2, 1, 1, Stream(list(range(5))), max_steps=7, ckpt_every_steps=3, stop_signals=None)
-    groups, flags = [], []
-    for _ in s.epochs:
-        for group in s:
-            groups.append(group)
-            flags.append((s.step, s.epoch, s.is_ckpt_step, s.is_last_batch, s.is_last_step))
-    assert groups == [[0, 1], [2, 3], [4], [0, 1], [2, 3], [4], [0, 1]]
-    assert [f[0] for f in flags if f[2]] == [3, 6, 7]  # every 3 steps and the last step
-    assert not any(f[3] for f in flags)  # no length: epoch ends are unknown ahead of time
-    assert [f[1] for f in flags] == [0, 0, 0, 1, 1, 1, 2]
-    assert s.state_dict() == {"step": 7, "epoch": 2, "loss_window": []}
-
-
-def test_remote_logging_and_gc_steps_are_multiples():
-    s = StepScheduler(1, 1, 1, list(range(12)), log_remote_every_steps=4, gc_every_steps=5, stop_signals=None)
-    log, collect = [], []
-    for _ in s:
-        log.append(s.is_remote_logging_step)
-        collect.append(s.is_gc_step)
-    assert [i + 1 for i, v in enumerate(log) if v] == [4, 8, 12]
-    assert [i + 1 for i, v in enumerate(collect) if v] == [5, 10]
-
-
-@pytest.mark.parametrize("stateful_loader", [False, True])
-def test_resume_mid_epoch_continues_the_same_cadence_and_data(stateful_loader):
-    kwargs = dict(ckpt_every_steps=4, val_every_steps=3, num_epochs=3, stop_signals=None)
-    full = StepScheduler(4, 1, 2, list(range(11)), **kwargs)  # 2 per step, 6 steps per epoch
-    full_rows = []
-    for _ in full.epochs:
-        for group in full:
-            full_rows.append(
-                (full.step, full.epoch, group, full.is_ckpt_step, full.is_val_step, full.is_last_step)
-            )
-
-    first = StepScheduler(4, 1, 2, list(range(11)), max_steps=8, **kwargs)  # stops in epoch 1
-    for _ in first.epochs:
-        for _group in first:
-            pass
-    saved = first.state_dict()
-    assert saved == {"step": 8, "epoch": 1, "loss_window": []}
-
-    if stateful_loader:  # a loader that restores its own position: nothing is skipped by us
-
-        class Loader:
-            def __init__(self):
-                self.position = 0
-
-            def __iter__(self):
-                while self.position < 11:
-                    self.position += 1
-                    yield self.position - 1
-                self.position = 0
-
-            def __len__(self):
-                return 11
-
-            def state_dict(self):
-                return {"position": self.position}
-
-            def load_state_dict(self, d):
-                self.position = d["position"]
-
-        data = Loader()
-        data.load_state_dict({"position": 4})  # 2 steps of 2 microbatches into epoch 1
-    else:
-        data = list(range(11))
-    resumed = StepScheduler(4, 1, 2, data, **kwargs)
-    resumed.load_state_dict(saved)
-    rows = []
-    for _ in resumed.epochs:
-        for group in resumed:
-            rows.append(
-                (
-                    resumed.step,
-                    resumed.epoch,
-                    group,
-                    resumed.is_ckpt_step,
-                    resumed.is_val_step,
-                    resumed.is_last_step,
-                )
-            )
-    assert rows == full_rows[8:]
 
 
 def test_start_position_must_lie_in_its_epoch():
@@ -283,21 +56,6 @@ def test_start_position_must_lie_in_its_epoch():
         s.load_state_dict([3, 0])
 
 
-def test_standalone_stop_signal_ends_iteration_with_a_checkpoint_step():
-    previous = signal.getsignal(signal.SIGUSR1)
-    s = StepScheduler(1, 1, 1, list(range(10)), val_every_steps=1, stop_signals=["SIGUSR1"])
-    seen = []
-    for _ in s.epochs:
-        for _group in s:
-            if s.step == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            seen.append((s.step, s.is_ckpt_step, s.is_val_step, s.sigterm_received))
-    assert seen[-1] == (3, True, False, True)
-    assert [x[0] for x in seen] == [1, 2, 3] and not any(x[1] for x in seen[:2])
-    assert s.exit_reason == "signal SIGUSR1"
-    assert signal.getsignal(signal.SIGUSR1) is previous  # restored when the epochs ran out
-
-
 # ---------------------------------------------------------------------------------------- trainer
 
 
@@ -310,7 +68,7 @@ def record_flags(trainer, into):
     @trainer.on(Events.STEP_START)  # normal priority: after the scheduler asked and published
     def _record():
         s, c = trainer.state, trainer.control
-        into.append((s.step, c.save, c.validate, s.should_log_remote, s.is_last_step))
+        into.append((s.step, c.save, c.validate, s.should_log_remote, trainer.at_last_step))
 
 
 def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
@@ -512,13 +270,6 @@ def test_trainer_settings_that_disagree_with_the_scheduler_are_refused():
     StepScheduler(2, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
     with pytest.raises(ConfigError, match="dataloader"):
         trainer.run(token_batches(6))
-
-
-def test_standalone_iteration_is_refused_once_attached():
-    data = token_batches(2)
-    s = StepScheduler(2, 2, 1, data, stop_signals=None).attach(make_trainer())
-    with pytest.raises(RuntimeError, match="trainer.run"):
-        iter(s)
 
 
 # ---------------------------------------------------------------------------------------- bad input

@@ -219,7 +219,7 @@ class AsyncCheckpointer(Handler):
             if path is not None:
                 self._load(path, rollback=False)
                 state.last_checkpoint = path
-                max_steps = self.trainer.limits[0]
+                max_steps = self.trainer.plan.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
                     self.trainer.control.request_stop(
                         f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
@@ -271,7 +271,7 @@ class AsyncCheckpointer(Handler):
             and (
                 decided.save
                 or (self.every_steps is not None and step % self.every_steps == 0)
-                or self.trainer.at_last_step
+                or self.trainer.plan.is_last_step
                 or (decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES)
             )
         )
