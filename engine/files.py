@@ -1,19 +1,45 @@
-"""Writing files so a crash leaves the old version or the whole new one, and probing directories.
+"""Writing files so a crash leaves the old version or the whole new one, never through a link, and
+probing directories.
 
 The one place that knows how: checkpoints (markers, ``latest``, per-rank state), the exit status,
 the resolved config and a prepared token file's sidecar all write through :func:`atomic_write`
 (a sample trace is appended to, and cut by truncation and :func:`fsync_file`); the run config and
 the checkpointer check their directories with :func:`check_writable_dir`.
+
+A run writes nothing through a symbolic link: a file it opens in place (the run directory's lock,
+``metrics.jsonl``, ``progress.jsonl``, a sample trace, a checkpoint's files) is opened by
+:func:`open_no_link`, which refuses a link at that name in one line naming it; a file replaced
+whole (:func:`atomic_write`) replaces a link at its name, never the link's target.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["atomic_write", "check_writable_dir", "fsync_dir", "fsync_fd", "fsync_file"]
+__all__ = ["atomic_write", "check_writable_dir", "fsync_dir", "fsync_fd", "fsync_file", "open_no_link"]
+
+
+def open_no_link(
+    path: str | os.PathLike, flags: int, mode: int = 0o644, *, field: str = "train.run_dir"
+) -> int:
+    """``os.open(path, flags)`` that never follows a symbolic link at ``path`` (``O_NOFOLLOW``), so
+    nothing the run writes lands at the link's target, outside its directory; a link there (to a
+    file, a directory, or nowhere) is a :class:`ConfigError` naming ``field`` and the link, and its
+    target is left untouched."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP or not os.path.islink(path):
+            raise
+        raise ConfigError(
+            field,
+            f"{os.fspath(path)} is a symbolic link (to {os.readlink(path)}); a run writes no file through "
+            "a link: remove the link",
+        ) from None
 
 
 def _fsync_path(path: str | os.PathLike) -> None:
@@ -48,7 +74,7 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_no_link(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())

@@ -13,7 +13,8 @@ least every ``flush_secs`` seconds. The promise:
   interpreter exits (an open RecordFile is flushed then). A process killed with SIGKILL (or ended
   by ``os._exit``) loses at most its last ``flush_secs`` of records.
 
-The target is a path (opened for appending, its directory created), an open text stream (the
+The target is a path (opened for appending, its directory created; a symbolic link there is
+refused, see :func:`engine.files.open_no_link`), an open text stream (the
 console's ``sys.stdout``: only the flusher thread writes to it, or :meth:`flush` and :meth:`close`
 after it; :meth:`close` flushes it and leaves it open) or a function that writes a list of records
 and flushes what it wrote (called the same way).
@@ -33,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from hookloop.engine.files import open_no_link
 
 __all__ = ["FLUSH_SECS", "RecordFile", "flush_open"]
 
@@ -88,7 +91,7 @@ class RecordFile:
         else:
             self.path = Path(target)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")  # noqa: SIM115 (closed by close())
+            self._file = os.fdopen(open_no_link(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
             self._out, name = self._write_lines, self.path.name
         self._pending: deque[Any] = deque()  # append and popleft are atomic: no lock for write()
         self._lock = threading.Lock()  # one thread encodes and writes at a time

@@ -32,6 +32,10 @@ every rank learns the outcome from one agreed collective before anything is writ
 - A holder that is an earlier attempt of the same torchrun launch (same ``TORCHELASTIC_RUN_ID``,
   a lower ``TORCHELASTIC_RESTART_COUNT``) is dead: torchrun stops every worker before it restarts.
 
+The lock file is never reached through a symbolic link: a link at its name (to a file of the
+user's, a directory, or nowhere) refuses the start in one line naming the link (a
+:class:`ConfigError`, exit code 2), and the link's target is left as it was.
+
 A run that ends releases the lock (the file is removed). A run that never started (refused, or
 failed before its first step) also removes the run directory it created for the lock, when nothing
 else is in it: a refused start leaves no directory behind.
@@ -54,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.files import open_no_link
 
 __all__ = [
     "HEARTBEAT_S",
@@ -215,7 +220,7 @@ class RunDirLock:
             self._created.insert(0, path)
 
     def _try_acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_no_link(self.path, os.O_RDWR | os.O_CREAT, field=self.field)
         try:
             kernel_lock = True
             try:
@@ -228,7 +233,7 @@ class RunDirLock:
                 kernel_lock = False  # a file system without flock: the heartbeat decides alone
             st = os.fstat(fd)
             try:
-                current = os.stat(self.path)
+                current = os.lstat(self.path)
             except FileNotFoundError:
                 current = None
             if current is None or (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
@@ -285,7 +290,7 @@ class RunDirLock:
         if self._fd is None or self._beat_failed:
             return
         try:
-            os.utime(self.path)
+            os.utime(self.path, follow_symlinks=False)
         except OSError as e:  # the directory went away or turned read-only: say so once
             self._beat_failed = True
             logger.warning("cannot refresh the run directory lock %s: %s", self.path, e)
@@ -297,7 +302,7 @@ class RunDirLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
-                st = os.stat(self.path)
+                st = os.lstat(self.path)
                 if (st.st_dev, st.st_ino) == self._inode:
                     os.unlink(self.path)
             except OSError:

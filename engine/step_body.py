@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import reprlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,6 +60,7 @@ __all__ = [
     "bind_step_body",
     "check_loss",
     "check_step_body",
+    "checked_result",
     "grad_norm",
 ]
 
@@ -172,6 +174,30 @@ def check_loss(loss: Any, loss_fn: Callable | None, source: str | None = None) -
         f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
         "or pass reduction='mean' to the loss"
     )
+
+
+def checked_result(body: Any, result: Any) -> StepResult:
+    """``body.run_step``'s ``result``, checked where it is returned: a :class:`StepResult` whose loss
+    is a 0-dim floating tensor, else a ``TypeError`` naming the body's class, ``run_step`` and what
+    came back (raised in that step, before anything reads it). Cheap on every step: ``isinstance``,
+    ``.dim()`` and ``.dtype`` only, nothing read to the host."""
+    if isinstance(result, StepResult):
+        loss = result.loss
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+            return result
+        got = f"a StepResult whose loss is {_got(loss)}"
+    else:
+        got = _got(result)
+    raise TypeError(
+        f"{type(body).__name__}.run_step must return a StepResult(loss, tokens, samples) with the loss a "
+        f"0-dim floating tensor (this rank's mean loss), got {got}"
+    )
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return "None" if value is None else f"a {type(value).__name__} {reprlib.repr(value)}"
 
 
 def grad_norm(params: Sequence[torch.Tensor], tp_mesh: Any) -> Any:

@@ -53,7 +53,14 @@ from hookloop.engine.run_start import RunStart
 from hookloop.engine.save_policy import SavePolicy
 from hookloop.engine.state import StateAttribute, TrainState
 from hookloop.engine.step_batches import NO_DATA, StepBatches
-from hookloop.engine.step_body import StepBody, StepContext, StepResult, accumulation, bind_step_body
+from hookloop.engine.step_body import (
+    StepBody,
+    StepContext,
+    StepResult,
+    accumulation,
+    bind_step_body,
+    checked_result,
+)
 from hookloop.engine.step_decisions import StepDecisions, check_declared
 from hookloop.engine.trainer_arguments import check_constructor_arguments
 from hookloop.engine.validation import Validator
@@ -579,7 +586,7 @@ class Trainer(IgniteAdapter):
         (:mod:`engine.step_body`), then :meth:`_finish_step`. Local and pipeline bodies alike."""
         ctx = self.step_context
         ctx.observes_microbatch = self.events.any_for(Events.MICROBATCH)
-        return self._finish_step(self.step_body.run_step(microbatches, ctx))
+        return self._finish_step(checked_result(self.step_body, self.step_body.run_step(microbatches, ctx)))
 
     def _finish_step(self, result: StepResult) -> float:
         """The tail every step shares: the gradient norm, BEFORE_OPTIMIZER_STEP, the step's

@@ -40,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine import parallel
+from hookloop.engine.errors import ConfigError
 from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.files import open_no_link
 
 __all__ = ["PeerHeartbeats", "PeerLook", "ProgressWatchdog", "dump_stacks"]
 
@@ -295,11 +297,11 @@ def dump_stacks(dump_dir: str | os.PathLike | None, rank: int, reason: str) -> P
     path = directory / f"hang-rank{rank}-{os.getpid()}.txt"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
+        with os.fdopen(open_no_link(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             f.write(f"{reason}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-    except OSError:
+    except (OSError, ConfigError):  # not writable, or a link at its name
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         return None
     return path

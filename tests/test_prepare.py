@@ -342,6 +342,72 @@ def test_the_command_exits_2_with_one_line(tmp_path):
     ]
 
 
+def listing(directory: Path) -> dict[str, bytes | None]:
+    """Every path under ``directory`` (relative path -> bytes; None for a directory)."""
+    return {
+        str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes() for p in directory.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("tokenizer", [False, True], ids=["byte-level", "tokenizer"])
+def test_an_output_or_sidecar_that_is_a_directory_is_refused_before_any_input_is_read(
+    tmp_path, bpe, tokenizer
+):
+    (tmp_path / "out.bin").mkdir()
+    (tmp_path / "out.bin" / "mine.txt").write_text("a user's file")
+    (tmp_path / "out.bin.json").write_text('{"a user\'s": "sidecar"}')
+    (tmp_path / "side.bin.json").mkdir()
+    before = listing(tmp_path)
+    with_tokenizer = ["--tokenizer", str(bpe)] if tokenizer else []
+    for out, said in (
+        ("out.bin", "OUT: out.bin is a directory; name the token file to write (its sidecar: out.bin.json)"),
+        ("side.bin", "OUT: its sidecar side.bin.json is a directory; move it or name another token file"),
+    ):
+        # missing.txt would be refused as --files if any input were read first
+        proc = hookloop("prepare", out, "--files", "missing.txt", *with_tokenizer, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.splitlines() == [f"hookloop prepare: error: {said}"]
+        proc = hookloop("prepare", out, "--from-stdlib-docs", *with_tokenizer, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [f"hookloop prepare: error: {said}"]
+        assert listing(tmp_path) == before  # no stray sidecar, no cache, the user's files as they were
+
+
+def test_the_sidecar_is_put_back_when_the_token_file_cannot_follow(tmp_path, monkeypatch):
+    out = tmp_path / "docs.u8"
+    prepare_tokens(["first"], out)
+    sidecar = (tmp_path / "docs.u8.json").read_bytes()
+    real = os.replace
+
+    def refuse_the_token_file(src, dst):
+        if not str(dst).endswith(".json"):  # the sidecar goes in, the token file cannot follow
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refuse_the_token_file)
+    with pytest.raises(OSError, match="No space left"):
+        prepare_tokens(["second, longer"], out)
+    assert (tmp_path / "docs.u8.json").read_bytes() == sidecar and out.read_bytes() == b"first"
+    with pytest.raises(OSError, match="No space left"):
+        prepare_tokens(["new"], tmp_path / "new.u8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.u8", "docs.u8.json"]  # nothing else left
+
+
+@pytest.mark.parametrize(
+    ("sidecar", "said"),
+    [("not json", "is not readable JSON"), ("[1, 2]", "must hold a JSON object, got list")],
+)
+def test_a_sidecar_refused_at_training_names_the_dataset_field(tmp_path, sidecar, said):
+    (tmp_path / "run.yaml").write_text(TINY)
+    prepare_tokens(["some text " * 20], tmp_path / "docs.u8")
+    (tmp_path / "docs.u8.json").write_text(sidecar)
+    for command in ("check", "train"):
+        proc = hookloop(command, "run.yaml", "data.datasets.docs=docs.u8", "train.run_dir=run", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("config error: data.datasets.docs: sidecar 'docs.u8.json' ") and said in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_progress_bar_on_a_terminal(tmp_path, bpe):
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns

@@ -302,3 +302,43 @@ def test_a_hang_before_the_run_started_leaves_the_run_directory_as_it_was(tmp_pa
     assert proc.returncode == 77, proc.stderr[-3000:]
     assert "Thread" in proc.stderr and "hang.py" in proc.stderr, proc.stderr[-3000:]  # the stacks, on stderr
     assert snapshot(run_dir) == before
+
+
+def test_nothing_is_written_through_a_symbolic_link_in_the_run_directory(project):
+    """A link in the run directory (to a user's file, to a directory, to nowhere) is never written
+    through: the lock or an appended file at a link refuses the run in one line naming it; a file
+    the run replaces whole (config.yaml) replaces the link, not its target."""
+    run_dir, outside = project / "runs" / "my_run", project / "outside"
+    outside.mkdir()
+    notes, directory, nowhere = outside / "notes.txt", outside / "a_directory", outside / "nowhere"
+    notes.write_text("a user's notes")
+    directory.mkdir()
+    (directory / "kept.txt").write_text("kept")
+    before = snapshot(outside)
+
+    def refused(name: str, target: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).symlink_to(target)
+        proc = hookloop("train", "my_run.yaml", cwd=project)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        said = [line for line in proc.stderr.splitlines() if not line.startswith("[hookloop]")]
+        assert said == [
+            f"config error: train.run_dir: runs/my_run/{name} is a symbolic link (to {target}); a run writes "
+            "no file through a link: remove the link"
+        ], proc.stderr
+        assert (run_dir / name).is_symlink() and os.readlink(run_dir / name) == str(target)
+        assert snapshot(outside) == before and not nowhere.exists()
+        (run_dir / name).unlink()
+
+    for target in (notes, nowhere, directory):
+        refused(".hookloop.lock", target)
+        assert [p.name for p in run_dir.iterdir()] == []  # refused before anything was written
+    refused("metrics.jsonl", notes)
+    config = run_dir / "config.yaml"
+    config.unlink()  # the refused run's, now a link
+    config.symlink_to(notes)
+    proc = hookloop("train", "my_run.yaml", cwd=project)  # resumes from the refused run's first save
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not config.is_symlink() and "max_steps: 4" in config.read_text()
+    assert snapshot(outside) == before and not nowhere.exists()
+    assert metric_steps(run_dir)[-1] == 4

@@ -4,13 +4,19 @@ The local body validates with the forward it trains with; a body of the user's o
 holds no outputs, as a pipeline's first stage) drives the validation without the trainer knowing
 its layout. ``Trainer(step_body=...)`` trains and validates through the body it is given (a
 ``LocalStepBody`` subclass overriding ``compute_loss``, or a class of its own) and refuses, naming
-the argument and the fix, what it cannot run."""
+the argument and the fix, what it cannot run; a body's ``run_step`` result is checked in the step
+that returned it (in a real ``hookloop train`` process that saves checkpoints)."""
+
+import json
+import sys
 
 import pytest
 import torch
 
 from hookloop.engine import ConfigError, EvalResult, Events, LocalStepBody, StepBody, StepResult, Trainer
 from hookloop.engine.pipeline import PipelineRuntime
+from tests.dist_utils import run_process
+from tests.user_models import tiny_lm_config, tiny_lm_source
 
 
 def bare_trainer(body_for=None, **kwargs) -> Trainer:
@@ -279,3 +285,72 @@ def test_compute_loss_must_return_an_output_and_a_scalar_loss():
         trainer = bare_trainer(body)
         with pytest.raises(ValueError, match=message):
             trainer.run(batches(1), max_steps=1)
+
+
+# ------------------------------------------------------------------ a body's result, checked where returned
+BODIES = '''
+import torch
+
+from hookloop.engine import StepResult
+
+
+class Returns:
+    """Wraps the run's step body; from step ``at`` on, run_step returns ``what`` after the real step."""
+
+    def __init__(self, body, at, what):
+        self.body, self.at, self.what, self.steps = body, at, what, 0
+
+    def __getattr__(self, name):
+        return getattr(self.body, name)
+
+    def run_step(self, microbatches, ctx):
+        result = self.body.run_step(microbatches, ctx)
+        self.steps += 1
+        if self.steps < self.at:
+            return result
+        return {"none": None, "str": StepResult("0.5", result.tokens, result.samples),
+                "int": StepResult(torch.tensor(1), result.tokens, result.samples)}[self.what]
+
+
+class Swap:
+    """A handler that gives the trainer the body above (a config's way to a step body of its own)."""
+
+    def __init__(self, at: int, what: str):
+        self.at, self.what = at, what
+
+    def attach(self, trainer):
+        trainer.step_body = Returns(trainer.step_body, self.at, self.what)
+'''
+
+
+@pytest.mark.parametrize(
+    ("what", "got"),
+    [
+        ("none", "got None"),
+        ("str", "got a StepResult whose loss is a str '0.5'"),
+        ("int", "got a StepResult whose loss is a torch.int64 tensor of shape ()"),
+    ],
+)
+def test_a_run_step_returning_no_step_result_fails_that_step_naming_the_body(tmp_path, what, got):
+    (tmp_path / "my_models.py").write_text(tiny_lm_source(seq_len=8))
+    (tmp_path / "bodies.py").write_text(BODIES)
+    (tmp_path / "run.yaml").write_text(
+        tiny_lm_config(max_steps=6, ckpt_every_steps=1) + "data:\n  cache_dir: data\n"
+    )
+    swap = f"handlers=[{{target: 'bodies.py:Swap', at: 4, what: {what}}}]"
+    proc = run_process(
+        [sys.executable, "-m", "hookloop", "train", "run.yaml", swap], cwd=tmp_path, timeout=180
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = (
+        "Returns.run_step must return a StepResult(loss, tokens, samples) with the loss a 0-dim floating "
+        f"tensor (this rank's mean loss), {got}"
+    )
+    assert f"TypeError: {said}" in proc.stderr, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "run"
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["step"] == 4, status  # the step that returned it
+    assert status["reason"] == f"TypeError: {said}", status
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert not [name for name in saved if ".partial-" in name], saved
+    assert "step_00000003" in saved, saved

@@ -36,12 +36,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from hookloop.engine.files import fsync_fd
+from hookloop.engine.files import fsync_fd, open_no_link
 
 try:  # zlib-ng's CRC-32 gives zlib's values at 7.7 GB/s on this machine's CPU, against 3.4 GB/s
     from zlib_ng.zlib_ng import crc32  # (vector instructions); both release the GIL on large buffers
@@ -87,8 +86,8 @@ class _ChecksummingFile(io.IOBase):
     passed, early writeback; at the close, fsync and ``on_close(size, crc)``."""
 
     def __init__(self, path: str, owner: ChecksummingFileSystem, on_close: Any, reused: bool = False) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-        self._fd = os.open(path, flags if reused else flags | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT
+        self._fd = open_no_link(path, flags if reused else flags | os.O_TRUNC, field="checkpoint.directory")
         self._reused = reused  # written over from the start, cut to its new size at the close
         self._owner, self._on_close = owner, on_close
         self._pending = bytearray()
@@ -251,8 +250,7 @@ def write_durable(path: str | os.PathLike, data: bytes) -> tuple[int, int]:
     """Write ``data`` to the new file ``path`` and fsync it; ``(size, crc32)``. For files in a
     directory nobody reads before it is published (no temporary name: the directory's own fsync
     and rename make it visible)."""
-    path = Path(path)
-    with open(path, "wb") as f:
+    with os.fdopen(open_no_link(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
         f.write(data)
         f.flush()
         fsync_fd(f.fileno())

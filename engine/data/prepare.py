@@ -32,13 +32,15 @@ import numpy as np
 
 from hookloop.engine.data.token_dataset import BYTE_VOCAB_SIZE, SUPPORTED_TOKEN_DTYPES, sidecar_path
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import atomic_write
+from hookloop.engine.files import atomic_write, fsync_file
 
 __all__ = [
     "DOC_SEPARATOR",
+    "check_output",
     "main",
     "prepare_command",
     "prepare_tokens",
+    "publish_token_file",
     "stdlib_docs_text",
     "stdlib_docs_topics",
     "stdlib_source_files",
@@ -66,6 +68,38 @@ def _document_bytes(doc: Any, position: int) -> bytes:
         f"sources[{position}]: expected text (str), raw bytes or a pathlib.Path to a text file, "
         f"got {type(doc).__name__}"
     )
+
+
+def check_output(out_path: str | os.PathLike[str], field: str = "out_path") -> None:
+    """A token file can be written to ``out_path``: neither it nor its sidecar (``<out_path>.json``)
+    is a directory. A :class:`ConfigError` naming ``field`` otherwise, before any input is read."""
+    out = Path(out_path)
+    side = sidecar_path(out)
+    if out.is_dir():
+        raise ConfigError(field, f"{out} is a directory; name the token file to write (its sidecar: {side})")
+    if side.is_dir():
+        raise ConfigError(field, f"its sidecar {side} is a directory; move it or name another token file")
+
+
+def publish_token_file(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
+    """The complete (written and fsynced) token file ``tmp`` becomes ``out``, with ``meta`` as its
+    sidecar. The sidecar lands first and the token file last, so a reader that sees the token file
+    finds its sidecar; when the token file cannot follow, the sidecar is put back as it was (a
+    sidecar of someone else's is never left describing a file that is not there)."""
+    side = sidecar_path(out)
+    try:
+        before: bytes | None = side.read_bytes()
+    except FileNotFoundError:
+        before = None
+    atomic_write(side, json.dumps(meta, indent=2) + "\n")
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if before is None:
+            side.unlink(missing_ok=True)
+        else:
+            atomic_write(side, before)
+        raise
 
 
 def prepare_tokens(
@@ -99,6 +133,7 @@ def prepare_tokens(
         )
     if isinstance(sources, str | bytes | bytearray | os.PathLike):
         sources = [sources]
+    check_output(out_path)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # A name of its own per writer: several ranks, on several nodes whose pids may be the same
@@ -118,6 +153,7 @@ def prepare_tokens(
                 np.frombuffer(data, dtype=np.uint8).astype(np_dtype).tofile(fh)
                 num_tokens += len(data)
                 num_documents += 1
+        fsync_file(tmp)
         if num_documents == 0:
             raise ConfigError("sources", "is empty; pass at least one document (text, bytes or Path)")
         meta: dict[str, Any] = {
@@ -130,11 +166,7 @@ def prepare_tokens(
             "num_documents": num_documents,
             "separator": separator,
         }
-        # The sidecar lands first and the token file last, so a reader that sees the token file
-        # always finds its sidecar.
-        side = sidecar_path(out)
-        atomic_write(side, json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, out)
+        publish_token_file(tmp, out, meta)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -289,6 +321,7 @@ def _prepare(args: argparse.Namespace) -> str:
     from hookloop.engine.data.text_files import check_text_files, documents_cache
 
     _check_arguments(args)
+    check_output(args.out, "OUT")
     tokenized = args.tokenizer is not None or args.train_tokenizer is not None
     files = check_text_files(args.files, any_extension=not tokenized) if args.files else []
     if args.from_stdlib_source:

@@ -13,7 +13,6 @@ byte-identical to ``num_proc=1``, which tokenizes here (the tokenizer may use se
 from __future__ import annotations
 
 import collections
-import json
 import multiprocessing
 import os
 import signal
@@ -26,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from hookloop.engine.data.prepare import check_output, publish_token_file
 from hookloop.engine.data.text_files import text_batches
-from hookloop.engine.data.token_dataset import sidecar_path
 from hookloop.engine.data.tokenizer import TextTokenizer, encode_documents
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import atomic_write, fsync_file
+from hookloop.engine.files import fsync_file
 
 __all__ = ["TOKENIZED_VERSION", "write_token_file"]
 
@@ -80,6 +79,7 @@ def write_token_file(
     stderr is a terminal). ``sources`` and ``text_field`` are recorded in the sidecar."""
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ConfigError("--num-proc", f"must be an integer >= 1, got {num_proc!r}")
+    check_output(out_path)
     dtype = tokenizer.dtype
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,10 +115,7 @@ def write_token_file(
         }
         if text_field is not None:
             meta["text_field"] = text_field
-        # The sidecar lands first and the token file last, so a reader that sees the token file
-        # always finds its sidecar.
-        atomic_write(sidecar_path(out), json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, out)
+        publish_token_file(tmp, out, meta)
     finally:
         bar.close()
         if tmp.exists():

@@ -53,7 +53,7 @@ from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
-from hookloop.engine.files import fsync_file
+from hookloop.engine.files import fsync_fd, open_no_link
 
 __all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
 
@@ -143,7 +143,7 @@ def _cut(path: Path, last_step: int) -> None:
     lines after it are cut (damaged ones with a warning). The file is read backwards from its end
     and truncated in place (a reader sees the old or the new length)."""
     try:
-        f = open(path, "rb")
+        f = os.fdopen(open_no_link(path, os.O_RDWR), "rb")
     except FileNotFoundError:
         return
     damaged: list[int] = []
@@ -156,12 +156,12 @@ def _cut(path: Path, last_step: int) -> None:
             if row is None and line.strip():
                 damaged.append(offset)
             keep = offset
-    if keep == size:
-        return
-    for offset in reversed(damaged):
-        _warn_damaged(path, _line_number(path, offset), f"cut at resume to step {last_step}")
-    os.truncate(path, keep)
-    fsync_file(path)
+        if keep == size:
+            return
+        for offset in reversed(damaged):
+            _warn_damaged(path, _line_number(path, offset), f"cut at resume to step {last_step}")
+        os.ftruncate(f.fileno(), keep)
+        fsync_fd(f.fileno())
 
 
 class SampleTrace:
@@ -253,7 +253,7 @@ class SampleTrace:
             live = getattr(self.trainer.agreement.transport, "live", None)
             if live is not None:  # replica groups: whether the step counted, and who took part
                 row.update(committed=bool(self.trainer.agreement.transport.committed), groups=list(live))
-            with open(self.path, "a") as f:
+            with os.fdopen(open_no_link(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     def _on_rollback(self) -> None:

@@ -92,7 +92,10 @@ def data_vocab(datasets: Mapping[str, str]) -> DataVocab | None:
         if source in BUILTIN_CORPORA:
             found = DataVocab(BYTE_VOCAB_SIZE, name, "a built-in byte-level corpus")
         elif Path(source).is_file():
-            found = _file_vocab(name, source)
+            try:
+                found = _file_vocab(name, source)
+            except ConfigError as e:  # a sidecar that is not JSON: the dataset's field, as the run reads it
+                raise ConfigError(f"data.datasets.{name}", str(e).partition(": ")[2]) from None
         else:
             found = None
         if found is not None and (best is None or found.size > best.size):
