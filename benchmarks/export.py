@@ -76,14 +76,15 @@ def train(run_dir: Path, layers: int, width: int) -> None:
         raise SystemExit(proc.stderr[-3000:])
 
 
-def measure(mode: str, run_dir: Path, out: Path) -> int:
+def measure(mode: str, run_dir: Path, out: Path) -> tuple[int, int]:
+    """``(peak RSS over the baseline, baseline)`` of ``mode`` in a fresh process, in bytes."""
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, mode, str(run_dir), str(out)], capture_output=True, text=True
     )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    return figures["peak"] - figures["base"]
+    return figures["peak"] - figures["base"], figures["base"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,15 +102,16 @@ def main(argv: list[str] | None = None) -> dict:
         newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
         checkpoint_bytes = sum(p.stat().st_size for p in newest.iterdir() if p.suffix == ".distcp")
         exported = Path(tmp) / "out"
-        ours = measure("export", run_dir, exported)
+        ours, base = measure("export", run_dir, exported)
         model_bytes = (exported / "model.safetensors").stat().st_size
-        reference = measure("dcp_to_torch_save", run_dir, Path(tmp) / "dcp")
-        loaded = measure("load_model", run_dir, exported)
+        reference, _ = measure("dcp_to_torch_save", run_dir, Path(tmp) / "dcp")
+        loaded, _ = measure("load_model", run_dir, exported)
     mb = 1 << 20
     print(
         f"model {model_bytes / mb:.0f} MiB ({args.layers} layers, d_model {args.width}), checkpoint "
         f"{checkpoint_bytes / mb:.0f} MiB; peak RSS over the baseline: hookloop export {ours / mb:.0f} MiB, "
-        f"dcp_to_torch_save {reference / mb:.0f} MiB, load_model {loaded / mb:.0f} MiB"
+        f"dcp_to_torch_save {reference / mb:.0f} MiB, load_model {loaded / mb:.0f} MiB (baseline after "
+        f"the imports {base / mb:.0f} MiB)"
     )
     figures = [
         {

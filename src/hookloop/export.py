@@ -12,9 +12,9 @@ stages' names mapped back), with the run's ``config.yaml`` beside it. For a Hugg
 ``save_pretrained`` folder that ``AutoModelForCausalLM.from_pretrained(DIR)`` loads.
 
 Only the model's entries of the checkpoint are read, never the optimizer's, a few tensors at a
-time (:data:`READ_BYTES` per read), each written out before the next are read. The checkpoint is
-verified against its manifest first; a damaged one is refused in one line naming the file
-(exit code 2). In Python, :func:`load_model` returns the model built from the run's config with
+time (:data:`READ_BYTES`, 16 MiB, per read), each written out before the next are read. The
+checkpoint is verified against its manifest first; a damaged one is refused in one line naming
+the file (exit code 2). In Python, :func:`load_model` returns the model built from the run's config with
 the weights of a checkpoint, in one process, without a process group.
 """
 
@@ -44,7 +44,7 @@ from hookloop.engine.errors import ConfigError
 __all__ = ["export", "load_model", "main"]
 
 #: The most tensor bytes one read of the checkpoint fills (a larger tensor is read alone).
-READ_BYTES = 64 << 20
+READ_BYTES = 16 << 20
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
