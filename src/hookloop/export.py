@@ -40,6 +40,7 @@ from hookloop.engine.checkpoint_format.directory import (
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.safe_read import SafeLoadPlanner, SafeReader, verify_checkpoint
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.files import fsync_fd
 
 __all__ = ["export", "load_model", "main"]
 
@@ -57,7 +58,7 @@ class _Checkpoint:
 
     def __init__(self, run_dir: str | os.PathLike, step: int | None = None, best: bool = False) -> None:
         from hookloop.handlers.checkpoint.model_layout import STAGE_PREFIX
-        from hookloop.train import load_training_config
+        from hookloop.training_config import load_training_config
 
         self.run_dir = Path(run_dir)
         self.config_path = self.run_dir / "config.yaml"
@@ -191,7 +192,11 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     target = out / "model.safetensors"
     partial = out / ".model.safetensors.partial"
-    _write_safetensors(checkpoint, partial)
+    try:
+        _write_safetensors(checkpoint, partial)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, target)
     shutil.copyfile(checkpoint.config_path, out / "config.yaml")
     config = getattr(shape, "config", None)
@@ -240,7 +245,7 @@ def _write_safetensors(checkpoint: _Checkpoint, path: Path) -> None:
                 f.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
             del tensors
         f.flush()
-        os.fsync(f.fileno())
+        fsync_fd(f.fileno())
 
 
 def main(argv: list[str] | None = None, prog: str = "hookloop export") -> int:
