@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None, prog: str = "hookloop export") -> int:
         if args.ema:
             raise CheckpointError(f"--ema: this run has no EMA weights ({args.run_dir})")
         written = export(args.run_dir, args.out, args.step, args.best)
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, OSError) as e:  # OSError: where --out cannot be written
         print(f"export error: {e}", file=sys.stderr)
         return 2
     print(f"exported {written} ({written.stat().st_size:,} bytes) and {args.out / 'config.yaml'}")
