@@ -113,9 +113,10 @@ def test_tp2_run_exports_the_weights_and_logits_it_trained(tmp_path):
     torch.testing.assert_close(got, trained["logits"], rtol=1e-5, atol=1e-5)  # the tp=2 forward's
 
 
-def test_pp2_hf_run_exports_a_save_pretrained_folder_and_damage_is_refused(tmp_path):
+def test_pp2_hf_run_exports_a_save_pretrained_folder_and_damage_is_refused(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from hookloop.engine.checkpoint_format.directory import complete_checkpoints
+    from hookloop.export import main
     from hookloop.train import load_model
     from tests.scripts.export_dump import batch
 
@@ -130,6 +131,13 @@ def test_pp2_hf_run_exports_a_save_pretrained_folder_and_damage_is_refused(tmp_p
     model = load_model(run_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(batch()).logits, model(batch()).logits, rtol=0, atol=0)
+
+    capsys.readouterr()
+    assert main([str(run_dir), "--best", "--out", str(tmp_path / "best")]) == 2
+    assert main([str(run_dir), "--step", "2", "--out", str(tmp_path / "step2")]) == 2
+    refusals = capsys.readouterr().err.splitlines()
+    assert "checkpoint.keep_best is 0" in refusals[0] and "(complete steps: 3, 0)" in refusals[1]
+    assert not (tmp_path / "best").exists() and not (tmp_path / "step2").exists()
 
     newest = complete_checkpoints(run_dir / "checkpoints")[0][0][1]
     damaged = sorted(p for p in Path(newest).iterdir() if p.suffix == ".distcp")[-1]
