@@ -31,12 +31,7 @@ from typing import Any
 
 import torch
 
-from hookloop.engine.checkpoint_format.directory import (
-    MARKER,
-    complete_checkpoints,
-    read_json,
-    step_dir_name,
-)
+from hookloop.engine.checkpoint_format.directory import MARKER, complete_checkpoints, step_dir_name
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
 from hookloop.engine.checkpoint_format.safe_read import SafeLoadPlanner, SafeReader, verify_checkpoint
 from hookloop.engine.errors import ConfigError
@@ -113,17 +108,12 @@ class _Checkpoint:
         ckpt = self.cfg.checkpoint
         if not ckpt.keep_best:
             raise CheckpointError("--best: this run ranks no checkpoints (checkpoint.keep_best is 0)")
-        ranked = []
-        for s, path in complete:
-            try:
-                value = read_json(os.path.join(path, MARKER)).get("metrics", {}).get(ckpt.metric)
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(value, int | float):
-                ranked.append((value if ckpt.metric_mode == "min" else -value, s, path))
+        from hookloop.handlers.checkpoint.store import ranked_by_metric
+
+        ranked = ranked_by_metric(complete, ckpt.metric, ckpt.metric_mode)
         if not ranked:
             raise CheckpointError(f"--best: no checkpoint in {directory} records {ckpt.metric}")
-        return min(ranked)[2]
+        return ranked[0]
 
     def build(self, device: str | None = None) -> torch.nn.Module:
         """The plain model, built as ``hookloop train`` builds it (on ``device``, e.g. ``meta``)."""
