@@ -43,6 +43,7 @@ BENCHMARKS = {
     "checkpoint": "checkpoint.py",
     "checkpoint_throughput": "checkpoint_throughput.py",
     "checkpoint_pickle": "checkpoint_pickle.py",
+    "export": "export.py",
     "data": "data.py",
     "prepare": "prepare.py",
     "pipeline": "pipeline.py",

@@ -32,7 +32,7 @@ from hookloop.engine.checkpoint_format.manifest import make_manifest, read_marke
 from hookloop.engine.record_file import flush_open
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
-__all__ = ["CheckpointStore", "delete_tree", "not_finite"]
+__all__ = ["CheckpointStore", "delete_tree", "not_finite", "ranked_by_metric"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
@@ -254,20 +254,10 @@ class CheckpointStore:
         return {self.metric: value}
 
     def best(self, complete: list[tuple[int, str]]) -> set[str]:
-        """The best ``keep_best`` of ``complete`` by the metric stored in their markers. Ties go to
-        the older checkpoint: a value carried over from an earlier validation belongs to it."""
+        """The best ``keep_best`` of ``complete`` (:func:`ranked_by_metric`)."""
         if not self.keep_best:
             return set()
-        ranked = []
-        for step, path in complete:
-            try:
-                value = read_json(os.path.join(path, MARKER)).get("metrics", {}).get(self.metric)
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(value, int | float) and math.isfinite(value):
-                ranked.append((value if self.metric_mode == "min" else -value, step, path))
-        ranked.sort()
-        return {path for _, _, path in ranked[: self.keep_best]}
+        return set(ranked_by_metric(complete, self.metric, self.metric_mode)[: self.keep_best])
 
     def candidates(self, which: str) -> list[str]:
         """Rank 0: the checkpoints to try, newest first (see :meth:`CheckpointReader.agreed_checkpoint`)."""
@@ -292,6 +282,21 @@ class CheckpointStore:
                 if name.endswith(f"-{self._session.id}"):
                     continue
                 delete_tree(os.path.join(self.directory, name))
+
+
+def ranked_by_metric(complete: list[tuple[int, str]], metric: str, metric_mode: str) -> list[str]:
+    """The checkpoints of ``complete`` (``(step, path)``) that record a finite ``metric`` in their
+    markers, best first. Ties go to the older checkpoint: a value carried over from an earlier
+    validation belongs to it."""
+    ranked = []
+    for step, path in complete:
+        try:
+            value = read_json(os.path.join(path, MARKER)).get("metrics", {}).get(metric)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int | float) and math.isfinite(value):
+            ranked.append((value if metric_mode == "min" else -value, step, path))
+    return [path for _, _, path in sorted(ranked)]
 
 
 def _delete_trees(paths: list[str]) -> None:

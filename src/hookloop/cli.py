@@ -6,6 +6,7 @@
     hookloop config [CONFIG] [overrides] [--markdown]    the resolved config, every field explained
     hookloop prepare OUT --files F ... [--tokenizer PATH] write a token file (docs/data.md)
     hookloop plot RUN_DIR [-o PNG]                       draw a run's metrics
+    hookloop export RUN_DIR [--step N|--best] --out DIR  a checkpoint's model as one safetensors file
     hookloop lighthouse [--bind H:P] [--min-replicas N]  the quorum server of replica groups (torchft)
 
 ``train`` exits with the run's exit code (:class:`hookloop.engine.ExitCode`); every command exits
@@ -60,6 +61,7 @@ COMMANDS = ("train", "check", "config")
 DELEGATED = {
     "prepare": ("hookloop.engine.data.prepare", "prepare_command", "write a token file from text"),
     "plot": ("hookloop.handlers.plot", "main", "draw a run's metrics to a PNG"),
+    "export": ("hookloop.export", "main", "write a checkpoint's model as one safetensors file"),
     "lighthouse": (
         "hookloop.lighthouse",
         "main",

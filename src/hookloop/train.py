@@ -13,6 +13,8 @@ This is what ``hookloop train CONFIG [section.field=value ...]`` runs, under ``p
         print(run.model, run.optimizer, run.trainer.handlers)
         exit_code = run.run()
 
+    model = load_model("runs/my_run")                  # the trained model, in one process
+
 Everything that can be checked is checked (:func:`check`) before any process group, data or model
 exists; a config error exits with 2 and one line naming the field (under torchrun, said once by
 rank 0). The run directory (``train.run_dir``; null: ``runs/<config file stem>``) is held by one run
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hookloop.engine import ConfigError
+from hookloop.export import load_model
 from hookloop.run import Run, build, build_optimizer
 from hookloop.run_data import build_data, validation_indices
 from hookloop.training_config import (
@@ -49,6 +52,7 @@ __all__ = [
     "build_data",
     "build_optimizer",
     "check",
+    "load_model",
     "load_training_config",
     "report_config_error",
     "resolve_run_dir",
