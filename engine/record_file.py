@@ -22,11 +22,11 @@ Records hold values that do not change after they are written (numbers, strings)
 encoding or writing one is raised by the next :meth:`write`, :meth:`flush` or :meth:`close`.
 
 Each step once: a file of lines that carry a ``"step"`` is cut back with :meth:`RecordFile.cut` (or
-:func:`cut_to_step`) to the step a run starts from (at ``RUN_STARTED``) or rolls back to (at
-``ROLLBACK``), so the lines a killed run wrote after its last checkpoint are gone before the resumed
-run writes those steps again. The cut reads the file backwards from its end, in blocks, and stops at
-the first whole line of a step to keep (a start costs the lines cut, not the file's length); a
-damaged line after it (torn by a kill mid-write) is cut too, with a warning naming its line.
+:func:`cut_to_step`) to the step a run starts from (at ``RUN_STARTED``), so the lines a killed
+run wrote after its last checkpoint are gone before the resumed run writes those steps again. The
+cut reads the file backwards from its end, in blocks, and stops at the first whole line of a step
+to keep (a start costs the lines cut, not the file's length); a damaged line after it (torn by a
+kill mid-write) is cut too, with a warning naming its line.
 """
 
 from __future__ import annotations

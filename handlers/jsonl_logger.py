@@ -6,9 +6,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Priority
 from hookloop.engine.record_file import FLUSH_SECS, RecordFile
 from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger
 
@@ -27,11 +26,11 @@ class JSONLLogger(MetricLogger):
     """Appends ``{"step": N, "time": unix_seconds, <metric>: value, ...}`` lines to ``path``.
 
     The file is appended to, so a resumed run continues its history in the same file, each step
-    once: when the run starts (and at a rollback) the lines of steps after the step it starts from
-    are cut (:meth:`~hookloop.engine.RecordFile.cut`), so steps a killed run logged after its last
-    checkpoint are not there twice. Non-finite values are
-    written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them). Rank 0 only unless
-    ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
+    once: when the run starts, the lines of steps after the step it starts from are cut
+    (:meth:`~hookloop.engine.RecordFile.cut`), so steps a killed run logged after its last
+    checkpoint are not there twice. Non-finite values are written as ``NaN`` / ``Infinity``
+    (Python's ``json`` reads them). Rank 0 only unless ``all_ranks=True``, in which case every
+    rank but 0 writes ``<stem>.rank<r><suffix>``.
 
     Lines are whole and in step order; they reach the file within ``flush_secs`` seconds, when a
     checkpoint is published and at the end (a :class:`~hookloop.engine.RecordFile`): a killed run
@@ -67,18 +66,9 @@ class JSONLLogger(MetricLogger):
         r = parallel.rank()
         return self.path if r == 0 else self.path.with_name(f"{self.path.stem}.rank{r}{self.path.suffix}")
 
-    def attach(self, trainer: Any) -> JSONLLogger:
-        # after the restore, where the sample trace cuts too
-        trainer.add_event_handler(Events.ROLLBACK, self._cut, priority=Priority.DEFAULT - 900)
-        return super().attach(trainer)
-
     def open(self) -> None:
         self._file = RecordFile(self._rank_path(), flush_secs=self.flush_secs, encode=_line)
-        self._cut()
-
-    def _cut(self) -> None:
-        if self._file is not None:
-            self._file.cut(self.trainer.state.step)
+        self._file.cut(self.trainer.state.step)  # each step once: a killed run's later lines go
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is not None:

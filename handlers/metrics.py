@@ -24,8 +24,8 @@ Every ``log_interval`` steps (and at the last step) the tracker reduces its inte
 ranks with one all-reduce (MAX: the job runs at the pace of its slowest rank), writes them into
 ``state.metrics``, sets ``state.metrics_step`` to the step (so loggers know the metrics are fresh)
 and appends one line to ``<run_dir>/progress.jsonl`` on rank 0 (a :class:`RecordFile`: on disk within
-a second, at every published checkpoint and at the end; cut back to the step a run resumes or rolls
-back to, so it holds each step once). Token and sample counts come from the
+a second, at every published checkpoint and at the end; cut back to the step a run resumes from, so
+it holds each step once). Token and sample counts come from the
 trainer, which already sums them over data-parallel ranks.
 """
 
@@ -241,8 +241,6 @@ class MetricsTracker(Handler):
 
     def _on_rollback_done(self) -> None:
         step = self.trainer.state.step
-        if self._progress is not None:  # the steps rolled back are trained and logged again
-            self._progress.cut(step)
         self._write_progress({"event": "rollback", "step": step, "from": self._rollback_from, "to": step})
 
     # ------------------------------------------------------------------ per step

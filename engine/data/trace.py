@@ -25,9 +25,8 @@ at most once and the files together describe exactly the run's surviving history
 number of ranks changed (rank 0 cuts the files of ranks the new run no longer has).
 
 Damage: a line that is not a whole step's JSON (torn by a kill mid-write, or garbage) at the end of
-a file is cut the same way, with a warning naming the file and the line's number. A file's steps are
-in order, so the cut reads the file backwards from its end, in blocks, and stops at the first whole
-line of a step to keep: a start costs the lines cut, not the trace's length (time and memory).
+a file is cut the same way, with a warning naming the file and the line's number (the cut of
+:mod:`engine.record_file`: a start costs the lines cut, not the trace's length).
 :func:`read_sample_traces` skips, with the same warning, a damaged line anywhere.
 
 Writers: one file per data-parallel rank, written by one process of its replica (the first of its
