@@ -3,8 +3,8 @@ probing directories.
 
 The one place that knows how: checkpoints (markers, ``latest``, per-rank state), the exit status,
 the resolved config and a prepared token file's sidecar all write through :func:`atomic_write`
-(a sample trace is appended to, and cut by truncation and :func:`fsync_file`); the run config and
-the checkpointer check their directories with :func:`check_writable_dir`.
+(a sample trace or a RecordFile is appended to, and cut by truncation and :func:`fsync_fd`); the
+run config and the checkpointer check their directories with :func:`check_writable_dir`.
 
 A run writes nothing through a symbolic link: a file it opens in place (the run directory's lock,
 ``metrics.jsonl``, ``progress.jsonl``, a sample trace, a checkpoint's files) is opened by

@@ -21,26 +21,38 @@ and flushes what it wrote (called the same way).
 
 Records hold values that do not change after they are written (numbers, strings); an error in
 encoding or writing one is raised by the next :meth:`write`, :meth:`flush` or :meth:`close`.
+
+Each step once: a file of lines that carry a ``"step"`` is cut back with :meth:`RecordFile.cut` (or
+:func:`cut_to_step`) to the step a run starts from (at ``RUN_STARTED``), so the lines a killed
+run wrote after its last checkpoint are gone before the resumed run writes those steps again. The
+cut reads the file backwards from its end, in blocks, and stops at the first whole line of a step
+to keep (a start costs the lines cut, not the file's length); a damaged line after it (torn by a
+kill mid-write) is cut too, with a warning naming its line.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from hookloop.engine.files import open_no_link
+from hookloop.engine.files import fsync_fd, open_no_link
 
-__all__ = ["FLUSH_SECS", "RecordFile", "flush_open"]
+__all__ = ["FLUSH_SECS", "RecordFile", "cut_to_step", "flush_open"]
+
+logger = logging.getLogger(__name__)
 
 #: How long a written record may stay in memory: a killed run loses at most this many seconds of lines.
 FLUSH_SECS = 1.0
+
+_BLOCK = 1 << 16  # bytes read at a time, backwards from a file's end
 
 _open: weakref.WeakSet[RecordFile] = weakref.WeakSet()  # flushed at exit if nobody closed them
 
@@ -115,6 +127,14 @@ class RecordFile:
         if self._error is not None:
             self._raise()
 
+    def cut(self, last_step: int) -> None:
+        """Write out every record, then cut the file back to its lines of steps ``<= last_step``
+        (see the module docstring): call it at ``RUN_STARTED`` with ``trainer.state.step``."""
+        self.flush()
+        if self.path is not None:
+            with self._lock:
+                cut_to_step(self.path, last_step)
+
     def close(self) -> None:
         """Write out every record, stop the flusher thread and close the file (idempotent)."""
         if self._closed.is_set():
@@ -163,3 +183,80 @@ class RecordFile:
                     self._drain()
             except Exception as e:  # a full disk, a writer's error: said to the writer
                 self._error = e
+
+
+def step_row(line: bytes) -> dict[str, Any] | None:
+    """The JSON object a whole line holds when it has an integer ``"step"``, else None."""
+    if not line.endswith(b"\n"):
+        return None  # torn: the write that would have ended it never finished
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
+        return None
+    if not isinstance(row, dict):
+        return None
+    step = row.get("step")
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def warn_damaged(path: Path, line_number: int, what: str) -> None:
+    logger.warning("%s line %d is not a whole step's JSON (torn or garbage): %s", path, line_number, what)
+
+
+def _lines_backwards(f: IO[bytes], size: int) -> Iterator[tuple[int, bytes]]:
+    """``(offset, line)`` of each line of ``f`` (``size`` bytes), the last first; a line keeps its
+    newline. Memory: one block and the longest line."""
+    buf, buf_start, end = b"", size, size
+    while end > 0:
+        # The newline before the line ending at ``end`` (the byte at end - 1 may be its own newline).
+        while True:
+            at = buf.rfind(b"\n", 0, max(0, end - 1 - buf_start))
+            if at >= 0 or buf_start == 0:
+                break
+            start = max(0, buf_start - _BLOCK)
+            f.seek(start)
+            buf, buf_start = f.read(buf_start - start) + buf, start
+        line_start = buf_start + at + 1
+        yield line_start, buf[line_start - buf_start : end - buf_start]
+        buf, end = buf[: line_start - buf_start], line_start
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """The 1-based number of the line starting at byte ``offset`` (counted in blocks: only a
+    damaged file pays for it)."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, _BLOCK * 16))
+            count, offset = count + block.count(b"\n"), offset - len(block)
+    return count + 1
+
+
+def cut_to_step(
+    path: str | os.PathLike, last_step: int, *, row: Callable[[bytes], dict | None] = step_row
+) -> None:
+    """Keep the lines of ``path`` up to the last whole line of a step ``<= last_step``: later steps
+    and damaged lines after it are cut (damaged ones with a warning). ``row`` reads a line's record
+    (None: damaged). The file is read backwards from its end and truncated in place (a reader sees
+    the old or the new length); a missing file is left missing."""
+    path = Path(path)
+    try:
+        f = os.fdopen(open_no_link(path, os.O_RDWR), "rb")
+    except FileNotFoundError:
+        return
+    damaged: list[int] = []
+    with f:
+        size = keep = f.seek(0, os.SEEK_END)
+        for offset, line in _lines_backwards(f, size):
+            record = row(line)
+            if record is not None and record["step"] <= last_step:
+                break
+            if record is None and line.strip():
+                damaged.append(offset)
+            keep = offset
+        if keep == size:
+            return
+        for offset in reversed(damaged):
+            warn_damaged(path, _line_number(path, offset), f"cut at resume to step {last_step}")
+        os.ftruncate(f.fileno(), keep)
+        fsync_fd(f.fileno())

@@ -15,9 +15,11 @@ Every place a config names code uses these two functions, so one rule holds ever
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
+import pkgutil
 import sys
 import types
 import typing
@@ -41,7 +43,8 @@ def resolve_target(target: Any, field: str) -> Any:
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
-            raise ConfigError(field, f"{where} is not a file (relative paths start at {Path.cwd()})")
+            hint = _did_you_mean(where, [str(p) for p in path.parent.glob("*.py")])
+            raise ConfigError(field, f"{where} is not a file{hint} (relative paths start at {Path.cwd()})")
         name = f"hookloop_user_{path.stem}_{abs(hash(str(path.resolve())))}"
         module = sys.modules.get(name)
         if module is None:
@@ -58,14 +61,36 @@ def resolve_target(target: Any, field: str) -> Any:
             module = importlib.import_module(where)
         except ModuleNotFoundError as e:
             if e.name and where.startswith(e.name):
+                hint = _did_you_mean(e.name, _sibling_modules(e.name), where)
                 raise ConfigError(
-                    field, f"cannot import {where} ({e}); install it or give path/to/file.py:{attr}"
+                    field, f"cannot import {where} ({e}){hint}; install it or give path/to/file.py:{attr}"
                 ) from None
             raise
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ConfigError(field, f"{where} has no attribute {attr!r}") from None
+        hint = _did_you_mean(attr, [n for n in dir(module) if not n.startswith("_")])
+        raise ConfigError(field, f"{where} has no attribute {attr!r}{hint}") from None
+
+
+def _did_you_mean(name: str, candidates: Collection[str], whole: str | None = None) -> str:
+    """`` (did you mean 'x'?)`` for the candidate closest to ``name`` (put in place of ``name``
+    in ``whole`` when given), as a typo in a config key gets; empty when none is close."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {(whole.replace(name, close[0], 1) if whole else close[0])!r}?)"
+
+
+def _sibling_modules(name: str) -> list[str]:
+    """The importable modules beside dotted ``name``: its package's, or the top-level ones."""
+    package, _, _ = name.rpartition(".")
+    try:
+        path = importlib.import_module(package).__path__ if package else None
+    except (ImportError, AttributeError):
+        return []
+    prefix = f"{package}." if package else ""
+    return [prefix + m.name for m in pkgutil.iter_modules(path)]
 
 
 def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter] | None:

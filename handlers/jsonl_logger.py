@@ -25,10 +25,12 @@ def _line(record: tuple[int, float, dict[str, float]]) -> str:
 class JSONLLogger(MetricLogger):
     """Appends ``{"step": N, "time": unix_seconds, <metric>: value, ...}`` lines to ``path``.
 
-    The file is appended to, so a resumed run continues its history in the same file (a step
-    logged twice across a restart appears twice; readers keep the last). Non-finite values are
-    written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them). Rank 0 only unless
-    ``all_ranks=True``, in which case every rank but 0 writes ``<stem>.rank<r><suffix>``.
+    The file is appended to, so a resumed run continues its history in the same file, each step
+    once: when the run starts, the lines of steps after the step it starts from are cut
+    (:meth:`~hookloop.engine.RecordFile.cut`), so steps a killed run logged after its last
+    checkpoint are not there twice. Non-finite values are written as ``NaN`` / ``Infinity``
+    (Python's ``json`` reads them). Rank 0 only unless ``all_ranks=True``, in which case every
+    rank but 0 writes ``<stem>.rank<r><suffix>``.
 
     Lines are whole and in step order; they reach the file within ``flush_secs`` seconds, when a
     checkpoint is published and at the end (a :class:`~hookloop.engine.RecordFile`): a killed run
@@ -66,6 +68,7 @@ class JSONLLogger(MetricLogger):
 
     def open(self) -> None:
         self._file = RecordFile(self._rank_path(), flush_secs=self.flush_secs, encode=_line)
+        self._file.cut(self.trainer.state.step)  # each step once: a killed run's later lines go
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._file is not None:

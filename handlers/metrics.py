@@ -24,7 +24,8 @@ Every ``log_interval`` steps (and at the last step) the tracker reduces its inte
 ranks with one all-reduce (MAX: the job runs at the pace of its slowest rank), writes them into
 ``state.metrics``, sets ``state.metrics_step`` to the step (so loggers know the metrics are fresh)
 and appends one line to ``<run_dir>/progress.jsonl`` on rank 0 (a :class:`RecordFile`: on disk within
-a second, at every published checkpoint and at the end). Token and sample counts come from the
+a second, at every published checkpoint and at the end; cut back to the step a run resumes from, so
+it holds each step once). Token and sample counts come from the
 trainer, which already sums them over data-parallel ranks.
 """
 
@@ -263,6 +264,8 @@ class MetricsTracker(Handler):
     def _on_run_started(self) -> None:
         state = self.trainer.state
         self._open_progress()
+        if self._progress is not None:  # each step once: a killed run's lines after its checkpoint go
+            self._progress.cut(state.step)
         self._write_progress(
             {
                 "event": "start",
@@ -392,7 +395,7 @@ class MetricsTracker(Handler):
 
     def _open_progress(self) -> None:
         """Rank 0 of a tracker with a run directory appends to ``progress.jsonl`` (history survives
-        restarts), opened once the run has started."""
+        restarts, cut back to the resumed step), opened once the run has started."""
         if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
             self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
 

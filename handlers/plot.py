@@ -3,10 +3,12 @@
 ``python -m hookloop.handlers.plot RUN_DIR`` is the same command.
 
 Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`~handlers.jsonl_logger.JSONLLogger`), falling back
-to ``RUN_DIR/progress.jsonl`` (written by :class:`~handlers.metrics.MetricsTracker`), and draws three
-panels against the step: loss (train, its average, validation, and ``loss/<dataset>`` per dataset),
-learning rate, and throughput (tokens/s). A step logged more than once (a run resumed from an
-earlier checkpoint) keeps its last record. matplotlib is imported only here.
+to ``RUN_DIR/progress.jsonl`` (written by :class:`~handlers.metrics.MetricsTracker`), and draws every
+logged metric against the step, one panel per kind (:func:`panels`): loss (train, its average,
+validation and ``loss/<dataset>``), the other validation metrics (``val_accuracy``), learning rate,
+throughput (``*_per_s``, TFLOP/s, MFU; a log scale), times, optimizer figures (grad norm, skipped
+steps), memory, counts, and the user's own metrics. Resumes and rollbacks are marked on every panel.
+A step logged more than once keeps its last record. matplotlib is imported only here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,58 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_events", "load_records", "main", "plot_run"]
+__all__ = ["load_events", "load_records", "main", "panels", "plot_run"]
 
 # progress.jsonl lines that mark a moment of the run rather than carry metrics
 _EVENTS = ("start", "resume", "rollback")
+# keys of a record that are not metrics
+_NOT_METRICS = ("step", "time", "event", "job_start")
+# the panels in the order drawn; the user's own metrics (any other name) come last
+_OWN = "your metrics"
+_KINDS = (
+    "loss",
+    "validation",
+    "learning rate",
+    "throughput",
+    "time (s)",
+    "optimizer",
+    "memory (MB)",
+    "counts",
+)
+_KINDS += (_OWN,)
+
+
+def _kind(name: str) -> str:
+    """The panel a metric is drawn on."""
+    if "loss" in name:
+        return "loss"
+    if name.startswith(("val_", "val/")):
+        return "validation"
+    if name == "lr" or name.startswith("lr/"):
+        return "learning rate"
+    if name.endswith("_per_s") or "tflops" in name or name == "mfu":
+        return "throughput"
+    if name.endswith("_time_s"):
+        return "time (s)"
+    if name in ("grad_norm", "skipped_steps"):
+        return "optimizer"
+    if name.endswith("_mb"):
+        return "memory (MB)"
+    if name in ("tokens_seen", "samples_seen", "flops"):
+        return "counts"
+    return _OWN
+
+
+def panels(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """``{panel: [metric, ...]}``: every metric with a finite number in ``records``, grouped by kind
+    (the panels :func:`plot_run` draws, in its order; empty panels left out)."""
+    names = sorted({k for r in records for k in r if k not in _NOT_METRICS and _series([r], k)[0]})
+    grouped: dict[str, list[str]] = {kind: [] for kind in _KINDS}
+    for name in names:
+        grouped[_kind(name)].append(name)
+    for kind in ("loss", "validation"):  # the train loss and val_loss first, then per dataset
+        grouped[kind].sort(key=lambda n: ("/" in n, n.startswith("val"), n))
+    return {kind: names for kind, names in grouped.items() if names}
 
 
 def load_events(run_dir: str | os.PathLike) -> dict[str, list[int]]:
@@ -91,47 +141,28 @@ def plot_run(run_dir: str | os.PathLike, output: str | os.PathLike | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_lr, ax_tp) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    keys = sorted({k for r in records for k in r})
-    for key, label, style in (
-        ("loss", "train", "-"),
-        ("loss_avg", "train (avg)", "-"),
-        ("val_loss", "val", "o-"),
-    ):
-        xs, ys = _series(records, key)
-        if xs:
-            ax_loss.plot(xs, ys, style, label=label, markersize=3)
-    for key in keys:
-        if key.startswith(("loss/", "val_loss/")):
-            xs, ys = _series(records, key)
-            if xs:
-                ax_loss.plot(xs, ys, "--", label=key, linewidth=1)
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_title(f"{run_dir.name} ({source.name})")
-    xs, ys = _series(records, "lr")
-    if xs:
-        ax_lr.plot(xs, ys)
-    ax_lr.set_ylabel("learning rate")
-    xs, ys = _series(records, "tokens_per_s")
-    if xs:
-        ax_tp.plot(xs, ys)
-    ax_tp.set_ylabel("tokens / s")
-    ax_tp.set_xlabel("step")
+    drawn = panels(records)
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(9, 2.6 * len(drawn) + 0.6), sharex=True, squeeze=False)
+    axes = [row[0] for row in axes]
     markers = load_events(run_dir)
-    for kind, color in (("resume", "tab:green"), ("rollback", "tab:red")):
-        for i, step in enumerate(markers[kind]):
-            for ax in (ax_loss, ax_lr, ax_tp):
-                ax.axvline(
-                    step,
-                    color=color,
-                    linestyle=":",
-                    linewidth=1,
-                    label=kind if ax is ax_loss and i == 0 else None,
-                )
-    for ax in (ax_loss, ax_lr, ax_tp):
+    for ax, (kind, names) in zip(axes, drawn.items()):
+        for name in names:
+            xs, ys = _series(records, name)
+            sparse = len(xs) < 0.5 * len(records)  # validation: a point now and then
+            ax.plot(
+                xs, ys, "o-" if sparse else "-", label=name, markersize=3, linewidth=1 if "/" in name else 1.5
+            )
+        if kind == "throughput" and all(y > 0 for name in names for y in _series(records, name)[1]):
+            ax.set_yscale("log")
+        ax.set_ylabel(kind)
+        for event, color in (("resume", "tab:green"), ("rollback", "tab:red")):
+            for i, step in enumerate(markers[event]):
+                label = event if ax is axes[0] and i == 0 else None
+                ax.axvline(step, color=color, linestyle=":", linewidth=1, label=label)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
+    axes[0].set_title(f"{run_dir.name} ({source.name})")
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     out = Path(output) if output is not None else run_dir / "metrics.png"
     out.parent.mkdir(parents=True, exist_ok=True)

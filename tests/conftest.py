@@ -1,7 +1,16 @@
+import signal
+
 import pytest
 import torch
 
 from hookloop.models.gpt import GPT, GPTConfig
+
+
+def pytest_configure(config):
+    # SIGTERM stops the tests as Ctrl-C does (a KeyboardInterrupt): each test's cleanup runs, and the
+    # command a test waits for (tests/forked.py) and the fork server end with it.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -84,6 +84,9 @@ def run_process(
         raise TimeoutError(
             f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
+    except BaseException:  # Ctrl-C or SIGTERM of the tests: the command's session goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -59,13 +59,13 @@ class ForkServer:
         started = self._reply(START_S)
         if started is None:
             raise RuntimeError(f"the fork server did not start a command within {START_S} s")
-        ended = self._reply(timeout)
+        try:
+            ended = self._reply(timeout)
+        except BaseException:  # Ctrl-C or SIGTERM of the tests (conftest.py): the command goes too
+            self._kill(started["pid"])
+            raise
         if ended is None:
-            for kill in (os.killpg, os.kill):  # the command's session, then the command if it left it
-                try:
-                    kill(started["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            self._kill(started["pid"])
             self._reply(START_S)
             raise TimeoutError(
                 f"{list(argv)[:3]} did not finish within {timeout}s\n"
@@ -73,6 +73,14 @@ class ForkServer:
             )
         cmd = [sys.executable, *argv]
         return subprocess.CompletedProcess(cmd, ended["returncode"], out.read_text(), err.read_text())
+
+    @staticmethod
+    def _kill(pid: int) -> None:
+        for kill in (os.killpg, os.kill):  # the command's session, then the command if it left it
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def close(self) -> None:
         if self.proc.stdin:

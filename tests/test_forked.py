@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +67,80 @@ def test_a_command_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     with pytest.raises(TimeoutError):
         run_process([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path, timeout=1)
     assert run_process([sys.executable, "-c", "print('next')"], cwd=tmp_path, timeout=60).stdout == "next\n"
+
+
+INNER = """
+import sys
+from pathlib import Path
+
+from tests.dist_utils import run_process
+from tests.user_models import tiny_lm_config, tiny_lm_source
+
+HANG = '''
+import os, time
+from pathlib import Path
+from hookloop import Events
+
+class Hang:
+    def __init__(self, here: str):
+        self.here = Path(here)
+
+    def attach(self, trainer):
+        trainer.add_event_handler(Events.STEP_END(once=1), self.hang)
+
+    def hang(self):
+        self.here.write_text(str(os.getpid()))
+        time.sleep(600)
+'''
+
+
+def test_a_training_run_that_hangs(tmp_path):
+    here = Path(__file__).parent / "training.pid"
+    (tmp_path / "my_models.py").write_text(tiny_lm_source())
+    (tmp_path / "my_hooks.py").write_text(HANG)
+    config = tiny_lm_config(max_steps=10) + f"handlers: [{{target: my_hooks.py:Hang, here: '{here}'}}]\\n"
+    (tmp_path / "run.yaml").write_text(config)
+    run_process([sys.executable, "-m", "hookloop", "train", "run.yaml"], cwd=tmp_path, timeout=600)
+"""
+
+
+def _marked(mark: str) -> list[int]:
+    """The processes whose environment holds ``mark``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark.encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # ended meanwhile, or not ours
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_sigterm_ends_the_tests_with_every_process_they_started(tmp_path, workers):
+    (tmp_path / "test_inner.py").write_text(INNER)
+    mark = f"HOOKLOOP_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), mark.split("=")[0]: mark.split("=")[1]}
+    pytest_cmd = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q"]
+    with open(tmp_path / "pytest.out", "w") as out:
+        inner = subprocess.Popen(
+            [*pytest_cmd, "-n", workers, str(tmp_path / "test_inner.py")],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "training.pid").exists():
+            assert inner.poll() is None and time.monotonic() < deadline, (tmp_path / "pytest.out").read_text()
+            time.sleep(0.1)
+        training = int((tmp_path / "training.pid").read_text())
+        assert training in _marked(mark)
+        inner.send_signal(signal.SIGTERM)
+        inner.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _marked(mark) == [], (tmp_path / "pytest.out").read_text()[-3000:]
+        assert "KeyboardInterrupt" in (tmp_path / "pytest.out").read_text()
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)

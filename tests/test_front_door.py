@@ -223,6 +223,10 @@ def ok(proc) -> None:
         (["handlers.1.target=my_hooks.py:nothing"], "handlers[1].target", "has no attribute 'nothing'"),
         (["handlers.1.target=my_hooks.py:StepCounterConfig"], "handlers[1].target", "no attach(trainer)"),
         (["handlers.1.target=json"], "handlers[1].target", "must look like module:attribute"),
+        (["handlers.1.target=my_hooks.py:loss_fiel"], "handlers[1].target", "(did you mean 'loss_file'?)"),
+        (["handlers.1.target=my_hoks.py:loss_file"], "handlers[1].target", "(did you mean 'my_hooks.py'?)"),
+        (["model.target=my_models.py:recipr"], "model.target", "(did you mean 'recipe'?)"),
+        (["model.target=hookloop.modls.gpt:recipe"], "model.target", "(did you mean 'hookloop.models.gpt'?)"),
         (
             ["data.args.chars=abc", "data.args.nope=1"],
             "data.args.nope",

@@ -99,12 +99,23 @@ def test_jsonl_records_match_published_metrics_and_append(tmp_path):
     assert "loss/docs" in records[0] and "val_loss" in records[3] and "val_accuracy" in records[3]
     assert logger._file is None, "closed at TRAIN_END"
 
-    # a second run (a resumed job) appends to the same file
+    # a second run (a job resumed at step 6) appends to the same file
     trainer2 = _trainer()
     MetricsTracker(2).attach(trainer2)
     JSONLLogger(path).attach(trainer2)
-    trainer2.run(_tokens(), max_steps=2)
+    counters = trainer.state.counters()
+    trainer2.add_event_handler(
+        Events.TRAIN_START, lambda: trainer2.state.load_counters(counters), priority=Priority.RESTORE
+    )
+    trainer2.run(_tokens(), max_steps=8)
     assert len(path.read_text().splitlines()) == 5
+
+    # a run started again from step 0 (no checkpoint) cuts the steps it logs again: each step once
+    trainer3 = _trainer()
+    MetricsTracker(2).attach(trainer3)
+    JSONLLogger(path).attach(trainer3)
+    trainer3.run(_tokens(), max_steps=2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2]
 
 
 def test_a_run_stopped_between_log_steps_still_logs_its_last_interval(tmp_path):

@@ -6,9 +6,10 @@ import json
 import sys
 
 import pytest
+from matplotlib.figure import Figure
 
 from hookloop.cli import main as hookloop_main
-from hookloop.handlers.plot import load_records, main
+from hookloop.handlers.plot import load_records, main, panels, plot_run
 from tests.dist_utils import run_process
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -76,3 +77,36 @@ def test_plot_is_a_subcommand_of_hookloop(tmp_path, capsys):
         hookloop_main(["--help"])
     listing = capsys.readouterr().out
     assert "prepare" in listing and "draw a run's metrics to a PNG" in listing
+
+
+def test_every_logged_metric_is_drawn_grouped_by_kind(tmp_path, monkeypatch):
+    rows = [
+        {"step": s, "time": 1.0, "loss": 3.0 - s / 10, "loss_avg": 3.0, "lr": 1e-3, "grad_norm": 0.5,
+         "tokens_per_s": 900.0 + s, "samples_per_s": 8.0, "step_time_s": 0.1, "rss_mb": 300.0,
+         "tokens_seen": 64 * s, "my_perplexity": 20.0 - s}
+        for s in range(1, 11)
+    ]  # fmt: skip
+    rows += [
+        {"step": 5, "val_loss": 2.8, "val_accuracy": 0.4},
+        {"step": 10, "val_loss": 2.5, "val_accuracy": 0.6},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = panels(load_records(tmp_path / "metrics.jsonl"))
+    assert drawn == {
+        "loss": ["loss", "loss_avg", "val_loss"],
+        "validation": ["val_accuracy"],
+        "learning rate": ["lr"],
+        "throughput": ["samples_per_s", "tokens_per_s"],
+        "time (s)": ["step_time_s"],
+        "optimizer": ["grad_norm"],
+        "memory (MB)": ["rss_mb"],
+        "counts": ["tokens_seen"],
+        "your metrics": ["my_perplexity"],
+    }
+    figures, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
+    out = plot_run(tmp_path)
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    (figure,) = figures
+    on_axes = {ax.get_ylabel(): [line.get_label() for line in ax.get_lines()] for ax in figure.axes}
+    assert on_axes == drawn  # each metric drawn once, on its kind's panel

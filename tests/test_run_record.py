@@ -61,6 +61,24 @@ class Hold:
         deadline = time.monotonic() + 120
         while not self.go.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+class Losses:
+    '''A record file of its own, as docs/writing_handlers.md shows: one line per step, each step once.'''
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def attach(self, trainer):
+        from hookloop.engine import RecordFile
+
+        def open_records():
+            self.records = RecordFile(self.path)
+            self.records.cut(trainer.state.step)
+
+        trainer.add_event_handler(Events.RUN_STARTED, open_records)
+        trainer.add_event_handler(Events.STEP_END, lambda: self.records.write({"step": trainer.state.step}))
+        trainer.add_event_handler(Events.TRAIN_END, lambda: self.records.close())
 """
 
 CONFIG = """
@@ -232,6 +250,41 @@ def test_a_sigkilled_runs_lock_does_not_block_the_next_start(project):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr and "(step 2)" in again.stderr
     assert not (run_dir / ".hookloop.lock").exists()
+
+
+def record_steps(path: Path, event: str | None = None) -> list[int]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["step"] for r in rows if event is None or r.get("event") == event]
+
+
+def test_after_a_sigkill_and_a_resume_every_record_holds_each_step_once(project):
+    run_dir, own = project / "runs" / "my_run", project / "losses.jsonl"
+    losses = f"{{target: 'my_hooks.py:Losses', path: '{own}'}}"
+    hold = f"{{target: 'my_hooks.py:Hold', here: '{project / 'held'}', go: '{project / 'go'}', step: 7}}"
+    args = ["my_run.yaml", "checkpoint.mode=sync", "step_scheduler.max_steps=8"]
+    args.append("step_scheduler.ckpt_every_steps=4")
+    records = {
+        "metrics": lambda: metric_steps(run_dir),
+        "progress": lambda: record_steps(run_dir / "progress.jsonl", "progress"),
+        "own": lambda: record_steps(own),
+    }
+    first = start(*args, f"handlers=[{hold}, {losses}]", cwd=project)
+    try:
+        wait_for(project / "held", first)  # at step 7: the checkpoint of step 4 is complete
+        deadline = time.monotonic() + 30  # steps 5 and 6 reach every file within a second
+        while any(6 not in read() for read in records.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        kill_tree(first.pid)
+    for name, read in records.items():  # the killed run's steps after its checkpoint are there
+        assert read()[:6] == [1, 2, 3, 4, 5, 6], name
+    again = hookloop("train", *args, f"handlers=[{losses}]", cwd=project)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 4)" in again.stderr
+    assert {name: read() for name, read in records.items()} == {name: list(range(1, 9)) for name in records}
+    assert record_steps(run_dir / "metrics.jsonl") == list(range(1, 9))  # every line: each step once
 
 
 @pytest.mark.distributed

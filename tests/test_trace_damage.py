@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hookloop.engine.data import read_sample_traces, trace
+from hookloop.engine import record_file
+from hookloop.engine.data import read_sample_traces
 from hookloop.engine.data.trace import _cut
 from tests.dist_utils import run_torchrun
 from tests.test_sample_trace import make_trainer
@@ -87,7 +88,8 @@ class CountingFile:
 
 def test_the_cut_of_a_long_trace_reads_only_its_end(tmp_path, caplog, monkeypatch):
     bytes_read = [0]
-    monkeypatch.setattr(trace, "open", lambda *a, **k: CountingFile(open(*a, **k), bytes_read), raising=False)
+    counting = lambda *a, **k: CountingFile(open(*a, **k), bytes_read)  # noqa: E731
+    monkeypatch.setattr(record_file, "open", counting, raising=False)
     path = tmp_path / "samples-rank0.jsonl"
     ids = [f"docs:{i * 7919 % 100_000}" for i in range(64)]
     steps = 40_000
@@ -102,7 +104,7 @@ def test_the_cut_of_a_long_trace_reads_only_its_end(tmp_path, caplog, monkeypatc
         _cut(path, last_step)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        assert bytes_read[0] <= 2 * trace._BLOCK, bytes_read  # a block or two of the end
+        assert bytes_read[0] <= 2 * record_file._BLOCK, bytes_read  # a block or two of the end
         assert peak < 1_000_000, peak  # not the 36 MB file
         assert path.stat().st_size == size - cut * len(line(steps, ids).encode())
     assert path.read_bytes()[-len(line(steps, ids)) :].decode() == line(steps - 2, ids)

@@ -25,9 +25,8 @@ at most once and the files together describe exactly the run's surviving history
 number of ranks changed (rank 0 cuts the files of ranks the new run no longer has).
 
 Damage: a line that is not a whole step's JSON (torn by a kill mid-write, or garbage) at the end of
-a file is cut the same way, with a warning naming the file and the line's number. A file's steps are
-in order, so the cut reads the file backwards from its end, in blocks, and stops at the first whole
-line of a step to keep: a start costs the lines cut, not the trace's length (time and memory).
+a file is cut the same way, with a warning naming the file and the line's number (the cut of
+:mod:`engine.record_file`: a start costs the lines cut, not the trace's length).
 :func:`read_sample_traces` skips, with the same warning, a damaged line anywhere.
 
 Writers: one file per data-parallel rank, written by one process of its replica (the first of its
@@ -44,23 +43,23 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hookloop.engine.data.loader import MixtureLoader
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
-from hookloop.engine.files import fsync_fd, open_no_link
+from hookloop.engine.files import open_no_link
+from hookloop.engine.record_file import cut_to_step, step_row, warn_damaged
 
 __all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
 
 logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^samples-rank(\d+)\.jsonl$")
-_BLOCK = 1 << 16  # bytes read at a time, backwards from a file's end
 
 
 def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -70,20 +69,8 @@ def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 def _row(line: bytes) -> dict[str, Any] | None:
     """The step row a whole line holds (``{"step": int, "ids": [...]}``), else None."""
-    if not line.endswith(b"\n"):
-        return None  # torn: the write that would have ended it never finished
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
-        return None
-    if not isinstance(row, dict) or not isinstance(row.get("ids"), list):
-        return None
-    step = row.get("step")
-    return row if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _warn_damaged(path: Path, line_number: int, what: str) -> None:
-    logger.warning("%s line %d is not a whole step's JSON (torn or garbage): %s", path, line_number, what)
+    row = step_row(line)
+    return row if row is not None and isinstance(row.get("ids"), list) else None
 
 
 def read_sample_traces(run_dir: str | os.PathLike) -> dict[int, dict[int, list[str]]]:
@@ -100,7 +87,7 @@ def read_sample_traces(run_dir: str | os.PathLike) -> dict[int, dict[int, list[s
                 row = _row(line)
                 if row is None:
                     if line.strip():
-                        _warn_damaged(path, number, "skipped")
+                        warn_damaged(path, number, "skipped")
                     continue
                 if row["step"] in steps:
                     raise ValueError(f"{path} holds step {row['step']} twice")
@@ -109,59 +96,9 @@ def read_sample_traces(run_dir: str | os.PathLike) -> dict[int, dict[int, list[s
     return out
 
 
-def _lines_backwards(f: IO[bytes], size: int) -> Iterator[tuple[int, bytes]]:
-    """``(offset, line)`` of each line of ``f`` (``size`` bytes), the last first; a line keeps its
-    newline. Memory: one block and the longest line."""
-    buf, buf_start, end = b"", size, size
-    while end > 0:
-        # The newline before the line ending at ``end`` (the byte at end - 1 may be its own newline).
-        while True:
-            at = buf.rfind(b"\n", 0, max(0, end - 1 - buf_start))
-            if at >= 0 or buf_start == 0:
-                break
-            start = max(0, buf_start - _BLOCK)
-            f.seek(start)
-            buf, buf_start = f.read(buf_start - start) + buf, start
-        line_start = buf_start + at + 1
-        yield line_start, buf[line_start - buf_start : end - buf_start]
-        buf, end = buf[: line_start - buf_start], line_start
-
-
-def _line_number(path: Path, offset: int) -> int:
-    """The 1-based number of the line starting at byte ``offset`` (counted in blocks: only a
-    damaged file pays for it)."""
-    count = 0
-    with open(path, "rb") as f:
-        while offset > 0:
-            block = f.read(min(offset, _BLOCK * 16))
-            count, offset = count + block.count(b"\n"), offset - len(block)
-    return count + 1
-
-
 def _cut(path: Path, last_step: int) -> None:
-    """Keep the lines up to the last whole line of a step ``<= last_step``: later steps and damaged
-    lines after it are cut (damaged ones with a warning). The file is read backwards from its end
-    and truncated in place (a reader sees the old or the new length)."""
-    try:
-        f = os.fdopen(open_no_link(path, os.O_RDWR), "rb")
-    except FileNotFoundError:
-        return
-    damaged: list[int] = []
-    with f:
-        size = keep = f.seek(0, os.SEEK_END)
-        for offset, line in _lines_backwards(f, size):
-            row = _row(line)
-            if row is not None and row["step"] <= last_step:
-                break
-            if row is None and line.strip():
-                damaged.append(offset)
-            keep = offset
-        if keep == size:
-            return
-        for offset in reversed(damaged):
-            _warn_damaged(path, _line_number(path, offset), f"cut at resume to step {last_step}")
-        os.ftruncate(f.fileno(), keep)
-        fsync_fd(f.fileno())
+    """Cut ``path`` back to its lines of steps ``<= last_step`` (:func:`cut_to_step`)."""
+    cut_to_step(path, last_step, row=_row)
 
 
 class SampleTrace:
