@@ -19,7 +19,6 @@ Command line (also ``python -m hookloop.engine.data prepare ...``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import sysconfig
@@ -30,9 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from hookloop.engine.data.token_dataset import BYTE_VOCAB_SIZE, SUPPORTED_TOKEN_DTYPES, sidecar_path
+from hookloop.engine.data.token_dataset import (
+    BYTE_VOCAB_SIZE,
+    SUPPORTED_TOKEN_DTYPES,
+    check_output,
+    publish_token_file,
+)
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import atomic_write, fsync_file
+from hookloop.engine.files import fsync_file
 
 __all__ = [
     "DOC_SEPARATOR",
@@ -68,38 +72,6 @@ def _document_bytes(doc: Any, position: int) -> bytes:
         f"sources[{position}]: expected text (str), raw bytes or a pathlib.Path to a text file, "
         f"got {type(doc).__name__}"
     )
-
-
-def check_output(out_path: str | os.PathLike[str], field: str = "out_path") -> None:
-    """A token file can be written to ``out_path``: neither it nor its sidecar (``<out_path>.json``)
-    is a directory. A :class:`ConfigError` naming ``field`` otherwise, before any input is read."""
-    out = Path(out_path)
-    side = sidecar_path(out)
-    if out.is_dir():
-        raise ConfigError(field, f"{out} is a directory; name the token file to write (its sidecar: {side})")
-    if side.is_dir():
-        raise ConfigError(field, f"its sidecar {side} is a directory; move it or name another token file")
-
-
-def publish_token_file(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
-    """The complete (written and fsynced) token file ``tmp`` becomes ``out``, with ``meta`` as its
-    sidecar. The sidecar lands first and the token file last, so a reader that sees the token file
-    finds its sidecar; when the token file cannot follow, the sidecar is put back as it was (a
-    sidecar of someone else's is never left describing a file that is not there)."""
-    side = sidecar_path(out)
-    try:
-        before: bytes | None = side.read_bytes()
-    except FileNotFoundError:
-        before = None
-    atomic_write(side, json.dumps(meta, indent=2) + "\n")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if before is None:
-            side.unlink(missing_ok=True)
-        else:
-            atomic_write(side, before)
-        raise
 
 
 def prepare_tokens(

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.files import atomic_write
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -44,6 +45,38 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
     """Where the metadata of token file ``path`` lives: ``<path>.json``."""
     p = Path(path)
     return p.with_name(p.name + ".json")
+
+
+def check_output(out_path: str | os.PathLike[str], field: str = "out_path") -> None:
+    """A token file can be written to ``out_path``: neither it nor its sidecar (``<out_path>.json``)
+    is a directory. A :class:`ConfigError` naming ``field`` otherwise, before any input is read."""
+    out = Path(out_path)
+    side = sidecar_path(out)
+    if out.is_dir():
+        raise ConfigError(field, f"{out} is a directory; name the token file to write (its sidecar: {side})")
+    if side.is_dir():
+        raise ConfigError(field, f"its sidecar {side} is a directory; move it or name another token file")
+
+
+def publish_token_file(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
+    """The complete (written and fsynced) token file ``tmp`` becomes ``out``, with ``meta`` as its
+    sidecar. The sidecar lands first and the token file last, so a reader that sees the token file
+    finds its sidecar; when the token file cannot follow, the sidecar is put back as it was (a
+    sidecar of someone else's is never left describing a file that is not there)."""
+    side = sidecar_path(out)
+    try:
+        before: bytes | None = side.read_bytes()
+    except FileNotFoundError:
+        before = None
+    atomic_write(side, json.dumps(meta, indent=2) + "\n")
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if before is None:
+            side.unlink(missing_ok=True)
+        else:
+            atomic_write(side, before)
+        raise
 
 
 def read_token_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:

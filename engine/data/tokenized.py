@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from hookloop.engine.data.prepare import check_output, publish_token_file
 from hookloop.engine.data.text_files import text_batches
+from hookloop.engine.data.token_dataset import check_output, publish_token_file
 from hookloop.engine.data.tokenizer import TextTokenizer, encode_documents
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.files import fsync_file
