@@ -38,6 +38,7 @@ BENCHMARKS = {
     "event_bus": "event_bus.py",
     "import_time": "import_time.py",
     "startup": "startup.py",
+    "cli_latency": "cli_latency.py",
     "logging": "logging_overhead.py",
     "nan_detector": "nan_overhead.py",
     "checkpoint": "checkpoint.py",
