@@ -38,6 +38,7 @@ BENCHMARKS = {
     "event_bus": "event_bus.py",
     "import_time": "import_time.py",
     "startup": "startup.py",
+    "cli_latency": "cli_latency.py",
     "logging": "logging_overhead.py",
     "nan_detector": "nan_overhead.py",
     "checkpoint": "checkpoint.py",
@@ -179,7 +180,8 @@ def write_markdown(results: list[dict], rows: list[list[str]], info: dict) -> No
         if r.get("error"):
             lines += ["Failed: " + r["error"].splitlines()[0]]
             continue
-        lines += [f"`benchmarks/{BENCHMARKS[r['benchmark']]}` ({r['seconds']:.0f} s):", "", "```"]
+        took = f" ({r['seconds']:.0f} s)" if "seconds" in r else ""  # older results did not record it
+        lines += [f"`benchmarks/{BENCHMARKS[r['benchmark']]}`{took}:", "", "```"]
         lines += r["printout"].rstrip().splitlines() + ["```"]
     RESULTS_MD.write_text("\n".join(lines) + "\n")
 

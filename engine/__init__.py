@@ -9,25 +9,65 @@ loading are the checkpointer's (:mod:`hookloop.handlers.checkpoint`).
 writes. Everything else (config checks, data sets, logging set-up, agreement helpers, ...) is
 imported from its own module (``from hookloop.engine.checks import check_int``).
 
-Importing ``hookloop.engine`` is cheap: no logger backends (TensorBoard, W&B) and no
-``torch.distributed.checkpoint`` are imported here.
+Importing ``hookloop.engine`` is cheap: it imports no torch; each public name loads its module on
+first use.
 """
 
-from hookloop.engine.control import StepControl
-from hookloop.engine.errors import ConfigError, HookloopError, StartRefused, TrainingAborted
-from hookloop.engine.events import Events, Place, PlaceError, Priority
-from hookloop.engine.exit_codes import ExitCode
-from hookloop.engine.handler import Handler
+from typing import TYPE_CHECKING, Any
+
 from hookloop.engine.logging_setup import install_default
-from hookloop.engine.lr import build_lr_scheduler
-from hookloop.engine.parallel import init_distributed, wrap_data_parallel
-from hookloop.engine.pipeline import PipelineConfig, build_pipeline
-from hookloop.engine.record_file import RecordFile
-from hookloop.engine.state import TrainState
-from hookloop.engine.step_body import EvalResult, LocalStepBody, StepBody, StepContext, StepResult
-from hookloop.engine.tensor_parallel import apply_tensor_parallel
-from hookloop.engine.token_accuracy import TokenAccuracy
-from hookloop.engine.trainer import Trainer
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
+    from hookloop.engine.control import StepControl
+    from hookloop.engine.errors import ConfigError, HookloopError, StartRefused, TrainingAborted
+    from hookloop.engine.events import Events, Place, PlaceError, Priority
+    from hookloop.engine.exit_codes import ExitCode
+    from hookloop.engine.handler import Handler
+    from hookloop.engine.lr import build_lr_scheduler
+    from hookloop.engine.parallel import init_distributed, wrap_data_parallel
+    from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+    from hookloop.engine.record_file import RecordFile
+    from hookloop.engine.state import TrainState
+    from hookloop.engine.step_body import EvalResult, LocalStepBody, StepBody, StepContext, StepResult
+    from hookloop.engine.tensor_parallel import apply_tensor_parallel
+    from hookloop.engine.token_accuracy import TokenAccuracy
+    from hookloop.engine.trainer import Trainer
+
+# Where each public name lives: imported on first use (PEP 562), so the modules that need no torch
+# (errors, run_lock, exit_status, ...) load without it and a refusal is answered in a fraction of a
+# second (``hookloop train`` on a held run directory).
+_MODULES = {
+    "control": ("StepControl",),
+    "errors": ("ConfigError", "HookloopError", "StartRefused", "TrainingAborted"),
+    "events": ("Events", "Place", "PlaceError", "Priority"),
+    "exit_codes": ("ExitCode",),
+    "handler": ("Handler",),
+    "lr": ("build_lr_scheduler",),
+    "parallel": ("init_distributed", "wrap_data_parallel"),
+    "pipeline": ("PipelineConfig", "build_pipeline"),
+    "record_file": ("RecordFile",),
+    "state": ("TrainState",),
+    "step_body": ("EvalResult", "LocalStepBody", "StepBody", "StepContext", "StepResult"),
+    "tensor_parallel": ("apply_tensor_parallel",),
+    "token_accuracy": ("TokenAccuracy",),
+    "trainer": ("Trainer",),
+}
+_HOMES = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hookloop.engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"hookloop.engine.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __version__ = "0.1.0"
 

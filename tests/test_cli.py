@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hookloop.engine.run_lock import RunDirLock
 from hookloop.train import load_training_config
 from tests.dist_utils import REPO, run_process, run_torchrun
 
@@ -331,3 +333,46 @@ def test_a_config_error_under_torchrun_is_said_once(project):
     assert proc.returncode != 0
     assert proc.stderr.count("config error: model.dimm: is not an argument") == 1, proc.stderr
     assert not (project / "runs").exists()
+
+
+def imports_torch(result: subprocess.CompletedProcess) -> bool:
+    """Whether a ``python -X importtime`` run imported torch (its import lines are on stderr)."""
+    return re.search(r"^import time:.*\|\s+torch$", result.stderr, re.MULTILINE) is not None
+
+
+def test_a_held_run_directory_is_refused_before_torch_model_or_data(project):
+    """A second start on a busy run directory is one line and exit 2 before torch is imported or
+    the model's target is called (its build would write a marker)."""
+    marker = project / "built"
+    (project / "marking.py").write_text(
+        f"from my_models import build as real\n\ndef build(**kw):\n"
+        f"    open({str(marker)!r}, 'w').close()\n    return real(**kw)\n"
+    )
+    config = MY_CONFIG.replace("my_models.py:build", "marking.py:build")
+    (project / "marked.yaml").write_text(config)
+    with RunDirLock(project / "busy"):
+        result = run_process(
+            [
+                sys.executable,
+                "-X",
+                "importtime",
+                "-m",
+                "hookloop",
+                "train",
+                "marked.yaml",
+                "train.run_dir=busy",
+            ],
+            cwd=project,
+            fresh=True,
+            timeout=120,
+        )
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2 and said == [said[0]] and "busy is in use by another run" in said[0], said
+    assert not imports_torch(result) and not marker.exists()
+
+
+def test_help_is_answered_without_torch(project):
+    result = run_process(
+        [sys.executable, "-X", "importtime", "-m", "hookloop", "--help"], cwd=project, fresh=True, timeout=120
+    )
+    assert result.returncode == 0 and "train" in result.stdout and not imports_torch(result)

@@ -103,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             args.config = None
     from hookloop.engine.errors import ConfigError
 
+    if args.command == "train":
+        try:
+            _refuse_held_run_dir(args.config, args.overrides)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     if args.command == "config" and args.markdown:
         from hookloop.handlers.config_reference import render
         from hookloop.train import TrainingConfig
@@ -143,6 +149,45 @@ def main(argv: list[str] | None = None) -> int:
     return training.train(cfg, checked=checked)
 
 
+def _refuse_held_run_dir(config: Path, overrides: list[str]) -> None:
+    """A run directory another run holds is refused before torch, model or data are loaded: the
+    ``train.run_dir`` the file and overrides set (else ``runs/<config stem>``) is read without the
+    schema, and its lock taken and given back at once (:mod:`hookloop.engine.run_lock`). Nothing
+    is decided here that the full start does not decide again: anything unusual (an unreadable
+    file, a run directory that is not a plain string, a launch of several processes, whose ranks
+    must agree on it) is left to that."""
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        return
+    try:
+        text = config.read_text()
+        if config.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text)
+        run_dir = (raw.get("train") or {}).get("run_dir")
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key.strip() == "train.run_dir":
+                import yaml
+
+                run_dir = yaml.safe_load(value)
+    except Exception:  # noqa: BLE001 - the full load reports what is wrong with the file
+        return
+    if run_dir is None:
+        run_dir = str(Path("runs") / config.stem)
+    if not isinstance(run_dir, str) or not Path(run_dir).is_dir():
+        return  # a directory that does not exist is held by nobody
+    from hookloop.engine.run_lock import RunDirLock
+
+    lock = RunDirLock(run_dir)
+    lock.acquire()  # RunDirInUse, naming the holder, when a live run holds it
+    lock.release()
+
+
 def train_script(default_config: str | os.PathLike, argv: list[str] | None = None) -> int:
     """A training script's ``main``: ``[--config CONFIG] [overrides]``, ``default_config`` when no
     ``--config`` is given, then ``hookloop train``. Returns the exit code."""
@@ -158,6 +203,8 @@ def run(main_function: Callable[[], int] | None = None) -> None:
     way a gloo process group allows. Torch is imported after the thread settings are made
     (:mod:`hookloop.threads`) when the script has not imported it before."""
     code = main() if main_function is None else main_function()
+    if "torch" not in sys.modules:  # a refusal answered before torch: no process group to leave
+        sys.exit(code)
     from hookloop.engine.parallel import exit_process
 
     exit_process(code)

@@ -1,0 +1,146 @@
+"""Wall time of ``hookloop`` commands a user waits on, against ``python -c "import torch"`` measured
+in the same run: the refusals (``--help``, ``config``, an unknown key, a held run directory, a run
+with nothing left to train), and ``check`` and ``train`` to the first step against importing torch
+and building the same model by hand. Fresh interpreters, alternated, medians over repeats.
+
+    python benchmarks/cli_latency.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "configs" / "gpt_tiny.yaml"
+# One step, nothing saved or validated: the start of a run, not its work.
+ONE_STEP = [
+    "step_scheduler.max_steps=1",
+    "lr.warmup_steps=0",
+    "step_scheduler.ckpt_every_steps=1000",
+    "step_scheduler.val_every_steps=1000",
+]
+BY_HAND = (
+    "import torch\n"
+    "from hookloop.models.gpt import build\n"
+    "model = build(n_layers=4, d_model=128, n_heads=4, seq_len=64)\n"
+    "torch.optim.AdamW(model.parameters(), lr=0.003)\n"
+)
+HOLD = (
+    "import sys, time\n"
+    "from hookloop.engine.run_lock import RunDirLock\n"
+    "RunDirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(3600)\n"
+)
+
+
+def wall(cmd: list[str], cwd: Path, expect: int | None = None) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if expect is not None and proc.returncode != expect:
+        raise SystemExit(f"{' '.join(cmd)}: exit {proc.returncode}, expected {expect}\n{proc.stderr[-2000:]}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks/run.py format)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    hookloop = [sys.executable, "-m", "hookloop"]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = f"data.cache_dir={work / 'data'}"
+        held, finished = work / "held", work / "finished"
+        # A finished run: trained to max_steps once, then started again (nothing left to train).
+        done = [str(CONFIG), f"train.run_dir={finished}", data, *ONE_STEP[:2]]
+        done.append("step_scheduler.ckpt_every_steps=1")
+        wall([*hookloop, "train", *done], work, expect=0)
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            cases = {
+                "import torch": ([sys.executable, "-c", "import torch"], 0),
+                "hookloop --help": ([*hookloop, "--help"], 0),
+                "hookloop config": ([*hookloop, "config"], 0),
+                "an unknown key": ([*hookloop, "check", str(CONFIG), "train.bogus=1"], 2),
+                "a held run directory": ([*hookloop, "train", str(CONFIG), f"train.run_dir={held}"], 2),
+                "a finished run": ([*hookloop, "train", *done], 0),
+                "torch + the model by hand": ([sys.executable, "-c", BY_HAND], 0),
+                "hookloop check": ([*hookloop, "check", str(CONFIG), data], 0),
+                "hookloop train, one step": (
+                    [*hookloop, "train", str(CONFIG), f"train.run_dir={work / 'one'}", data, *ONE_STEP],
+                    0,
+                ),
+            }
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            for r in range(repeats):
+                names = list(cases) if r % 2 == 0 else list(cases)[::-1]
+                for name in names:
+                    cmd, code = cases[name]
+                    times[name].append(wall(cmd, work, expect=code))
+                    if name == "hookloop train, one step":
+                        subprocess.run(["rm", "-rf", str(work / "one")], check=True)
+        finally:
+            holder.kill()
+            holder.wait()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    torch_s, by_hand = med["import torch"], med["torch + the model by hand"]
+    print(f"\n{repeats} repeats, fresh interpreter each, wall seconds ({os.cpu_count()} cores)")
+    print(f"{'case':28s} {'median s':>9s} {'min s':>7s} {'ratio to import torch':>22s}")
+    for name, t in times.items():
+        print(f"{name:28s} {med[name]:9.3f} {min(t):7.3f} {med[name] / torch_s:22.3f}")
+    figures = [
+        {
+            "figure": f"{name} (refused or answered)",
+            "hookloop": med[name],
+            "reference": torch_s,
+            "ratio": med[name] / torch_s,
+            "target": "< 1 s",
+            "met": med[name] < 1.0,
+            "unit": "s",
+        }
+        for name in (
+            "hookloop --help",
+            "hookloop config",
+            "an unknown key",
+            "a held run directory",
+            "a finished run",
+        )
+    ]
+    figures += [
+        {
+            "figure": f"{name} vs torch + the model by hand",
+            "hookloop": med[name],
+            "reference": by_hand,
+            "ratio": med[name] / by_hand,
+            "target": "<= 1.3",
+            "met": med[name] / by_hand <= 1.3,
+            "unit": "s",
+        }
+        for name in ("hookloop check", "hookloop train, one step")
+    ]
+    if args.json:
+        result = {
+            "benchmark": "cli_latency",
+            "repeats": repeats,
+            "rows": {name: {"median_s": med[name], "min_s": min(t)} for name, t in times.items()},
+            "figures": figures,
+            "notes": "Wall seconds of fresh `python -m hookloop ...` processes; the refusals' reference "
+            "is `python -c 'import torch'`, check's and train's is torch + the GPT built by hand.",
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
