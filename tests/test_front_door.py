@@ -440,6 +440,7 @@ def mlp(hidden: int = 16) -> torch.nn.Module:
 
 
 recipe = ModelRecipe(build=mlp, loss_fn=torch.nn.functional.mse_loss)
+keyed = ModelRecipe(build=mlp, loss_fn=torch.nn.functional.mse_loss, inputs="x", targets="y")
 
 
 class BestLoss(Handler):  # says nothing: on_step_end attaches itself
@@ -482,7 +483,10 @@ def test_dict_samples_with_keys_of_their_own_train_and_a_wrong_key_is_one_line(t
     for command in ("check", "train"):
         proc = hookloop(tmp_path, 1, command, "run.yaml", "data.inputs=z", "train.run_dir=wrong")
         assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+    # the recipe may name the keys instead
+    no_keys = ["data.inputs=null", "data.targets=null"]
+    ok(hookloop(tmp_path, 1, "check", "run.yaml", *no_keys, "model.target=my_regression.py:keyed"))
     # without the keys a dict follows the Hugging Face convention: one line saying how to name them
-    proc = hookloop(tmp_path, 1, "check", "run.yaml", "data.inputs=null", "data.targets=null")
+    proc = hookloop(tmp_path, 1, "check", "run.yaml", *no_keys)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert "got keys ['x', 'y']: name the input and target keys with data.inputs" in proc.stderr

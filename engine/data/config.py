@@ -171,13 +171,19 @@ class DataConfig:
         check_int(f"{p}.num_workers", self.num_workers, low=0)
         check_bool(f"{p}.trace_samples", self.trace_samples)
 
-    def prepare_batch(self) -> Any:
-        """The trainer's ``prepare_batch`` for ``inputs`` / ``targets`` (None: the default's)."""
-        if self.inputs is None:
+    def prepare_batch(self, recipe: Any = None) -> Any:
+        """The trainer's ``prepare_batch`` for ``inputs`` / ``targets``, else for the ``recipe``'s
+        (a :class:`hookloop.recipe.ModelRecipe` may name them too); None: the default's."""
+        keys = (
+            (self.inputs, self.targets)
+            if self.inputs
+            else (getattr(recipe, "inputs", None), getattr(recipe, "targets", None))
+        )
+        if keys[0] is None:
             return None
         from hookloop.engine.batch import keyed_prepare_batch
 
-        return keyed_prepare_batch(self.inputs, self.targets)
+        return keyed_prepare_batch(*keys)
 
     def check_names(self, names: Sequence[str], prefix: str = "data") -> None:
         """``weights`` and ``phases`` against the dataset ``names`` (the token files', or those
