@@ -9,6 +9,9 @@
   *unshifted*, equal to ``input_ids``, and shifts them inside). With a ``loss_fn`` the labels are its
   targets: ``loss_fn(model(**inputs), labels)``.
 
+* A dict with keys of your own: :func:`keyed_prepare_batch` (``data.inputs`` / ``data.targets``
+  in a run config) takes ``model(batch[inputs])`` and ``loss_fn(output, batch[targets])``.
+
 Tokens of a dict microbatch are ``attention_mask.sum()`` where it has a mask (a 0-dim tensor, so
 counting never waits for the device), else ``input_ids.numel()``.
 """
@@ -20,7 +23,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["METADATA_KEYS", "count_batch", "default_prepare_batch", "forward_and_loss", "model_loss"]
+from hookloop.engine.errors import ConfigError
+
+__all__ = [
+    "METADATA_KEYS",
+    "count_batch",
+    "default_prepare_batch",
+    "forward_and_loss",
+    "keyed_prepare_batch",
+    "model_loss",
+]
 
 #: Keys of a dict microbatch that describe it and never reach the model.
 METADATA_KEYS = frozenset({"source_idx"})
@@ -45,8 +57,8 @@ def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, A
     if isinstance(microbatch, Mapping):
         if "input_ids" not in microbatch and "inputs_embeds" not in microbatch:
             raise TypeError(
-                f"a dict microbatch needs 'input_ids' (or 'inputs_embeds'), got keys {sorted(microbatch)}; "
-                f"{_HF_HINT}"
+                f"a dict microbatch needs 'input_ids' (or 'inputs_embeds'), got keys {sorted(microbatch)}: "
+                f"name the input and target keys with data.inputs / data.targets, or follow the {_HF_HINT}"
             )
         inputs = {
             k: to_device(v, device) for k, v in microbatch.items() if k != "labels" and k not in METADATA_KEYS
@@ -57,6 +69,27 @@ def default_prepare_batch(microbatch: Any, device: torch.device) -> tuple[Any, A
         f"a microbatch must be (inputs, targets) or a dict with 'input_ids' (and 'labels'), got "
         f"{type(microbatch).__name__}; pass Trainer(prepare_batch=fn) to unpack other layouts"
     )
+
+
+def keyed_prepare_batch(inputs: str, targets: str) -> Callable[[Any, torch.device], tuple[Any, Any]]:
+    """A ``prepare_batch`` for dict microbatches with keys of their own: ``(microbatch[inputs],
+    microbatch[targets])`` on the device. A key the microbatch lacks is a :class:`ConfigError`
+    naming ``data.inputs`` or ``data.targets`` and the keys found."""
+
+    def prepare(microbatch: Any, device: torch.device) -> tuple[Any, Any]:
+        found = sorted(map(str, microbatch)) if isinstance(microbatch, Mapping) else None
+        for name, key in (("data.inputs", inputs), ("data.targets", targets)):
+            if found is None:
+                raise ConfigError(
+                    name, f"names a key of a dict microbatch, got a {type(microbatch).__name__}"
+                )
+            if key not in microbatch:
+                raise ConfigError(
+                    name, f"{key!r} is not a key of the microbatch; keys found: {', '.join(found)}"
+                )
+        return to_device(microbatch[inputs], device), to_device(microbatch[targets], device)
+
+    return prepare
 
 
 def to_device(x: Any, device: torch.device) -> Any:

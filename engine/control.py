@@ -196,8 +196,8 @@ class StepControl:
         trainer fires ROLLBACK, which restores what this says; when nothing can be restored the run
         ends with ``exit_code``. Agreed like a stop: asked on one rank, every rank rolls back at the
         end of the same step (:func:`merge_rollbacks` says what to restore when ranks ask
-        differently); a handler that promises not to ask after the step's agreement
-        (``asks_after_agreement = False``) asks from agreed values only."""
+        differently); a handler without ``asks_after_agreement = True`` asks for it after the
+        step's agreement from agreed values only (every rank alike)."""
         self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
     # ---------------------------------------------------------------- the trainer's side

@@ -14,7 +14,6 @@ ones, and a user's own, follow one pattern::
     class EveryN(Handler):
         Config = EveryNConfig                # the section's schema
         section = "every_n"                  # its name in a run config (YAML / overrides)
-        asks_after_agreement = False         # on STEP_END, never asks for a stop: no extra collective
 
         def __init__(self, every: int = 10) -> None:
             checked_settings(EveryNConfig, locals())   # the section's rules, the only copy
@@ -40,6 +39,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from hookloop.engine.events import Events
+
 __all__ = [
     "Handler",
     "HandlerLike",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 H = TypeVar("H", bound="Handler")
+
+#: The names of :class:`engine.Events` members, whose ``on_<name lowercased>`` methods attach.
+EVENT_NAMES = tuple(name for name in vars(Events) if name.isupper())
 
 
 @runtime_checkable
@@ -92,7 +96,10 @@ def checked_settings(config: type[C], values: Mapping[str, Any], prefix: str = "
 class Handler:
     """Base class of hookloop's handlers (optional for a user's: :class:`HandlerLike` is enough).
 
-    Subclasses add their callbacks in :meth:`attach` and end with ``return super().attach(trainer)``,
+    A method named after an event, ``on_<event>`` (``on_step_end(self, trainer)``, ``on_train_start``,
+    ``on_validation_end``, ... one per :class:`engine.Events` member, lowercased), is attached to it
+    when the handler attaches (at ``Priority.DEFAULT``). Subclasses that need another place or a
+    filter add their callbacks in :meth:`attach` and end with ``return super().attach(trainer)``,
     which registers them with the trainer (one handler instance per trainer).
     """
 
@@ -104,18 +111,16 @@ class Handler:
     state_key: str | None = None
     #: Whether a rollback restores this handler's state (a detector keeps its own counters).
     restore_on_rollback: bool = True
-    #: Whether this handler may ask for a stop or a rollback after the step's agreement (from a
-    #: callback on STEP_END, VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK) on one rank alone. A
-    #: handler attached to any of those events must say; None (not said) is refused when the run
-    #: starts (:mod:`engine.step_decisions`):
+    #: Whether a stop or a rollback this handler asks for after the step's agreement (from a
+    #: callback on STEP_END, VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK), on one rank alone, must
+    #: take effect at this very step (:mod:`engine.step_decisions`):
     #:
-    #: - ``False``: it never asks there, or asks only through agreement slots or from values every
-    #:   rank shares (the agreed loss, a validation result, a collective of its own). No cost; a
-    #:   stop it asks for there is agreed at the next step's agreement.
-    #: - ``True``: it may ask on one rank alone. **Cost: a second small all-reduce at the end of
+    #: - ``False`` (the default): such a request is agreed at the next step's agreement; every rank
+    #:   stops after the next step. No cost.
+    #: - ``True``: an exact stop at this step. **Cost: a second small all-reduce at the end of
     #:   every step**, on every rank, while it is attached: the late agreement that makes every rank
     #:   stop or roll back after the same step.
-    asks_after_agreement: ClassVar[bool | None] = None
+    asks_after_agreement: ClassVar[bool] = False
 
     trainer: Any = None
 
@@ -127,6 +132,10 @@ class Handler:
                 f"this {type(self).__name__} is already attached to another trainer; build one per trainer"
             )
         self.trainer = trainer
+        for name in EVENT_NAMES:  # on_step_end(self, trainer) attaches itself to STEP_END
+            method, event = getattr(self, f"on_{name.lower()}", None), getattr(Events, name)
+            if callable(method) and not trainer.has_event_handler(method, event):
+                trainer.add_event_handler(event, method)
         trainer.register_handler(self)
         return self
 

@@ -17,12 +17,12 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         an agreed rollback: fire(ROLLBACK)          every rank restores the same checkpoint
         step requests and schedule flags reset      a save asked after the agreement carries over
 
-Who could ask after the agreement is declared, never assumed: a :class:`~engine.Handler` attached to
-an event of :data:`AFTER_AGREEMENT` says ``asks_after_agreement`` (True costs the second all-reduce
-on every step, False costs nothing); one that does not say is refused when the run starts
-(:meth:`StepDecisions.start_run`). A function or another library's object there (ignite's
-``EarlyStopping``) may call ``terminate()`` on one rank, so it counts as asking unless it carries
-``asks_after_agreement = False`` itself. With the default handlers (each of which says False) a step
+Who could ask after the agreement: a :class:`~engine.Handler` attached to an event of
+:data:`AFTER_AGREEMENT` asks there for the next step by default (its stop is agreed at the next
+step's agreement, no cost); one that says ``asks_after_agreement = True`` wants an exact stop at this
+step, which costs the second all-reduce on every step. A function or another library's object there
+(ignite's ``EarlyStopping``) may call ``terminate()`` on one rank and expect it to hold, so it counts
+as asking unless it carries ``asks_after_agreement = False`` itself. With the default handlers a step
 that does not validate issues the first all-reduce and nothing else. A validation asked for on one
 rank only is agreed like a save: every rank validates at that step, and no collective is added for it.
 """
@@ -39,11 +39,10 @@ from hookloop.engine.control import merge_rollbacks
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 
-__all__ = ["AFTER_AGREEMENT", "StepDecisions", "check_declared", "undeclared_late_askers"]
+__all__ = ["AFTER_AGREEMENT", "StepDecisions"]
 
 #: Events whose handlers run after the step's agreement.
 AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAVED, Events.ROLLBACK)
-_AFTER_AGREEMENT_NAMES = ("STEP_END", "VALIDATION_END", "CHECKPOINT_SAVED", "ROLLBACK")
 
 
 class StepDecisions:
@@ -78,10 +77,8 @@ class StepDecisions:
         self.late = False
 
     def start_run(self) -> None:
-        """TRAIN_START: no step agreed yet; every handler that runs after the agreement has said
-        whether it asks there (:func:`undeclared_late_askers`)."""
+        """TRAIN_START: no step agreed yet."""
         self.late = False
-        check_declared(self._events)
 
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
         """The step's one collective: loss, norm and counts summed over ranks together with every
@@ -181,38 +178,6 @@ class StepDecisions:
         return stop
 
 
-def check_declared(events: Any, handler: Any = None) -> None:
-    """Raise ``TypeError`` naming every handler (only ``handler``, when given) attached after the
-    step's agreement without saying ``asks_after_agreement``: when it registers
-    (:meth:`engine.Trainer.register_handler`, the end of :meth:`engine.Handler.attach`), and again
-    when a run starts."""
-    undeclared = undeclared_late_askers(events, handler)
-    if undeclared:
-        raise TypeError(
-            f"{'; '.join(undeclared)}: say whether it asks for a stop or a rollback after the step's "
-            "agreement with the class attribute asks_after_agreement: False when it never asks "
-            "there or asks only from values every rank shares (no cost), True when it may ask on "
-            "one rank alone (the trainer then agrees such requests with a second small all-reduce "
-            "at the end of every step)"
-        )
-
-
 def _owner(entry: Any) -> Any:
     """Who says whether ``entry`` asks late: the object of a bound method, else the callable itself."""
     return getattr(entry.original, "__self__", entry.original)
-
-
-def undeclared_late_askers(events: Any, handler: Any = None) -> list[str]:
-    """The hookloop handlers (only ``handler``, when given) attached after the step's agreement that
-    leave ``asks_after_agreement`` unsaid (None), as ``"<class> attaches to <events>"`` lines."""
-    found: dict[str, list[str]] = {}
-    for event, event_name in zip(AFTER_AGREEMENT, _AFTER_AGREEMENT_NAMES):
-        for entry in events.entries(event):
-            owner = _owner(entry)
-            if handler is not None and owner is not handler:
-                continue
-            if getattr(owner, "asks_after_agreement", True) is None:
-                names = found.setdefault(type(owner).__name__, [])
-                if event_name not in names:
-                    names.append(event_name)
-    return [f"{name} attaches to {' and '.join(names)}" for name, names in found.items()]

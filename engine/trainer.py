@@ -61,7 +61,7 @@ from hookloop.engine.step_body import (
     bind_step_body,
     checked_result,
 )
-from hookloop.engine.step_decisions import StepDecisions, check_declared
+from hookloop.engine.step_decisions import StepDecisions
 from hookloop.engine.trainer_arguments import check_constructor_arguments
 from hookloop.engine.validation import Validator
 from hookloop.engine.watchdog import PeerHeartbeats, ProgressWatchdog
@@ -361,9 +361,7 @@ class Trainer(IgniteAdapter):
     def register_handler(self, handler: Any, key: str | None = None) -> None:
         """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
         every checkpoint holds it under ``key`` (default: its ``state_key``, else its class name;
-        see :mod:`engine.handler_registry`). A handler attached after the step's agreement must
-        say ``asks_after_agreement`` (:func:`engine.step_decisions.check_declared`)."""
-        check_declared(self.events, handler)
+        see :mod:`engine.handler_registry`)."""
         self.registry.register(handler, key)
 
     def register_stateful(self, key: str, obj: Any) -> None:

@@ -147,9 +147,6 @@ class PlateauDetector(Handler):
     Config = PlateauConfig
     section = "plateau"
     state_key = "plateau_detector"
-    # On VALIDATION_END it decides from val_loss, which every rank shares, and asks for no stop:
-    # it needs no second all-reduce at the end of the step.
-    asks_after_agreement = False
 
     def __init__(self, patience: int = 2, min_delta: float = 0.02) -> None:
         PlateauConfig(patience=patience, min_delta=min_delta).validate(prefix="PlateauDetector")

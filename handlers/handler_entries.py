@@ -14,8 +14,7 @@ attached to the run after the shipped handlers: a hookloop :class:`~engine.Handl
 with ``attach(trainer)`` (ignite's convention). An entry takes no priority: where it runs on each
 event follows the places it attaches with (each inside a phase of :class:`hookloop.Priority`), as
 for the shipped handlers; ties run in attach order, shipped handlers first, then the entries in
-list order. A ``Handler`` with methods on STEP_END (or another event after the step's agreement)
-says ``asks_after_agreement``, as any handler must (:mod:`engine.step_decisions`).
+list order. A ``Handler``'s ``on_<event>`` methods attach themselves (:class:`engine.Handler`).
 
 * A class with a ``Config`` dataclass (a hookloop ``Handler`` with a section of its own): the
   entry's keys are that dataclass's fields, typed and validated with its ``validate`` as a shipped

@@ -415,3 +415,82 @@ def test_build_with_python_handlers_runs_under_torchrun(tmp_path, layout, model)
         seen = json.loads((tmp_path / f"run/hook-rank{rank}.json").read_text())
         assert seen["steps"] == [1, 2, 3, 4] and seen["model"] == model, seen
     assert json.loads((tmp_path / "run/exit_status.json").read_text())["code"] == 0
+
+
+# ------------------------------------------------------------------ dict samples with keys of their own
+MY_REGRESSION = """
+import torch
+from torch.utils.data import Dataset
+
+from hookloop import Handler
+from hookloop.recipe import ModelRecipe
+
+
+class Points(Dataset):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def mlp(hidden: int = 16) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+
+recipe = ModelRecipe(build=mlp, loss_fn=torch.nn.functional.mse_loss)
+keyed = ModelRecipe(build=mlp, loss_fn=torch.nn.functional.mse_loss, inputs="x", targets="y")
+
+
+class BestLoss(Handler):  # says nothing: on_step_end attaches itself
+    def __init__(self, threshold: float = 0.0) -> None:
+        self.threshold, self.best = threshold, float("inf")
+
+    def on_step_end(self, trainer) -> None:
+        self.best = min(self.best, float(trainer.state.loss))
+        if self.best < self.threshold:
+            trainer.control.request_stop("low loss")
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state["best"]
+"""
+
+REGRESSION_CONFIG = """
+model: {target: my_regression.py:recipe, hidden: 16}
+train: {local_batch_size: 4}
+step_scheduler:
+  {global_batch_size: 4, max_steps: 6, num_epochs: null, ckpt_every_steps: 3, val_every_steps: null}
+lr: {warmup_steps: 0, decay_style: constant}
+logging: {log_interval: 3}
+data: {target: my_regression.py:Points, val_samples: 0, inputs: x, targets: y}
+handlers:
+  - target: my_regression.py:BestLoss
+    threshold: 0.0
+"""
+
+
+def test_dict_samples_with_keys_of_their_own_train_and_a_wrong_key_is_one_line(tmp_path):
+    (tmp_path / "my_regression.py").write_text(MY_REGRESSION)
+    (tmp_path / "run.yaml").write_text(REGRESSION_CONFIG)
+    ok(hookloop(tmp_path, 1, "check", "run.yaml"))
+    ok(hookloop(tmp_path, 1, "train", "run.yaml", "train.run_dir=run"))
+    assert json.loads((tmp_path / "run/exit_status.json").read_text())["code"] == 0
+    line = "config error: data.inputs: 'z' is not a key of the microbatch; keys found: x, y"
+    for command in ("check", "train"):
+        proc = hookloop(tmp_path, 1, command, "run.yaml", "data.inputs=z", "train.run_dir=wrong")
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line], proc.stderr[-2000:]
+    # the recipe may name the keys instead
+    no_keys = ["data.inputs=null", "data.targets=null"]
+    ok(hookloop(tmp_path, 1, "check", "run.yaml", *no_keys, "model.target=my_regression.py:keyed"))
+    # without the keys a dict follows the Hugging Face convention: one line saying how to name them
+    proc = hookloop(tmp_path, 1, "check", "run.yaml", *no_keys)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "got keys ['x', 'y']: name the input and target keys with data.inputs" in proc.stderr

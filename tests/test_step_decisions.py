@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hookloop.engine import parallel
 from hookloop.engine.agreement import StepAgreement
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.control import StepControl
@@ -13,7 +14,8 @@ from hookloop.engine.events import Events
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler
 from hookloop.engine.state import TrainState
-from hookloop.engine.step_decisions import StepDecisions, undeclared_late_askers
+from hookloop.engine.step_decisions import StepDecisions
+from tests.dist_utils import run_distributed
 
 
 class FakeEvents:
@@ -115,17 +117,14 @@ class Quiet(Handler):
     def on_step_end(self) -> None: ...
 
 
-def test_a_handler_after_the_agreement_says_whether_it_asks_late():
+def test_a_handler_after_the_agreement_asks_for_the_next_step_unless_it_opts_in():
     decisions, _, _, events, _, _ = make()
     events.handlers[Events.STEP_END] = [Quiet().on_step_end]
     decisions.start_run()
     assert not decisions.late_requests_possible()  # False: no second all-reduce
     events.handlers[Events.ROLLBACK] = [Silent().on_step_end]
-    assert undeclared_late_askers(events) == ["Silent attaches to ROLLBACK"]
-    with pytest.raises(
-        TypeError, match=r"Silent attaches to ROLLBACK: say whether.*asks_after_agreement.*all-reduce"
-    ):
-        decisions.start_run()
+    decisions.start_run()  # a Handler that says nothing starts, and costs nothing
+    assert not decisions.late_requests_possible()
     events.handlers[Events.ROLLBACK] = [Asks().on_step_end]
     decisions.start_run()
     assert decisions.late_requests_possible()  # True: it costs the late all-reduce, by its own word
@@ -135,39 +134,68 @@ def test_a_handler_after_the_agreement_says_whether_it_asks_late():
     said_false.asks_after_agreement = False  # a function may say so too
     events.handlers = {Events.STEP_END: [said_false]}
     assert not decisions.late_requests_possible()
+    events.handlers = {Events.STEP_END: [lambda: None]}  # one that does not say counts as asking
+    assert decisions.late_requests_possible()
 
 
-def test_a_trainer_refuses_to_start_with_a_handler_that_did_not_say():
+class StopAt(Handler):
+    """Asks for a stop from ``on_step_end`` (attached by its name) at step ``at`` on rank ``rank``."""
+
+    def __init__(self, at: int, rank: int = 0) -> None:
+        self.at, self.rank, self.seen = at, rank, []
+
+    def on_step_end(self, trainer) -> None:
+        self.seen.append(trainer.state.step)
+        if trainer.state.step == self.at and parallel.rank() == self.rank:
+            trainer.control.request_stop("stop at")
+
+
+class ExactStopAt(StopAt):
+    asks_after_agreement = True  # the opt-in: stop after this very step (the late all-reduce)
+
+
+def _stopped_after(handler_type, rank: int = 0) -> tuple[int, list[int]]:
     from hookloop.engine.trainer import Trainer
 
+    torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
-    trainer.add_event_handler(Events.STEP_END, Silent().attach(trainer).on_step_end)
-    started = []
-    trainer.add_event_handler(Events.RUN_STARTED, lambda: started.append(True))
-    with pytest.raises(TypeError, match="Silent attaches to STEP_END"):
-        trainer.run([(torch.randn(8, 4), torch.randn(8, 1))] * 2, max_steps=2)
-    assert started == [] and trainer.state.step == 0
+    handler = handler_type(2, rank).attach(trainer)
+    x = torch.randn(8, 4)
+    return trainer.run([(x, x.sum(1, keepdim=True))] * 10, max_steps=10).step, handler.seen
 
 
-def test_a_handler_that_did_not_say_is_refused_when_it_attaches():
+def test_on_event_methods_attach_themselves_and_a_late_stop_is_agreed_at_the_next_step():
+    assert _stopped_after(StopAt) == (3, [1, 2, 3])  # asked at step 2's end, agreed at step 3
+    assert _stopped_after(ExactStopAt) == (2, [1, 2])  # the opt-in: after step 2
+
+
+def test_an_on_event_method_its_attach_adds_itself_is_attached_once():
     from hookloop.engine.trainer import Trainer
 
-    class Attaching(Silent):
+    class Attaching(StopAt):
         def attach(self, trainer):
-            trainer.add_event_handler(Events.STEP_END, self.on_step_end)
+            trainer.add_event_handler(Events.STEP_END(every=2), self.on_step_end)
             return super().attach(trainer)
 
-    class Said(Attaching):
-        asks_after_agreement = False
-
     model = torch.nn.Linear(4, 1)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
-    with pytest.raises(TypeError, match="Attaching attaches to STEP_END: say whether"):
-        Attaching().attach(trainer)
-    assert trainer.get_handler(Attaching) is None  # refused before it registered
-    Said().attach(trainer)  # one that says, in the same trainer, attaches
-    assert trainer.get_handler(Said) is not None
+    handler = Attaching(99).attach(trainer)
+    trainer.run([(torch.randn(8, 4), torch.randn(8, 1))] * 4, max_steps=4)
+    assert handler.seen == [2, 4] and trainer.get_handler(Attaching) is handler
+
+
+def _stop_on_rank_one(rank: int, world: int) -> dict:
+    from hookloop.engine import init_distributed
+
+    init_distributed()
+    return {kind.__name__: _stopped_after(kind, rank=1)[0] for kind in (StopAt, ExactStopAt)}
+
+
+@pytest.mark.distributed
+def test_a_stop_one_rank_asks_for_at_step_end_stops_every_rank_at_the_same_step():
+    r0, r1 = run_distributed(_stop_on_rank_one, 2, timeout=150)
+    assert r0 == r1 == {"StopAt": 3, "ExactStopAt": 2}
 
 
 def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():

@@ -121,6 +121,11 @@ class DataConfig:
     weights: Dict[str, float] = field(default_factory=dict)  # name -> mixture weight (unnamed: 1.0)
     mix_temperature: float = 1.0  # draw source i with probability w_i ** (1 / T), normalised
     phases: List[PhaseConfig] = field(default_factory=list)  # a phase curriculum (empty: one phase)
+    #: the key of a dict microbatch the model takes (``model(batch[inputs])``), with ``data.targets``
+    #: the loss's (``loss_fn(output, batch[targets])``); null: a dict follows the Hugging Face
+    #: convention (``input_ids``, ``labels``)
+    inputs: Optional[str] = None
+    targets: Optional[str] = None  # the key of a dict microbatch that is the loss's target (with data.inputs)
     cache_dir: str = "data"  # where the stdlib token files are written and found
     val_fraction: float = 0.02  # the tail of each dataset held out for validation
     #: validation samples: the first N of the held-out tail, shared evenly among the data-parallel
@@ -151,6 +156,13 @@ class DataConfig:
         for name, source in self.datasets.items():
             check_str(f"{p}.datasets.{name}", source, what="a token file path, stdlib_docs or stdlib_source")
         check_number(f"{p}.mix_temperature", self.mix_temperature, positive=True)
+        for key in ("inputs", "targets"):
+            check_str(f"{p}.{key}", getattr(self, key), allow_none=True, what="a key of a dict microbatch")
+        if (self.inputs is None) != (self.targets is None):
+            unset = "targets" if self.targets is None else "inputs"
+            raise ConfigError(
+                f"{p}.{unset}", "is needed too: data.inputs and data.targets name a dict's keys together"
+            )
         if self.target is None:  # a target's names are known once it has run: check_names then
             self.check_names(list(self.datasets), prefix)
         check_str(f"{p}.cache_dir", self.cache_dir, what="a directory path")
@@ -158,6 +170,20 @@ class DataConfig:
         check_int(f"{p}.val_samples", self.val_samples, low=0)
         check_int(f"{p}.num_workers", self.num_workers, low=0)
         check_bool(f"{p}.trace_samples", self.trace_samples)
+
+    def prepare_batch(self, recipe: Any = None) -> Any:
+        """The trainer's ``prepare_batch`` for ``inputs`` / ``targets``, else for the ``recipe``'s
+        (a :class:`hookloop.recipe.ModelRecipe` may name them too); None: the default's."""
+        keys = (
+            (self.inputs, self.targets)
+            if self.inputs
+            else (getattr(recipe, "inputs", None), getattr(recipe, "targets", None))
+        )
+        if keys[0] is None:
+            return None
+        from hookloop.engine.batch import keyed_prepare_batch
+
+        return keyed_prepare_batch(*keys)
 
     def check_names(self, names: Sequence[str], prefix: str = "data") -> None:
         """``weights`` and ``phases`` against the dataset ``names`` (the token files', or those

@@ -167,7 +167,11 @@ def try_first_step(cfg: Any, model: ResolvedModel, world_size: int) -> FirstStep
                 _, fqns = plan_stages(built, pipe, pp, layers_hint=_layers_hint(model, built))
         dp = max(1, world_size // (tp * pp))
         data = build_data(cfg, 0, dp, model.recipe.collate_fn, num_workers=0, write_cache=False)
-        inputs, targets = default_prepare_batch(_first_microbatch(data.train), torch.device("cpu"))
+        prepare = cfg.data.prepare_batch(model.recipe) or default_prepare_batch
+        try:
+            inputs, targets = prepare(_first_microbatch(data.train), torch.device("cpu"))
+        except TypeError as e:  # a layout the default does not know: data.inputs / data.targets say it
+            raise ConfigError("data.inputs", str(e)) from None
         described = _describe(inputs)
         layers = _stage_layers(built, fqns) if fqns is not None else None
         _check_vocab(model, built, inputs)

@@ -71,6 +71,9 @@ class ModelRecipe:
             dict of module name -> ``torch.distributed.tensor.parallel`` style, or a callable
             ``tp_plan(model, tp_mesh)`` (optionally taking ``sequence_parallel=``), see
             :mod:`engine.tensor_parallel`. None: the model cannot run tensor-parallel.
+        inputs, targets: the keys of a dict microbatch that are the model's input and the loss's
+            target (the config's ``data.inputs`` / ``data.targets`` win); None: the default layouts
+            (:mod:`engine.batch`).
     """
 
     build: Callable[..., torch.nn.Module]
@@ -79,6 +82,8 @@ class ModelRecipe:
     check: Callable[[dict[str, Any], Any], Any] | None = None
     flops_per_token: Callable[[torch.nn.Module, dict[str, Any], Any], float] | None = None
     tp_plan: Mapping[str, Any] | Callable[..., Any] | None = None
+    inputs: str | None = None
+    targets: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

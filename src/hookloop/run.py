@@ -323,6 +323,7 @@ def _build(
         precision=cfg.train.precision,
         tp_mesh=tp_mesh,
         loss_parallel=cfg.distributed.loss_parallel,
+        prepare_batch=cfg.data.prepare_batch(recipe),
     )
     groups = None
     sections = cfg
