@@ -20,14 +20,13 @@ field                   requested by, when                              reset
 ``skip``                :meth:`request_skip`, up to BEFORE_OPTIMIZER    end of every step (before the next
                         _STEP; the agreement replaces it with the       STEP_START) and when a run starts
                         agreed value (a fp16 overflow skips too)
-``save``                :meth:`request_save`, any time; the agreement   end of every step; a request made
-                        replaces it with the agreed value               after the agreement carries over
-                                                                        to the next step
+``save``,              :meth:`request_save`, any time, saying who      end of every step; a request made
+``save_by``             asked; the agreement replaces ``save`` with     after the agreement carries over
+                        the agreed value                                to the next step
 ``validate``            :meth:`request_validate`, any time; the         end of every step; a request made
-                        agreement replaces it with the agreed value     after the agreement carries over
-                        (the trainer's ``every_steps`` cadence votes    to the next step
-                        too); :meth:`withdraw_validate` from agreed
-                        values only
+                        agreement replaces it with the agreed value;    after the agreement carries over
+                        :meth:`withdraw_validate` from agreed values    to the next step
+                        only
 ``stop``,               :meth:`request_stop`, any time                  latch; cleared when a run starts
 ``stop_reason``,        (the first reason and the first non-zero
 ``exit_code``           exit code win); agreed at the next agreement
@@ -79,10 +78,25 @@ from dataclasses import dataclass, field, replace
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.exit_codes import ExitCode
 
-__all__ = ["OTHER_RANK_STOP", "Decided", "Rollback", "StepControl", "merge_rollbacks", "shared_stop_reason"]
+__all__ = [
+    "OTHER_RANK_STOP",
+    "Decided",
+    "Rollback",
+    "StepControl",
+    "every",
+    "merge_rollbacks",
+    "shared_stop_reason",
+]
 
 #: The stop reason of a rank that did not ask for the stop every rank agreed on.
 OTHER_RANK_STOP = "stop requested on another rank"
+
+
+def every(n: int | None, step: int) -> bool:
+    """Whether a cadence of ``n`` steps fires at ``step`` (1-based): every multiple of ``n``; never
+    when ``n`` is None. The one interval rule every cadence (save, validate, log, GC, profile)
+    follows: nobody counts steps of their own."""
+    return n is not None and step > 0 and step % n == 0
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,9 @@ class Decided:
     skip: bool = False
     stop: bool = False
     save: bool = False
+    #: who asked for the save on this rank (``request_save``'s ``by``); empty: another rank asked.
+    #: A record, not a decision: two decisions that differ only here compare equal.
+    save_by: tuple[str, ...] = field(default=(), compare=False)
     #: a validation runs at this step's STEP_END, on every rank
     validate: bool = False
     exit_code: int = 0
@@ -136,6 +153,7 @@ class StepControl:
         "exit_code",
         "rollback",
         "save",
+        "save_by",
         "skip",
         "stop",
         "stop_reason",
@@ -145,6 +163,7 @@ class StepControl:
     def __init__(self) -> None:
         self.skip = False
         self.save = False
+        self.save_by: tuple[str, ...] = ()
         self.stop = False
         self.stop_reason: str | None = None
         self.exit_code = 0
@@ -161,9 +180,13 @@ class StepControl:
         """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
         self.skip = True
 
-    def request_save(self) -> None:
-        """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
+    def request_save(self, by: str = "user") -> None:
+        """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next).
+        ``by`` says who asked and why (e.g. ``"cadence: step_scheduler.ckpt_every_steps=100"``,
+        ``"signal SIGTERM"``, ``"nan.action"``); the checkpointer records it with the save."""
         self.save = True
+        if by not in self.save_by:
+            self.save_by = (*self.save_by, by)
 
     def request_validate(self) -> None:
         """Validate at this step's end, on every rank (agreed; asked after the agreement: the next
@@ -207,6 +230,7 @@ class StepControl:
         self.stop_reason = None
         self.exit_code = 0
         self.skip = self.save = self.validate = False
+        self.save_by = ()
         self.rollback = None
         self.decided = _NOTHING_DECIDED
 
@@ -214,7 +238,12 @@ class StepControl:
         """The end of the step's agreement: the agreed values (which replaced the requests, and
         what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
         self.decided = Decided(
-            skip=self.skip, stop=self.stop, save=self.save, validate=self.validate, exit_code=self.exit_code
+            skip=self.skip,
+            stop=self.stop,
+            save=self.save,
+            save_by=self.save_by if self.save else (),
+            validate=self.validate,
+            exit_code=self.exit_code,
         )
 
     def void_step(self) -> None:
@@ -235,6 +264,7 @@ class StepControl:
     def drop_step_requests(self) -> None:
         """A step that raised leaves no skip, save or validation request behind."""
         self.skip = self.save = self.validate = False
+        self.save_by = ()
 
     def decide_stop(self, exit_code: int = 0) -> None:
         """Every rank stops (the largest exit code any rank asked for; 0 keeps this rank's); a
@@ -250,6 +280,8 @@ class StepControl:
         carries over), the decision kept is the stop."""
         decided = self.decided
         self.save = self.save and not decided.save
+        if not self.save:
+            self.save_by = ()
         self.validate = self.validate and not decided.validate
         self.skip = False
         self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED

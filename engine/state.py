@@ -6,15 +6,13 @@ stop, rollback) is requested on the trainer's control point, ``trainer.control``
 agreement; how the run ended is ``trainer.control.exit_code`` and ``trainer.control.stop_reason``
 (``state.control`` is the same object).
 
-Two flags are a scheduling handler's published view of the current step, set at STEP_START from its
-schedule (the same on every rank, computed from the same settings) for whoever reads them. They are
-information, not requests: nothing is agreed on them.
+One flag is a scheduling handler's published view of the current step, set at STEP_START from its
+schedule (the same on every rank, computed from the same settings) for whoever reads it. It is
+information, not a request: nothing is agreed on it.
 
 =================  =====================================  ==========================================
 flag               who sets it, who reads it              reset
 =================  =====================================  ==========================================
-should_log_remote  scheduler at STEP_START; remote        False before every STEP_START
-                   loggers log on such steps
 is_last_step       scheduler at STEP_START; the trainer   False before every STEP_START
                    (``trainer.at_last_step``)
 =================  =====================================  ==========================================
@@ -35,7 +33,7 @@ from hookloop.engine.control import StepControl
 
 __all__ = ["StateAttribute", "TrainState"]
 
-_SCHEDULE_FLAGS = ("should_log_remote", "is_last_step")
+_SCHEDULE_FLAGS = ("is_last_step",)
 
 
 class _StepValue:
@@ -140,7 +138,7 @@ class TrainState(State):
         self.iteration = value
 
     def clear_schedule_flags(self) -> None:
-        """Drop this step's published schedule (``should_log_remote``, ``is_last_step``)."""
+        """Drop this step's published schedule (``is_last_step``)."""
         for name in _SCHEDULE_FLAGS:
             setattr(self, name, False)
 

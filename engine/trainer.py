@@ -307,8 +307,9 @@ class Trainer(IgniteAdapter):
         metrics: Mapping[str, Any] | None = None,
         dp_group: Any = None,
     ) -> None:
-        """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``, a
-        scheduling handler asks so) or every ``every_steps`` steps; at most ``eval_iters`` batches.
+        """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``;
+        the StepScheduler asks every ``val_every_steps`` steps); at most ``eval_iters`` batches.
+        ``every_steps`` was removed (an error naming its replacement).
 
         ``metrics``: name -> ignite ``Metric``, fed ``(model_output, targets)`` of every validation
         microbatch and published as ``state.metrics["val_<name>"]``, reduced over the data-parallel

@@ -1,12 +1,12 @@
-"""The StepScheduler decides *when*: steps, epochs, and the cadence of checkpoints, validation,
-remote logging and garbage collection, plus the exits a long job needs (stop signals,
-``exit_duration_in_mins``, ``exit_interval``).
+"""The StepScheduler decides *when*: steps, epochs, and the cadence of checkpoints, validation
+and garbage collection (one setting each, counted by :func:`engine.control.every`), plus the exits
+a long job needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
 
 One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``, or
 ``scheduler.step == k`` when iterating the scheduler yourself) ``is_ckpt_step`` is true when ``k``
 is a multiple of ``ckpt_every_steps``, ``is_val_step`` when ``k`` is a multiple of
-``val_every_steps``, and so on. ``epoch`` is the 0-based index of the current epoch, which is also
-the number of epochs completed before it.
+``val_every_steps`` (or the last step), and so on. ``epoch`` is the 0-based index of the current
+epoch, which is also the number of epochs completed before it.
 
 Two ways to use it:
 
@@ -16,13 +16,12 @@ Two ways to use it:
 * As a handler: ``s.attach(trainer)`` then ``trainer.run(dataloader)``. The scheduler sets the
   trainer's ``grad_accum_steps``, ``max_steps`` and ``max_epochs``. At STEP_START it *requests* what
   its schedule wants of the step on the trainer's control point (``trainer.control``): its
-  checkpoint steps as ``request_save()``, its validation steps as ``request_validate()``; the trainer
-  decides them in the step's agreement, like any handler's requests. It *publishes* what it knows
-  of the step's place in the schedule on ``trainer.state``: ``should_log_remote`` (a remote logging
-  step) and ``is_last_step`` (the trainer's ``at_last_step`` reads it); information, the same on
-  every rank, not requests. Stop signals and time limits become a final checkpoint request plus a
-  stop request on ``trainer.control``, agreed like any other, with :attr:`engine.ExitCode.STOPPED`
-  (and the step's validation withdrawn: time is short).
+  checkpoint steps as ``request_save(by)`` (saying which setting asked), its validation steps as
+  ``request_validate()``; the trainer decides them in the step's agreement, like any handler's
+  requests. It *publishes* ``is_last_step`` on ``trainer.state`` (the trainer's ``at_last_step``
+  reads it): information, the same on every rank, not a request. Stop signals and time limits
+  become a final checkpoint request plus a stop request on ``trainer.control``, agreed like any
+  other, with :attr:`engine.ExitCode.STOPPED` (and the step's validation withdrawn: time is short).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from typing import Any, List, Optional
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.control import every
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
@@ -138,7 +138,6 @@ class StepSchedulerConfig:
     ckpt_every_steps: Optional[int] = 100
     save_checkpoint_every_epoch: bool = True
     val_every_steps: Optional[int] = None
-    log_remote_every_steps: int = 1
     loss_average_window_steps: int = 50
     gc_every_steps: Optional[int] = None
     start_step: int = 0
@@ -156,7 +155,6 @@ class StepSchedulerConfig:
         for name in ("num_epochs", "max_steps", "ckpt_every_steps", "val_every_steps", "gc_every_steps"):
             check_int(dotted(p, name), getattr(self, name), allow_none=True)
         check_bool(dotted(p, "save_checkpoint_every_epoch"), self.save_checkpoint_every_epoch)
-        check_int(dotted(p, "log_remote_every_steps"), self.log_remote_every_steps)
         check_int(dotted(p, "loss_average_window_steps"), self.loss_average_window_steps)
         check_int(dotted(p, "start_step"), self.start_step, low=0, hint="steps already done")
         check_int(dotted(p, "start_epoch"), self.start_epoch, low=0, hint="epochs already done")
@@ -177,7 +175,7 @@ def _restores_own_position(data: Any) -> bool:
 
 
 class StepScheduler(Handler):
-    """When to step, checkpoint, validate, log remotely, collect garbage and stop.
+    """When to step, checkpoint, validate, collect garbage and stop.
 
     Args:
         global_batch_size: samples per optimizer step over all data-parallel ranks.
@@ -185,12 +183,11 @@ class StepScheduler(Handler):
         dp_size: data-parallel ranks. ``grad_acc_steps = global_batch_size // (local_batch_size *
             dp_size)``, which must divide exactly.
         dataloader: yields microbatches; ``len()`` may fail (iterable datasets).
-        ckpt_every_steps: checkpoint every N steps; None: once per epoch, or every
-            ``max(1, max_steps // 2)`` steps when the data has no length.
+        ckpt_every_steps: checkpoint every N steps (the one save-cadence setting); None: no saves
+            on a step cadence (the last step, epoch ends and stops still save).
         save_checkpoint_every_epoch: also checkpoint on the last step of every epoch.
-        val_every_steps: validate every N steps (and on every checkpoint step); None: only on
-            checkpoint steps.
-        log_remote_every_steps: ``is_remote_logging_step`` every N steps.
+        val_every_steps: validate every N steps (the one validation-cadence setting), and at the
+            last step; None: at the last step only. Without validation data nothing validates.
         loss_average_window_steps: steps in the moving average ``state.metrics["loss_avg"]``.
         gc_every_steps: run ``gc.collect()`` every N steps with automatic GC off during training.
         start_step, start_epoch: where to start (steps and epochs already done).
@@ -223,7 +220,6 @@ class StepScheduler(Handler):
         ckpt_every_steps: int | None = None,
         save_checkpoint_every_epoch: bool = True,
         val_every_steps: int | None = None,
-        log_remote_every_steps: int = 1,
         loss_average_window_steps: int = 50,
         gc_every_steps: int | None = None,
         start_step: int = 0,
@@ -267,12 +263,9 @@ class StepScheduler(Handler):
             max_steps = _calculate_max_steps(num_epochs, self.epoch_len)
         self.num_epochs: int = num_epochs
         self.max_steps: int = max_steps
-        if ckpt_every_steps is None:
-            ckpt_every_steps = self.epoch_len if self.epoch_len is not None else max(1, max_steps // 2)
-        self.ckpt_every_steps: int = ckpt_every_steps
+        self.ckpt_every_steps = ckpt_every_steps
         self.save_checkpoint_every_epoch = save_checkpoint_every_epoch
         self.val_every_steps = val_every_steps
-        self.log_remote_every_steps = log_remote_every_steps
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
         self.exit_duration_in_mins = None if exit_duration_in_mins is None else float(exit_duration_in_mins)
@@ -337,8 +330,7 @@ class StepScheduler(Handler):
         return self._epoch
 
     def _every(self, n: int | None) -> bool:
-        k = self.step
-        return n is not None and k > 0 and k % n == 0
+        return every(n, self.step)
 
     def _check_position(self, step: int, epoch: int, step_name: str, epoch_name: str) -> int:
         """With a known epoch length, ``step`` must lie in epoch ``epoch``; returns the epoch,
@@ -374,29 +366,36 @@ class StepScheduler(Handler):
     def is_exit_interval_step(self) -> bool:
         return self._every(self.exit_interval)
 
-    def _is_regular_ckpt_step(self) -> bool:
-        return (
-            self._every(self.ckpt_every_steps)
-            or (self.save_checkpoint_every_epoch and self.is_last_batch)
-            or self.is_last_step
-        )
+    def _save_reason(self) -> str:
+        """Who asks for this step's save: the cadence, the epoch's end, the last step or a stop."""
+        if self._every(self.ckpt_every_steps):
+            return f"step_scheduler.ckpt_every_steps={self.ckpt_every_steps}"
+        if self.is_last_step:
+            return "last step"
+        if self.save_checkpoint_every_epoch and self.is_last_batch:
+            return "step_scheduler.save_checkpoint_every_epoch"
+        if self.is_exit_interval_step:
+            return f"step_scheduler.exit_interval={self.exit_interval}"
+        return f"stop: {self._exit_reason}"
 
     @property
     def is_ckpt_step(self) -> bool:
         """Every ``ckpt_every_steps``, the last step of an epoch (``save_checkpoint_every_epoch``),
         the last step, and the step a stop (signal, exit duration, exit interval) happens on."""
-        return self._is_regular_ckpt_step() or self.is_exit_interval_step or self._stopping()
+        return (
+            self._every(self.ckpt_every_steps)
+            or (self.save_checkpoint_every_epoch and self.is_last_batch)
+            or self.is_last_step
+            or self.is_exit_interval_step
+            or self._stopping()
+        )
 
     @property
     def is_val_step(self) -> bool:
-        """Every ``val_every_steps`` and on regular checkpoint steps; never on a step that stops on
-        a signal or the exit duration (time is short then)."""
-        wanted = self._every(self.val_every_steps) or self._is_regular_ckpt_step()
+        """Every ``val_every_steps`` and the last step; never on a step that stops on a signal or
+        the exit duration (time is short then)."""
+        wanted = self._every(self.val_every_steps) or self.is_last_step
         return wanted and not (self._stopping() and self._exit_kind in ("signal", "duration"))
-
-    @property
-    def is_remote_logging_step(self) -> bool:
-        return self._every(self.log_remote_every_steps)
 
     @property
     def is_gc_step(self) -> bool:
@@ -469,7 +468,7 @@ class StepScheduler(Handler):
             return
         self._latch_signal() if kind == "signal" else self._latch_duration()
         state, control = self.trainer.state, self.trainer.control
-        control.request_save()
+        control.request_save(f"stop: {self._exit_reason}")
         control.withdraw_validate()  # agreed values: every rank withdraws alike
         if not state.is_last_step:  # a run that ends here anyway ends as a finished run
             control.request_stop(self._exit_reason, ExitCode.STOPPED)
@@ -770,10 +769,9 @@ class StepScheduler(Handler):
         if self.is_gc_step:
             gc.collect()
         if self.is_ckpt_step:
-            self.trainer.control.request_save()
+            self.trainer.control.request_save(self._save_reason())
         if self.is_val_step:
             self.trainer.control.request_validate()
-        state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
         last = self.is_last_step
         state.is_last_step = state.is_last_step or last
         if self.is_exit_interval_step and not last:

@@ -40,22 +40,22 @@ def reference_trace(
 ):
     """The reference scheduler's decisions, written its way: counters 0-based and evaluated before
     the step counter increments (hence the -1 offsets). Rows: (size, epoch, ckpt, val, last batch,
-    last step) for every step, in order."""
+    last step) for every step, in order. Two departures, one key per cadence: ``ckpt`` None is no
+    step cadence (not once per epoch), and validation follows ``val`` and the last step only (not
+    every checkpoint step)."""
     epoch_len = math.ceil(n / acc) if sized else None
     if num_epochs is None:
         num_epochs = math.ceil(max_steps / epoch_len) if max_steps is not None and epoch_len else 10
     if max_steps is None:
         max_steps = num_epochs * epoch_len
-    if ckpt is None:
-        ckpt = epoch_len if epoch_len else max(1, max_steps // 2)
     step = epoch = 0
     rows = []
 
     def decide(size):
         last_batch = epoch_len is not None and step % epoch_len == epoch_len - 1
         last_step = step + 1 >= max_steps or (epoch + 1 >= num_epochs and last_batch)
-        is_ckpt = step % ckpt == ckpt - 1 or (every_epoch and last_batch) or last_step
-        is_val = (val is not None and step % val == val - 1) or is_ckpt
+        is_ckpt = (ckpt is not None and step % ckpt == ckpt - 1) or (every_epoch and last_batch) or last_step
+        is_val = (val is not None and step % val == val - 1) or last_step
         rows.append((size, epoch, is_ckpt, is_val, last_batch, last_step))
 
     for _ in range(num_epochs):
@@ -107,7 +107,7 @@ CASES = [
     (10, 4, None, 5, 2, True, None, True),  # max_steps mid-epoch, epochs derived
     (10, 4, 2, 100, None, True, None, True),  # data runs out before max_steps
     (9, 3, None, 3, None, True, None, True),  # max_steps ends exactly at an epoch end
-    (10, 4, None, 7, None, True, 2, False),  # no length: ckpt default max_steps // 2
+    (10, 4, None, 7, None, True, 2, False),  # no length, no ckpt cadence: the last step only
     (10, 2, 2, 25, 4, True, None, False),  # no length, epochs bound the run first
 ]
 
@@ -156,10 +156,10 @@ def test_one_step_convention_by_hand():
     assert seen == [
         (1, 0, [0, 1], False, False, False),
         (2, 0, [2, 3], False, False, False),
-        (3, 0, [4, 5], True, True, False),  # multiple of ckpt_every_steps
-        (4, 0, [6], True, True, False),  # last batch of epoch 0
+        (3, 0, [4, 5], True, False, False),  # multiple of ckpt_every_steps (no validation)
+        (4, 0, [6], True, False, False),  # last batch of epoch 0
         (5, 1, [0, 1], False, True, False),  # multiple of val_every_steps
-        (6, 1, [2, 3], True, True, False),
+        (6, 1, [2, 3], True, False, False),
         (7, 1, [4, 5], False, False, False),
         (8, 1, [6], True, True, True),  # last step
     ]
@@ -178,11 +178,11 @@ def test_data_running_out_before_max_steps_makes_the_last_batch_the_last_step():
 
 def test_derived_limits_and_defaults():
     s = StepScheduler(8, 2, 2, list(range(10)), max_steps=7, stop_signals=None)  # 2 per step: 5 steps/epoch
-    assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, 5)
+    assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, None)
     s = StepScheduler(8, 2, 2, list(range(10)), num_epochs=3, stop_signals=None)
     assert s.max_steps == 15
     s = StepScheduler(4, 2, 2, Stream(range(10)), max_steps=9, stop_signals=None)
-    assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, 4)
+    assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, None)
 
 
 def test_iterable_without_length_runs_across_epochs_until_max_steps():
@@ -199,13 +199,11 @@ def test_iterable_without_length_runs_across_epochs_until_max_steps():
     assert s.state_dict() == {"step": 7, "epoch": 2, "loss_window": []}
 
 
-def test_remote_logging_and_gc_steps_are_multiples():
-    s = StepScheduler(1, 1, 1, list(range(12)), log_remote_every_steps=4, gc_every_steps=5, stop_signals=None)
-    log, collect = [], []
+def test_gc_steps_are_multiples():
+    s = StepScheduler(1, 1, 1, list(range(12)), gc_every_steps=5, stop_signals=None)
+    collect = []
     for _ in s:
-        log.append(s.is_remote_logging_step)
         collect.append(s.is_gc_step)
-    assert [i + 1 for i, v in enumerate(log) if v] == [4, 8, 12]
     assert [i + 1 for i, v in enumerate(collect) if v] == [5, 10]
 
 
@@ -310,7 +308,7 @@ def record_flags(trainer, into):
     @trainer.on(Events.STEP_START)  # normal priority: after the scheduler asked and published
     def _record():
         s, c = trainer.state, trainer.control
-        into.append((s.step, c.save, c.validate, s.should_log_remote, s.is_last_step))
+        into.append((s.step, c.save, c.validate, s.is_last_step))
 
 
 def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
@@ -323,7 +321,6 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
         data,
         ckpt_every_steps=3,
         val_every_steps=5,
-        log_remote_every_steps=2,
         loss_average_window_steps=3,
         num_epochs=2,
         stop_signals=None,
@@ -345,15 +342,16 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
     assert sizes == [3, 3, 3, 1] * 2
     assert positions == [(k, (k - 1) // 4) for k in range(1, 9)]
     assert flags == [
-        # step, checkpoint, validate, log remotely, last step
-        (1, False, False, False, False),
-        (2, False, False, True, False),
-        (3, True, True, False, False),
-        (4, True, True, True, False),  # end of epoch 0
-        (5, False, True, False, False),
-        (6, True, True, True, False),
-        (7, False, False, False, False),
-        (8, True, True, True, True),
+        # step, checkpoint, validate, last step: validation every 5 steps and at the last, not on
+        # checkpoint steps (one key per cadence)
+        (1, False, False, False),
+        (2, False, False, False),
+        (3, True, False, False),
+        (4, True, False, False),  # end of epoch 0
+        (5, False, True, False),
+        (6, True, False, False),
+        (7, False, False, False),
+        (8, True, True, True),
     ]
     for i, (_loss_k, avg) in enumerate(losses):
         window = [x for x, _ in losses[max(0, i - 2) : i + 1]]
@@ -535,7 +533,6 @@ BASE = dict(global_batch_size=4, local_batch_size=1, dp_size=2, dataloader=list(
         ("dp_size", -1),
         ("ckpt_every_steps", 0),
         ("val_every_steps", -2),
-        ("log_remote_every_steps", 0),
         ("loss_average_window_steps", 0),
         ("gc_every_steps", 0),
         ("start_step", -1),

@@ -40,7 +40,6 @@ def test_metrics_are_published_as_val_names_before_validation_end_and_equal_igni
     val = _token_batches(3, seed=5)
     trainer.set_validation(
         val,
-        every_steps=2,
         metrics={
             "accuracy": TokenAccuracy(),
             # ignite's own Accuracy wants classes on dim 1: an output_transform reshapes the logits
