@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, dotted
+from hookloop.engine.control import every
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
@@ -176,7 +177,7 @@ class PerDatasetMetrics(Handler):
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._steps += 1
-        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
+        if every(self.log_interval, state.step) or self.trainer.at_last_step:
             self._publish()
 
     def _on_train_end(self) -> None:

@@ -287,6 +287,21 @@ def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind
     assert not (directory / step_dir_name(5)).is_symlink()
 
 
+def test_a_save_records_who_asked_for_it_and_the_checkpointer_counts_no_steps(tmp_path, caplog):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", keep_last=5).attach(trainer)
+    save_every(trainer, 2)
+    ask = lambda: trainer.control.request_save("user: step 3")  # noqa: E731
+    trainer.add_event_handler(Events.STEP_START(once=3), ask)
+    with caplog.at_level(logging.INFO, logger="hookloop.handlers.checkpoint"):
+        trainer.run(token_batches(20), max_steps=5)
+    steps = [s for s, _ in complete_checkpoints(tmp_path)[0]]
+    assert steps == [5, 4, 3, 2]  # asked for, and the last step: nothing counted by the checkpointer
+    asked = {s: read_json(tmp_path / step_dir_name(s) / "rank_00000.json")["requested_by"] for s in steps}
+    assert asked == {2: ["every 2 steps"], 3: ["user: step 3"], 4: ["every 2 steps"], 5: ["last step"]}
+    assert "saving step 3 (asked by: user: step 3)" in caplog.text
+
+
 def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)

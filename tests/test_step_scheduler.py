@@ -360,6 +360,23 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
     assert not (trainer.control.save or trainer.control.validate)  # the step's requests reset
 
 
+def test_the_scheduler_says_which_setting_asked_for_each_save():
+    data = token_batches(10)  # 3 per step: epochs of 4 steps
+    trainer = make_trainer()
+    StepScheduler(6, 2, 1, data, ckpt_every_steps=3, num_epochs=2, stop_signals=None).attach(trainer)
+    asked = {}
+
+    @trainer.on(Events.STEP_START)
+    def _record():
+        if trainer.control.save:
+            asked[trainer.state.step] = trainer.control.save_by
+
+    trainer.run(data)
+    cadence = ("step_scheduler.ckpt_every_steps=3",)
+    epoch_end = ("step_scheduler.save_checkpoint_every_epoch",)
+    assert asked == {3: cadence, 4: epoch_end, 6: cadence, 8: ("last step",)}
+
+
 @pytest.mark.parametrize("restored_by", ["scheduler", "checkpoint_handler"])
 def test_attached_resume_mid_epoch_continues_flags_and_data(restored_by):
     data = token_batches(10)  # 3 per step: 4 steps per epoch

@@ -15,6 +15,7 @@ from ignite.metrics import Accuracy, Metric
 from hookloop.engine import ConfigError, Events, TokenAccuracy, Trainer, ValidationConfig, build_metrics
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.train import load_training_config
+from tests.cadence import validate_every
 from tests.dist_utils import REPO, run_distributed, run_process, run_torchrun
 
 SEQ = 8
@@ -35,6 +36,18 @@ def _gpt_trainer() -> Trainer:
 # ---------------------------------------------------------------------------- one process
 
 
+def test_set_validation_counts_no_steps_and_every_steps_names_its_replacement():
+    trainer = _gpt_trainer()
+    with pytest.raises(ConfigError, match=r"StepScheduler\(val_every_steps=N\)") as info:
+        trainer.set_validation(_token_batches(1), every_steps=2)
+    assert "trainer.control.request_validate()" in str(info.value)
+    trainer.set_validation(_token_batches(1))
+    seen = []
+    trainer.add_event_handler(Events.VALIDATION_END, lambda: seen.append(trainer.state.step))
+    trainer.run(_token_batches(8), max_steps=4)
+    assert seen == []  # nobody asked: the validator validates only when the control point decided it
+
+
 def test_metrics_are_published_as_val_names_before_validation_end_and_equal_ignite_on_the_same_samples():
     trainer = _gpt_trainer()
     val = _token_batches(3, seed=5)
@@ -46,6 +59,7 @@ def test_metrics_are_published_as_val_names_before_validation_end_and_equal_igni
             "ignite_accuracy": Accuracy(output_transform=lambda o: (o[0].transpose(1, 2), o[1])),
         },
     )
+    validate_every(trainer, 2)
     seen = []
     trainer.add_event_handler(Events.VALIDATION_END, lambda: seen.append(dict(trainer.state.metrics)))
     trainer.run(_token_batches(8), max_steps=4)
