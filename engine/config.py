@@ -205,6 +205,7 @@ _MOVED = {
     "checkpoint.every_steps": "step_scheduler.ckpt_every_steps",
     "step_scheduler.log_remote_every_steps": "logging.log_interval",
     "logging.wandb_every_steps": "logging.log_interval",
+    "dataset_metrics.log_interval": "logging.log_interval",
     "train.max_steps": "step_scheduler.max_steps",
     "train.max_epochs": "step_scheduler.num_epochs",
     "train.num_epochs": "step_scheduler.num_epochs",
