@@ -49,7 +49,7 @@ import torch
 from hookloop.engine import Events, Trainer
 from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, RecordingWriter
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
-from hookloop.engine.control import every as fires
+from hookloop.engine.events import every as fires
 from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 

@@ -82,7 +82,7 @@ from threads import Competitor  # noqa: E402  (benchmarks/threads.py)
 from workload import write_result  # noqa: E402
 
 from hookloop.engine import Events, Priority, Trainer  # noqa: E402
-from hookloop.engine.control import every  # noqa: E402
+from hookloop.engine.events import every  # noqa: E402
 from hookloop.handlers import Places  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 

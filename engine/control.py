@@ -78,25 +78,10 @@ from dataclasses import dataclass, field, replace
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.exit_codes import ExitCode
 
-__all__ = [
-    "OTHER_RANK_STOP",
-    "Decided",
-    "Rollback",
-    "StepControl",
-    "every",
-    "merge_rollbacks",
-    "shared_stop_reason",
-]
+__all__ = ["OTHER_RANK_STOP", "Decided", "Rollback", "StepControl", "merge_rollbacks", "shared_stop_reason"]
 
 #: The stop reason of a rank that did not ask for the stop every rank agreed on.
 OTHER_RANK_STOP = "stop requested on another rank"
-
-
-def every(n: int | None, step: int) -> bool:
-    """Whether a cadence of ``n`` steps fires at ``step`` (1-based): every multiple of ``n``; never
-    when ``n`` is None. The one interval rule every cadence (save, validate, log, GC, profile)
-    follows: nobody counts steps of their own."""
-    return n is not None and step > 0 and step % n == 0
 
 
 @dataclass(frozen=True)
@@ -182,8 +167,8 @@ class StepControl:
 
     def request_save(self, by: str = "user") -> None:
         """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next).
-        ``by`` says who asked and why (e.g. ``"cadence: step_scheduler.ckpt_every_steps=100"``,
-        ``"signal SIGTERM"``, ``"nan.action"``); the checkpointer records it with the save."""
+        ``by`` says who asked and why (e.g. ``"step_scheduler.ckpt_every_steps=100"``, ``"stop:
+        signal SIGTERM"``); the checkpointer records it with the save."""
         self.save = True
         if by not in self.save_by:
             self.save_by = (*self.save_by, by)
@@ -237,14 +222,7 @@ class StepControl:
     def record_decided(self) -> None:
         """The end of the step's agreement: the agreed values (which replaced the requests, and
         what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
-        self.decided = Decided(
-            skip=self.skip,
-            stop=self.stop,
-            save=self.save,
-            save_by=self.save_by if self.save else (),
-            validate=self.validate,
-            exit_code=self.exit_code,
-        )
+        self.decided = Decided(self.skip, self.stop, self.save, self.save_by, self.validate, self.exit_code)
 
     def void_step(self) -> None:
         """The step's agreement did not hold (a step a fault-tolerant run did not commit across its

@@ -31,11 +31,10 @@ import torch.nn.functional as F
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, dotted
-from hookloop.engine.control import every
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.handler import Handler
 
 __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]

@@ -1,5 +1,5 @@
 """The StepScheduler decides *when*: steps, epochs, and the cadence of checkpoints, validation
-and garbage collection (one setting each, counted by :func:`engine.control.every`), plus the exits
+and garbage collection (one setting each, counted by :func:`engine.events.every`), plus the exits
 a long job needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
 
 One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``, or
@@ -38,9 +38,8 @@ from typing import Any, List, Optional
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
-from hookloop.engine.control import every
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.engine.running_mean import RunningMean

@@ -26,8 +26,7 @@ import torch
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
-from hookloop.engine.control import every
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings
 

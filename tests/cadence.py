@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hookloop.engine.control import every
-from hookloop.engine.events import Events
+from hookloop.engine.events import Events, every
 
 
 def save_every(trainer: Any, n: int) -> None:

@@ -49,13 +49,13 @@ STAGING_WAIT = Priority.CLEANUP
 class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
 
+    It counts no steps: it saves where the control point decided a save (``control.decided.save``:
+    the StepScheduler's ``ckpt_every_steps``, a stop signal, a user's ``request_save(by)``), at the
+    last step and on a resumable stop, and records who asked (its log line, ``requested_by`` in
+    each rank's state file).
+
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
-        The checkpointer counts no steps: it saves at the end of a step where the control point
-        decided a save (``trainer.control.decided.save``: the StepScheduler's
-        ``ckpt_every_steps``, a stop signal, the NaN policy, a user's ``request_save``), at the
-        last step and when the run stops resumably, and records who asked (its log line and the
-        ``requested_by`` entry of each rank's state file).
         keep_last: complete checkpoints to keep; older ones are deleted after a new one is durable.
         keep_best: also keep the best this many checkpoints by ``metric`` (0: off). A checkpoint
             stays if it is among the last ``keep_last`` *or* the best ``keep_best``; ``latest`` and
