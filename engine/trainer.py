@@ -308,7 +308,7 @@ class Trainer(IgniteAdapter):
         dp_group: Any = None,
     ) -> None:
         """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``;
-        the StepScheduler asks every ``val_every_steps`` steps); at most ``eval_iters`` batches.
+        the step scheduler asks every ``val_every_steps`` steps); at most ``eval_iters`` batches.
         ``every_steps`` was removed (an error naming its replacement).
 
         ``metrics``: name -> ignite ``Metric``, fed ``(model_output, targets)`` of every validation

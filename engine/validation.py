@@ -5,7 +5,7 @@ data-parallel ranks only, and the ``validation`` config section.
     trainer.validate()  # state.metrics["val_loss"] and ["val_accuracy"], then VALIDATION_END
 
 What one validation does (the trainer runs it at STEP_END when every rank agreed on it:
-``trainer.control.request_validate()`` on any rank: the StepScheduler's ``val_every_steps`` asks
+``trainer.control.request_validate()`` on any rank: the step scheduler's ``val_every_steps`` asks
 so; the validator counts no steps). The forward
 passes are the step body's (:mod:`engine.step_body`: the local body's own forward, or the
 pipeline's stages), so validation knows no layout::
@@ -218,7 +218,7 @@ class Validator:
         if every_steps is not None:
             raise ConfigError(
                 "set_validation(every_steps=)",
-                "was removed: the validation cadence is StepScheduler(val_every_steps=N) "
+                "was removed: the validation cadence is the step scheduler's val_every_steps=N "
                 "(step_scheduler.val_every_steps), or ask with trainer.control.request_validate()",
             )
         if eval_iters is not None and (

@@ -38,7 +38,7 @@ def _gpt_trainer() -> Trainer:
 
 def test_set_validation_counts_no_steps_and_every_steps_names_its_replacement():
     trainer = _gpt_trainer()
-    with pytest.raises(ConfigError, match=r"StepScheduler\(val_every_steps=N\)") as info:
+    with pytest.raises(ConfigError, match=r"the step scheduler's val_every_steps=N") as info:
         trainer.set_validation(_token_batches(1), every_steps=2)
     assert "trainer.control.request_validate()" in str(info.value)
     trainer.set_validation(_token_batches(1))

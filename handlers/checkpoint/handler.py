@@ -49,10 +49,9 @@ STAGING_WAIT = Priority.CLEANUP
 class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
 
-    It counts no steps: it saves where the control point decided a save (``control.decided.save``:
-    the StepScheduler's ``ckpt_every_steps``, a stop signal, a user's ``request_save(by)``), at the
-    last step and on a resumable stop, and records who asked (its log line, ``requested_by`` in
-    each rank's state file).
+    It counts no steps: it saves where the control point decided a save (``request_save(by)``: the
+    StepScheduler's ``ckpt_every_steps``, a stop signal, a user), at the last step and on a resumable
+    stop, and records who asked (its log line, ``requested_by`` in each rank's state file).
 
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
@@ -307,8 +306,7 @@ class AsyncCheckpointer(Handler):
             # data ran out, or the stop came after the step's agreement: publish the save in
             # flight first, then save this step
             self.wait()
-            why = self.trainer.control.stop_reason or "data ran out"
-            self._start_save(state.iteration, by=[f"end of run: {why}"])
+            self._start_save(state.iteration, by=["end of run"])
         if resumable:
             self.wait()
         else:
@@ -412,7 +410,7 @@ class AsyncCheckpointer(Handler):
     def _start_save(self, step: int, capture: bool = True, *, by: list[str]) -> None:
         if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
             self._finish(wait=True)
-        self._requested_by = by
+        self._requested_by = by  # who asked: logged and kept in each rank's state file
         logger.info("saving step %d (asked by: %s)", step, "; ".join(by))
         extra = self._capture(step) if capture else None
         state = self.trainer.state
