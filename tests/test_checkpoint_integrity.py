@@ -382,6 +382,7 @@ _FULL_DISK = textwrap.dedent(
     from hookloop.engine.checkpoint_format.directory import complete_checkpoints, read_latest
     from hookloop.models.gpt import cross_entropy_loss
     from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
+    from tests.cadence import save_every
     from tests.conftest import tiny_gpt, token_batches
 
     directory, mode = sys.argv[1], sys.argv[2]
