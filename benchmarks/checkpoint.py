@@ -49,6 +49,7 @@ import torch
 from hookloop.engine import Events, Trainer
 from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, RecordingWriter
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
+from hookloop.engine.events import every as fires
 from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 
@@ -87,8 +88,13 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
     durable: list[float] = []
     checkpointer = None
     if mode is not None:
-        checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=every, keep_last=2, resume=None)
+        checkpointer = AsyncCheckpointer(directory, mode=mode, keep_last=2, resume=None)
         checkpointer.attach(trainer)
+
+        @trainer.on(Events.STEP_START)
+        def _save_cadence() -> None:  # what StepScheduler(ckpt_every_steps=every) asks for
+            if fires(every, trainer.state.step):
+                trainer.control.request_save(f"every {every} steps")
 
         @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Places.STAGING_WAIT - 1)
         def _staging_wait(engine: Trainer) -> None:

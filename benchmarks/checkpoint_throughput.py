@@ -82,6 +82,7 @@ from threads import Competitor  # noqa: E402  (benchmarks/threads.py)
 from workload import write_result  # noqa: E402
 
 from hookloop.engine import Events, Priority, Trainer  # noqa: E402
+from hookloop.engine.events import every  # noqa: E402
 from hookloop.handlers import Places  # noqa: E402
 from hookloop.handlers.checkpoint import AsyncCheckpointer  # noqa: E402
 
@@ -474,8 +475,10 @@ def save_costs(
     from the save's start until every file is written and fsynced: for ``sync`` until the call
     returned, published; an async save is published at a later step's end."""
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), loss_fn)
-    checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=2, keep_last=2, resume=None)
+    checkpointer = AsyncCheckpointer(directory, mode=mode, keep_last=2, resume=None)
     checkpointer.attach(trainer)
+    save_every_2 = lambda: every(2, trainer.state.step) and trainer.control.request_save("every 2 steps")  # noqa: E731
+    trainer.add_event_handler(Events.STEP_START, save_every_2)
     blocked: list[float] = []
     durable: list[float] = []
     begun: dict[str, float] = {}

@@ -209,8 +209,13 @@ class PipelineSection:
         pipe.validate(prefix, pp_size=pp_size if pp_size and pp_size > 1 and not unset else None)
 
 
-# Keys users reach for that live in another section.
+# Keys users reach for that live in another section, and removed keys with their replacement (one
+# key per cadence: save, validate, log).
 _MOVED = {
+    "checkpoint.every_steps": "step_scheduler.ckpt_every_steps",
+    "step_scheduler.log_remote_every_steps": "logging.log_interval",
+    "logging.wandb_every_steps": "logging.log_interval",
+    "dataset_metrics.log_interval": "logging.log_interval",
     "train.max_steps": "step_scheduler.max_steps",
     "train.max_epochs": "step_scheduler.num_epochs",
     "train.num_epochs": "step_scheduler.num_epochs",

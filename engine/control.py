@@ -20,14 +20,13 @@ field                   requested by, when                              reset
 ``skip``                :meth:`request_skip`, up to BEFORE_OPTIMIZER    end of every step (before the next
                         _STEP; the agreement replaces it with the       STEP_START) and when a run starts
                         agreed value (a fp16 overflow skips too)
-``save``                :meth:`request_save`, any time; the agreement   end of every step; a request made
-                        replaces it with the agreed value               after the agreement carries over
-                                                                        to the next step
+``save``,              :meth:`request_save`, any time, saying who      end of every step; a request made
+``save_by``             asked; the agreement replaces ``save`` with     after the agreement carries over
+                        the agreed value                                to the next step
 ``validate``            :meth:`request_validate`, any time; the         end of every step; a request made
-                        agreement replaces it with the agreed value     after the agreement carries over
-                        (the trainer's ``every_steps`` cadence votes    to the next step
-                        too); :meth:`withdraw_validate` from agreed
-                        values only
+                        agreement replaces it with the agreed value;    after the agreement carries over
+                        :meth:`withdraw_validate` from agreed values    to the next step
+                        only
 ``stop``,               :meth:`request_stop`, any time                  latch; cleared when a run starts
 ``stop_reason``,        (the first reason and the first non-zero
 ``exit_code``           exit code win); agreed at the next agreement
@@ -118,6 +117,9 @@ class Decided:
     skip: bool = False
     stop: bool = False
     save: bool = False
+    #: who asked for the save on this rank (``request_save``'s ``by``); empty: another rank asked.
+    #: A record, not a decision: two decisions that differ only here compare equal.
+    save_by: tuple[str, ...] = field(default=(), compare=False)
     #: a validation runs at this step's STEP_END, on every rank
     validate: bool = False
     exit_code: int = 0
@@ -136,6 +138,7 @@ class StepControl:
         "exit_code",
         "rollback",
         "save",
+        "save_by",
         "skip",
         "stop",
         "stop_reason",
@@ -145,6 +148,7 @@ class StepControl:
     def __init__(self) -> None:
         self.skip = False
         self.save = False
+        self.save_by: tuple[str, ...] = ()
         self.stop = False
         self.stop_reason: str | None = None
         self.exit_code = 0
@@ -161,9 +165,13 @@ class StepControl:
         """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
         self.skip = True
 
-    def request_save(self) -> None:
-        """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next)."""
+    def request_save(self, by: str = "user") -> None:
+        """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next).
+        ``by`` says who asked and why (e.g. ``"step_scheduler.ckpt_every_steps=100"``, ``"stop:
+        signal SIGTERM"``); the checkpointer records it with the save."""
         self.save = True
+        if by not in self.save_by:
+            self.save_by = (*self.save_by, by)
 
     def request_validate(self) -> None:
         """Validate at this step's end, on every rank (agreed; asked after the agreement: the next
@@ -207,15 +215,14 @@ class StepControl:
         self.stop_reason = None
         self.exit_code = 0
         self.skip = self.save = self.validate = False
+        self.save_by = ()
         self.rollback = None
         self.decided = _NOTHING_DECIDED
 
     def record_decided(self) -> None:
         """The end of the step's agreement: the agreed values (which replaced the requests, and
         what the slots' ``on_agreed`` asked from agreed values) become :attr:`decided`."""
-        self.decided = Decided(
-            skip=self.skip, stop=self.stop, save=self.save, validate=self.validate, exit_code=self.exit_code
-        )
+        self.decided = Decided(self.skip, self.stop, self.save, self.save_by, self.validate, self.exit_code)
 
     def void_step(self) -> None:
         """The step's agreement did not hold (its :class:`~engine.agreement.AgreementTransport` did
@@ -235,6 +242,7 @@ class StepControl:
     def drop_step_requests(self) -> None:
         """A step that raised leaves no skip, save or validation request behind."""
         self.skip = self.save = self.validate = False
+        self.save_by = ()
 
     def decide_stop(self, exit_code: int = 0) -> None:
         """Every rank stops (the largest exit code any rank asked for; 0 keeps this rank's); a
@@ -250,6 +258,8 @@ class StepControl:
         carries over), the decision kept is the stop."""
         decided = self.decided
         self.save = self.save and not decided.save
+        if not self.save:
+            self.save_by = ()
         self.validate = self.validate and not decided.validate
         self.skip = False
         self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED

@@ -110,7 +110,6 @@ class ErrorPath:
         limit, ``control.stop_reason`` says that it ended on a handled error."""
         state = self._state()
         self._drop_gradients()
-        state.clear_schedule_flags()
         self._control.drop_step_requests()
         self.handled_errors += 1
         message = str(e).splitlines()[0][:200] if str(e) else ""

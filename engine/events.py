@@ -98,6 +98,7 @@ __all__ = [
     "Priority",
     "StepEvents",
     "STEP_EVENT_TO_ATTR",
+    "every",
 ]
 
 
@@ -663,3 +664,10 @@ def _accepts_engine(handler: Callable, event: Any, args: tuple, kwargs: dict, en
             "signature takes it, then the event's arguments and the args given to add_event_handler.)"
         ) from None
     return False
+
+
+def every(n: int | None, step: int) -> bool:
+    """Whether a cadence of ``n`` steps fires at ``step`` (1-based): every multiple of ``n``; never
+    when ``n`` is None. The one interval rule of every cadence (save, validate, GC, log): nobody
+    counts steps of their own."""
+    return n is not None and step > 0 and step % n == 0

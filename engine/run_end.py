@@ -195,7 +195,7 @@ class RunEnd:
         control = self._control
         if self._sigint_noted:
             self._sigint_noted = False
-            control.request_save()
+            control.request_save("stop: signal SIGINT")
             control.request_stop(SIGINT_STOP_REASON, ExitCode.STOPPED)
             if parallel.rank() == 0:
                 print(f"\n{control.stop_reason}", file=sys.stderr, flush=True)
@@ -209,7 +209,7 @@ class RunEnd:
 
     def _request(self, reason: str) -> None:
         logger.info("stop requested at step %d: %s", self._state().iteration, reason)
-        self._control.request_save()
+        self._control.request_save(f"stop: {reason}")
         if self._plan is None or not self._plan.is_last_step:  # a run ending here ends as finished
             self._control.request_stop(reason, ExitCode.STOPPED)
 

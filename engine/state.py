@@ -1,21 +1,10 @@
-"""The trainer's state: counters and metrics handlers read, and the step's published schedule.
+"""The trainer's state: counters and metrics handlers read.
 
 The state holds information, never requests. What handlers ask of the loop (skip, save, validate,
 stop, rollback) is requested on the trainer's control point, ``trainer.control``
 (:class:`~engine.control.StepControl`, with its reset rules), and decided there in the step's
 agreement; how the run ended is ``trainer.control.exit_code`` and ``trainer.control.stop_reason``
 (``state.control`` reads the same object: the trainer owns it and binds it to its state).
-
-One flag is a scheduling handler's published view of the current step, set at STEP_START from its
-schedule (the same on every rank, computed from the same settings) for whoever reads them. They are
-information, not requests: nothing is agreed on them.
-
-=================  =====================================  ==========================================
-flag               who sets it, who reads it              reset
-=================  =====================================  ==========================================
-should_log_remote  scheduler at STEP_START; remote        False before every STEP_START
-                   loggers log on such steps
-=================  =====================================  ==========================================
 
 Whether the current step is the run's last is the run plan's to say (``trainer.at_last_step``,
 :mod:`engine.run_limits`), not a flag.
@@ -35,8 +24,6 @@ from ignite.engine.events import State
 from hookloop.engine.control import StepControl
 
 __all__ = ["StateAttribute", "TrainState"]
-
-_SCHEDULE_FLAGS = ("should_log_remote",)
 
 
 class _StepValue:
@@ -87,7 +74,6 @@ class TrainState(State):
         self.reset_counters()
         self.last_checkpoint: str | None = None
         self.grad_scaler_overflow = False
-        self.clear_schedule_flags()
         super().__init__(**kwargs)
 
     @classmethod
@@ -143,11 +129,6 @@ class TrainState(State):
     @step.setter
     def step(self, value: int) -> None:
         self.iteration = value
-
-    def clear_schedule_flags(self) -> None:
-        """Drop this step's published schedule (``should_log_remote``)."""
-        for name in _SCHEDULE_FLAGS:
-            setattr(self, name, False)
 
     def counters(self) -> dict[str, Any]:
         """What a checkpoint must hold to continue the run: counters, not flags."""

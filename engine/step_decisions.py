@@ -170,7 +170,6 @@ class StepDecisions:
                     raise
                 raise rollback.failed(step, e) from e
         control.end_step(stop)
-        state.clear_schedule_flags()
         if self._agreement.transport.step_boundary() and not stop:  # a stop every rank shares
             control.decide_stop()
             control.end_step(True)

@@ -302,8 +302,9 @@ class Trainer(IgniteAdapter):
         metrics: Mapping[str, Any] | None = None,
         dp_group: Any = None,
     ) -> None:
-        """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``, a
-        scheduling handler asks so) or every ``every_steps`` steps; at most ``eval_iters`` batches.
+        """Validate on ``data`` at the steps where any rank asked (``control.request_validate()``;
+        the step scheduler asks every ``val_every_steps`` steps); at most ``eval_iters`` batches.
+        ``every_steps`` was removed (an error naming its replacement).
 
         ``metrics``: name -> ignite ``Metric``, fed ``(model_output, targets)`` of every validation
         microbatch and published as ``state.metrics["val_<name>"]``, reduced over the data-parallel
@@ -556,10 +557,8 @@ class Trainer(IgniteAdapter):
 
     def _on_train_start(self) -> None:
         clear_failure()  # a record of an earlier run in this launch's store names nothing now
-        state = self.state
         self.control.start_run()
         self.run_start.begin()
-        state.clear_schedule_flags()
         self.step_decisions.start_run()
         self._skip_completed = False
         self.error_path.start_run()

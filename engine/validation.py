@@ -1,11 +1,12 @@
 """Validation: the evaluator, the mean validation loss, ignite metrics reduced over the
 data-parallel ranks only, and the ``validation`` config section.
 
-    trainer.set_validation(val_loader, every_steps=100, metrics={"accuracy": Accuracy()})
+    trainer.set_validation(val_loader, metrics={"accuracy": Accuracy()})
     trainer.validate()  # state.metrics["val_loss"] and ["val_accuracy"], then VALIDATION_END
 
 What one validation does (the trainer runs it at STEP_END when every rank agreed on it:
-``trainer.control.request_validate()`` on any rank, or the ``every_steps`` cadence). The forward
+``trainer.control.request_validate()`` on any rank: the step scheduler's ``val_every_steps`` asks
+so; the validator counts no steps). The forward
 passes are the step body's (:mod:`engine.step_body`: the local body's own forward, or the
 pipeline's stages), so validation knows no layout::
 
@@ -198,7 +199,6 @@ class Validator:
         self._trainer = trainer
         self.data: Iterable | None = None
         self.eval_iters: int | None = None
-        self.every_steps: int | None = None
         #: name -> ignite metric, attached to the evaluator as ``val_<name>``.
         self.metrics: dict[str, Metric] = {}
         self._dp: Any = None
@@ -215,30 +215,31 @@ class Validator:
         metrics: Mapping[str, Metric] | None = None,
         dp_group: Any = None,
     ) -> None:
-        for name, value in (("eval_iters", eval_iters), ("every_steps", every_steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(name, f"must be a positive integer or None, got {value!r}")
+        if every_steps is not None:
+            raise ConfigError(
+                "set_validation(every_steps=)",
+                "was removed: the validation cadence is the step scheduler's val_every_steps=N "
+                "(step_scheduler.val_every_steps), or ask with trainer.control.request_validate()",
+            )
+        if eval_iters is not None and (
+            isinstance(eval_iters, bool) or not isinstance(eval_iters, int) or eval_iters < 1
+        ):
+            raise ConfigError("eval_iters", f"must be a positive integer or None, got {eval_iters!r}")
         metrics = check_metrics(metrics)
         evaluator = self.evaluator
         for metric in self.metrics.values():
             metric.detach(evaluator)
         for name, metric in metrics.items():
             metric.attach(evaluator, f"val_{name}")
-        self.data, self.eval_iters, self.every_steps, self.metrics = data, eval_iters, every_steps, metrics
+        self.data, self.eval_iters, self.metrics = data, eval_iters, metrics
         if dp_group is not self._dp:
             self._dp, self._group = dp_group, _UNSET
 
     def vote(self) -> bool:
         """This rank's vote for a validation at this step, in the step's agreement: there is
-        validation data and a validation was asked for (``trainer.control.request_validate()``) or
-        the step is on the ``every_steps`` cadence. Any rank's vote makes every rank validate
-        (``trainer.control.decided.validate``)."""
-        if self.data is None:
-            return False
-        trainer = self._trainer
-        return trainer.control.validate or (
-            self.every_steps is not None and trainer.state.iteration % self.every_steps == 0
-        )
+        validation data and a validation was asked for (``trainer.control.request_validate()``).
+        Any rank's vote makes every rank validate (``trainer.control.decided.validate``)."""
+        return self.data is not None and self._trainer.control.validate
 
     @property
     def evaluator(self) -> Engine:

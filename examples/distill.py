@@ -158,7 +158,6 @@ def build(
     local_batch_size: int = 16,
     ckpt_every_steps: int = 50,
     val_every_steps: int = 50,
-    log_every_steps: int = 50,
 ) -> tuple[Trainer, DataLoader]:
     """The student, its teacher, the body, the trainer and the handlers, on this process's share of
     the data (joins the process group torchrun describes). ``trainer.run(loader)`` trains."""
@@ -199,7 +198,7 @@ def build(
     AsyncCheckpointer(run_dir / "checkpoints", keep_last=2).attach(trainer)  # first: it answers ROLLBACK
     NaNDetector(max_consecutive=3).attach(trainer)
     JSONLLogger(run_dir / "metrics.jsonl").attach(trainer)
-    ConsoleLogger(progress_bar=False, every_steps=log_every_steps).attach(trainer)
+    ConsoleLogger(progress_bar=False).attach(trainer)  # no MetricsTracker: every step, as the JSONL
     val_shard = TensorDataset(*(t[rank::world] for t in val.tensors))
     trainer.set_validation(DataLoader(val_shard, batch_size=256), metrics={"accuracy": Accuracy()})
     return trainer, loader

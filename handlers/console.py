@@ -60,11 +60,10 @@ class ConsoleLogger(MetricLogger):
         stream: IO[str] | None = None,
         progress_bar: bool | None = None,
         refresh_every: int = 10,
-        every_steps: int | None = None,
         all_ranks: bool = False,
         flush_secs: float = FLUSH_SECS,
     ) -> None:
-        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        super().__init__(all_ranks=all_ranks)
         self.stream = stream
         self.progress_bar = progress_bar
         self.refresh_every = refresh_every
@@ -78,7 +77,7 @@ class ConsoleLogger(MetricLogger):
         """From the ``logging`` section, or None when ``cfg.console`` is false."""
         if not cfg.console:
             return None
-        return cls(progress_bar=cfg.progress_bar, every_steps=cfg.log_interval)
+        return cls(progress_bar=cfg.progress_bar)
 
     def _stream(self) -> IO[str]:
         return self.stream if self.stream is not None else sys.stdout

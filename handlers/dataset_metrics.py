@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from hookloop.engine.checks import check_bool, check_int, dotted
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.handler import Handler
 
 __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
@@ -45,24 +45,19 @@ DATASET_METRICS = Priority.OBSERVE - 900
 #: TRAIN_END: the last sums, just before the metrics tracker closes its files.
 DATASET_METRICS_END = Priority.DECIDE + 1
 
-# OmegaConf resolves the config section's annotations at run time: Optional the old way.
-# ruff: noqa: UP007, UP045
-
 
 @dataclass
 class DatasetMetricsConfig:
     """The ``dataset_metrics`` section: per-dataset loss and tokens of a data mixture (see
-    :class:`PerDatasetMetrics`). ``log_interval`` null follows ``logging.log_interval``; the
-    handler is built only when the training data is a mixture whose samples carry their source (a
-    ``MixtureSampler`` over a token-file ``MixtureDataset``; a ``data.target``'s samples are left
-    as they are, so there it is not built)."""
+    :class:`PerDatasetMetrics`), published every ``logging.log_interval`` steps (the one log
+    cadence); the handler is built only when the training data is a mixture whose samples carry
+    their source (a ``MixtureSampler`` over a token-file ``MixtureDataset``; a ``data.target``'s
+    samples are left as they are, so there it is not built)."""
 
     enabled: bool = True
-    log_interval: Optional[int] = None
 
     def validate(self, prefix: str = "dataset_metrics") -> None:
         check_bool(dotted(prefix, "enabled"), self.enabled)
-        check_int(dotted(prefix, "log_interval"), self.log_interval, allow_none=True)
 
 
 class PerDatasetMetrics(Handler):
@@ -107,14 +102,13 @@ class PerDatasetMetrics(Handler):
         log_interval: int = 10,
     ) -> PerDatasetMetrics | None:
         """Build from the ``dataset_metrics`` section, or None when ``cfg.enabled`` is false or
-        there is no mixture (``sampler`` None). ``log_interval`` is the logging section's, used
-        when the section leaves its own null."""
+        there is no mixture (``sampler`` None). ``log_interval`` is the logging section's."""
         if not cfg.enabled or sampler is None:
             return None
         mixture = sampler.mixture if isinstance(sampler, MixtureSampler) else sampler
         if not getattr(mixture, "tag_source", True):  # the samples do not say where they came from
             return None
-        return cls(sampler, cfg.log_interval if cfg.log_interval is not None else log_interval)
+        return cls(sampler, log_interval)
 
     def attach(self, trainer: Any) -> PerDatasetMetrics:
         trainer.add_event_handler(Events.TRAIN_START, self._reset, priority=DATASET_METRICS)
@@ -176,7 +170,7 @@ class PerDatasetMetrics(Handler):
     def _on_step_end(self) -> None:
         state = self.trainer.state
         self._steps += 1
-        if state.step % self.log_interval == 0 or self.trainer.at_last_step:
+        if every(self.log_interval, state.step) or self.trainer.at_last_step:
             self._publish()
 
     def _on_train_end(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import TrainingAborted
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.watchdog import dump_stacks
@@ -119,7 +119,7 @@ class HealthCheck(Handler):
 
     def _on_step_end(self) -> None:
         step = self.trainer.state.step
-        if step % self.every_steps == 0:
+        if every(self.every_steps, step):
             self.check(step)
 
     def probe(self) -> str | None:

@@ -44,11 +44,10 @@ class JSONLLogger(MetricLogger):
         self,
         path: str | os.PathLike,
         *,
-        every_steps: int | None = None,
         all_ranks: bool = False,
         flush_secs: float = FLUSH_SECS,
     ) -> None:
-        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        super().__init__(all_ranks=all_ranks)
         self.path = Path(path)
         self.flush_secs = flush_secs
         self._file: RecordFile | None = None
@@ -58,7 +57,7 @@ class JSONLLogger(MetricLogger):
         """``<run_dir>/metrics.jsonl`` from the ``logging`` section, or None when ``cfg.jsonl`` is false."""
         if not cfg.jsonl:
             return None
-        return cls(Path(run_dir) / "metrics.jsonl", every_steps=cfg.log_interval)
+        return cls(Path(run_dir) / "metrics.jsonl")
 
     def _rank_path(self) -> Path:
         from hookloop.engine import parallel

@@ -1,10 +1,11 @@
 """What every metric logger shares: when to log, what, under which tag, on which rank, and closing.
 
 A logger writes on *log steps*: the steps where a :class:`~handlers.metrics.MetricsTracker` published
-fresh metrics (``state.metrics_step == state.step``), or, with no tracker attached, every
-``every_steps`` steps from the trainer's state (loss, grad norm, lr, tokens). Validation results are
-written on the step a validation ran. Everything in ``state.metrics`` that is a number is written;
-names map to stable tags with :func:`metric_tag` (``loss`` -> ``train/loss``,
+fresh metrics (``state.metrics_step == state.step``, every ``logging.log_interval`` steps and at the
+last step: the one log cadence, for every logger). No logger counts steps: with no tracker attached,
+nothing publishes and a logger writes the trainer's state (loss, grad norm, lr, tokens) every step.
+Validation results are written on the step a validation ran. Everything in ``state.metrics`` that
+is a number is written; names map to stable tags with :func:`metric_tag` (``loss`` -> ``train/loss``,
 ``tokens_per_s`` -> ``perf/tokens_per_s``, ``val_loss`` -> ``val/loss``; names with a ``/`` such as
 ``loss/<dataset>`` are kept as they are).
 
@@ -40,11 +41,9 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class LoggingConfig:
-    """The ``logging`` section: the publication cadence and which loggers to build (one boolean
-    per logger; see ``docs/observability.md``).
-
-    ``wandb_every_steps`` None: W&B follows ``step_scheduler.log_remote_every_steps``.
-    ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
+    """The ``logging`` section: the publication cadence (``log_interval``, the one for console,
+    JSONL, TensorBoard and W&B) and which loggers to build (one boolean per logger; see
+    ``docs/observability.md``). ``progress_bar`` None: a bar on a terminal, plain lines otherwise.
     """
 
     log_interval: int = 10  # publish metrics (and log them) every this many steps, and at the last
@@ -53,7 +52,6 @@ class LoggingConfig:
     wandb: bool = False  # WandBLogger (the wandb extra)
     wandb_project: str = "hookloop"  # the W&B project
     wandb_mode: Optional[str] = None  # online, offline or disabled; null: WANDB_MODE decides
-    wandb_every_steps: Optional[int] = None  # null: follow step_scheduler.log_remote_every_steps
     console: bool = True  # ConsoleLogger: one line per published step on rank 0
     progress_bar: Optional[bool] = None  # console as a tqdm bar; null: a bar on a terminal only
 
@@ -65,7 +63,6 @@ class LoggingConfig:
             check_bool(dotted(p, name), getattr(self, name))
         check_str(dotted(p, "wandb_project"), self.wandb_project, what="a W&B project name")
         check_choice(dotted(p, "wandb_mode"), self.wandb_mode, WANDB_MODES, allow_none=True)
-        check_int(dotted(p, "wandb_every_steps"), self.wandb_every_steps, allow_none=True)
         check_bool(dotted(p, "progress_bar"), self.progress_bar, allow_none=True)
 
 
@@ -130,7 +127,6 @@ class MetricLogger(Handler):
     (``step`` and a ``{name: float}`` dict) and :meth:`close`, and may set :attr:`priority`.
 
     Args:
-        every_steps: with no MetricsTracker attached, log every this many steps (default 1).
         all_ranks: log on every rank instead of rank 0 only.
     """
 
@@ -144,9 +140,7 @@ class MetricLogger(Handler):
     #: trainer's own last handler. Each shipped logger has its own; a user's subclass runs after them.
     priority: float = LOG
 
-    def __init__(self, *, every_steps: int | None = None, all_ranks: bool = False) -> None:
-        check_int("every_steps", every_steps, allow_none=True)
-        self.every_steps = every_steps
+    def __init__(self, *, all_ranks: bool = False) -> None:
         self.all_ranks = all_ranks
         self.trainer: Any = None
         self._closed = True
@@ -195,10 +189,8 @@ class MetricLogger(Handler):
             self._closed = False
 
     def is_log_step(self, state: Any) -> bool:
-        """Fresh tracker metrics this step, or (no tracker) every ``every_steps`` steps."""
-        if self._follow_tracker:
-            return getattr(state, "metrics_step", None) == state.step
-        return state.step % (self.every_steps or 1) == 0
+        """Fresh tracker metrics this step (no tracker: every step; loggers count no steps)."""
+        return not self._follow_tracker or getattr(state, "metrics_step", None) == state.step
 
     def collect(self, state: Any, *, train: bool, validation: bool) -> dict[str, float]:
         """The numbers to write this step: training metrics, validation metrics, or both."""

@@ -176,8 +176,8 @@ class RunConfig:
                 why = ""
                 if ckpt.metric.startswith("val_"):
                     why = (
-                        f" ({ckpt.metric} needs validation: data.val_fraction > 0 and "
-                        "step_scheduler.val_every_steps or ckpt_every_steps"
+                        f" ({ckpt.metric} needs validation: data.val_fraction > 0, validated every "
+                        "step_scheduler.val_every_steps steps and at the last step"
                         + ("" if ckpt.metric == "val_loss" else ", and the metric in validation.metrics")
                         + ")"
                     )
@@ -209,7 +209,7 @@ class RunConfig:
         training loss figures, per-dataset losses."""
         out: set[str] = set()
         sched = self.step_scheduler
-        if self.data.val_fraction > 0 and sched.enabled and (sched.val_every_steps or sched.ckpt_every_steps):
+        if self.data.val_fraction > 0 and sched.enabled:
             out.add("val_loss")
             out.update(f"val_{name}" for name in self.validation.metrics)
         if self.metrics.enabled:

@@ -1,6 +1,7 @@
-"""The StepScheduler decides *when*: the cadence of checkpoints, validation, remote logging and
-garbage collection, the run's length (``max_steps`` / ``num_epochs``) and the exits a long job
-needs (stop signals, ``exit_duration_in_mins``, ``exit_interval``).
+"""The StepScheduler decides *when*: the cadence of checkpoints, validation and garbage collection
+(one setting each, counted by :func:`engine.events.every`), the run's length (``max_steps`` /
+``num_epochs``) and the exits a long job needs (stop signals, ``exit_duration_in_mins``,
+``exit_interval``).
 
 One step numbering everywhere: during step ``k`` (1-based, ``trainer.state.step == k``)
 ``is_ckpt_step`` is true when ``k`` is a multiple of ``ckpt_every_steps``, and so on; ``epoch`` is
@@ -11,7 +12,7 @@ is no standalone iteration: the run plan owns the position). The scheduler confi
 run plan once (``trainer.plan``, :mod:`engine.run_limits`: limits and accumulation at attach, the
 start position at TRAIN_START) and reads it; its stop signals and time limit go to the trainer's
 run end (:meth:`engine.run_end.RunEnd.stop_on`); at STEP_START it *requests* its checkpoint and
-validation steps on ``trainer.control`` and publishes ``state.should_log_remote``.
+validation steps on ``trainer.control``, saying which setting asked for a save.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, List, Optional
 
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings, section_settings
 from hookloop.engine.run_end import SignalLike, resolve_signals
@@ -64,7 +65,6 @@ class StepSchedulerConfig:
     ckpt_every_steps: Optional[int] = 100
     save_checkpoint_every_epoch: bool = True
     val_every_steps: Optional[int] = None
-    log_remote_every_steps: int = 1
     loss_average_window_steps: int = 50
     gc_every_steps: Optional[int] = None
     start_step: int = 0
@@ -82,7 +82,6 @@ class StepSchedulerConfig:
         for name in ("num_epochs", "max_steps", "ckpt_every_steps", "val_every_steps", "gc_every_steps"):
             check_int(dotted(p, name), getattr(self, name), allow_none=True)
         check_bool(dotted(p, "save_checkpoint_every_epoch"), self.save_checkpoint_every_epoch)
-        check_int(dotted(p, "log_remote_every_steps"), self.log_remote_every_steps)
         check_int(dotted(p, "loss_average_window_steps"), self.loss_average_window_steps)
         check_int(dotted(p, "start_step"), self.start_step, low=0, hint="steps already done")
         check_int(dotted(p, "start_epoch"), self.start_epoch, low=0, hint="epochs already done")
@@ -102,12 +101,11 @@ class StepScheduler(Handler):
         dp_size: data-parallel ranks. ``grad_acc_steps = global_batch_size // (local_batch_size *
             dp_size)``, which must divide exactly.
         dataloader: yields microbatches; ``len()`` may fail (iterable datasets).
-        ckpt_every_steps: checkpoint every N steps; None: once per epoch, or every
-            ``max(1, max_steps // 2)`` steps when the data has no length.
+        ckpt_every_steps: checkpoint every N steps (the one save-cadence setting); None: no saves
+            on a step cadence (the last step, epoch ends and stops still save).
         save_checkpoint_every_epoch: also checkpoint on the last step of every epoch.
-        val_every_steps: validate every N steps (and on every checkpoint step); None: only on
-            checkpoint steps.
-        log_remote_every_steps: ``is_remote_logging_step`` every N steps.
+        val_every_steps: validate every N steps (the one validation-cadence setting), and at the
+            last step; None: at the last step only. Without validation data nothing validates.
         loss_average_window_steps: steps in the moving average ``state.metrics["loss_avg"]``.
         gc_every_steps: run ``gc.collect()`` every N steps with automatic GC off during training.
         start_step, start_epoch: where to start (steps and epochs already done).
@@ -138,7 +136,6 @@ class StepScheduler(Handler):
         ckpt_every_steps: int | None = None,
         save_checkpoint_every_epoch: bool = True,
         val_every_steps: int | None = None,
-        log_remote_every_steps: int = 1,
         loss_average_window_steps: int = 50,
         gc_every_steps: int | None = None,
         start_step: int = 0,
@@ -169,12 +166,9 @@ class StepScheduler(Handler):
         self.epoch_len: int | None = steps_in(length, self.grad_acc_steps)
 
         self.num_epochs, self.max_steps = derive_limits(num_epochs, max_steps, self.epoch_len)
-        if ckpt_every_steps is None:
-            ckpt_every_steps = self.epoch_len if self.epoch_len is not None else max(1, self.max_steps // 2)
-        self.ckpt_every_steps: int = ckpt_every_steps
+        self.ckpt_every_steps = ckpt_every_steps
         self.save_checkpoint_every_epoch = save_checkpoint_every_epoch
         self.val_every_steps = val_every_steps
-        self.log_remote_every_steps = log_remote_every_steps
         self.loss_average_window_steps = loss_average_window_steps
         self.gc_every_steps = gc_every_steps
         self.exit_interval = exit_interval
@@ -228,8 +222,7 @@ class StepScheduler(Handler):
         )
 
     def _every(self, n: int | None) -> bool:
-        k = self.step
-        return n is not None and k > 0 and k % n == 0
+        return every(n, self.step)
 
     # ------------------------------------------------------------------ predicates
     @property
@@ -246,28 +239,30 @@ class StepScheduler(Handler):
     def is_exit_interval_step(self) -> bool:
         return self._every(self.exit_interval)
 
-    def _is_regular_ckpt_step(self) -> bool:
-        return (
-            self._every(self.ckpt_every_steps)
-            or (self.save_checkpoint_every_epoch and self.is_last_batch)
-            or self.is_last_step
-        )
+    def _save_reason(self) -> str | None:
+        """Which setting asks for this step's save (None: none does)."""
+        if self._every(self.ckpt_every_steps):
+            return f"step_scheduler.ckpt_every_steps={self.ckpt_every_steps}"
+        if self.is_last_step:
+            return "last step"
+        if self.save_checkpoint_every_epoch and self.is_last_batch:
+            return "step_scheduler.save_checkpoint_every_epoch"
+        if self.is_exit_interval_step:
+            return f"step_scheduler.exit_interval={self.exit_interval}"
+        return None
 
     @property
     def is_ckpt_step(self) -> bool:
         """Every ``ckpt_every_steps``, the last step of an epoch (``save_checkpoint_every_epoch``),
-        the last step, and the step a stop (signal, exit duration, exit interval) happens on."""
-        return self._is_regular_ckpt_step() or self.is_exit_interval_step
+        the last step, and an ``exit_interval`` step (a stop signal or the time limit asks on its
+        own, :meth:`engine.run_end.RunEnd.stop_on`)."""
+        return self._save_reason() is not None
 
     @property
     def is_val_step(self) -> bool:
-        """Every ``val_every_steps`` and on regular checkpoint steps (a stop signal or the exit duration
-        withdraws it: time is short then, :meth:`engine.run_end.RunEnd.stop_on`)."""
-        return self._every(self.val_every_steps) or self._is_regular_ckpt_step()
-
-    @property
-    def is_remote_logging_step(self) -> bool:
-        return self._every(self.log_remote_every_steps)
+        """Every ``val_every_steps`` and the last step (a stop signal or the exit duration withdraws
+        it: time is short then, :meth:`engine.run_end.RunEnd.stop_on`)."""
+        return self._every(self.val_every_steps) or self.is_last_step
 
     @property
     def is_gc_step(self) -> bool:
@@ -385,14 +380,13 @@ class StepScheduler(Handler):
             gc.disable()
 
     def _on_step_start(self) -> None:
-        state = self.trainer.state
         if self.is_gc_step:
             gc.collect()
-        if self.is_ckpt_step:
-            self.trainer.control.request_save()
+        reason = self._save_reason()
+        if reason is not None:
+            self.trainer.control.request_save(reason)
         if self.is_val_step:
             self.trainer.control.request_validate()
-        state.should_log_remote = state.should_log_remote or self.is_remote_logging_step
         if self.is_exit_interval_step and not self.is_last_step:
             self._exit_reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
             logger.info("stop requested at step %d: %s", self.step, self._exit_reason)

@@ -26,7 +26,7 @@ import torch
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings
 
@@ -131,7 +131,7 @@ class StragglerDetector(Handler):
 
     def _maybe_report(self) -> None:
         state = self.trainer.state
-        if state.step % self.every_steps == 0 and self._times:
+        if every(self.every_steps, state.step) and self._times:
             self.report(state.step)
 
     def gather(self) -> list[float]:

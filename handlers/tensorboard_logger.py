@@ -39,11 +39,10 @@ class TensorBoardLogger(MetricLogger):
         self,
         log_dir: str | os.PathLike,
         *,
-        every_steps: int | None = None,
         all_ranks: bool = False,
         flush_secs: float = 10.0,
     ) -> None:
-        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        super().__init__(all_ranks=all_ranks)
         self.log_dir = Path(log_dir)
         self.flush_secs = flush_secs
         self.writer: Any = None
@@ -55,7 +54,7 @@ class TensorBoardLogger(MetricLogger):
         is false."""
         if not cfg.tensorboard:
             return None
-        return cls(Path(run_dir) / "tensorboard", every_steps=cfg.log_interval)
+        return cls(Path(run_dir) / "tensorboard")
 
     def attach(self, trainer: Any) -> TensorBoardLogger:
         if self.active:  # a missing backend fails here, before the run starts; files come at open()

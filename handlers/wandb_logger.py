@@ -20,11 +20,9 @@ LOG_WANDB = Priority.RECORD - 2
 class WandBLogger(MetricLogger):
     """Logs the run's config once and its metrics under :func:`~handlers.metric_logger.metric_tag` names.
 
-    When does it log? With a StepScheduler attached, on the steps it marks
-    ``state.should_log_remote`` (its ``log_remote_every_steps``), sending the latest published
-    metrics with the step's live loss, grad norm and lr; without one, on the MetricsTracker's log
-    steps, or every ``every_steps`` steps when ``every_steps`` is given. Validation results are sent
-    on the step they were computed.
+    When does it log? On the log steps every logger shares (:meth:`MetricLogger.is_log_step`: the
+    MetricsTracker's publications, every ``logging.log_interval`` steps). Validation results are
+    sent on the step they were computed.
 
     ``mode`` None leaves the choice to ``WANDB_MODE``; ``"offline"`` writes a local run directory
     under ``dir`` that ``wandb sync`` uploads later; ``"disabled"`` makes every call a no-op.
@@ -43,11 +41,10 @@ class WandBLogger(MetricLogger):
         dir: str | os.PathLike | None = None,
         mode: str | None = None,
         config: Any = None,
-        every_steps: int | None = None,
         all_ranks: bool = False,
         **init_kwargs: Any,
     ) -> None:
-        super().__init__(every_steps=every_steps, all_ranks=all_ranks)
+        super().__init__(all_ranks=all_ranks)
         check_choice("mode", mode, WANDB_MODES, allow_none=True)
         self.project = project
         self.name = name
@@ -56,13 +53,12 @@ class WandBLogger(MetricLogger):
         self.config = config
         self.init_kwargs = init_kwargs
         self.run: Any = None
-        self._follow_remote_flag = False
 
     @classmethod
     def from_config(
         cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike, config: Any = None
     ) -> WandBLogger | None:
-        """From the ``logging`` section (``wandb_project``, ``wandb_mode``, ``wandb_every_steps``),
+        """From the ``logging`` section (``wandb_project``, ``wandb_mode``),
         or None when ``cfg.wandb`` is false; ``config`` (the whole run config) is recorded once."""
         if not cfg.wandb:
             return None
@@ -71,7 +67,6 @@ class WandBLogger(MetricLogger):
             dir=run_dir,
             mode=cfg.wandb_mode,
             config=config,
-            every_steps=cfg.wandb_every_steps,
         )
 
     def attach(self, trainer: Any) -> WandBLogger:
@@ -97,27 +92,6 @@ class WandBLogger(MetricLogger):
             config=config,
             **kwargs,
         )
-
-    def _on_train_start(self) -> None:
-        super()._on_train_start()
-        # a StepScheduler (registered under its state key) publishes state.should_log_remote
-        scheduler = self.trainer.get_handler("step_scheduler")
-        self._follow_remote_flag = self.every_steps is None and scheduler is not None
-
-    def is_log_step(self, state: Any) -> bool:
-        if self.every_steps is not None:
-            return state.step % self.every_steps == 0
-        if self._follow_remote_flag:
-            return bool(state.should_log_remote)
-        return super().is_log_step(state)
-
-    def collect(self, state: Any, *, train: bool, validation: bool) -> dict[str, float]:
-        out = super().collect(state, train=train, validation=validation)
-        if train and getattr(state, "metrics_step", None) != state.step:
-            # between tracker publications: send the live per-step figures, not the stale ones
-            for name in ("loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"):
-                out[name] = float(getattr(state, name))
-        return out
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self.run is not None:

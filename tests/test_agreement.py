@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hookloop.engine import Events, ExitCode, Priority, Trainer
 from hookloop.engine.agreement import StepAgreement, agreed_exit_code, exit_code_votes, pack
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
@@ -204,7 +205,8 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
     from hookloop.handlers import AsyncCheckpointer
 
     trainer = _trainer(hang_timeout_s=60)
-    AsyncCheckpointer(directory, mode="async", every_steps=100).attach(trainer)
+    AsyncCheckpointer(directory, mode="async").attach(trainer)
+    save_every(trainer, 100)
     saved = []
     trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
 

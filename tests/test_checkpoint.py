@@ -37,6 +37,7 @@ from hookloop.handlers.checkpoint import (
     describe_layout_difference,
 )
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
 from tests.scripts import ckpt_train
@@ -117,7 +118,8 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
     seed_all()
     first = make_trainer()
     saved = []
-    AsyncCheckpointer(tmp_path, mode=mode, every_steps=3).attach(first)
+    AsyncCheckpointer(tmp_path, mode=mode).attach(first)
+    save_every(first, 3)
     first.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
     stop_at(first, stop)
     state = first.run(shuffled_loader(), max_steps=12)
@@ -127,7 +129,8 @@ def test_stop_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path, mode, stop)
 
     seed_all(99)  # a different process would start from other RNG states
     second = make_trainer(seed=5)
-    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=3).attach(second)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode).attach(second)
+    save_every(second, 3)
     second.run(shuffled_loader(), max_steps=12)
     assert checkpointer.resumed_from == os.path.join(tmp_path, step_dir_name(stop))
     assert (second.state.step, second.state.epoch) == (ref.state.step, ref.state.epoch)
@@ -215,7 +218,8 @@ def test_resume_positions_stateful_source_in_o1_and_plain_iterable_by_replay(tmp
 
 def test_latest_moves_only_after_the_save_is_durable_and_pruning_keeps_last(tmp_path):
     trainer = make_trainer()
-    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=1, keep_last=2).attach(trainer)
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async", keep_last=2).attach(trainer)
+    save_every(trainer, 1)
     observed = []
 
     @trainer.on(Events.STEP_END, priority=-10)
@@ -248,7 +252,8 @@ def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind
     never what they point to."""
     outside = tmp_path / "elsewhere"
     source = make_trainer()
-    AsyncCheckpointer(outside, mode="sync", every_steps=1, keep_last=10).attach(source)
+    AsyncCheckpointer(outside, mode="sync", keep_last=10).attach(source)
+    save_every(source, 1)
     source.run(token_batches(4), max_steps=3)
     torn = outside / "torn"
     torn.mkdir()
@@ -263,7 +268,8 @@ def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind
     (directory / f"{step_dir_name(9)}.partial-0000abcd").symlink_to(torn)
     (directory / step_dir_name(3)).symlink_to(outside / step_dir_name(3) / "nothing")  # dangling
     trainer = make_trainer(seed=1)
-    checkpointer = AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1).attach(trainer)
+    checkpointer = AsyncCheckpointer(directory, mode="sync", keep_last=1).attach(trainer)
+    save_every(trainer, 1)
     trainer.run(token_batches(8), max_steps=5)
     checkpointer.close()
     assert checkpointer.resumed_from == str(directory / step_dir_name(2))
@@ -273,16 +279,33 @@ def test_pruning_touches_nothing_outside_the_directory_and_leaves_nothing_behind
     (directory / step_dir_name(5)).rename(directory / "real")
     (directory / step_dir_name(5)).symlink_to(outside / step_dir_name(3))
     again = make_trainer(seed=1)
-    AsyncCheckpointer(directory, mode="sync", every_steps=1, keep_last=1, resume=None).attach(again)
+    AsyncCheckpointer(directory, mode="sync", keep_last=1, resume=None).attach(again)
+    save_every(again, 1)
     again.run(token_batches(10), max_steps=5)
     assert tree_bytes(outside) == before
     assert sorted(os.listdir(directory)) == ["latest", "real", step_dir_name(5)]
     assert not (directory / step_dir_name(5)).is_symlink()
 
 
+def test_a_save_records_who_asked_for_it_and_the_checkpointer_counts_no_steps(tmp_path, caplog):
+    trainer = make_trainer()
+    AsyncCheckpointer(tmp_path, mode="sync", keep_last=5).attach(trainer)
+    save_every(trainer, 2)
+    ask = lambda: trainer.control.request_save("user: step 3")  # noqa: E731
+    trainer.add_event_handler(Events.STEP_START(once=3), ask)
+    with caplog.at_level(logging.INFO, logger="hookloop.handlers.checkpoint"):
+        trainer.run(token_batches(20), max_steps=5)
+    steps = [s for s, _ in complete_checkpoints(tmp_path)[0]]
+    assert steps == [5, 4, 3, 2]  # asked for, and the last step: nothing counted by the checkpointer
+    asked = {s: read_json(tmp_path / step_dir_name(s) / "rank_00000.json")["requested_by"] for s in steps}
+    assert asked == {2: ["every 2 steps"], 3: ["user: step 3"], 4: ["every 2 steps"], 5: ["last step"]}
+    assert "saving step 3 (asked by: user: step 3)" in caplog.text
+
+
 def test_torn_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     trainer = make_trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     trainer.run(token_batches(8), max_steps=4)
     # A crash mid-save of step 6: files present, data truncated, no completion marker.
     torn = tmp_path / step_dir_name(6)
@@ -305,7 +328,8 @@ def test_rollback_restores_the_newest_checkpoint_bitwise_and_keeps_or_rewinds_da
     """What the NaN detector does at a bad step 5: veto, choose the data position, fire ROLLBACK."""
     items = token_batches(20)
     trainer = make_trainer()
-    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=3).attach(trainer)
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async").attach(trainer)
+    save_every(trainer, 3)
     at_save, after_rollback, batches = {}, {}, []
 
     @trainer.on(Events.STEP_END, priority=Priority.DECIDE - 900)
@@ -460,9 +484,10 @@ def scripted_metric(trainer: Trainer, values: dict[int, float]) -> None:
 def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path, metric_mode):
     sign = 1.0 if metric_mode == "min" else -1.0  # "max" sees the same ranking, negated
     first = {1: 5.0, 2: 3.0, 3: 4.0, 4: 1.0, 5: 6.0, 6: 2.5}
-    options = dict(mode="sync", every_steps=1, keep_last=1, keep_best=2, metric_mode=metric_mode)
+    options = dict(mode="sync", keep_last=1, keep_best=2, metric_mode=metric_mode)
     trainer = make_trainer()
     AsyncCheckpointer(tmp_path, **options).attach(trainer)
+    save_every(trainer, 1)
     scripted_metric(trainer, {s: sign * v for s, v in first.items()})
     trainer.run(token_batches(20), max_steps=6)
     assert [s for s, _ in complete_checkpoints(tmp_path)[0]] == [6, 4]  # last 1; best 2: 4 and 6
@@ -472,6 +497,7 @@ def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path
     # A new process resumes at step 6: the ranking reads the values stored in the markers.
     again = make_trainer(seed=1)
     AsyncCheckpointer(tmp_path, **options).attach(again)
+    save_every(again, 1)
     scripted_metric(again, {7: sign * 0.5, 8: sign * 9.0, 9: sign * 8.0})
     again.run(token_batches(20), max_steps=9)
     assert again.state.step == 9
@@ -480,7 +506,8 @@ def test_keep_best_keeps_the_best_by_stored_metric_also_after_a_restart(tmp_path
 
 def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_path, caplog):
     trainer = make_trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=1, keep_best=1).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1).attach(trainer)
+    save_every(trainer, 1)
     # steps 1-2 have no val_loss yet (warned once); 3 validates; 4 and 5 carry 3's value over
     scripted_metric(trainer, {3: 2.0})
     with caplog.at_level(logging.WARNING, logger="hookloop.handlers.checkpoint"):
@@ -492,7 +519,8 @@ def test_keep_best_ties_keep_the_older_and_unranked_saves_fall_to_keep_last(tmp_
 
 def test_keep_best_never_prunes_the_newest_known_good_checkpoint(tmp_path):
     trainer = make_trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=1, keep_best=1).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync", keep_last=1, keep_best=1).attach(trainer)
+    save_every(trainer, 1)
     scripted_metric(trainer, {1: 1.0, 2: 5.0, 3: 6.0, 4: 7.0})
 
     @trainer.on(Events.STEP_END, priority=Priority.VALIDATION)
@@ -522,7 +550,8 @@ def test_keep_best_settings_are_validated_naming_the_field(tmp_path):
 
 def test_a_failing_save_raises_and_leaves_the_previous_checkpoint_and_latest(tmp_path):
     trainer = make_trainer()
-    AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="async").attach(trainer)
+    save_every(trainer, 2)
 
     session = []
 
@@ -665,14 +694,16 @@ def _dist_resume_worker(rank: int, world: int, dp_mode: str, directory: str, loa
 
     torch.manual_seed(0)
     first = build()
-    ck = AsyncCheckpointer(directory, mode="async", every_steps=2).attach(first)
+    ck = AsyncCheckpointer(directory, mode="async").attach(first)
+    save_every(first, 2)
     stop_at(first, 3)
     first.run(data, max_steps=6)
     ck.close()
     result["checkpoint_3"] = to_numpy(full_snapshot(first))
 
     second = build(seed=4)
-    ck2 = AsyncCheckpointer(directory, mode="async_copy", every_steps=2).attach(second)
+    ck2 = AsyncCheckpointer(directory, mode="async_copy").attach(second)
+    save_every(second, 2)
     second.run(data, max_steps=6)
     ck2.close()
     got = full_snapshot(second)
@@ -759,7 +790,8 @@ def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_leaves_the_l
 
     directory = tmp_path / "ckpt"
     first = make_trainer()
-    live = AsyncCheckpointer(directory, mode="async", every_steps=1).attach(first)
+    live = AsyncCheckpointer(directory, mode="async").attach(first)
+    save_every(first, 1)
     seen = {}
 
     @first.on(Events.STEP_END(once=2), priority=Priority.ACT - 1)  # the save of step 2 just started
@@ -767,7 +799,8 @@ def test_a_second_checkpointer_on_a_directory_in_use_is_refused_and_leaves_the_l
         (partial,) = directory.glob(f"{step_dir_name(2)}.partial-*")
         names = sorted(os.listdir(directory))
         second = make_trainer(seed=1)
-        AsyncCheckpointer(directory, mode="sync", every_steps=1).attach(second)
+        AsyncCheckpointer(directory, mode="sync").attach(second)
+        save_every(second, 1)
         with pytest.raises(RunDirInUse, match=r"checkpoint\.directory: .*ckpt is in use by this process"):
             second.run(token_batches(4), max_steps=2)
         seen.update(partial_kept=os.path.isdir(partial), names=(names, sorted(os.listdir(directory))))

@@ -25,6 +25,7 @@ from hookloop.engine.checkpoint_format.safe_read import SafeReader, verify_check
 from hookloop.engine.errors import ConfigError, exit_code_of
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import token_batches
 from tests.test_cli import hookloop, project  # noqa: F401 - the fixture
 from tests.test_rollback_known_good import build
@@ -46,7 +47,8 @@ def _needed(checkpoint) -> float:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_save_over_the_bound_fails_the_run_at_that_save_naming_the_value(tmp_path, mode):
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode=mode, every_steps=2, max_index_mb=SMALL).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode=mode, max_index_mb=SMALL).attach(trainer)
+    save_every(trainer, 2)
     with pytest.raises(ConfigError) as info:
         trainer.run(token_batches(8, seed=1), max_steps=8)
     first = tmp_path / step_dir_name(2)
@@ -61,14 +63,16 @@ def test_a_save_over_the_bound_fails_the_run_at_that_save_naming_the_value(tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step_")] == [first.name]
 
     resumed = _trainer(seed=3)
-    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=2, max_index_mb=needed).attach(resumed)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, max_index_mb=needed).attach(resumed)
+    save_every(resumed, 2)
     resumed.run(token_batches(8, seed=1), max_steps=6)
     assert checkpointer.resumed_from == str(first) and resumed.state.step == 6
 
 
 def test_a_resume_over_the_bound_names_the_setting_and_does_not_fall_back(tmp_path, caplog):
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     trainer.run(token_batches(8, seed=1), max_steps=4)
     newest = tmp_path / step_dir_name(4)
     refusing = _trainer(seed=3)

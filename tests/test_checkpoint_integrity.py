@@ -31,6 +31,7 @@ from hookloop.engine.checkpoint_format.manifest import (
 from hookloop.engine.checkpoint_format.safe_read import SafeReader, verify_checkpoint
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import full_snapshot, run_distributed, run_process
 
@@ -58,7 +59,8 @@ def _equal(a: dict, b: dict) -> bool:
 def _train(directory, mode: str = "sync", steps: int = 4) -> dict[int, dict]:
     """Checkpoints at steps 2 and 4; returns the state at the end of every step."""
     trainer = _trainer()
-    AsyncCheckpointer(directory, mode=mode, every_steps=2).attach(trainer)
+    AsyncCheckpointer(directory, mode=mode).attach(trainer)
+    save_every(trainer, 2)
     states: dict[int, dict] = {}
     trainer.add_event_handler(
         Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
@@ -231,7 +233,8 @@ def test_a_checkpoint_without_manifest_loads_with_an_unverified_warning(tmp_path
 def _rollback_past_damage(tmp_path, damage) -> None:
     """Train 4 steps saving every 2, ``damage(step-4 checkpoint)``, then a rollback lands on step 2."""
     trainer = _trainer()
-    checkpointer = AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+    checkpointer = AsyncCheckpointer(tmp_path, mode="async").attach(trainer)
+    save_every(trainer, 2)
     states: dict = {}
     trainer.add_event_handler(
         Events.STEP_END, lambda e: states.update({e.state.step: _snapshot(e)}), priority=-100
@@ -379,6 +382,7 @@ _FULL_DISK = textwrap.dedent(
     from hookloop.engine.checkpoint_format.directory import complete_checkpoints, read_latest
     from hookloop.models.gpt import cross_entropy_loss
     from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
+    from tests.cadence import save_every
     from tests.conftest import tiny_gpt, token_batches
 
     directory, mode = sys.argv[1], sys.argv[2]
@@ -389,7 +393,8 @@ _FULL_DISK = textwrap.dedent(
         return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cross_entropy_loss)
 
     first = trainer(0)
-    checkpointer = AsyncCheckpointer(directory, mode=mode, every_steps=2).attach(first)
+    checkpointer = AsyncCheckpointer(directory, mode=mode).attach(first)
+    save_every(first, 2)
     filler = os.path.join(directory, "filler")
 
     @first.on(Events.STEP_START)
@@ -446,7 +451,8 @@ def test_a_failing_background_write_is_a_checkpoint_error(tmp_path, monkeypatch)
     import errno
 
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode="async", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="async").attach(trainer)
+    save_every(trainer, 2)
     original = RecordingWriter.write_data
 
     def failing(self, plan, planner):
@@ -480,7 +486,8 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
         return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cross_entropy_loss)
 
     first = build(0)
-    ck = AsyncCheckpointer(directory, mode="async", every_steps=2).attach(first)
+    ck = AsyncCheckpointer(directory, mode="async").attach(first)
+    save_every(first, 2)
     states: dict = {}
     first.add_event_handler(
         Events.STEP_END, lambda e: states.update({e.state.step: full_snapshot(e)}), priority=-100

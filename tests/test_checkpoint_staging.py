@@ -33,6 +33,7 @@ from hookloop.engine.checkpoint_format.manifest import RecordingWriter
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
 from hookloop.handlers import Places, Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
+from tests.cadence import save_every
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
 from tests.scripts import ckpt_train
 from tests.scripts.ckpt_train import GatedStager
@@ -65,6 +66,9 @@ def build(world: int, directory: str, **kwargs: Any) -> tuple[Trainer, AsyncChec
 
         model = wrap_data_parallel(model, "ddp")
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.nn.functional.mse_loss)
+    every = kwargs.pop("every_steps", None)
+    if every is not None:
+        save_every(trainer, every)
     return trainer, AsyncCheckpointer(directory, **kwargs).attach(trainer)
 
 
@@ -332,7 +336,8 @@ def test_background_saves_start_no_openmp_team_and_leave_the_training_threads_al
     width = 256  # 65536-element weights: copying them is a parallel op
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters()), torch.nn.functional.mse_loss)
-    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=2, resume=None).attach(trainer)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, resume=None).attach(trainer)
+    save_every(trainer, 2)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, width, generator=g), torch.randn(4, width, generator=g)) for _ in range(4)]
     trainer.run(batches, max_steps=4)

@@ -34,6 +34,7 @@ from hookloop.engine.checkpoint_format.safe_read import (
 from hookloop.engine.errors import ConfigError
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointError
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_process
 
@@ -176,7 +177,8 @@ def _trainer(seed: int = 0) -> Trainer:
 
 def _write_checkpoints(directory, steps: int = 4) -> None:
     trainer = _trainer()
-    AsyncCheckpointer(directory, mode="sync", every_steps=2).attach(trainer)
+    AsyncCheckpointer(directory, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     trainer.run(token_batches(8, seed=1), max_steps=steps)
 
 

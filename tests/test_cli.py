@@ -120,6 +120,10 @@ def test_the_console_script_is_installed_and_checks(project):
         (["model.target=build"], "model.target: must look like module:attribute"),
         (["optimizer.lr=-1"], "optimizer.lr"),
         (["step_scheduler.max_stepz=3"], "step_scheduler.max_stepz"),
+        (
+            ["checkpoint.every_steps=5"],
+            "checkpoint.every_steps: is not a setting here; use step_scheduler.ckpt_every_steps",
+        ),
         (["data.datasets.docs=missing.u8"], "data.datasets.docs: missing.u8 is not a file"),
         (
             ["validation.metrics.acc=ignite.metrics:Acuracy"],

@@ -108,6 +108,26 @@ def test_bad_values_name_the_field(overrides, field):
     assert field in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "section,key,replacement",
+    [
+        ("checkpoint", "every_steps", "step_scheduler.ckpt_every_steps"),
+        ("step_scheduler", "log_remote_every_steps", "logging.log_interval"),
+        ("logging", "wandb_every_steps", "logging.log_interval"),
+    ],
+)
+def test_a_removed_cadence_key_names_its_replacement_in_a_file_and_an_override(
+    tmp_path, section, key, replacement
+):
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: 5\n")
+    for args in ((path, []), (None, [f"{section}.{key}=5"])):
+        with pytest.raises(ConfigError) as info:
+            load_run_config(*args, world_size=1)
+        assert info.value.field == f"{section}.{key}"
+        assert str(info.value) == f"{section}.{key}: is not a setting here; use {replacement}"
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", ".inf"])
 @pytest.mark.parametrize(
     "key", ["optimizer.weight_decay", "lr.min_lr", "lr.warmup_init", "health.timeout_s", "data.val_fraction"]

@@ -14,6 +14,7 @@ from ignite.engine.events import State
 
 from hookloop.engine import Events, ExitCode, StepControl, Trainer, TrainState
 from hookloop.engine.control import Decided, Rollback
+from tests.cadence import save_every
 from tests.conftest import token_batches
 
 
@@ -170,7 +171,8 @@ def test_nan_detector_and_checkpointer_cooperate_through_the_save_policy(tmp_pat
     from hookloop.handlers.nan_detector import NAN_CHECK
 
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     NaNDetector(max_consecutive=2, action="rollback").attach(trainer)
     assert trainer.save_policy.initial_save_wanted  # asked at attach: a step-0 checkpoint to roll back to
     seen, restored = [], []
@@ -200,7 +202,8 @@ def test_the_trainer_carries_out_a_rollback_request_after_every_step_end_handler
     from hookloop.handlers import AsyncCheckpointer
 
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=2).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     seen = []
 
     @trainer.on(Events.STEP_END, priority=Priority.OBSERVE)
@@ -238,7 +241,8 @@ def test_a_rollback_that_cannot_restore_ends_the_run_with_the_requested_exit_cod
     from hookloop.handlers import AsyncCheckpointer
 
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=100).attach(trainer)  # nothing saved
+    AsyncCheckpointer(tmp_path, mode="sync").attach(trainer)  # nothing saved
+    save_every(trainer, 100)
 
     @trainer.on(Events.STEP_END)
     def ask(e):

@@ -27,6 +27,7 @@ from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.curriculum import Phase, PhaseCurriculum
 from hookloop.handlers.dataset_metrics import PerDatasetMetrics
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt
 
 SEQ = 16
@@ -420,7 +421,8 @@ def test_sampler_schedule_and_state_at_any_nearby_draw(mixture):
 def test_resume_through_the_checkpointer_with_workers(mixture, tmp_path):
     full = Run(mixture, workers=2).run(9)
     first = Run(mixture, workers=2)
-    AsyncCheckpointer(tmp_path, every_steps=5, mode="sync").attach(first.trainer)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(first.trainer)
+    save_every(first.trainer, 5)
     first.run(5)
     second = Run(mixture, workers=2)
     AsyncCheckpointer(tmp_path, mode="sync").attach(second.trainer)

@@ -58,11 +58,9 @@ def test_an_exception_handler_handles_the_error_and_the_step_is_dropped():
     events.handlers[Events.EXCEPTION].append(seen.append)
     state.control.request_validate()
     state.control.request_save()
-    state.should_log_remote = True
     path.on_error(ValueError("bad batch"))  # handled: returns
     assert len(seen) == 1 and dropped == [True] and path.handled_errors == 1
     assert not (state.control.validate or state.control.save)  # the step's requests went with it
-    assert not state.should_log_remote  # and its published schedule
     assert state.control.stop_reason is None  # not at the run's limit
 
 

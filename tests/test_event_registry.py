@@ -17,6 +17,7 @@ from hookloop.engine import Events, Place, PlaceError, Priority, Trainer
 from hookloop.engine.events import ORDER_LIMIT, PHASES
 from hookloop.handlers import Places
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import validate_every
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -30,7 +31,8 @@ def make_trainer(accum: int = 1) -> Trainer:
 def test_priorities_survive_removing_a_handler():
     trainer = make_trainer()
     order = []
-    trainer.set_validation(token_batches(2), eval_iters=1, every_steps=1)
+    trainer.set_validation(token_batches(2), eval_iters=1)
+    validate_every(trainer, 1)
     trainer.add_event_handler(Events.VALIDATION_END, lambda: order.append("validation"))
 
     def doomed():

@@ -14,6 +14,7 @@ from hookloop.engine import Events, ExitCode, Priority, Trainer
 from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 
 TOTAL, STOP = 16, 10
@@ -84,13 +85,15 @@ def assert_bitwise(a: dict, b: dict) -> None:
 def test_stop_and_resume_is_bitwise_with_every_shipped_loader(tmp_path, kind):
     seed_all(11)
     ref = make_trainer(0)
-    AsyncCheckpointer(tmp_path / "ref", mode="sync", every_steps=5).attach(ref)
+    AsyncCheckpointer(tmp_path / "ref", mode="sync").attach(ref)
+    save_every(ref, 5)
     ref.run(make_loader(kind), max_steps=TOTAL)
     expected, expected_counters = final_state(ref), ref.state.counters()
 
     seed_all(11)
     first = make_trainer(0)
-    AsyncCheckpointer(tmp_path / "run", mode="sync", every_steps=5).attach(first)
+    AsyncCheckpointer(tmp_path / "run", mode="sync").attach(first)
+    save_every(first, 5)
 
     @first.on(Events.STEP_END, priority=Priority.DECIDE)
     def stop(engine):
@@ -102,7 +105,8 @@ def test_stop_and_resume_is_bitwise_with_every_shipped_loader(tmp_path, kind):
 
     seed_all(99)  # a new process starts from other RNG states and another model init
     second = make_trainer(7)
-    AsyncCheckpointer(tmp_path / "run", mode="sync", every_steps=5).attach(second)
+    AsyncCheckpointer(tmp_path / "run", mode="sync").attach(second)
+    save_every(second, 5)
     second.run(make_loader(kind), max_steps=TOTAL)
     assert second.state.counters() == expected_counters
     assert_bitwise(final_state(second), expected)

@@ -41,6 +41,7 @@ from hookloop.handlers import (
     WandBLogger,
 )
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 
 SEQ = 16
@@ -247,7 +248,7 @@ def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
     state = trainer.run(loader)
     assert state.step == 4 and state.control.exit_code == 0
     wandb = trainer.get_handler(WandBLogger)
-    assert [step for step, _ in wandb.sent] == [1, 2, 3, 4]  # the scheduler's remote-logging cadence
+    assert [step for step, _ in wandb.sent] == [2, 4]  # logging.log_interval: the tracker's, every logger's
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]  # the tracker's log steps
     assert {"loss/docs", "tokens/code", "phase", "step_time_s", "loss_avg"} <= set(records[-1])
@@ -256,11 +257,12 @@ def test_every_shipped_handler_together_on_one_run(tmp_path, mixture_sampler):
 # ---------------------------------------------------------------------------------- the registry
 
 
-def test_wandb_finds_the_scheduler_cadence_through_the_registry():
+def test_wandb_logs_on_the_trackers_steps_with_a_scheduler_attached():
     trainer = _trainer()
-    wandb = RecordingWandB().attach(trainer)  # attached before the scheduler: found at TRAIN_START
+    wandb = RecordingWandB().attach(trainer)  # attached before the tracker: it follows it all the same
     data = token_batches(24)
-    StepScheduler(4, 2, 1, data, num_epochs=1, log_remote_every_steps=3, stop_signals=None).attach(trainer)
+    StepScheduler(4, 2, 1, data, num_epochs=1, stop_signals=None).attach(trainer)
+    MetricsTracker(3).attach(trainer)  # logging.log_interval: the one log cadence
     trainer.run(data)
     assert [step for step, _ in wandb.sent] == [3, 6, 9, 12]
 
@@ -375,7 +377,8 @@ def test_loggers_record_the_step_that_triggers_a_rollback(tmp_path):
 
     trainer = _trainer(loss_fn, grad_accum_steps=1)
     trainer_ref["t"] = trainer
-    AsyncCheckpointer(tmp_path / "ckpt", every_steps=4, mode="sync", resume=None).attach(trainer)
+    AsyncCheckpointer(tmp_path / "ckpt", mode="sync", resume=None).attach(trainer)
+    save_every(trainer, 4)
     NaNDetector(action="rollback", max_consecutive=1, max_rollbacks=1).attach(trainer)
     logger = JSONLLogger(tmp_path / "metrics.jsonl").attach(trainer)
     state = trainer.run(token_batches(16), max_steps=8)

@@ -17,6 +17,7 @@ from ignite.metrics import Loss
 
 from hookloop.engine import Events, Trainer, TrainState
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import validate_every
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -175,7 +176,8 @@ def test_terminate_from_a_handler_stops_after_the_step_with_a_reason():
 
 def test_ignite_metrics_attach_to_the_validation_evaluator_and_early_stopping_works():
     trainer = make_trainer()
-    trainer.set_validation(token_batches(3, seed=7), every_steps=1)
+    trainer.set_validation(token_batches(3, seed=7))
+    validate_every(trainer, 1)
     Loss(lambda y_pred, y: cross_entropy_loss(y_pred, y)).attach(trainer.evaluator, "ignite_loss")
     # score never improves: EarlyStopping(patience=2) stops after the third validation
     stopper = EarlyStopping(patience=2, score_function=lambda _e: 0.0, trainer=trainer)

@@ -134,8 +134,8 @@ model = torch.nn.Linear(4, 1)
 data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(4)]
 trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
                   run_dir=sys.argv[1])
-StepScheduler(2, 2, 1, data, max_steps=3).attach(trainer)
-AsyncCheckpointer(sys.argv[1] + "/ckpt", every_steps=3, mode="sync").attach(trainer)
+StepScheduler(2, 2, 1, data, max_steps=3, ckpt_every_steps=3).attach(trainer)
+AsyncCheckpointer(sys.argv[1] + "/ckpt", mode="sync").attach(trainer)
 state = trainer.run(data)
 print("loss", state.loss, "step", state.step)
 """

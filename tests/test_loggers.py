@@ -23,6 +23,7 @@ from hookloop.handlers.loggers import metric_tag
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from tests import cadence
 from tests.dist_utils import REPO, run_process
 
 SEQ = 16
@@ -33,7 +34,8 @@ def _trainer(*, validate_every: int | None = None) -> Trainer:
     model = GPT(GPTConfig(seq_len=SEQ, n_layers=1, d_model=32, n_heads=2))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
     if validate_every:  # val_loss and a validation metric, val_accuracy
-        trainer.set_validation(_tokens(2), every_steps=validate_every, metrics={"accuracy": TokenAccuracy()})
+        trainer.set_validation(_tokens(2), metrics={"accuracy": TokenAccuracy()})
+        cadence.validate_every(trainer, validate_every)
     return trainer
 
 
@@ -130,15 +132,15 @@ def test_a_run_stopped_between_log_steps_still_logs_its_last_interval(tmp_path):
     assert "val_loss" in records[0] and records[1]["tokens_seen"] == 3 * 2 * SEQ
 
 
-def test_jsonl_without_a_tracker_logs_the_trainer_state_every_n_steps(tmp_path):
+def test_jsonl_without_a_tracker_logs_the_trainer_state_every_step(tmp_path):
     path = tmp_path / "m.jsonl"
     trainer = _trainer()
-    JSONLLogger(path, every_steps=2).attach(trainer)
+    JSONLLogger(path).attach(trainer)  # no tracker publishes: nothing decides a cadence, no logger counts
     trainer.run(_tokens(), max_steps=4)
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4]
-    assert {"loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"} <= records[1].keys()
-    assert records[1]["loss"] == trainer.state.loss and records[1]["tokens_seen"] == 4 * 2 * SEQ
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"loss", "grad_norm", "lr", "tokens_seen", "skipped_steps"} <= records[-1].keys()
+    assert records[-1]["loss"] == trainer.state.loss and records[-1]["tokens_seen"] == 4 * 2 * SEQ
 
 
 def test_loggers_close_on_the_exception_path(tmp_path):
@@ -301,7 +303,8 @@ def test_the_records_are_on_disk_when_a_checkpoint_is_published(tmp_path, monkey
 
     monkeypatch.setattr(metrics, "RecordFile", functools.partial(RecordFile, flush_secs=3600))
     trainer = _trainer()
-    AsyncCheckpointer(tmp_path / "ckpt", mode="sync", every_steps=3).attach(trainer)
+    AsyncCheckpointer(tmp_path / "ckpt", mode="sync").attach(trainer)
+    cadence.save_every(trainer, 3)
     MetricsTracker(1, run_dir=tmp_path).attach(trainer)
     JSONLLogger(tmp_path / "metrics.jsonl", flush_secs=3600).attach(trainer)
     TensorBoardLogger(tmp_path / "tb", flush_secs=3600).attach(trainer)
@@ -334,11 +337,13 @@ import torch
 from hookloop import Events, Priority, Trainer
 from hookloop.handlers import JSONLLogger, MetricsTracker
 from hookloop.handlers.checkpoint import AsyncCheckpointer
+from tests.cadence import save_every
 
 run_dir = Path(sys.argv[1])
 model = torch.nn.Linear(4, 1)
 trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.mse_loss)
-AsyncCheckpointer(run_dir / "ckpt", mode="sync", every_steps=5).attach(trainer)
+AsyncCheckpointer(run_dir / "ckpt", mode="sync").attach(trainer)
+save_every(trainer, 5)
 MetricsTracker(1, run_dir=run_dir).attach(trainer)
 JSONLLogger(run_dir / "metrics.jsonl", flush_secs=3600).attach(trainer)
 
@@ -462,23 +467,23 @@ def test_wandb_offline_run_holds_config_and_metrics(tmp_path, wandb_offline):
         assert history[step] == {metric_tag(k): v for k, v in metrics.items()}, step
 
 
-def test_wandb_follows_the_remote_logging_cadence(tmp_path, wandb_offline):
+def test_wandb_follows_the_one_log_cadence_with_a_scheduler(tmp_path, wandb_offline):
     from hookloop.handlers.step_scheduler import StepScheduler
     from hookloop.handlers.wandb_logger import WandBLogger
 
     trainer = _trainer()
-    MetricsTracker(2).attach(trainer)
+    MetricsTracker(3).attach(trainer)  # logging.log_interval: console, JSONL, TensorBoard and W&B
     data = _tokens()
-    StepScheduler(2, 2, 1, data, log_remote_every_steps=3, max_steps=6, ckpt_every_steps=100).attach(trainer)
+    StepScheduler(2, 2, 1, data, max_steps=6, ckpt_every_steps=100).attach(trainer)
     WandBLogger("hookloop-test", dir=tmp_path, settings=wandb_offline).attach(trainer)
-    losses = {}
+    published = {}
     trainer.add_event_handler(
-        Events.STEP_END, lambda: losses.__setitem__(trainer.state.step, trainer.state.loss)
+        Events.STEP_END, lambda: published.__setitem__(trainer.state.step, trainer.state.metrics.get("loss"))
     )
     trainer.run(data)
     history = _history(_finished_records(tmp_path))
-    assert sorted(history) == [3, 6], "remote steps only, not the tracker's every 2"
-    assert history[3]["train/loss"] == losses[3], "the live loss of the remote step"
+    assert sorted(history) == [3, 6], "the tracker's log steps only"
+    assert history[3]["train/loss"] == published[3], "the published loss of the log step"
     assert history[6]["perf/tokens_per_s"] > 0
 
 
@@ -486,7 +491,7 @@ def test_wandb_marks_the_run_failed_on_an_exception(tmp_path, wandb_offline):
     from hookloop.handlers.wandb_logger import WandBLogger
 
     trainer = _trainer()
-    logger = WandBLogger("hookloop-test", dir=tmp_path, every_steps=1, settings=wandb_offline).attach(trainer)
+    logger = WandBLogger("hookloop-test", dir=tmp_path, settings=wandb_offline).attach(trainer)
     trainer.add_event_handler(Events.STEP_END(once=2), lambda: (_ for _ in ()).throw(ValueError("bad")))
     with pytest.raises(ValueError):
         trainer.run(_tokens(), max_steps=4)
@@ -545,8 +550,8 @@ def test_a_missing_backend_fails_at_attach_and_nothing_is_created(tmp_path, monk
 
 def test_a_logger_creates_its_files_only_once_the_run_has_started(tmp_path):
     trainer = _trainer()
-    TensorBoardLogger(tmp_path / "tb", every_steps=1).attach(trainer)
-    JSONLLogger(tmp_path / "metrics.jsonl", every_steps=1).attach(trainer)
+    TensorBoardLogger(tmp_path / "tb").attach(trainer)
+    JSONLLogger(tmp_path / "metrics.jsonl").attach(trainer)
     seen = {}
     trainer.add_event_handler(
         Events.TRAIN_START, lambda: seen.setdefault("start", sorted(os.listdir(tmp_path)))

@@ -13,6 +13,7 @@ from hookloop.engine import ConfigError, Events, Priority, Trainer
 from hookloop.handlers import Places
 from hookloop.handlers.metrics import MetricsTracker, estimate_flops_per_token
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from tests.cadence import validate_every
 from tests.dist_utils import run_distributed
 
 SEQ = 16
@@ -144,7 +145,8 @@ def test_step_time_excludes_validation():
         return cross_entropy_loss(out, y)
 
     trainer.loss_fn = slow_loss
-    trainer.set_validation(slow, every_steps=1)
+    trainer.set_validation(slow)
+    validate_every(trainer, 1)
     MetricsTracker(2).attach(trainer)
     published = _snapshots(trainer)
     trainer.run(_tokens(), max_steps=2)

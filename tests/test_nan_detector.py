@@ -9,6 +9,7 @@ import torch
 from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
 from hookloop.handlers.nan_detector import NaNDetector
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
@@ -163,8 +164,9 @@ def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
     model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     trainer = Trainer(model, opt, loss_fn, prepare_batch=prepare)
-    ckpt = AsyncCheckpointer(tmp_path / "ckpt", every_steps=4, mode="sync", resume=None)
+    ckpt = AsyncCheckpointer(tmp_path / "ckpt", mode="sync", resume=None)
     ckpt.attach(trainer)
+    save_every(trainer, 4)
     detector = NaNDetector(max_consecutive=2, max_rollbacks=max_rollbacks)
     detector.attach(trainer)
     log: dict = {"indices": [], "at_rollback": None, "saved": {}}

@@ -18,6 +18,7 @@ from hookloop.engine.pipeline import (
     default_module_fqns,
     split_stage_module,
 )
+from tests.cadence import save_every, validate_every
 from tests.dist_utils import run_distributed
 
 MB_SIZE = 2  # samples per microbatch
@@ -98,7 +99,8 @@ def _run_pipelined(info, pipeline_cfg: PipelineConfig, dp_mode: str = "ddp") -> 
     opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
     trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
     train, val = _data(runtime.dp_rank, runtime.dp_size)
-    trainer.set_validation(val, every_steps=2)
+    trainer.set_validation(val)
+    validate_every(trainer, 2)
     seen: dict = {"loss": [], "mb_losses": [[], []], "grads": [], "norm": [], "mb_index": [[], []]}
 
     @trainer.on(Events.MICROBATCH)
@@ -293,7 +295,8 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
         opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
         trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
         if checkpoint is not None:
-            AsyncCheckpointer(checkpoint, every_steps=2, mode="async").attach(trainer)
+            AsyncCheckpointer(checkpoint, mode="async").attach(trainer)
+            save_every(trainer, 2)
         state = trainer.run(data, max_steps=max_steps)
         if checkpoint is not None:
             trainer.get_handler(AsyncCheckpointer).close()

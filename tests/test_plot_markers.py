@@ -10,13 +10,15 @@ from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.metrics import MetricsTracker
 from hookloop.handlers.plot import load_events, load_records, plot_run
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 
 
 def _run(run_dir, *, stop_at=None, rollback_at=None):
     model = tiny_gpt(0, n_layers=1)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), cross_entropy_loss)
-    AsyncCheckpointer(run_dir / "ckpt", mode="sync", every_steps=4).attach(trainer)
+    AsyncCheckpointer(run_dir / "ckpt", mode="sync").attach(trainer)
+    save_every(trainer, 4)
     MetricsTracker(2, run_dir=run_dir).attach(trainer)
     JSONLLogger(run_dir / "metrics.jsonl").attach(trainer)
     fired = []

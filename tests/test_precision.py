@@ -10,6 +10,7 @@ from hookloop.engine import ConfigError, Events, Trainer
 from hookloop.engine.config import TrainConfig
 from hookloop.handlers.nan_detector import NaNDetector
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every, validate_every
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import run_distributed
 
@@ -86,7 +87,8 @@ def test_bf16_forward_runs_in_bf16_in_training_and_validation():
     seen: list[tuple[bool, torch.dtype]] = []
     linear = trainer.model.blocks["0"].qkv_heads
     linear.register_forward_hook(lambda mod, inp, out: seen.append((trainer.model.training, out.dtype)))
-    trainer.set_validation(token_batches(1, seed=9), every_steps=2)
+    trainer.set_validation(token_batches(1, seed=9))
+    validate_every(trainer, 2)
     trainer.run(token_batches(2), max_steps=2)
     assert seen and all(dtype == torch.bfloat16 for _, dtype in seen)
     assert {training for training, _ in seen} == {True, False}  # both training and validation
@@ -161,12 +163,14 @@ def test_grad_scaler_state_resumes_exactly(tmp_path, deterministic):
 
     first_ctx: dict = {}
     first = _fp16_resume_trainer(first_ctx)
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=4).attach(first)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(first)
+    save_every(first, 4)
     first.run(data, max_steps=5)  # the checkpoint at step 4 holds the backed-off scale
 
     second_ctx: dict = {}
     second = _fp16_resume_trainer(second_ctx)
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=4).attach(second)
+    AsyncCheckpointer(tmp_path, mode="sync").attach(second)
+    save_every(second, 4)
     second.run(data, max_steps=8)
     assert second.state.step == 8
     assert second.grad_scaler.state_dict() == expected

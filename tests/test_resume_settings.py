@@ -29,6 +29,7 @@ from hookloop.engine.lr import build_lr_scheduler, lr_at
 from hookloop.handlers import AsyncCheckpointer
 from hookloop.train import build, load_training_config
 from hookloop.train import train as train_here
+from tests.cadence import save_every
 from tests.dist_utils import run_process, run_torchrun
 
 # No position embedding: train.seq_len leaves the model's shapes alone, so only the settings check
@@ -351,7 +352,8 @@ def fit(directory: Path, lr: float, max_steps: int, scheduler=None):
     trainer = Trainer(
         model, optimizer, torch.nn.functional.mse_loss, lr_scheduler=scheduler and scheduler(optimizer)
     )
-    checkpointer = AsyncCheckpointer(directory, mode="sync", every_steps=2).attach(trainer)
+    checkpointer = AsyncCheckpointer(directory, mode="sync").attach(trainer)
+    save_every(trainer, 2)
     trainer.run(DATA, max_steps=max_steps)
     return trainer, checkpointer
 

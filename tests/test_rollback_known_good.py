@@ -20,6 +20,7 @@ from hookloop.engine.checkpoint_format.manifest import read_marker
 from hookloop.handlers import Places, attach_handlers, load_run_config
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -217,7 +218,8 @@ def test_the_marker_records_whether_the_saved_state_is_finite(tmp_path, mode):
     model = tiny_gpt(0)
     model.register_buffer("mask", torch.full((2,), float("-inf")))
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy_loss)
-    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, every_steps=1, keep_last=5).attach(trainer)
+    checkpointer = AsyncCheckpointer(tmp_path, mode=mode, keep_last=5).attach(trainer)
+    save_every(trainer, 1)
 
     @trainer.on(Events.STEP_END(once=2), priority=Places.CHECKPOINT + 1)
     def inf_moment(engine):

@@ -22,7 +22,6 @@ from hookloop.handlers import (
     AsyncCheckpointer,
     CheckpointConfig,
     ConsoleLogger,
-    DatasetMetricsConfig,
     HealthCheck,
     HealthConfig,
     JSONLLogger,
@@ -350,11 +349,11 @@ _CASES = {
         "flops_per_token",
         "metrics.flops_per_token",
     ),
-    "dataset_metrics.log_interval": (
+    "logging.log_interval": (
         lambda tmp: PerDatasetMetrics(["docs"], 0),
-        lambda: DatasetMetricsConfig(log_interval=0).validate(),
+        lambda: LoggingConfig(log_interval=0).validate(),
         "log_interval",
-        "dataset_metrics.log_interval",
+        "logging.log_interval",
     ),
     "logging.wandb_mode": (
         lambda tmp: WandBLogger(mode="sometimes"),

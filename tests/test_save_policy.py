@@ -6,6 +6,7 @@ import pytest
 
 from hookloop.engine import Trainer
 from hookloop.engine.save_policy import SavePolicy
+from tests.cadence import save_every
 
 
 def test_a_fresh_policy_holds_nothing_protects_nothing_and_wants_no_initial_save():
@@ -92,7 +93,8 @@ def test_the_checkpointer_saves_nothing_while_held_and_publishes_once_released(t
 
     model = tiny_gpt()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
-    AsyncCheckpointer(tmp_path, mode="sync", every_steps=1, keep_last=10).attach(trainer)
+    AsyncCheckpointer(tmp_path, mode="sync", keep_last=10).attach(trainer)
+    save_every(trainer, 1)
     saved = []
     trainer.add_event_handler(Events.CHECKPOINT_SAVED, lambda _e, step=None, path=None: saved.append(step))
 

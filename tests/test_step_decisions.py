@@ -202,9 +202,7 @@ def test_a_stop_asked_after_the_agreement_is_agreed_at_the_end_only_when_late():
     decisions, control, state, _, _, _ = make()
     decisions.agree(torch.tensor(1.0), torch.tensor(1.0), 0, 1, None)
     control.request_stop("late")
-    state.should_log_remote = True
     assert decisions.end_step() is False  # no late agreement: the next step's agreement takes it
-    assert not state.should_log_remote  # the step's published schedule resets
     decisions.late = True
     assert decisions.end_step() is True and control.decided.stop
 

@@ -36,11 +36,11 @@ class Stream:
 
 def test_derived_limits_and_defaults():
     s = StepScheduler(8, 2, 2, list(range(10)), max_steps=7, stop_signals=None)  # 2 per step: 5 steps/epoch
-    assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, 5)
+    assert (s.grad_acc_steps, s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (2, 5, 2, None)
     s = StepScheduler(8, 2, 2, list(range(10)), num_epochs=3, stop_signals=None)
     assert s.max_steps == 15
     s = StepScheduler(4, 2, 2, Stream(range(10)), max_steps=9, stop_signals=None)
-    assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, 4)
+    assert (s.epoch_len, s.num_epochs, s.ckpt_every_steps) == (None, 10, None)
 
 
 def test_start_position_must_lie_in_its_epoch():
@@ -68,7 +68,7 @@ def record_flags(trainer, into):
     @trainer.on(Events.STEP_START)  # normal priority: after the scheduler asked and published
     def _record():
         s, c = trainer.state, trainer.control
-        into.append((s.step, c.save, c.validate, s.should_log_remote, trainer.at_last_step))
+        into.append((s.step, c.save, c.validate, trainer.at_last_step))
 
 
 def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decisions():
@@ -81,7 +81,6 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
         data,
         ckpt_every_steps=3,
         val_every_steps=5,
-        log_remote_every_steps=2,
         loss_average_window_steps=3,
         num_epochs=2,
         stop_signals=None,
@@ -103,21 +102,39 @@ def test_attached_scheduler_drives_the_trainer_and_publishes_each_steps_decision
     assert sizes == [3, 3, 3, 1] * 2
     assert positions == [(k, (k - 1) // 4) for k in range(1, 9)]
     assert flags == [
-        # step, checkpoint, validate, log remotely, last step
-        (1, False, False, False, False),
-        (2, False, False, True, False),
-        (3, True, True, False, False),
-        (4, True, True, True, False),  # end of epoch 0
-        (5, False, True, False, False),
-        (6, True, True, True, False),
-        (7, False, False, False, False),
-        (8, True, True, True, True),
+        # step, checkpoint, validate, last step: validation every 5 steps and at the last, not on
+        # checkpoint steps (one key per cadence)
+        (1, False, False, False),
+        (2, False, False, False),
+        (3, True, False, False),
+        (4, True, False, False),  # end of epoch 0
+        (5, False, True, False),
+        (6, True, False, False),
+        (7, False, False, False),
+        (8, True, True, True),
     ]
     for i, (_loss_k, avg) in enumerate(losses):
         window = [x for x, _ in losses[max(0, i - 2) : i + 1]]
         assert avg == pytest.approx(sum(window) / len(window))
     assert s.state_dict() == {"step": 8, "epoch": 2, "loss_window": [x for x, _ in losses[-3:]]}
     assert not (trainer.control.save or trainer.control.validate)  # the step's requests reset
+
+
+def test_the_scheduler_says_which_setting_asked_for_each_save():
+    data = token_batches(10)  # 3 per step: epochs of 4 steps
+    trainer = make_trainer()
+    StepScheduler(6, 2, 1, data, ckpt_every_steps=3, num_epochs=2, stop_signals=None).attach(trainer)
+    asked = {}
+
+    @trainer.on(Events.STEP_START)
+    def _record():
+        if trainer.control.save:
+            asked[trainer.state.step] = trainer.control.save_by
+
+    trainer.run(data)
+    cadence = ("step_scheduler.ckpt_every_steps=3",)
+    epoch_end = ("step_scheduler.save_checkpoint_every_epoch",)
+    assert asked == {3: cadence, 4: epoch_end, 6: cadence, 8: ("last step",)}
 
 
 @pytest.mark.parametrize("restored_by", ["scheduler", "checkpoint_handler"])
@@ -286,7 +303,6 @@ BASE = dict(global_batch_size=4, local_batch_size=1, dp_size=2, dataloader=list(
         ("dp_size", -1),
         ("ckpt_every_steps", 0),
         ("val_every_steps", -2),
-        ("log_remote_every_steps", 0),
         ("loss_average_window_steps", 0),
         ("gc_every_steps", 0),
         ("start_step", -1),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hookloop.engine.errors import ConfigError
+from tests.cadence import save_every
 from tests.dist_utils import run_distributed
 
 STEPS = 20
@@ -255,7 +256,8 @@ def _ckpt_worker(
         hang_timeout_s=60,
         step_body=runtime,
     )
-    checkpointer = AsyncCheckpointer(directory, every_steps=SAVE_AT, mode="sync").attach(trainer)
+    checkpointer = AsyncCheckpointer(directory, mode="sync").attach(trainer)
+    save_every(trainer, SAVE_AT)
     seen: dict = {}
 
     @trainer.on(Events.TRAIN_START, priority=Places.RESUME - 1)

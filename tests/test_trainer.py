@@ -11,6 +11,7 @@ from ignite.metrics import RunningAverage
 
 from hookloop.engine import ConfigError, Events, Trainer, build_lr_scheduler
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import validate_every
 from tests.conftest import tiny_gpt, token_batches
 
 
@@ -153,7 +154,8 @@ def test_validation_runs_on_request_and_fires_event():
     model = tiny_gpt()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss)
     val = token_batches(3, seed=1)
-    trainer.set_validation(val, eval_iters=2, every_steps=2)
+    trainer.set_validation(val, eval_iters=2)
+    validate_every(trainer, 2)
     got = []
     trainer.add_event_handler(
         Events.VALIDATION_END, lambda e: got.append((e.state.step, e.state.metrics["val_loss"]))

@@ -16,6 +16,7 @@ from hookloop.engine import ConfigError, Events, TokenAccuracy, Trainer
 from hookloop.engine.validation import ValidationConfig, build_metrics
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from hookloop.train import load_training_config
+from tests.cadence import validate_every
 from tests.dist_utils import REPO, run_distributed, run_process, run_torchrun
 
 SEQ = 8
@@ -36,18 +37,30 @@ def _gpt_trainer() -> Trainer:
 # ---------------------------------------------------------------------------- one process
 
 
+def test_set_validation_counts_no_steps_and_every_steps_names_its_replacement():
+    trainer = _gpt_trainer()
+    with pytest.raises(ConfigError, match=r"the step scheduler's val_every_steps=N") as info:
+        trainer.set_validation(_token_batches(1), every_steps=2)
+    assert "trainer.control.request_validate()" in str(info.value)
+    trainer.set_validation(_token_batches(1))
+    seen = []
+    trainer.add_event_handler(Events.VALIDATION_END, lambda: seen.append(trainer.state.step))
+    trainer.run(_token_batches(8), max_steps=4)
+    assert seen == []  # nobody asked: the validator validates only when the control point decided it
+
+
 def test_metrics_are_published_as_val_names_before_validation_end_and_equal_ignite_on_the_same_samples():
     trainer = _gpt_trainer()
     val = _token_batches(3, seed=5)
     trainer.set_validation(
         val,
-        every_steps=2,
         metrics={
             "accuracy": TokenAccuracy(),
             # ignite's own Accuracy wants classes on dim 1: an output_transform reshapes the logits
             "ignite_accuracy": Accuracy(output_transform=lambda o: (o[0].transpose(1, 2), o[1])),
         },
     )
+    validate_every(trainer, 2)
     seen = []
     trainer.add_event_handler(Events.VALIDATION_END, lambda: seen.append(dict(trainer.state.metrics)))
     trainer.run(_token_batches(8), max_steps=4)

@@ -6,10 +6,12 @@ handler registered with the trainer, the data position and the RNG states (pytho
 CUDA, the data's own generators). The on-disk format and the safe readers are in
 :mod:`hookloop.engine.checkpoint_format`.
 
-When it saves (at STEP_END, once the StepScheduler has made its requests): on
-``trainer.control.decided.save``, every ``every_steps`` steps, at the last step, when the run stops
-on request (``control.decided.stop`` with a resumable exit code), and at TRAIN_END if the last step was
-not saved yet; never twice for one step. The decision is agreed across ranks.
+When it saves (at STEP_END): when the control point decided a save (``trainer.control.decided.save``:
+the StepScheduler's ``ckpt_every_steps`` cadence, a stop signal, a user's ``request_save``), at the
+last step, when the run stops on request (``control.decided.stop`` with a resumable exit code), and
+at TRAIN_END if the last step was not saved yet; never twice for one step. It counts no steps. The
+decision is agreed across ranks; who asked is logged and kept as ``requested_by`` in each rank's
+state file.
 
 What a handler that judges the state (a NaN detector) knows reaches the checkpointer through the
 trainer's save policy (``trainer.save_policy``, :mod:`hookloop.engine.save_policy`), never through

@@ -47,7 +47,6 @@ class CheckpointConfig:
 
     enabled: bool = True
     directory: Optional[str] = None
-    every_steps: Optional[int] = None
     keep_last: int = 3
     keep_best: int = 0
     metric: str = "val_loss"
@@ -64,7 +63,6 @@ class CheckpointConfig:
         p = prefix
         check_bool(dotted(p, "enabled"), self.enabled)
         check_str(dotted(p, "directory"), self.directory, allow_none=True, what="a directory path")
-        check_int(dotted(p, "every_steps"), self.every_steps, allow_none=True)
         check_int(dotted(p, "keep_last"), self.keep_last, hint="complete checkpoints to keep")
         check_int(
             dotted(p, "keep_best"), self.keep_best, low=0, hint="best checkpoints by the metric to keep"

@@ -5,6 +5,7 @@ The work is the rooms': :mod:`.writer` (the save in flight), :mod:`.store` (the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Any
@@ -26,6 +27,8 @@ from hookloop.handlers.checkpoint.writer import CheckpointWriter
 
 __all__ = ["CAPTURE", "CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
 
+logger = logging.getLogger("hookloop.handlers.checkpoint")
+
 _RESUMABLE_EXIT_CODES = (int(ExitCode.SUCCESS), int(ExitCode.STOPPED))
 
 # Where the checkpointer runs, relative to the phases of an event (engine.Priority).
@@ -46,9 +49,12 @@ STAGING_WAIT = Priority.CLEANUP
 class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
 
+    It counts no steps: it saves where the control point decided a save (``request_save(by)``: the
+    StepScheduler's ``ckpt_every_steps``, a stop signal, a user), at the last step and on a resumable
+    stop, and records who asked (its log line, ``requested_by`` in each rank's state file).
+
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
-        every_steps: also save every this many steps (None: only on request, at the end, on stop).
         keep_last: complete checkpoints to keep; older ones are deleted after a new one is durable.
         keep_best: also keep the best this many checkpoints by ``metric`` (0: off). A checkpoint
             stays if it is among the last ``keep_last`` *or* the best ``keep_best``; ``latest`` and
@@ -91,7 +97,6 @@ class AsyncCheckpointer(Handler):
         self,
         directory: str | os.PathLike,
         *,
-        every_steps: int | None = None,
         keep_last: int = 3,
         keep_best: int = 0,
         metric: str = "val_loss",
@@ -108,7 +113,6 @@ class AsyncCheckpointer(Handler):
         # the section's rules, the only copy (errors name the dotted key, e.g. checkpoint.keep_last)
         checked_settings(CheckpointConfig, {**locals(), "directory": os.fspath(directory)}, "checkpoint")
         self.directory = os.path.abspath(directory)
-        self.every_steps = every_steps
         self.keep_last = keep_last
         self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
         self.mode = AsyncMode.parse(mode).value
@@ -131,6 +135,7 @@ class AsyncCheckpointer(Handler):
         self._pending_ranks = 0  # ranks whose save in flight was not yet durable at this step's agreement
         self._started = False
         self._initial_save_due = False
+        self._requested_by: list[str] = []  # who asked for the save in flight
         # The rooms, each given what it works with.
         self._session = CheckpointSession()
         self._store = CheckpointStore(
@@ -244,7 +249,7 @@ class AsyncCheckpointer(Handler):
         self._state.say_resumed()
         if self._initial_save_due:
             self._initial_save_due = False
-            self._start_save(0)
+            self._start_save(0, by=["save policy: initial state"])
 
     def _on_step_start(self) -> None:
         self._capture_due()  # a step that ended on a handled error skipped CAPTURE
@@ -265,21 +270,17 @@ class AsyncCheckpointer(Handler):
         decided = control.decided  # agreed by every rank in this step's one all-reduce
         step = state.iteration
         hold = self.trainer.save_policy.saves_held  # a judge distrusts this state: no save, no publish
-        want = (
-            not hold
-            and step != self.last_saved_step
-            and (
-                decided.save
-                or (self.every_steps is not None and step % self.every_steps == 0)
-                or self.trainer.plan.is_last_step
-                or (decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES)
-            )
-        )
+        by = [*(decided.save_by or ("another rank",))] if decided.save else []
+        if self.trainer.plan.is_last_step and "last step" not in by:
+            by.append("last step")
+        if decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES:
+            by.append(f"stop: {control.stop_reason}")
+        want = bool(by) and not hold and step != self.last_saved_step
         all_done = not self._pending_ranks
         if self._writer.inflight is not None and (all_done or want) and not hold:
             self._finish(wait=not all_done)
         if want:
-            self._start_save(step, capture=False)  # the rank state once the step's handlers ran
+            self._start_save(step, capture=False, by=by)  # the rank state once the step's handlers ran
         self._add_blocked(time.perf_counter() - start)
 
     def _capture_due(self) -> None:
@@ -305,7 +306,7 @@ class AsyncCheckpointer(Handler):
             # data ran out, or the stop came after the step's agreement: publish the save in
             # flight first, then save this step
             self.wait()
-            self._start_save(state.iteration)
+            self._start_save(state.iteration, by=["end of run"])
         if resumable:
             self.wait()
         else:
@@ -402,13 +403,15 @@ class AsyncCheckpointer(Handler):
 
     def _capture(self, step: int) -> dict[str, Any]:
         try:
-            return self._state.capture(step)
+            return {**self._state.capture(step), "requested_by": list(self._requested_by)}
         except Exception as e:  # e.g. a handler's state_dict() holds something JSON cannot carry
             raise CheckpointError(f"cannot save step {step}: {type(e).__name__}: {e}") from e
 
-    def _start_save(self, step: int, capture: bool = True) -> None:
+    def _start_save(self, step: int, capture: bool = True, *, by: list[str]) -> None:
         if self._writer.inflight is not None:  # one save in flight: its staging buffers are reused
             self._finish(wait=True)
+        self._requested_by = by  # who asked: logged and kept in each rank's state file
+        logger.info("saving step %d (asked by: %s)", step, "; ".join(by))
         extra = self._capture(step) if capture else None
         state = self.trainer.state
         metrics = self._store.ranking_metric(state.metrics, state.iteration)

@@ -26,6 +26,7 @@ from hookloop.engine import Events, Trainer
 from hookloop.handlers import Places, Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
+from tests.cadence import save_every
 
 
 class GatedStager(DefaultStager):
@@ -62,8 +63,9 @@ def build(
     trainer = Trainer(model, optimizer, cross_entropy_loss, lr_scheduler=scheduler, grad_accum_steps=2)
     checkpointer = None
     if directory is not None:
-        checkpointer = AsyncCheckpointer(directory, every_steps=every_steps, keep_last=2, mode=mode)
+        checkpointer = AsyncCheckpointer(directory, keep_last=2, mode=mode)
         checkpointer.attach(trainer)
+        save_every(trainer, every_steps)
     return trainer, checkpointer
 
 

@@ -43,9 +43,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     example = load_example()
-    trainer, loader = example.build(
-        args.run_dir, steps=args.steps, ckpt_every_steps=5, val_every_steps=10, log_every_steps=10
-    )
+    trainer, loader = example.build(args.run_dir, steps=args.steps, ckpt_every_steps=5, val_every_steps=10)
 
     @trainer.on(Events.STEP_END, priority=Priority.CLEANUP - 1)
     def _kill(engine) -> None:

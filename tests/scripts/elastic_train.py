@@ -22,6 +22,7 @@ from hookloop.engine.parallel import init_distributed, wrap_data_parallel
 from hookloop.handlers import Places
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
+from tests.cadence import save_every
 
 GLOBAL_BATCH, MICROBATCH = 8, 2
 
@@ -61,8 +62,9 @@ def main(argv: list[str]) -> int:
         grad_accum_steps=accum,
         prepare_batch=prepare,
     )
-    checkpointer = AsyncCheckpointer(os.path.join(args.run_dir, "checkpoints"), every_steps=2, mode="sync")
+    checkpointer = AsyncCheckpointer(os.path.join(args.run_dir, "checkpoints"), mode="sync")
     checkpointer.attach(trainer)
+    save_every(trainer, 2)
     SampleTrace(args.run_dir, loader, rank=info.rank, world_size=info.world_size).attach(trainer)
 
     @trainer.on(Events.TRAIN_START, priority=Places.RESUME - 1)

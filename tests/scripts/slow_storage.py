@@ -29,6 +29,7 @@ from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.handlers.checkpoint import reader as checkpoint_reader
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
 from hookloop.handlers.health_check import HealthCheck
+from tests.cadence import save_every
 
 
 def main() -> int:
@@ -79,7 +80,8 @@ def main() -> int:
         torch.nn.functional.mse_loss,
         run_dir=run_dir,
     )
-    AsyncCheckpointer(run_dir / "checkpoints", every_steps=every, keep_last=3).attach(trainer)
+    AsyncCheckpointer(run_dir / "checkpoints", keep_last=3).attach(trainer)
+    save_every(trainer, every)
     HealthCheck(every_steps=1, timeout_s=2.0).attach(trainer)
 
     @trainer.on(Events.STEP_END)
