@@ -180,8 +180,8 @@ class MetricLogger(Handler):
         state = self.trainer.state
         self._seen_validations = state.validations
         self._train_logged = -1
-        # a MetricsTracker (attached in any order) publishes state.metrics_step on its log steps
-        self._follow_tracker = self.trainer.get_handler("metrics_tracker") is not None
+        # a publisher (the MetricsTracker, earlier at TRAIN_START) sets state.metrics_step on its log steps
+        self._follow_tracker = state.metrics_step is not None
 
     def _on_run_started(self) -> None:
         if self._closed:
@@ -190,7 +190,7 @@ class MetricLogger(Handler):
 
     def is_log_step(self, state: Any) -> bool:
         """Fresh tracker metrics this step (no tracker: every step; loggers count no steps)."""
-        return not self._follow_tracker or getattr(state, "metrics_step", None) == state.step
+        return not self._follow_tracker or state.metrics_step == state.step
 
     def collect(self, state: Any, *, train: bool, validation: bool) -> dict[str, float]:
         """The numbers to write this step: training metrics, validation metrics, or both."""

@@ -45,7 +45,7 @@ from ignite.engine import Events as IgniteEvents
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_bool, check_int, check_number, dotted
-from hookloop.engine.events import Events, Priority
+from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.flops import estimate_flops_per_token, peak_flops_for_device
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.record_file import RecordFile
@@ -258,7 +258,7 @@ class MetricsTracker(Handler):
         self._samples_mark = state.samples_seen
         self._job_start = time.time()
         self._first_step = True
-        state.metrics_step = None
+        state.metrics_step = -1  # a publisher is here: loggers write on the steps it publishes
         self._world, self._cuda = parallel.world_size(), self.trainer.device.type == "cuda"
 
     def _on_run_started(self) -> None:
@@ -323,7 +323,7 @@ class MetricsTracker(Handler):
 
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        publish = state.step % self.log_interval == 0 or self.trainer.at_last_step
+        publish = every(self.log_interval, state.step) or self.trainer.at_last_step
         if self._owns_loss_avg():  # the loss unread (a tensor stays one) unless it is published now
             self._loss_window.push(state.loss if publish else state.peek("loss"))
         if publish:
