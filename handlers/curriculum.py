@@ -92,7 +92,6 @@ class PhaseCurriculum(Handler):
     # configured by the engine's ``data`` section (phases and their temperature)
     Config = DataConfig
     section = "data"
-    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

@@ -71,7 +71,6 @@ class PerDatasetMetrics(Handler):
 
     Config = DatasetMetricsConfig
     section = "dataset_metrics"
-    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

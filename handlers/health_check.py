@@ -79,9 +79,6 @@ class HealthCheck(Handler):
 
     Config = HealthConfig
     section = "health"
-    # A failed probe raises (the error path, no agreement: the peer is gone); the stop it records
-    # on the control point is never agreed. No extra collective.
-    asks_after_agreement = False
 
     def __init__(
         self,

@@ -130,8 +130,6 @@ class MetricLogger(Handler):
         all_ranks: log on every rank instead of rank 0 only.
     """
 
-    asks_after_agreement = False  # late decisions only from values every rank shares
-
     # Every shipped logger is configured by the ``logging`` section (its own boolean turns it on).
     Config = LoggingConfig
     section = "logging"

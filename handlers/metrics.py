@@ -140,8 +140,6 @@ class MetricsTracker(Handler):
         state_key: key for the checkpointed cumulative train time (None: not checkpointed).
     """
 
-    asks_after_agreement = False  # late decisions only from values every rank shares
-
     Config = MetricsConfig
     section = "metrics"
     state_key = "metrics_tracker"

@@ -117,8 +117,6 @@ class NaNConfig:
 class NaNDetector(Handler):
     """Skip non-finite (or spiking) steps across ranks; roll back when they persist."""
 
-    asks_after_agreement = False  # late decisions only from values every rank shares
-
     state_key = "nan_detector"
     restore_on_rollback = False
     Config = NaNConfig

@@ -101,7 +101,6 @@ class ProfilerWindow(Handler):
 
     Config = ProfilingConfig
     section = "profiling"
-    asks_after_agreement = False  # never asks for a stop or a rollback: no extra collective
 
     def __init__(
         self,

@@ -119,8 +119,6 @@ class StepScheduler(Handler):
             stateful loader restores its own position).
     """
 
-    asks_after_agreement = False  # late decisions only from values every rank shares
-
     Config = StepSchedulerConfig
     section = "step_scheduler"
     state_key = "step_scheduler"

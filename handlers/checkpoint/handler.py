@@ -88,8 +88,6 @@ class AsyncCheckpointer(Handler):
     Everything else is private: the events drive it.
     """
 
-    asks_after_agreement = False  # late decisions only from values every rank shares
-
     Config = CheckpointConfig
     section = "checkpoint"
 
