@@ -73,8 +73,8 @@ class TrainState(State):
     def __init__(self, **kwargs: Any) -> None:
         self.reset_counters()
         self.last_checkpoint: str | None = None
-        #: The step whose metrics a publisher (the MetricsTracker) put in ``metrics`` last; -1 once
-        #: one publishes and before its first; None: nobody publishes (loggers log every step).
+        #: The step whose metrics a publishing handler put in ``metrics`` last; -1 once one
+        #: publishes and before its first; None: nobody publishes (loggers log every step).
         self.metrics_step: int | None = None
         self.grad_scaler_overflow = False
         super().__init__(**kwargs)
