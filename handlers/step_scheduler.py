@@ -177,7 +177,6 @@ class StepScheduler(Handler):
         self._step, self._pending_start = start_step, start_step > 0 or start_epoch > 0
         self._loss_window = RunningMean(loss_average_window_steps)
         self._loss_window_loaded = False  # a checkpoint's window survives the next start
-        self._exit_reason: str | None = None  # an exit_interval stop's
         self._gc_was_enabled: bool | None = None
 
     @classmethod
@@ -271,15 +270,7 @@ class StepScheduler(Handler):
         """A stop signal reached some rank and every rank agreed on it (latches)."""
         return self.trainer is not None and self.trainer.run_end.stop_kind == "signal"
 
-    @property
-    def exit_reason(self) -> str | None:
-        """Why the run stops early (signal, exit duration, exit interval), or None."""
-        if self.trainer is not None and self.trainer.run_end.stop_kind is not None:
-            return self.trainer.control.stop_reason
-        return self._exit_reason
-
     def _reset_run(self) -> None:
-        self._exit_reason = None
         if not self._loss_window_loaded:
             self._loss_window.clear()
         self._loss_window_loaded = False
@@ -327,7 +318,6 @@ class StepScheduler(Handler):
         self._epoch = check_position(step, epoch, self.epoch_len, "state_dict['step']", "state_dict['epoch']")
         self._step = step
         self._pending_start = True
-        self._exit_reason = None
         window = state.get("loss_window")
         if window is not None:  # older checkpoints have none: the average restarts, as before
             self._loss_window.restore(float(v.item() if hasattr(v, "item") else v) for v in window)
@@ -386,9 +376,9 @@ class StepScheduler(Handler):
         if self.is_val_step:
             self.trainer.control.request_validate()
         if self.is_exit_interval_step and not self.is_last_step:
-            self._exit_reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
-            logger.info("stop requested at step %d: %s", self.step, self._exit_reason)
-            self.trainer.control.request_stop(self._exit_reason, ExitCode.STOPPED)
+            reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
+            logger.info("stop requested at step %d: %s", self.step, reason)
+            self.trainer.control.request_stop(reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
         state = self.trainer.state
