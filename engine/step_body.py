@@ -445,29 +445,13 @@ def accumulation(step_body: Any, grad_accum_steps: int) -> int:
 
 
 def bind_step_body(
-    step_body: Any,
-    model: torch.nn.Module,
-    params: Sequence[torch.Tensor],
-    *,
-    loss_fn: Callable | None,
-    tp_mesh: Any,
-    grad_scaler: torch.amp.GradScaler | None,
-    loss_parallel: bool,
+    step_body: Any, model: torch.nn.Module, params: Sequence[torch.Tensor], **settings: Any
 ) -> StepBody:
-    """The body a trainer runs: ``step_body`` (checked by :func:`check_step_body`), given the
-    trainer's settings when it is a :class:`StepBody` (:meth:`StepBody.bind`), else a
-    :class:`LocalStepBody` over ``model``."""
+    """The body a trainer runs: ``step_body`` (checked by :func:`check_step_body`), else a
+    :class:`LocalStepBody` over ``model``; a :class:`StepBody` is given the trainer's ``settings``
+    (:meth:`StepBody.bind`: ``loss_fn``, ``tp_mesh``, ``grad_scaler``, ``loss_parallel``)."""
     if step_body is None:
-        return LocalStepBody(
-            model, params, tp_mesh=tp_mesh, grad_scaler=grad_scaler, loss_parallel=loss_parallel
-        )
+        step_body = LocalStepBody(model)
     if isinstance(step_body, StepBody):
-        step_body.bind(
-            model,
-            params,
-            loss_fn=loss_fn,
-            tp_mesh=tp_mesh,
-            grad_scaler=grad_scaler,
-            loss_parallel=loss_parallel,
-        )
+        step_body.bind(model, params, **settings)
     return step_body

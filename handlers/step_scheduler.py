@@ -39,7 +39,7 @@ from hookloop.engine.run_limits import (
 from hookloop.engine.running_mean import RunningMean
 from hookloop.engine.step_batches import data_length, steps_in
 
-__all__ = ["StepScheduler", "StepSchedulerConfig", "grad_acc_steps_for"]
+__all__ = ["StepScheduler", "StepSchedulerConfig"]
 
 # Where the step scheduler runs, relative to the phases of an event (engine.Priority).
 #: TRAIN_START / EPOCH_START / STEP_START / EPOCH_END: limits, cadence, this step's flags.
