@@ -344,17 +344,10 @@ class RunPlan:
             and data.steps >= length
         )
 
-    def set_up(
-        self,
-        data: Iterable | None,
-        max_epochs: int | None = None,
-        max_iters: int | None = None,
-        epoch_length: int | None = None,
-        max_steps: int | None = None,
-    ) -> bool:
-        """``run()``'s set-up (:func:`set_up_run`); returns whether the run continues an unfinished
-        one."""
-        continuing = set_up_run(self._engine, data, max_epochs, max_iters, epoch_length, max_steps)
+    def set_up(self, *run_args: Any) -> bool:
+        """``run()``'s set-up (:func:`set_up_run` with ``run()``'s arguments, in its order); returns
+        whether the run continues an unfinished one."""
+        continuing = set_up_run(self._engine, *run_args)
         self.run_set_up()
         by = self._configured_by
         for name, mine, theirs in zip(
