@@ -237,13 +237,19 @@ class RunEnd:
         self.stops.install()
         if self.run_dir is not None:
             self._status_seen = exit_status_identity(self.run_dir)
+        failed = False
         try:
             yield
         except BaseException as e:
+            failed = True
             self.record_error(e)
             raise
         finally:
-            self.stops.restore()
+            # A failed rank of a job of several is on its way out with its exit code decided: the stop
+            # signals stay noted, so the launcher's SIGTERM to a node's other workers (torchrun sends
+            # one once a worker exits non-zero) cannot turn this rank's own code into -15.
+            if not (failed and parallel.world_size() > 1):
+                self.stops.restore()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
