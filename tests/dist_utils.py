@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import free_port, rank_env, run_ranks
-from tests.forked import forkable, run_forked
+from tests.forked import descendants, forkable, kill_tree, reap, run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,13 +78,12 @@ def run_process(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = reap(proc)
         raise TimeoutError(
             f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
     except BaseException:  # Ctrl-C or SIGTERM of the tests: the command's session goes too
-        os.killpg(proc.pid, signal.SIGKILL)
+        reap(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -139,42 +137,10 @@ def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None)
 
 
 def kill_ranks(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGKILL every process still running (and its session), and reap it."""
+    """SIGKILL every process still running (its session and descendants), and reap it."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first), read from ``/proc``."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(children)
-            todo.extend(children)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and, first, the session of each of its descendants (torchrun
-    starts every worker in a session of its own, out of reach of a kill of the launcher's group)."""
-    for child in descendants(pid):
-        for kill, target in ((os.killpg, child), (os.kill, child)):
-            try:
-                kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+            reap(p)
 
 
 _NODES_MARK = "HOOKLOOP_TEST_NODES"

@@ -31,6 +31,55 @@ SERVER = REPO / "tests" / "scripts" / "fork_server.py"
 START_S = 120  # the server's own start (importing torch) and one fork
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), read from ``/proc``."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and, first, the session of each of its descendants (torchrun
+    starts every worker in a session of its own, out of reach of a kill of the launcher's group)."""
+    for child in descendants(pid):
+        for kill, target in ((os.killpg, child), (os.kill, child)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for kill in (os.killpg, os.kill):  # its session, then the process if it left it
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def reap(proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill ``proc`` and every descendant (:func:`kill_tree`) and collect what it wrote. Bounded: a
+    pipe still held open by a process out of reach (another session's orphan) is closed after 30 s
+    instead of waited on."""
+    if proc.poll() is None:  # a reaped pid may belong to another process by now
+        kill_tree(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        proc.wait(timeout=30)
+        return "", ""
+    return out or "", err or ""
+
+
 class ForkServer:
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -62,10 +111,10 @@ class ForkServer:
         try:
             ended = self._reply(timeout)
         except BaseException:  # Ctrl-C or SIGTERM of the tests (conftest.py): the command goes too
-            self._kill(started["pid"])
+            kill_tree(started["pid"])
             raise
         if ended is None:
-            self._kill(started["pid"])
+            kill_tree(started["pid"])
             self._reply(START_S)
             raise TimeoutError(
                 f"{list(argv)[:3]} did not finish within {timeout}s\n"
@@ -73,14 +122,6 @@ class ForkServer:
             )
         cmd = [sys.executable, *argv]
         return subprocess.CompletedProcess(cmd, ended["returncode"], out.read_text(), err.read_text())
-
-    @staticmethod
-    def _kill(pid: int) -> None:
-        for kill in (os.killpg, os.kill):  # the command's session, then the command if it left it
-            try:
-                kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def close(self) -> None:
         if self.proc.stdin:

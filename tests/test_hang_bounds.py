@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import REPO, free_port, kill_ranks, start_ranks
+from tests.forked import reap
 
 SCRIPT = REPO / "tests" / "scripts" / "hang_peer.py"
 HARD_TIMEOUT_S = 120
@@ -27,7 +28,7 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> list[int]:
         if all(p.exists() and p.read_text() for p in paths):
             return [int(p.read_text()) for p in paths]
         if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a process ended before training: {[p.communicate() for p in procs]}")
+            raise AssertionError(f"a process ended before training: {[reap(p) for p in procs]}")
         time.sleep(0.2)
     raise AssertionError("ranks did not reach step 20")
 
@@ -105,8 +106,7 @@ def test_under_torchrun_a_stopped_peer_is_bounded_and_exit_status_says_77(tmp_pa
         seconds = time.monotonic() - struck
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            reap(proc)  # torchrun and its workers, the stopped one too (it holds the output pipes)
         for pid in locals().get("pids", []):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -142,7 +142,7 @@ def _await_file(path: Path, procs: list[subprocess.Popen]) -> None:
     while not path.exists():
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             kill_ranks(procs)
-            raise AssertionError(f"{path.name} never appeared: {[p.communicate() for p in procs]}")
+            raise AssertionError(f"{path.name} never appeared: {[reap(p) for p in procs]}")
         time.sleep(0.05)
 
 

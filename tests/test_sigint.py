@@ -11,6 +11,7 @@ import sys
 import time
 
 from tests.dist_utils import REPO
+from tests.forked import reap
 
 SCRIPT = REPO / "tests" / "scripts" / "sigint_train.py"
 
@@ -28,7 +29,7 @@ def _run(tmp_path, presses: int) -> tuple[int, dict, str]:
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, reap(proc)
             time.sleep(0.05)
         for _ in range(presses):
             proc.send_signal(signal.SIGINT)
@@ -36,8 +37,7 @@ def _run(tmp_path, presses: int) -> tuple[int, dict, str]:
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            reap(proc)
     result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), {})
     return proc.returncode, result, err
 
