@@ -108,9 +108,7 @@ def _number(value: Any) -> float | int | None:
     kind = type(value)
     if kind is float or kind is int:
         return value
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Integral):
+    if isinstance(value, numbers.Integral):  # bool too
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
@@ -140,7 +138,6 @@ class MetricLogger(Handler):
 
     def __init__(self, *, all_ranks: bool = False) -> None:
         self.all_ranks = all_ranks
-        self.trainer: Any = None
         self._closed = True
         self._seen_validations = 0
         self._train_logged = -1
@@ -198,8 +195,7 @@ class MetricLogger(Handler):
                 out[name] = getattr(state, name)
         for name, value in state.metrics.items():
             if validation if is_validation_metric(name) else train:
-                kind = type(value)
-                number = value if kind is float or kind is int else _number(value)
+                number = _number(value)
                 if number is not None:
                     out[name] = number
         return out

@@ -154,11 +154,6 @@ class NaNDetector(Handler):
         self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
 
-    @classmethod
-    def from_config(cls, cfg: NaNConfig) -> NaNDetector | None:
-        """Build from the ``nan`` section, or None when ``cfg.enabled`` is false."""
-        return super().from_config(cfg)
-
     def attach(self, trainer: Trainer) -> NaNDetector:
         if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):
             raise ConfigError(

@@ -107,13 +107,7 @@ class StragglerDetector(Handler):
         self._now = time.thread_time if clock == "cpu" else time.perf_counter
         self._times: deque[float] = deque(maxlen=self.window)
         self._t0 = 0.0
-        self.trainer: Any = None
         self.last_report: dict[str, Any] | None = None
-
-    @classmethod
-    def from_config(cls, cfg: StragglerConfig) -> StragglerDetector | None:
-        """Build from the ``straggler`` section, or None when ``cfg.enabled`` is false."""
-        return super().from_config(cfg)
 
     def attach(self, trainer: Any) -> StragglerDetector:
         # The step clock: started and stopped ahead of every handler but the profiler and the other clock.

@@ -48,10 +48,7 @@ STAGING_WAIT = Priority.CLEANUP
 
 class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
-
-    It counts no steps: it saves where the control point decided a save (``request_save(by)``: the
-    StepScheduler's ``ckpt_every_steps``, a stop signal, a user), at the last step and on a resumable
-    stop, and records who asked (its log line, ``requested_by`` in each rank's state file).
+    When it saves: see :mod:`hookloop.handlers.checkpoint` (it counts no steps).
 
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
@@ -126,7 +123,6 @@ class AsyncCheckpointer(Handler):
         if self.finetune_from is not None:
             resolve_checkpoint_setting(self.finetune_from, "checkpoint.finetune_from")
 
-        self.trainer: Any = None
         self.last_saved_step: int | None = None
         self.resumed_from: str | None = None
         self.last_checkpoint: str | None = None
@@ -202,7 +198,7 @@ class AsyncCheckpointer(Handler):
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
         trainer.add_event_handler(Events.STEP_END, self._capture_due, priority=CAPTURE)
         # whether every rank's save in flight is durable travels in the trainer's step agreement
-        trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
+        trainer.agreement.add("checkpoint.pending", lambda: self._writer.pending, self._on_pending_agreed)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=RESUME)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=RESUME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=RESUME)
@@ -290,10 +286,6 @@ class AsyncCheckpointer(Handler):
         if self.mode == AsyncMode.SYNC:
             self._finish(wait=False)
 
-    def _save_pending(self) -> bool:
-        """This rank's vote in the step agreement: its save in flight is not yet durable."""
-        return self._writer.pending
-
     def _on_pending_agreed(self, ranks: float) -> None:
         self._pending_ranks = int(ranks)
 
@@ -328,9 +320,7 @@ class AsyncCheckpointer(Handler):
         if rollback is None:
             self.restore_latest()
         else:
-            self.restore_latest(
-                keep_data_position=rollback.keep_data_position, at_or_before=rollback.at_or_before
-            )
+            self.restore_latest(rollback.keep_data_position, rollback.at_or_before)
 
     def _known_good_step(self) -> int | None:
         """The newest step the save policy protects: pruning never deletes its checkpoint."""
