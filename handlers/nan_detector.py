@@ -155,13 +155,13 @@ class NaNDetector(Handler):
         self.restored_step: int | None = None
 
     def attach(self, trainer: Trainer) -> NaNDetector:
-        if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):
-            raise ConfigError(
-                "nan.action",
-                "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an AsyncCheckpointer "
-                "before the NaNDetector, or use action='warn' or 'raise'",
-            )
         if self.action == "rollback":
+            if not trainer.has_event_handler_for(Events.ROLLBACK):
+                raise ConfigError(
+                    "nan.action",
+                    "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an "
+                    "AsyncCheckpointer before the NaNDetector, or use action='warn' or 'raise'",
+                )
             trainer.save_policy.want_initial_save()
         # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)

@@ -102,7 +102,6 @@ class StragglerDetector(Handler):
         self.every_steps = every_steps
         self.stop_threshold = stop_threshold
         self.window = window or every_steps
-        self.clock = clock
         self.group = group
         self._now = time.thread_time if clock == "cpu" else time.perf_counter
         self._times: deque[float] = deque(maxlen=self.window)

@@ -108,12 +108,9 @@ class AsyncCheckpointer(Handler):
         # the section's rules, the only copy (errors name the dotted key, e.g. checkpoint.keep_last)
         checked_settings(CheckpointConfig, {**locals(), "directory": os.fspath(directory)}, "checkpoint")
         self.directory = os.path.abspath(directory)
-        self.keep_last = keep_last
-        self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
         self.mode = AsyncMode.parse(mode).value
         self.load_optimizer = load_optimizer
-        self.wait_timeout_s = wait_timeout_s
-        self.index_limit = int(max_index_mb * 2**20)
+        index_limit = int(max_index_mb * 2**20)
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
         self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
         # created once the run has started: a refused start leaves no directory behind
@@ -139,7 +136,7 @@ class AsyncCheckpointer(Handler):
             keep_best=keep_best,
             metric=metric,
             metric_mode=metric_mode,
-            index_limit=self.index_limit,
+            index_limit=index_limit,
             wait_timeout_s=wait_timeout_s,
             long_wait=self._long_wait,
             known_good=self._known_good_step,
@@ -153,7 +150,7 @@ class AsyncCheckpointer(Handler):
             long_wait=self._long_wait,
         )
         self._reader = CheckpointReader(
-            self._store, self._session, index_limit=self.index_limit, long_wait=self._long_wait
+            self._store, self._session, index_limit=index_limit, long_wait=self._long_wait
         )
         self._settings = ResumeSettings(self._session)
         self._state: RankState | None = None  # once attached: it works on the trainer

@@ -198,9 +198,8 @@ class CheckpointReader:
             if k.startswith("model.")
         }
         wanted = {k: tuple(v.shape) for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
-        if (
-            self._session.group is not None
-        ):  # ranks may hold different parts (pipeline stages): the union counts
+        # ranks may hold different parts (pipeline stages): the union counts
+        if self._session.group is not None:
             gathered: list[Any] = [None] * parallel.world_size()
             dist.all_gather_object(gathered, wanted, group=self._session.group)
             for part in gathered:
@@ -259,8 +258,7 @@ class CheckpointReader:
 
     def load_weights(self, model: torch.nn.Module, path: str) -> None:
         """Load only the model weights of ``path`` into ``model`` (``finetune_from``)."""
-        model_sd = get_model_state_dict(model)
-        state_dict = {"model": model_sd}
+        state_dict = {"model": get_model_state_dict(model)}
         self.load(path, state_dict, "checkpoint.finetune_from")
         try:
             set_model_state_dict(model, state_dict["model"])
