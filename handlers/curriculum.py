@@ -187,12 +187,9 @@ class PhaseCurriculum(Handler):
             raise RuntimeError("this PhaseCurriculum is already attached to a trainer")
         if self._scales_lr and trainer.rates.multiplier is not None:
             raise RuntimeError("the learning rate is already scaled by another PhaseCurriculum")
-        # TRAIN_START: after the checkpointer restored the step, before the scheduler and user handlers.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=ALIGN_PHASE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PHASE)
-        # STEP_END: after validation, before the checkpointer saves the position and loggers record lr.
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=PHASE)
-        # ROLLBACK: after the checkpointer restored the counters (and maybe the data).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=ALIGN_AFTER_RESTORE)
         if self._scales_lr:
             trainer.rates.multiplier = self.lr_scale_at

@@ -211,25 +211,20 @@ class MetricsTracker(Handler):
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=TRACK)
         # progress.jsonl says the run started only once it has (a refused start writes nothing)
         trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=TRACK)
-        # the data clock: the wait for the step's microbatches, before STEP_START
         started, completed = IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED
         trainer.add_event_handler(started, self._on_batch_started, priority=TIME)
         trainer.add_event_handler(completed, self._on_batch_completed, priority=TIME)
-        # The step clock starts and stops ahead of every handler but the profiler, so step_time_s is
-        # the step body alone.
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME)
         # The reduction is a collective: after the HealthCheck's probe (a hung peer is reported by the
         # probe rather than blocking here), before validation.
         trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=PUBLISH)
-        # A partial interval is published at TRAIN_END before the loggers write and close.
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=TRACK_END)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=TRACK_END)
         # A rollback is recorded with the step it left (before the checkpointer restores, at RESUME)
         # and the step it went back to (after).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=TIME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=TRACK)
-        # a run resumed from a checkpoint finds every progress line up to its step
         trainer.add_event_handler(Events.CHECKPOINT_SAVED, self._flush, priority=TRACK)
         return super().attach(trainer)
 

@@ -163,13 +163,9 @@ class NaNDetector(Handler):
                     "AsyncCheckpointer before the NaNDetector, or use action='warn' or 'raise'",
                 )
             trainer.save_policy.want_initial_save()
-        # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
-        # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
-        # Around the trainer's ROLLBACK: count first, then (after the restore and every other
-        # ROLLBACK handler) take the restored step.
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=ROLLBACK_COUNT)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
         return super().attach(trainer)

@@ -322,8 +322,6 @@ class StepScheduler(Handler):
         why = f" ({why}dp_size {self.dp_size}))"
         trainer.plan.configure("StepScheduler", self.max_steps, self.num_epochs, self.grad_acc_steps, why)
         trainer.run_end.stop_on(self.stop_signals, self.exit_duration_in_mins)
-        # Requests are made before user STEP_START handlers run; the loss window is kept at STEP_END
-        # before the metrics are published.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)

@@ -109,10 +109,8 @@ class StragglerDetector(Handler):
         self.last_report: dict[str, Any] | None = None
 
     def attach(self, trainer: Any) -> StragglerDetector:
-        # The step clock: started and stopped ahead of every handler but the profiler and the other clock.
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME_STRAGGLER)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME_STRAGGLER)
-        # The report (a collective, maybe a stop request): after validation, before the loggers.
         trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=STRAGGLER)
         return super().attach(trainer)
 

@@ -185,9 +185,6 @@ class AsyncCheckpointer(Handler):
             load_optimizer=self.load_optimizer,
             long_wait=self._long_wait,
         )
-        # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
-        # the step's flags, metrics and validation are in; wait for staging last before the
-        # optimizer changes the parameters.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=RESUME)
         trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=RESUME)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
