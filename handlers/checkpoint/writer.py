@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,27 +47,21 @@ __all__ = ["CheckpointWriter", "Save"]
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
 
+@dataclass(eq=False)
 class Save:
     """One save in flight: where it goes, the futures that tell when it is staged/durable, and this
     rank's manifest entries (its state JSON's from ``rank_file``, its DCP files' in
     ``writer.entries`` once done)."""
 
-    def __init__(
-        self,
-        step: int,
-        partial: str,
-        final: str,
-        done: Future,
-        staged: Future | None,
-        writer: RecordingWriter | None = None,
-        rank_file: Future | None = None,
-        metrics: dict[str, float] | None = None,
-    ) -> None:
-        self.step, self.partial, self.final = step, partial, final
-        self.done, self.staged = done, staged
-        self.writer, self.rank_file = writer, rank_file
-        self.metrics = dict(metrics or {})
-        self.index_size = 0  # of the published index (.metadata), in bytes: once published
+    step: int
+    partial: str
+    final: str
+    done: Future
+    staged: Future | None
+    writer: RecordingWriter | None = None
+    rank_file: Future | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    index_size: int = 0  # of the published index (.metadata), in bytes: once published
 
     @property
     def finite(self) -> bool | None:
@@ -251,7 +246,7 @@ class CheckpointWriter:
         final = os.path.join(self.directory, name)
         done = all_of([done, rank_file])
         self.inflight = Save(
-            step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=metrics
+            step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=dict(metrics)
         )
 
     @property
