@@ -256,7 +256,8 @@ class MetricsTracker(Handler):
 
     def _on_run_started(self) -> None:
         state = self.trainer.state
-        self._open_progress()
+        if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
+            self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
         if self._progress is not None:  # each step once: a killed run's lines after its checkpoint go
             self._progress.cut(state.step)
         self._write_progress(
@@ -385,12 +386,6 @@ class MetricsTracker(Handler):
                     record["mfu"] = m["mfu"]
             self._write_progress(record)
         self._reset_interval()
-
-    def _open_progress(self) -> None:
-        """Rank 0 of a tracker with a run directory appends to ``progress.jsonl`` (history survives
-        restarts, cut back to the resumed step), opened once the run has started."""
-        if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
-            self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
 
     def _write_progress(self, record: dict[str, Any]) -> None:
         if self._progress is not None:

@@ -235,8 +235,9 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:
                 self._state_slot = None
-            else:
-                _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
+            else:  # nothing may write into partial later; the error that matters is raised below
+                with contextlib.suppress(Exception):
+                    rank_file.result(timeout=self.wait_timeout_s)
             reraise_interrupt(e)
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {last_line(e)}; free space or fix permissions of "
@@ -424,8 +425,3 @@ def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:
         future.set_result(fn(*args))
     except Exception as e:  # noqa: BLE001 - the save's owner reports it when it finishes the save
         future.set_exception(e)
-
-
-def _wait_quietly(future: Future, timeout: float) -> None:
-    with contextlib.suppress(Exception):  # the caller reports the error that matters
-        future.result(timeout=timeout)
