@@ -66,13 +66,8 @@ class LoggingConfig:
         check_bool(dotted(p, "progress_bar"), self.progress_bar, allow_none=True)
 
 
+# the names not under train/ (or val/ for a val_ name)
 _TAGS = {
-    "loss": "train/loss",
-    "loss_avg": "train/loss_avg",
-    "grad_norm": "train/grad_norm",
-    "lr": "train/lr",
-    "skipped_steps": "train/skipped_steps",
-    "tokens_seen": "train/tokens_seen",
     "step_time_s": "perf/step_time_s",
     "data_time_s": "perf/data_time_s",
     "tokens_per_s": "perf/tokens_per_s",
@@ -81,7 +76,6 @@ _TAGS = {
     "mfu": "perf/mfu",
     "rss_mb": "system/rss_mb",
     "cuda_max_allocated_mb": "system/cuda_max_allocated_mb",
-    "val_loss": "val/loss",
 }
 
 

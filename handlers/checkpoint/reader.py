@@ -47,7 +47,6 @@ class CheckpointReader:
         store: lists the candidates to load, newest first.
         session: the checkpoint process group the ranks agree on.
         index_limit: the largest DCP index (``.metadata``) read, in bytes.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(

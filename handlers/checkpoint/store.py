@@ -48,7 +48,6 @@ class CheckpointStore:
         keep_last, keep_best, metric, metric_mode: what pruning keeps (see the checkpointer).
         index_limit: the largest index a resume reads, in bytes (see :meth:`check_index_bound`).
         wait_timeout_s: the longest a wait for a deletion may take before it is left to finish.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
         known_good: the newest step a detector trusts (None: none), read when pruning.
     """
 

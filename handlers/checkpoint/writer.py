@@ -126,8 +126,6 @@ class CheckpointWriter:
         mode: how the save runs beside training.
         session: the checkpoint process group, the session id and the writer and file threads.
         store: publishes a save once every rank's write is durable.
-        wait_timeout_s: the longest any local wait for a save may take before it is an error.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(
