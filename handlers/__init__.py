@@ -19,12 +19,7 @@ from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMe
 from hookloop.handlers.health_check import HealthCheck, HealthCheckError, HealthConfig
 from hookloop.handlers.jsonl_logger import JSONLLogger
 from hookloop.handlers.loggers import LoggingConfig, MetricLogger, build_loggers, metric_tag
-from hookloop.handlers.metrics import (
-    MetricsConfig,
-    MetricsTracker,
-    estimate_flops_per_token,
-    peak_flops_for_device,
-)
+from hookloop.handlers.metrics import MetricsConfig, MetricsTracker
 from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
 from hookloop.handlers.order import Places
 from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
@@ -77,10 +72,8 @@ __all__ = [
     "attach_handlers",
     "build_loggers",
     "compose_config",
-    "estimate_flops_per_token",
     "check_run_paths",
     "load_run_config",
     "metric_tag",
-    "peak_flops_for_device",
     "validate_run_config",
 ]

@@ -18,7 +18,6 @@ import ast
 import dataclasses
 import inspect
 import re
-import sys
 import textwrap
 import typing
 from typing import Any
@@ -281,13 +280,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the reference page (see the module docstring for the command)."""
-    sys.stdout.write(render())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -22,10 +22,7 @@ def _fmt(value: float, spec: str) -> str:
 
 def _validation_parts(metrics: dict[str, float]) -> list[str]:
     """``val_loss 2.3411``, then every other validation metric (``val_accuracy 0.4120``)."""
-    names = [n for n in metrics if is_validation_metric(n)]
-    if not names:
-        return names
-    names.sort(key=lambda n: n != "val_loss")
+    names = sorted((n for n in metrics if is_validation_metric(n)), key=lambda n: n != "val_loss")
     return [
         f"{name} {metrics[name]}"
         if isinstance(metrics[name], int)

@@ -42,6 +42,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checks import check_int, check_number
 from hookloop.engine.data.config import DataConfig, Phase, check_phases
 from hookloop.engine.data.loader import MixtureLoader
@@ -186,12 +187,9 @@ class PhaseCurriculum(Handler):
             raise RuntimeError("this PhaseCurriculum is already attached to a trainer")
         if self._scales_lr and trainer.rates.multiplier is not None:
             raise RuntimeError("the learning rate is already scaled by another PhaseCurriculum")
-        # TRAIN_START: after the checkpointer restored the step, before the scheduler and user handlers.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=ALIGN_PHASE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=PHASE)
-        # STEP_END: after validation, before the checkpointer saves the position and loggers record lr.
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=PHASE)
-        # ROLLBACK: after the checkpointer restored the counters (and maybe the data).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=ALIGN_AFTER_RESTORE)
         if self._scales_lr:
             trainer.rates.multiplier = self.lr_scale_at
@@ -343,10 +341,6 @@ class PhaseCurriculum(Handler):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue right after the step ``state_dict`` was taken at (load the trainer counters too)."""
-        from hookloop.engine.checkpoint_format.errors import (
-            CheckpointError,  # a bad state is a checkpoint problem
-        )
-
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _STATE_FORMAT:
             got = state_dict.get("format") if isinstance(state_dict, Mapping) else type(state_dict).__name__
             raise CheckpointError(
@@ -375,10 +369,7 @@ class PhaseCurriculum(Handler):
         self.sampler.load_state_dict(state_dict["sampler"])
         self._anchor = (step, draws)
         self._completed = step
-        if state_dict.get("draws_per_step") is not None:
-            self._draws_per_step = int(state_dict["draws_per_step"])
-        else:
-            self._draws_per_step = 0
+        self._draws_per_step = int(state_dict.get("draws_per_step") or 0)
         self._loaded = (self._draws_per_step, int(state_dict["sampler"].get("world_size") or 0))
         if state_dict.get("unscaled_lrs") is not None and self.trainer is not None:
             self.trainer.rates.base = [float(lr) for lr in state_dict["unscaled_lrs"]]

@@ -112,9 +112,7 @@ class PerDatasetMetrics(Handler):
     def attach(self, trainer: Any) -> PerDatasetMetrics:
         trainer.add_event_handler(Events.TRAIN_START, self._reset, priority=DATASET_METRICS)
         trainer.add_event_handler(Events.MICROBATCH, self._on_microbatch, priority=DATASET_METRICS)
-        # STEP_END: after the MetricsTracker published, before the checkpointer and the loggers.
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=DATASET_METRICS)
-        # TRAIN_END: a partial interval before the tracker's (TRACK_END) and the loggers closing.
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=DATASET_METRICS_END)
         return super().attach(trainer)
 

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.handler import section_settings
 from hookloop.engine.targets import accepted_names, bind_arguments, resolve_target
 
 __all__ = [
@@ -86,8 +87,7 @@ class HandlerEntry:
             )
         if getattr(self.section, "enabled", True) is False:
             return None
-        settings = {f.name: getattr(self.section, f.name) for f in dataclasses.fields(self.section)}
-        settings.pop("enabled", None)
+        settings = section_settings(self.section)
         return self.factory(**settings, **_named(self.factory, runtime, exclude=settings))
 
 

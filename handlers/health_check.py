@@ -94,14 +94,8 @@ class HealthCheck(Handler):
         self.timeout_s = float(timeout_s)
         self.group = group
         self.exit_grace_s = exit_grace_s
-        self.trainer: Any = None
         self.checks = 0
         self.last_duration_s: float | None = None
-
-    @classmethod
-    def from_config(cls, cfg: HealthConfig) -> HealthCheck | None:
-        """Build from the ``health`` section, or None when ``cfg.enabled`` is false."""
-        return super().from_config(cfg)
 
     def attach(self, trainer: Any) -> HealthCheck:
         # The first collective of STEP_END: before the StepScheduler's agreed exit check, the

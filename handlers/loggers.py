@@ -12,24 +12,11 @@ from typing import Any
 
 from hookloop.handlers.console import ConsoleLogger
 from hookloop.handlers.jsonl_logger import JSONLLogger
-from hookloop.handlers.metric_logger import (
-    WANDB_MODES,
-    LoggingConfig,
-    MetricLogger,
-    is_validation_metric,
-    metric_tag,
-)
+from hookloop.handlers.metric_logger import LoggingConfig, MetricLogger, metric_tag
 from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.handlers.wandb_logger import WandBLogger
 
-__all__ = [
-    "WANDB_MODES",
-    "LoggingConfig",
-    "MetricLogger",
-    "build_loggers",
-    "is_validation_metric",
-    "metric_tag",
-]
+__all__ = ["LoggingConfig", "MetricLogger", "build_loggers", "metric_tag"]
 
 
 def build_loggers(logging_cfg: Any, run_dir: str | os.PathLike, *, config: Any = None) -> list[MetricLogger]:

@@ -66,13 +66,8 @@ class LoggingConfig:
         check_bool(dotted(p, "progress_bar"), self.progress_bar, allow_none=True)
 
 
+# the names not under train/ (or val/ for a val_ name)
 _TAGS = {
-    "loss": "train/loss",
-    "loss_avg": "train/loss_avg",
-    "grad_norm": "train/grad_norm",
-    "lr": "train/lr",
-    "skipped_steps": "train/skipped_steps",
-    "tokens_seen": "train/tokens_seen",
     "step_time_s": "perf/step_time_s",
     "data_time_s": "perf/data_time_s",
     "tokens_per_s": "perf/tokens_per_s",
@@ -81,7 +76,6 @@ _TAGS = {
     "mfu": "perf/mfu",
     "rss_mb": "system/rss_mb",
     "cuda_max_allocated_mb": "system/cuda_max_allocated_mb",
-    "val_loss": "val/loss",
 }
 
 
@@ -108,9 +102,7 @@ def _number(value: Any) -> float | int | None:
     kind = type(value)
     if kind is float or kind is int:
         return value
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Integral):
+    if isinstance(value, numbers.Integral):  # bool too
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
@@ -140,7 +132,6 @@ class MetricLogger(Handler):
 
     def __init__(self, *, all_ranks: bool = False) -> None:
         self.all_ranks = all_ranks
-        self.trainer: Any = None
         self._closed = True
         self._seen_validations = 0
         self._train_logged = -1
@@ -198,8 +189,7 @@ class MetricLogger(Handler):
                 out[name] = getattr(state, name)
         for name, value in state.metrics.items():
             if validation if is_validation_metric(name) else train:
-                kind = type(value)
-                number = value if kind is float or kind is int else _number(value)
+                number = _number(value)
                 if number is not None:
                     out[name] = number
         return out

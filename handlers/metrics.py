@@ -211,25 +211,20 @@ class MetricsTracker(Handler):
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=TRACK)
         # progress.jsonl says the run started only once it has (a refused start writes nothing)
         trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=TRACK)
-        # the data clock: the wait for the step's microbatches, before STEP_START
         started, completed = IgniteEvents.GET_BATCH_STARTED, IgniteEvents.GET_BATCH_COMPLETED
         trainer.add_event_handler(started, self._on_batch_started, priority=TIME)
         trainer.add_event_handler(completed, self._on_batch_completed, priority=TIME)
-        # The step clock starts and stops ahead of every handler but the profiler, so step_time_s is
-        # the step body alone.
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME)
         # The reduction is a collective: after the HealthCheck's probe (a hung peer is reported by the
         # probe rather than blocking here), before validation.
         trainer.add_event_handler(Events.STEP_END, self._maybe_publish, priority=PUBLISH)
-        # A partial interval is published at TRAIN_END before the loggers write and close.
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=TRACK_END)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_failed, priority=TRACK_END)
         # A rollback is recorded with the step it left (before the checkpointer restores, at RESUME)
         # and the step it went back to (after).
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=TIME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=TRACK)
-        # a run resumed from a checkpoint finds every progress line up to its step
         trainer.add_event_handler(Events.CHECKPOINT_SAVED, self._flush, priority=TRACK)
         return super().attach(trainer)
 
@@ -261,7 +256,8 @@ class MetricsTracker(Handler):
 
     def _on_run_started(self) -> None:
         state = self.trainer.state
-        self._open_progress()
+        if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
+            self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
         if self._progress is not None:  # each step once: a killed run's lines after its checkpoint go
             self._progress.cut(state.step)
         self._write_progress(
@@ -390,12 +386,6 @@ class MetricsTracker(Handler):
                     record["mfu"] = m["mfu"]
             self._write_progress(record)
         self._reset_interval()
-
-    def _open_progress(self) -> None:
-        """Rank 0 of a tracker with a run directory appends to ``progress.jsonl`` (history survives
-        restarts, cut back to the resumed step), opened once the run has started."""
-        if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
-            self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
 
     def _write_progress(self, record: dict[str, Any]) -> None:
         if self._progress is not None:

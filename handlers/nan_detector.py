@@ -154,27 +154,18 @@ class NaNDetector(Handler):
         self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
 
-    @classmethod
-    def from_config(cls, cfg: NaNConfig) -> NaNDetector | None:
-        """Build from the ``nan`` section, or None when ``cfg.enabled`` is false."""
-        return super().from_config(cfg)
-
     def attach(self, trainer: Trainer) -> NaNDetector:
-        if self.action == "rollback" and not trainer.has_event_handler_for(Events.ROLLBACK):
-            raise ConfigError(
-                "nan.action",
-                "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an AsyncCheckpointer "
-                "before the NaNDetector, or use action='warn' or 'raise'",
-            )
         if self.action == "rollback":
+            if not trainer.has_event_handler_for(Events.ROLLBACK):
+                raise ConfigError(
+                    "nan.action",
+                    "'rollback' needs a checkpointer that answers Events.ROLLBACK: attach an "
+                    "AsyncCheckpointer before the NaNDetector, or use action='warn' or 'raise'",
+                )
             trainer.save_policy.want_initial_save()
-        # Early among BEFORE_OPTIMIZER_STEP handlers; the verdict is agreed with the step.
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
         trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
-        # Late at STEP_END: the checkpointer and every logger see the bad step first, then the rollback.
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
-        # Around the trainer's ROLLBACK: count first, then (after the restore and every other
-        # ROLLBACK handler) take the restored step.
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=ROLLBACK_COUNT)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
         return super().attach(trainer)

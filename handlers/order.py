@@ -39,10 +39,8 @@ __all__ = ["Places"]
 
 
 class Places:
-    """The place of every shipped handler on the events it attaches to (higher runs first). Each is
-    a :class:`~hookloop.engine.Place` inside one of the engine's phases (``Places.CHECKPOINT.phase ==
-    "ACT"``); ``Places.CHECKPOINT + 1`` stays in that phase. Gathered from the handlers' modules:
-    every place a module names (``checkpoint.CHECKPOINT``) is here under that name."""
+    """The place of every shipped handler on the events it attaches to (higher runs first), each
+    gathered from its module under the name it has there (see the module docstring)."""
 
 
 _MODULES = (checkpoint, console, curriculum, dataset_metrics, health_check, jsonl_logger,

@@ -125,7 +125,6 @@ class ProfilerWindow(Handler):
         self.profile_memory = profile_memory
         self.with_stack = with_stack
         self.use_gzip = use_gzip
-        self.trainer: Any = None
         self.profiler: torch.profiler.profile | None = None
         self.traced_steps: list[int] = []
         self._cuda_memory = False

@@ -176,7 +176,7 @@ class StepScheduler(Handler):
         self._epoch = check_position(start_step, start_epoch, self.epoch_len, "start_step", "start_epoch")
         self._step, self._pending_start = start_step, start_step > 0 or start_epoch > 0
         self._loss_window = RunningMean(loss_average_window_steps)
-        self._loss_window_loaded = False  # a checkpoint's window survives the next start
+        self._loss_window_loaded = False
         self._gc_was_enabled: bool | None = None
 
     @classmethod
@@ -270,11 +270,6 @@ class StepScheduler(Handler):
         """A stop signal reached some rank and every rank agreed on it (latches)."""
         return self.trainer is not None and self.trainer.run_end.stop_kind == "signal"
 
-    def _reset_run(self) -> None:
-        if not self._loss_window_loaded:
-            self._loss_window.clear()
-        self._loss_window_loaded = False
-
     def close(self) -> None:
         """Restore the GC setting this scheduler replaced."""
         if self._gc_was_enabled is not None:
@@ -291,13 +286,6 @@ class StepScheduler(Handler):
     @property
     def loss_avg(self) -> float:
         return self._loss_window.mean
-
-    def _skip(self, data: Any) -> int:
-        """Microbatches to drop when a run starts at the given position (once; see
-        :func:`engine.run_limits.microbatches_to_skip`)."""
-        pending, self._pending_start = self._pending_start, False
-        args = (self._step, self._epoch, self.epoch_len, self.grad_acc_steps, data, self.resume_skip)
-        return microbatches_to_skip(*args) if pending else 0
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -334,8 +322,6 @@ class StepScheduler(Handler):
         why = f" ({why}dp_size {self.dp_size}))"
         trainer.plan.configure("StepScheduler", self.max_steps, self.num_epochs, self.grad_acc_steps, why)
         trainer.run_end.stop_on(self.stop_signals, self.exit_duration_in_mins)
-        # Requests are made before user STEP_START handlers run; the loss window is kept at STEP_END
-        # before the metrics are published.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=SCHEDULE)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=EXIT_CHECK)
@@ -343,7 +329,10 @@ class StepScheduler(Handler):
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=EXIT_CHECK)
         return super().attach(trainer)
 
-    def _check_trainer(self) -> None:
+    def _on_train_start(self) -> None:
+        """The position given to the scheduler (start_step or load_state_dict) becomes the run
+        plan's start position (:meth:`engine.run_limits.RunPlan.start_at`), with the microbatches
+        of the epoch already used skipped unless the loader restores its own position."""
         trainer = self.trainer
         data = trainer.step_data.data if trainer.step_data is not None else None
         data_epoch_len = steps_in(data_length(data), self.grad_acc_steps)
@@ -353,16 +342,13 @@ class StepScheduler(Handler):
                 f"trainer.run() got data with {data_epoch_len} steps per epoch but the StepScheduler was "
                 f"built for {self.epoch_len}; run the trainer on the scheduler's dataloader",
             )
-
-    def _on_train_start(self) -> None:
-        """The position given to the scheduler (start_step or load_state_dict) becomes the run
-        plan's start position (:meth:`engine.run_limits.RunPlan.start_at`), with the microbatches
-        of the epoch already used skipped unless the loader restores its own position."""
-        self._check_trainer()
         if self._pending_start:
-            skip = self._skip(self.trainer.step_data.data)
-            self.trainer.plan.start_at(self._step, self._epoch, skip)
-        self._reset_run()
+            self._pending_start = False
+            args = (self._step, self._epoch, self.epoch_len, self.grad_acc_steps, data, self.resume_skip)
+            trainer.plan.start_at(self._step, self._epoch, microbatches_to_skip(*args))
+        if not self._loss_window_loaded:  # a checkpoint's window survives the next start
+            self._loss_window.clear()
+        self._loss_window_loaded = False
         if self.gc_every_steps is not None and self._gc_was_enabled is None:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()

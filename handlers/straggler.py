@@ -102,24 +102,15 @@ class StragglerDetector(Handler):
         self.every_steps = every_steps
         self.stop_threshold = stop_threshold
         self.window = window or every_steps
-        self.clock = clock
         self.group = group
         self._now = time.thread_time if clock == "cpu" else time.perf_counter
         self._times: deque[float] = deque(maxlen=self.window)
         self._t0 = 0.0
-        self.trainer: Any = None
         self.last_report: dict[str, Any] | None = None
 
-    @classmethod
-    def from_config(cls, cfg: StragglerConfig) -> StragglerDetector | None:
-        """Build from the ``straggler`` section, or None when ``cfg.enabled`` is false."""
-        return super().from_config(cfg)
-
     def attach(self, trainer: Any) -> StragglerDetector:
-        # The step clock: started and stopped ahead of every handler but the profiler and the other clock.
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=TIME_STRAGGLER)
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=TIME_STRAGGLER)
-        # The report (a collective, maybe a stop request): after validation, before the loggers.
         trainer.add_event_handler(Events.STEP_END, self._maybe_report, priority=STRAGGLER)
         return super().attach(trainer)
 

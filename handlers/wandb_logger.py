@@ -18,11 +18,8 @@ LOG_WANDB = Priority.RECORD - 2
 
 
 class WandBLogger(MetricLogger):
-    """Logs the run's config once and its metrics under :func:`~handlers.metric_logger.metric_tag` names.
-
-    When does it log? On the log steps every logger shares (:meth:`MetricLogger.is_log_step`: the
-    MetricsTracker's publications, every ``logging.log_interval`` steps). Validation results are
-    sent on the step they were computed.
+    """Logs the run's config once and its metrics under :func:`~handlers.metric_logger.metric_tag` names,
+    on the log steps every logger shares (:mod:`handlers.metric_logger`).
 
     ``mode`` None leaves the choice to ``WANDB_MODE``; ``"offline"`` writes a local run directory
     under ``dir`` that ``wandb sync`` uploads later; ``"disabled"`` makes every call a no-op.

@@ -73,7 +73,7 @@ from hookloop.engine.checkpoint_format.errors import (
     CheckpointIndexBoundError,
     CheckpointLayoutError,
 )
-from hookloop.handlers.checkpoint.config import MODE_ALIASES, MODES, AsyncMode, CheckpointConfig
+from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CAPTURE, CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.model_layout import describe_layout_difference
 from hookloop.handlers.checkpoint.resume_settings import Recorded
@@ -81,8 +81,6 @@ from hookloop.handlers.checkpoint.resume_settings import Recorded
 __all__ = [
     "CAPTURE",
     "CHECKPOINT",
-    "MODES",
-    "MODE_ALIASES",
     "RESUME",
     "STAGING_WAIT",
     "AsyncCheckpointer",

@@ -14,15 +14,10 @@ __all__ = ["METRIC_MODES", "MODES", "MODE_ALIASES", "AsyncMode", "CheckpointConf
 
 
 class AsyncMode(enum.StrEnum):
-    """How a save runs beside training (see :mod:`hookloop.handlers.checkpoint`)."""
+    """How a save runs beside training (see "Modes" in :mod:`hookloop.handlers.checkpoint`)."""
 
-    #: ``dcp.save`` in the save call: training waits for the whole write.
     SYNC = "sync"
-    #: The write on the writer thread, from the live state (plain CPU tensors; others copied to host
-    #: memory there first): training waits only before the next optimizer step, load, rollback, save
-    #: or drain, until nothing reads the live state (the staging-wait contract).
     ASYNC = "async"
-    #: ``dcp.async_save``: training waits for the copy in the save call, the write runs behind it.
     ASYNC_COPY = "async_copy"
 
     @classmethod

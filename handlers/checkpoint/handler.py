@@ -48,10 +48,7 @@ STAGING_WAIT = Priority.CLEANUP
 
 class AsyncCheckpointer(Handler):
     """Save sharded checkpoints (in the background by default), resume exactly, answer ROLLBACK.
-
-    It counts no steps: it saves where the control point decided a save (``request_save(by)``: the
-    StepScheduler's ``ckpt_every_steps``, a stop signal, a user), at the last step and on a resumable
-    stop, and records who asked (its log line, ``requested_by`` in each rank's state file).
+    When it saves: see :mod:`hookloop.handlers.checkpoint` (it counts no steps).
 
     Args:
         directory: where the ``step_N`` checkpoint directories and the ``latest`` pointer live.
@@ -111,12 +108,9 @@ class AsyncCheckpointer(Handler):
         # the section's rules, the only copy (errors name the dotted key, e.g. checkpoint.keep_last)
         checked_settings(CheckpointConfig, {**locals(), "directory": os.fspath(directory)}, "checkpoint")
         self.directory = os.path.abspath(directory)
-        self.keep_last = keep_last
-        self.keep_best, self.metric, self.metric_mode = keep_best, metric, metric_mode
         self.mode = AsyncMode.parse(mode).value
         self.load_optimizer = load_optimizer
-        self.wait_timeout_s = wait_timeout_s
-        self.index_limit = int(max_index_mb * 2**20)
+        index_limit = int(max_index_mb * 2**20)
         self.resume = None if resume is None else ("auto" if resume == "auto" else os.path.abspath(resume))
         self.finetune_from = None if finetune_from is None else os.path.abspath(finetune_from)
         # created once the run has started: a refused start leaves no directory behind
@@ -126,7 +120,6 @@ class AsyncCheckpointer(Handler):
         if self.finetune_from is not None:
             resolve_checkpoint_setting(self.finetune_from, "checkpoint.finetune_from")
 
-        self.trainer: Any = None
         self.last_saved_step: int | None = None
         self.resumed_from: str | None = None
         self.last_checkpoint: str | None = None
@@ -143,7 +136,7 @@ class AsyncCheckpointer(Handler):
             keep_best=keep_best,
             metric=metric,
             metric_mode=metric_mode,
-            index_limit=self.index_limit,
+            index_limit=index_limit,
             wait_timeout_s=wait_timeout_s,
             long_wait=self._long_wait,
             known_good=self._known_good_step,
@@ -157,7 +150,7 @@ class AsyncCheckpointer(Handler):
             long_wait=self._long_wait,
         )
         self._reader = CheckpointReader(
-            self._store, self._session, index_limit=self.index_limit, long_wait=self._long_wait
+            self._store, self._session, index_limit=index_limit, long_wait=self._long_wait
         )
         self._settings = ResumeSettings(self._session)
         self._state: RankState | None = None  # once attached: it works on the trainer
@@ -192,9 +185,6 @@ class AsyncCheckpointer(Handler):
             load_optimizer=self.load_optimizer,
             long_wait=self._long_wait,
         )
-        # Resume first at TRAIN_START (right after the trainer's own reset); save at STEP_END once
-        # the step's flags, metrics and validation are in; wait for staging last before the
-        # optimizer changes the parameters.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=RESUME)
         trainer.add_event_handler(Events.RUN_STARTED, self._on_run_started, priority=RESUME)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=RESUME)
@@ -202,7 +192,7 @@ class AsyncCheckpointer(Handler):
         trainer.add_event_handler(Events.STEP_END, self._on_step_end, priority=CHECKPOINT)
         trainer.add_event_handler(Events.STEP_END, self._capture_due, priority=CAPTURE)
         # whether every rank's save in flight is durable travels in the trainer's step agreement
-        trainer.agreement.add("checkpoint.pending", self._save_pending, self._on_pending_agreed)
+        trainer.agreement.add("checkpoint.pending", lambda: self._writer.pending, self._on_pending_agreed)
         trainer.add_event_handler(Events.TRAIN_END, self._on_train_end, priority=RESUME)
         trainer.add_event_handler(Events.TRAIN_FAILED, self._on_exception, priority=RESUME)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback, priority=RESUME)
@@ -290,10 +280,6 @@ class AsyncCheckpointer(Handler):
         if self.mode == AsyncMode.SYNC:
             self._finish(wait=False)
 
-    def _save_pending(self) -> bool:
-        """This rank's vote in the step agreement: its save in flight is not yet durable."""
-        return self._writer.pending
-
     def _on_pending_agreed(self, ranks: float) -> None:
         self._pending_ranks = int(ranks)
 
@@ -328,9 +314,7 @@ class AsyncCheckpointer(Handler):
         if rollback is None:
             self.restore_latest()
         else:
-            self.restore_latest(
-                keep_data_position=rollback.keep_data_position, at_or_before=rollback.at_or_before
-            )
+            self.restore_latest(rollback.keep_data_position, rollback.at_or_before)
 
     def _known_good_step(self) -> int | None:
         """The newest step the save policy protects: pruning never deletes its checkpoint."""

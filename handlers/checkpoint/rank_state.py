@@ -39,7 +39,6 @@ class RankState:
         reader: loads the model (and optimizer) from the checkpoint, after its layout check.
         settings: records the run's settings and decides what a resume does with changed ones.
         load_optimizer: restore the optimizer state too.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(

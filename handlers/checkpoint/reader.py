@@ -47,7 +47,6 @@ class CheckpointReader:
         store: lists the candidates to load, newest first.
         session: the checkpoint process group the ranks agree on.
         index_limit: the largest DCP index (``.metadata``) read, in bytes.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(
@@ -198,9 +197,8 @@ class CheckpointReader:
             if k.startswith("model.")
         }
         wanted = {k: tuple(v.shape) for k, v in state_dict["model"].items() if isinstance(v, torch.Tensor)}
-        if (
-            self._session.group is not None
-        ):  # ranks may hold different parts (pipeline stages): the union counts
+        # ranks may hold different parts (pipeline stages): the union counts
+        if self._session.group is not None:
             gathered: list[Any] = [None] * parallel.world_size()
             dist.all_gather_object(gathered, wanted, group=self._session.group)
             for part in gathered:
@@ -259,8 +257,7 @@ class CheckpointReader:
 
     def load_weights(self, model: torch.nn.Module, path: str) -> None:
         """Load only the model weights of ``path`` into ``model`` (``finetune_from``)."""
-        model_sd = get_model_state_dict(model)
-        state_dict = {"model": model_sd}
+        state_dict = {"model": get_model_state_dict(model)}
         self.load(path, state_dict, "checkpoint.finetune_from")
         try:
             set_model_state_dict(model, state_dict["model"])

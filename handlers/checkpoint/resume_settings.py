@@ -328,13 +328,7 @@ def plain(value: Any) -> Any:
 
 def same(a: Any, b: Any) -> bool:
     """Whether two recorded values are equal (numbers by value, mappings in order)."""
-    number = (int, float)
-    if (
-        isinstance(a, number)
-        and isinstance(b, number)
-        and not isinstance(a, bool)
-        and not isinstance(b, bool)
-    ):
+    if _number(a) and _number(b):
         return float(a) == float(b)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)

@@ -46,31 +46,26 @@ class CheckpointSession:
 
     def io_thread(self) -> ThreadPoolExecutor:
         """The thread for the file work training need not wait for (rank state files, pruning)."""
-        if self._io is None:
-            intra_op.prepare()
-            self._io = ThreadPoolExecutor(
-                1, thread_name_prefix="hookloop-checkpoint-io", initializer=use_one_intra_op_thread
-            )
-        return self._io
+        return self._thread("_io", "io")
 
     def write_thread(self) -> ThreadPoolExecutor:
-        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time).
-        It runs its torch ops on one intra-op thread: a team of its own would slow every later
-        training step (see :mod:`hookloop.engine.intra_op`)."""
-        if self._write is None:
+        """The thread that stages and writes ``mode="async"`` saves (one save in flight at a time)."""
+        return self._thread("_write", "write")
+
+    def _thread(self, attr: str, name: str) -> ThreadPoolExecutor:
+        """One worker thread, made on first use. It runs its torch ops on one intra-op thread: a
+        team of its own would slow every later training step (see :mod:`hookloop.engine.intra_op`)."""
+        if getattr(self, attr) is None:
             intra_op.prepare()  # here, so that the thread starts as fast as it did before
-            self._write = ThreadPoolExecutor(
-                1, thread_name_prefix="hookloop-checkpoint-write", initializer=use_one_intra_op_thread
+            executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"hookloop-checkpoint-{name}", initializer=use_one_intra_op_thread
             )
-        return self._write
+            setattr(self, attr, executor)
+        return getattr(self, attr)
 
     def agree_failed(self, failed: bool) -> bool:
         """Whether any rank failed (one small all-reduce on training's group; local with one rank)."""
-        if parallel.world_size() == 1:
-            return failed
-        t = torch.tensor([int(failed)], dtype=torch.int32, device=parallel.collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0])
+        return bool(self.agree_max([int(failed)])[0])
 
     def agree_max(self, values: list[int]) -> list[int]:
         """Each of ``values``' largest over the ranks (one small all-reduce on training's group;

@@ -48,7 +48,6 @@ class CheckpointStore:
         keep_last, keep_best, metric, metric_mode: what pruning keeps (see the checkpointer).
         index_limit: the largest index a resume reads, in bytes (see :meth:`check_index_bound`).
         wait_timeout_s: the longest a wait for a deletion may take before it is left to finish.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
         known_good: the newest step a detector trusts (None: none), read when pruning.
     """
 
@@ -154,7 +153,8 @@ class CheckpointStore:
             if step is not None and step < newest:
                 doomed.append(path)
         keep = {path for _, path in complete[: self.keep_last]}
-        keep.update(self.best(complete))
+        if self.keep_best:
+            keep.update(ranked_by_metric(complete, self.metric, self.metric_mode)[: self.keep_best])
         latest = read_latest(self.directory)
         if latest:
             keep.add(os.path.join(self.directory, latest))
@@ -252,12 +252,6 @@ class CheckpointStore:
                 )
             return {}
         return {self.metric: value}
-
-    def best(self, complete: list[tuple[int, str]]) -> set[str]:
-        """The best ``keep_best`` of ``complete`` (:func:`ranked_by_metric`)."""
-        if not self.keep_best:
-            return set()
-        return set(ranked_by_metric(complete, self.metric, self.metric_mode)[: self.keep_best])
 
     def candidates(self, which: str) -> list[str]:
         """Rank 0: the checkpoints to try, newest first (see :meth:`CheckpointReader.agreed_checkpoint`)."""

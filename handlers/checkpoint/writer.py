@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,27 +47,21 @@ __all__ = ["CheckpointWriter", "Save"]
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
 
+@dataclass(eq=False)
 class Save:
     """One save in flight: where it goes, the futures that tell when it is staged/durable, and this
     rank's manifest entries (its state JSON's from ``rank_file``, its DCP files' in
     ``writer.entries`` once done)."""
 
-    def __init__(
-        self,
-        step: int,
-        partial: str,
-        final: str,
-        done: Future,
-        staged: Future | None,
-        writer: RecordingWriter | None = None,
-        rank_file: Future | None = None,
-        metrics: dict[str, float] | None = None,
-    ) -> None:
-        self.step, self.partial, self.final = step, partial, final
-        self.done, self.staged = done, staged
-        self.writer, self.rank_file = writer, rank_file
-        self.metrics = dict(metrics or {})
-        self.index_size = 0  # of the published index (.metadata), in bytes: once published
+    step: int
+    partial: str
+    final: str
+    done: Future
+    staged: Future | None
+    writer: RecordingWriter | None = None
+    rank_file: Future | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    index_size: int = 0  # of the published index (.metadata), in bytes: once published
 
     @property
     def finite(self) -> bool | None:
@@ -131,8 +126,6 @@ class CheckpointWriter:
         mode: how the save runs beside training.
         session: the checkpoint process group, the session id and the writer and file threads.
         store: publishes a save once every rank's write is durable.
-        wait_timeout_s: the longest any local wait for a save may take before it is an error.
-        long_wait: a context manager around waits that are long by nature (the watchdog's pause).
     """
 
     def __init__(
@@ -240,8 +233,9 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if self._state_slot is not None:
                 self._state_slot = None
-            else:
-                _wait_quietly(rank_file, self.wait_timeout_s)  # nothing may write into partial later
+            else:  # nothing may write into partial later; the error that matters is raised below
+                with contextlib.suppress(Exception):
+                    rank_file.result(timeout=self.wait_timeout_s)
             reraise_interrupt(e)
             raise CheckpointError(
                 f"saving step {step} to {partial} failed: {last_line(e)}; free space or fix permissions of "
@@ -251,7 +245,7 @@ class CheckpointWriter:
         final = os.path.join(self.directory, name)
         done = all_of([done, rank_file])
         self.inflight = Save(
-            step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=metrics
+            step, partial, final, done, staged, writer=writer, rank_file=rank_file, metrics=dict(metrics)
         )
 
     @property
@@ -429,8 +423,3 @@ def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:
         future.set_result(fn(*args))
     except Exception as e:  # noqa: BLE001 - the save's owner reports it when it finishes the save
         future.set_exception(e)
-
-
-def _wait_quietly(future: Future, timeout: float) -> None:
-    with contextlib.suppress(Exception):  # the caller reports the error that matters
-        future.result(timeout=timeout)

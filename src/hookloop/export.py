@@ -200,7 +200,8 @@ def _write_safetensors(checkpoint: _Checkpoint, path: Path) -> None:
     """The safetensors format written tensor by tensor: an 8-byte header length, the JSON header
     (name -> dtype, shape, byte offsets), then the data in the header's order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
+    offset = budget = 0
+    groups: list[list[str]] = [[]]  # the tensors of one read, at most READ_BYTES (or one tensor)
     for name, (_, shape, dtype) in checkpoint.entries.items():
         if dtype not in _DTYPES:
             raise CheckpointError(
@@ -213,17 +214,13 @@ def _write_safetensors(checkpoint: _Checkpoint, path: Path) -> None:
             "data_offsets": [offset, offset + size],
         }
         offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    groups: list[list[str]] = [[]]
-    budget = 0
-    for name, (_, shape, dtype) in checkpoint.entries.items():
-        size = torch.Size(shape).numel() * dtype.itemsize
         if groups[-1] and budget + size > READ_BYTES:
             groups.append([])
             budget = 0
         groups[-1].append(name)
         budget += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for group in groups:

@@ -55,27 +55,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--bind", default=DEFAULT_BIND, help=f"host:port to listen on (default {DEFAULT_BIND})"
     )
-    parser.add_argument(
-        "--min-replicas",
-        type=_positive,
-        default=1,
-        help="groups a new quorum needs (at most the groups that survive a failure; default 1)",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout-ms",
-        type=_positive,
-        default=1000,
-        help="a group silent this long is dropped: the survivors' stall per failure (default 1000)",
-    )
-    parser.add_argument(
-        "--join-timeout-ms",
-        type=_positive,
-        default=5000,
-        help="how long a quorum waits for heartbeating groups that have not asked yet (default 5000)",
-    )
-    parser.add_argument(
-        "--quorum-tick-ms", type=_positive, default=100, help="quorum check interval (default 100)"
-    )
+    for flag, default, text in (
+        ("--min-replicas", 1, "groups a new quorum needs, at most the groups that survive a failure"),
+        ("--heartbeat-timeout-ms", 1000, "drop a group silent this long (the survivors' stall per failure)"),
+        ("--join-timeout-ms", 5000, "how long a quorum waits for heartbeating groups not asking yet"),
+        ("--quorum-tick-ms", 100, "quorum check interval"),
+    ):
+        parser.add_argument(flag, type=_positive, default=default, help=f"{text} (default {default})")
     return parser
 
 

@@ -39,7 +39,6 @@ __all__ = [
     "ResolvedModel",
     "model_error",
     "resolve_model",
-    "resolve_target",
     "token_cross_entropy",
 ]
 
@@ -160,12 +159,12 @@ def resolve_model(cfg: Any) -> ResolvedModel:
 
 
 def model_error(
-    error: BaseException, args: Mapping[str, Any], filled: tuple[str, ...] = (), what: str = ""
+    error: BaseException, args: Mapping[str, Any], filled: tuple[str, ...] = ()
 ) -> ConfigError | None:
     """``error`` from a model factory (or its ``check``) as one :class:`ConfigError` line: a
     :data:`REFUSALS` exception, or one raised from one (Hugging Face wraps its config errors), names
     the argument its message names (``model.d_model``; ``train.seq_len`` for the ``seq_len`` filled
-    in from it), else ``model``. None for other exceptions. ``what`` prefixes the message."""
+    in from it), else ``model``. None for other exceptions."""
     if isinstance(error, ConfigError):
         return error
     refusal = error
@@ -182,7 +181,7 @@ def model_error(
             field, at = ("train.seq_len" if name in filled else f"model.{name}"), found.start()
     if field != "model":
         gist = re.sub(rf"^model\.{re.escape(field.rpartition('.')[2])}[:\s]+", "", gist)
-    return ConfigError(field, f"{what}{gist}")
+    return ConfigError(field, gist)
 
 
 def _bind(target: str, build: Callable, section: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
