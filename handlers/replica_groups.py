@@ -32,6 +32,13 @@ position, RNG), the same state a checkpoint holds, and a stop the peer decided. 
 (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so after a
 whole-job restart the group that resumed the newest checkpoint is the one the others heal from.
 
+Every group but the first heals when it joins (torchft syncs a fresh start from one group too), and
+the state it receives carries the sender's settings (:func:`shared_settings`: the model, train,
+optimizer, LR schedule, data and step scheduler sections): a group whose own differ is refused
+before its first step with a ``ConfigError`` naming the field (exit 2, nothing applied). No
+lighthouse, none reachable within ``connect_timeout_s``, or no quorum within ``quorum_timeout_s``
+ends the group with 77 in one line (torchft's error in full is logged at DEBUG).
+
 torchft is imported when the first run starts, never by importing this module, through its one
 adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
 """
@@ -39,28 +46,43 @@ adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from hookloop.engine import fault_tolerance, parallel, run_snapshot
 from hookloop.engine.agreement import AgreementTransport, sum_over_ranks
-from hookloop.engine.errors import TrainingAborted
+from hookloop.engine.errors import ConfigError, TrainingAborted
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.fault_tolerance import FaultToleranceConfig
 
-__all__ = ["STATE_KEY", "ReplicaGroups"]
+__all__ = ["STATE_KEY", "ReplicaGroups", "shared_settings"]
 
 logger = logging.getLogger("hookloop.replica_groups")
 
 #: Where torchft's commit count sits in a checkpoint (a registered stateful object).
 STATE_KEY = "replica_groups"
 _HOLDER = "replica groups (an uncommitted step)"
+#: The config sections every replica group trains with alike, and the fields in them that are each
+#: group's own (where and how its processes run); docs/distributed.md lists both.
+SHARED_SECTIONS = ("model", "train", "optimizer", "lr", "data", "step_scheduler")
+OWN_FIELDS = ("train.run_dir", "train.device", "train.num_threads", "data.cache_dir", "data.num_workers")
+
+
+def shared_settings(cfg: Any) -> dict[str, Any]:
+    """Dotted field -> value of the settings of run config ``cfg`` every replica group must share."""
+    out = {"fault_tolerance.num_replica_groups": cfg.fault_tolerance.num_replica_groups}
+    for name in SHARED_SECTIONS:
+        section = getattr(cfg, name, None)
+        fields = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section or {})
+        out.update({f"{name}.{k}": v for k, v in fields.items() if f"{name}.{k}" not in OWN_FIELDS})
+    return out
 
 
 class ReplicaGroups(AgreementTransport):
@@ -68,6 +90,8 @@ class ReplicaGroups(AgreementTransport):
 
     Args:
         config: the ``fault_tolerance`` section (validated here: a ``ConfigError`` names the field).
+        settings: what this group must share with the others (:func:`shared_settings`), compared
+            with a peer's when this group heals from it; None: nothing compared.
 
     ``attach(trainer)`` wires it in as the trainer's agreement transport; the trainer then averages
     gradients and agrees decisions over the live groups. :attr:`group` is this group's id,
@@ -75,11 +99,12 @@ class ReplicaGroups(AgreementTransport):
     step committed, :attr:`uncommitted_steps` how many did not in this run. :meth:`shutdown` leaves
     (the composition root calls it)."""
 
-    def __init__(self, config: FaultToleranceConfig) -> None:
+    def __init__(self, config: FaultToleranceConfig, settings: Mapping[str, Any] | None = None) -> None:
         config.validate()
         if not config.enabled:
             raise ValueError("ReplicaGroups needs a fault_tolerance section with enabled=true")
         self.config = config
+        self.settings = dict(settings or {})
         self.group = config.group_id()
         self.groups = config.num_replica_groups
         self.lighthouse = config.lighthouse_address()
@@ -132,10 +157,15 @@ class ReplicaGroups(AgreementTransport):
         """The torchft manager for this process: its store (a one-process group hosts its own),
         the cross-group process group, the heal transport, the lighthouse connection."""
         cfg = self.config
-        self.manager, self._pg, self._heal_transport, self._store = fault_tolerance.start_manager(
-            cfg, group_name=fault_tolerance.group_dir_name(self.group), rank=parallel.rank(),
-            world=parallel.world_size(),
-        )  # fmt: skip
+        try:
+            self.manager, self._pg, self._heal_transport, self._store = fault_tolerance.start_manager(
+                cfg, group_name=fault_tolerance.group_dir_name(self.group), rank=parallel.rank(),
+                world=parallel.world_size(),
+            )  # fmt: skip
+        except TrainingAborted:
+            raise
+        except Exception as e:  # noqa: BLE001 - torchft's manager could not reach the lighthouse
+            self._abort(f"no lighthouse reached within {cfg.connect_timeout_s:g} s", "connect_timeout_s", e)
         self.manager.register_state_dict_fn("hookloop", self._receive, self._payload)
         if self._saved_commits is not None:
             self.manager.load_state_dict(self._saved_commits)
@@ -175,13 +205,11 @@ class ReplicaGroups(AgreementTransport):
         try:
             with wait:  # bounded by quorum_timeout_s, and timeout_s for a heal
                 self.manager.start_quorum()
+        except ConfigError:  # a peer's settings differ from this group's (_receive)
+            raise
         except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse or every peer is gone
-            raise TrainingAborted(
-                f"no quorum of replica groups within {self.config.quorum_timeout_s:g} s "
-                f"(fault_tolerance.quorum_timeout_s; lighthouse {self.lighthouse}): {type(e).__name__}: "
-                f"{_last_line(e).split(', details:')[0]}",
-                int(ExitCode.HEALTH_CHECK_FAILED),
-            ) from e
+            timeout = self.config.quorum_timeout_s
+            self._abort(f"no quorum of replica groups within {timeout:g} s", "quorum_timeout_s", e)
         trainer.save_policy.release_saves(_HOLDER)
         quorum_id = fault_tolerance.quorum_id(self.manager)
         if quorum_id != self._quorum_id:
@@ -189,6 +217,16 @@ class ReplicaGroups(AgreementTransport):
             self._quorum_changed(quorum_id)
         if self._healed is not None:
             self._after_heal(at_start)
+
+    def _abort(self, what: str, field: str, error: Exception) -> NoReturn:
+        """End the run with 77 in one line saying ``what`` and the ``fault_tolerance`` field that
+        bounds it; torchft's error in full goes to the log at DEBUG."""
+        logger.debug("replica group %d: %s", self.group, what, exc_info=error)
+        raise TrainingAborted(
+            f"{what} (fault_tolerance.{field}; lighthouse {self.lighthouse}): {type(error).__name__}: "
+            f"{_last_line(error).split(', details:')[0].rsplit(': ', 1)[-1]}",
+            int(ExitCode.HEALTH_CHECK_FAILED),
+        ) from error
 
     def _quorum_changed(self, quorum_id: int) -> None:
         """Learn which groups are live (one small all-reduce over them) and say it in one line."""
@@ -322,6 +360,7 @@ class ReplicaGroups(AgreementTransport):
         decided, reason = trainer.control.decided, trainer.control.stop_reason
         return {
             "group": self.group,
+            "settings": self.settings,
             "model": model,
             "optim": optim,
             "snapshot": run_snapshot.capture(trainer),
@@ -332,6 +371,16 @@ class ReplicaGroups(AgreementTransport):
         """A peer's state, applied in the main thread inside ``start_quorum``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        theirs, peer = payload.get("settings", {}), payload.get("group")
+        for name in sorted(set(self.settings) | set(theirs)) if self.settings else ():
+            mine, other = self.settings.get(name, "unset"), theirs.get(name, "unset")
+            if mine != other:  # refused before anything of the peer's is applied
+                raise ConfigError(
+                    name,
+                    f"is {mine!r} here but {other!r} on replica group {peer}, which this group would "
+                    "receive its state from: every replica group trains with the same settings "
+                    "(docs/distributed.md); start this group with the others' value",
+                )
         start = time.perf_counter()
         trainer = self.trainer
         set_state_dict(
