@@ -25,19 +25,14 @@ adds marked ``+``::
                                         restarted one joins and is healed before the next fetch
 
 Every decision the engine agrees on (skip, stop and its exit code, save, validate) is summed over
-the live groups, so all of them take it at the same step. Healing: the recovering group receives
-the model and optimizer (by value, over torchft's HTTP transport: a pickle from a peer of the same
-job) and the run's snapshot (:mod:`engine.run_snapshot`: counters, LR scheduler, handlers, data
-position, RNG), the same state a checkpoint holds, and a stop the peer decided. torchft's own step
-(the count of committed steps) travels in checkpoints as the state ``replica_groups``, so after a
-whole-job restart the group that resumed the newest checkpoint is the one the others heal from.
-
-Every group but the first heals when it joins (torchft syncs a fresh start from one group too), and
-the state it receives carries the sender's settings (:func:`shared_settings`: the model, train,
-optimizer, LR schedule, data and step scheduler sections): a group whose own differ is refused
-before its first step with a ``ConfigError`` naming the field (exit 2, nothing applied). No
-lighthouse, none reachable within ``connect_timeout_s``, or no quorum within ``quorum_timeout_s``
-ends the group with 77 in one line (torchft's error in full is logged at DEBUG).
+the live groups, so all of them take it at the same step. Healing (every group but one of a fresh
+start too): the recovering group receives the model and optimizer (by value, over torchft's HTTP
+transport: a pickle from a peer of the same job), the run's snapshot (:mod:`engine.run_snapshot`:
+what a checkpoint holds), a stop the peer decided, and the peer's :func:`shared_settings`: one
+that differs from this group's refuses it by name before anything is applied (exit 2). torchft's
+own step (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so
+after a whole-job restart the group that resumed the newest checkpoint is the one the others heal
+from. No lighthouse or no quorum in time ends the group with 77 in one line.
 
 torchft is imported when the first run starts, never by importing this module, through its one
 adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
@@ -51,7 +46,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -157,15 +152,10 @@ class ReplicaGroups(AgreementTransport):
         """The torchft manager for this process: its store (a one-process group hosts its own),
         the cross-group process group, the heal transport, the lighthouse connection."""
         cfg = self.config
-        try:
-            self.manager, self._pg, self._heal_transport, self._store = fault_tolerance.start_manager(
-                cfg, group_name=fault_tolerance.group_dir_name(self.group), rank=parallel.rank(),
-                world=parallel.world_size(),
-            )  # fmt: skip
-        except TrainingAborted:
-            raise
-        except Exception as e:  # noqa: BLE001 - torchft's manager could not reach the lighthouse
-            self._abort(f"no lighthouse reached within {cfg.connect_timeout_s:g} s", "connect_timeout_s", e)
+        self.manager, self._pg, self._heal_transport, self._store = fault_tolerance.start_manager(
+            cfg, group_name=fault_tolerance.group_dir_name(self.group), rank=parallel.rank(),
+            world=parallel.world_size(),
+        )  # fmt: skip
         self.manager.register_state_dict_fn("hookloop", self._receive, self._payload)
         if self._saved_commits is not None:
             self.manager.load_state_dict(self._saved_commits)
@@ -184,8 +174,6 @@ class ReplicaGroups(AgreementTransport):
 
     # ------------------------------------------------------------------ the quorum
     def _on_train_start(self) -> None:
-        if self.manager is None:
-            self._start()
         self._quorum(at_start=True)
 
     def step_boundary(self) -> bool:
@@ -203,13 +191,21 @@ class ReplicaGroups(AgreementTransport):
         watchdog = getattr(trainer, "watchdog", None)
         wait = watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
         try:
-            with wait:  # bounded by quorum_timeout_s, and timeout_s for a heal
+            with wait:  # bounded by connect_timeout_s, quorum_timeout_s, and timeout_s for a heal
+                if self.manager is None:
+                    self._start()
                 self.manager.start_quorum()
-        except ConfigError:  # a peer's settings differ from this group's (_receive)
+        except (ConfigError, TrainingAborted):  # a peer's settings differ (_receive); no torchft
             raise
-        except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse or every peer is gone
-            timeout = self.config.quorum_timeout_s
-            self._abort(f"no quorum of replica groups within {timeout:g} s", "quorum_timeout_s", e)
+        except Exception as e:  # noqa: BLE001 - no lighthouse reached, or it or every peer is gone
+            logger.debug("replica group %d: no quorum", self.group, exc_info=e)  # torchft's error in full
+            bound = "quorum_timeout_s" if self.manager is not None else "connect_timeout_s"
+            raise TrainingAborted(
+                f"no quorum of replica groups within {getattr(self.config, bound):g} s (fault_tolerance."
+                f"{bound}; lighthouse {self.lighthouse}): {type(e).__name__}: "
+                f"{_last_line(e).split(', details:')[0].rsplit(': ', 1)[-1]}",
+                int(ExitCode.HEALTH_CHECK_FAILED),
+            ) from e
         trainer.save_policy.release_saves(_HOLDER)
         quorum_id = fault_tolerance.quorum_id(self.manager)
         if quorum_id != self._quorum_id:
@@ -217,16 +213,6 @@ class ReplicaGroups(AgreementTransport):
             self._quorum_changed(quorum_id)
         if self._healed is not None:
             self._after_heal(at_start)
-
-    def _abort(self, what: str, field: str, error: Exception) -> NoReturn:
-        """End the run with 77 in one line saying ``what`` and the ``fault_tolerance`` field that
-        bounds it; torchft's error in full goes to the log at DEBUG."""
-        logger.debug("replica group %d: %s", self.group, what, exc_info=error)
-        raise TrainingAborted(
-            f"{what} (fault_tolerance.{field}; lighthouse {self.lighthouse}): {type(error).__name__}: "
-            f"{_last_line(error).split(', details:')[0].rsplit(': ', 1)[-1]}",
-            int(ExitCode.HEALTH_CHECK_FAILED),
-        ) from error
 
     def _quorum_changed(self, quorum_id: int) -> None:
         """Learn which groups are live (one small all-reduce over them) and say it in one line."""

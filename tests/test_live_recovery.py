@@ -394,7 +394,7 @@ def test_no_lighthouse_a_silent_one_or_a_lost_one_ends_the_group_with_77_in_one_
             assert lost.exit_code() == 77, lost.text()[-3000:]
             assert time.monotonic() - killed < 4 + 30  # quorum_timeout_s, with room for a loaded machine
             for proc, why in (
-                (none, "no lighthouse reached within 2 s (fault_tolerance.connect_timeout_s"),
+                (none, "no quorum of replica groups within 2 s (fault_tolerance.connect_timeout_s"),
                 (quiet, "no quorum of replica groups within 4 s (fault_tolerance.quorum_timeout_s"),
             ):
                 assert proc.exit_code() == 77, proc.text()[-3000:]
