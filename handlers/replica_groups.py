@@ -29,7 +29,8 @@ the live groups, so all of them take it at the same step. Healing (every group b
 start too): the recovering group receives the model and optimizer (by value, over torchft's HTTP
 transport: a pickle from a peer of the same job), the run's snapshot (:mod:`engine.run_snapshot`:
 what a checkpoint holds), a stop the peer decided, and the peer's :func:`shared_settings`: one
-that differs from this group's refuses it by name before anything is applied (exit 2). torchft's
+that differs from this group's refuses it by name before anything is applied (exit 2; groups that
+join without a heal compare theirs at the quorum). torchft's
 own step (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so
 after a whole-job restart the group that resumed the newest checkpoint is the one the others heal
 from. No lighthouse or no quorum in time ends the group with 77 in one line.
@@ -42,9 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import re
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -216,11 +219,14 @@ class ReplicaGroups(AgreementTransport):
 
     def _quorum_changed(self, quorum_id: int) -> None:
         """Learn which groups are live (one small all-reduce over them) and say it in one line."""
-        before = self.live
-        votes = torch.zeros(self.groups, dtype=torch.float64)
-        votes[self.group] = 1.0
+        before, mine = self.live, json.dumps(self.settings, sort_keys=True, default=str).encode()
+        votes = torch.zeros(3 * self.groups, dtype=torch.float64)  # per group: live, settings' crc, length
+        votes[self.group :: self.groups] = torch.tensor([1.0, zlib.crc32(mine), len(mine)])
         if self._sum(votes):
-            self.live = tuple(g for g, v in enumerate(votes.tolist()) if v > 0)
+            live, crcs, lengths = votes.view(3, self.groups).tolist()
+            self.live = tuple(g for g, v in enumerate(live) if v > 0)
+            if len({crcs[g] for g in self.live}) > 1:  # every live group sees it: all exchange
+                self._compare_all(mine, [int(n) for n in lengths])
         else:  # a group died right away: the next quorum says who is left
             self.live = (self.group,)
         change = [f"groups {', '.join(str(g) for g in self.live)}"]
@@ -236,6 +242,28 @@ class ReplicaGroups(AgreementTransport):
                 "; ".join(change),
                 self.trainer.state.iteration,
             )
+
+    def _compare_all(self, mine: bytes, lengths: list[int]) -> None:
+        """Every live group's settings, one row each in one all-reduce, compared with this group's
+        when it is joining (groups that joined without a heal: all of them after a whole-job restart
+        at one step); the groups already training go on and leave the refusal to the joining one."""
+        rows = torch.zeros(self.groups, max(lengths), dtype=torch.float64)
+        rows[self.group, : len(mine)] = torch.tensor(list(mine), dtype=torch.float64)
+        if self._sum(rows) and self._at_start:  # else a group died: the next quorum compares again
+            for g in self.live:
+                self._compare(json.loads(bytes(int(b) for b in rows[g, : lengths[g]].tolist())), g)
+
+    def _compare(self, theirs: dict[str, Any], peer: Any) -> None:
+        """A ``ConfigError`` naming the first setting in which replica group ``peer`` differs."""
+        mine = json.loads(json.dumps(self.settings, sort_keys=True, default=str))
+        for name in sorted(set(mine) | set(theirs)) if mine else ():
+            if mine.get(name, "unset") != theirs.get(name, "unset"):
+                raise ConfigError(
+                    name,
+                    f"is {mine.get(name, 'unset')!r} here but {theirs.get(name, 'unset')!r} on replica "
+                    f"group {peer}: every replica group trains with the same settings "
+                    "(docs/distributed.md); start this group with the others' value",
+                )
 
     # ------------------------------------------------------------------ the step (the transport)
     @property
@@ -357,16 +385,8 @@ class ReplicaGroups(AgreementTransport):
         """A peer's state, applied in the main thread inside ``start_quorum``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        theirs, peer = payload.get("settings", {}), payload.get("group")
-        for name in sorted(set(self.settings) | set(theirs)) if self.settings else ():
-            mine, other = self.settings.get(name, "unset"), theirs.get(name, "unset")
-            if mine != other:  # refused before anything of the peer's is applied
-                raise ConfigError(
-                    name,
-                    f"is {mine!r} here but {other!r} on replica group {peer}, which this group would "
-                    "receive its state from: every replica group trains with the same settings "
-                    "(docs/distributed.md); start this group with the others' value",
-                )
+        theirs = json.loads(json.dumps(payload.get("settings", {}), sort_keys=True, default=str))
+        self._compare(theirs, payload.get("group"))  # refused before anything of the peer's is applied
         start = time.perf_counter()
         trainer = self.trainer
         set_state_dict(

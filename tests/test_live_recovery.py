@@ -374,6 +374,30 @@ def test_a_group_with_other_settings_is_refused_by_name_before_its_first_step(pr
     assert sorted(p.name for p in run.iterdir()) == ["replica_group_0"]  # the refused wrote nothing
 
 
+def test_groups_resumed_at_one_step_without_a_heal_compare_their_settings_too(project):
+    # Both groups save step 4 and end; started again (one with another learning rate), both resume
+    # step 4, so neither heals: the quorum's exchange of settings refuses both by name.
+    both = ("fault_tolerance.min_replicas=2",)
+    with processes() as started, lighthouse_here(2) as address:
+        first = [
+            group(project, started, g, address, "same", *both, "step_scheduler.max_steps=4") for g in [0, 1]
+        ]
+        assert [g.exit_code() for g in first] == [0, 0], first[1].text()[-3000:]
+        before = [exit_status(project / f"runs/same/replica_group_{g}") for g in (0, 1)]
+        again = [
+            group(project, started, g, address, "same", *both, "step_scheduler.max_steps=6", *lr, log="+")
+            for g, lr in ((0, ()), (1, ("optimizer.lr=0.003",)))
+        ]
+        for proc, line in (
+            (again[0], "config error: optimizer.lr: is 0.0003 here but 0.003 on replica group 1"),
+            (again[1], "config error: optimizer.lr: is 0.003 here but 0.0003 on replica group 0"),
+        ):
+            assert proc.exit_code() == 2, proc.text()[-3000:]
+            assert proc.text().strip().splitlines()[-1].startswith(line), proc.text()[-3000:]
+            assert "healed from" not in proc.text() and "step 5/" not in proc.text()
+    assert [exit_status(project / f"runs/same/replica_group_{g}") for g in (0, 1)] == before
+
+
 def test_no_lighthouse_a_silent_one_or_a_lost_one_ends_the_group_with_77_in_one_line(project):
     fast = ("fault_tolerance.connect_timeout_s=2", "fault_tolerance.quorum_timeout_s=4")
     with socket.socket() as free, socket.socket() as silent:
