@@ -210,11 +210,9 @@ def check_torchft_version() -> bool:
         found = "unknown"
     if found != TORCHFT_VERSION:
         logger.warning(
-            "fault_tolerance: torchft %s is installed, but hookloop is tested with torchft==%s and reads "
-            "private parts of it (the manager's quorum id, its HTTP transport's server); install %s",
-            found,
-            TORCHFT_VERSION,
-            INSTALL_HINT,
+            f"fault_tolerance: torchft {found} is installed, but hookloop is tested with torchft=="
+            f"{TORCHFT_VERSION} and reads private parts of it (the manager's quorum id, its HTTP "
+            f"transport's server); install {INSTALL_HINT}"
         )
     return found == TORCHFT_VERSION
 

@@ -102,7 +102,7 @@ class ReplicaGroups(AgreementTransport):
         if not config.enabled:
             raise ValueError("ReplicaGroups needs a fault_tolerance section with enabled=true")
         self.config = config
-        self.settings = dict(settings or {})
+        self.settings = json.loads(json.dumps(dict(settings or {}), sort_keys=True, default=str))
         self.group = config.group_id()
         self.groups = config.num_replica_groups
         self.lighthouse = config.lighthouse_address()
@@ -219,7 +219,7 @@ class ReplicaGroups(AgreementTransport):
 
     def _quorum_changed(self, quorum_id: int) -> None:
         """Learn which groups are live (one small all-reduce over them) and say it in one line."""
-        before, mine = self.live, json.dumps(self.settings, sort_keys=True, default=str).encode()
+        before, mine = self.live, json.dumps(self.settings, sort_keys=True).encode()
         votes = torch.zeros(3 * self.groups, dtype=torch.float64)  # per group: live, settings' crc, length
         votes[self.group :: self.groups] = torch.tensor([1.0, zlib.crc32(mine), len(mine)])
         if self._sum(votes):
@@ -255,7 +255,7 @@ class ReplicaGroups(AgreementTransport):
 
     def _compare(self, theirs: dict[str, Any], peer: Any) -> None:
         """A ``ConfigError`` naming the first setting in which replica group ``peer`` differs."""
-        mine = json.loads(json.dumps(self.settings, sort_keys=True, default=str))
+        mine = self.settings
         for name in sorted(set(mine) | set(theirs)) if mine else ():
             if mine.get(name, "unset") != theirs.get(name, "unset"):
                 raise ConfigError(
@@ -385,8 +385,7 @@ class ReplicaGroups(AgreementTransport):
         """A peer's state, applied in the main thread inside ``start_quorum``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        theirs = json.loads(json.dumps(payload.get("settings", {}), sort_keys=True, default=str))
-        self._compare(theirs, payload.get("group"))  # refused before anything of the peer's is applied
+        self._compare(payload.get("settings", {}), payload.get("group"))  # before anything is applied
         start = time.perf_counter()
         trainer = self.trainer
         set_state_dict(
