@@ -30,10 +30,10 @@ start too): the recovering group receives the model and optimizer (by value, ove
 transport: a pickle from a peer of the same job), the run's snapshot (:mod:`engine.run_snapshot`:
 what a checkpoint holds), a stop the peer decided, and the peer's :func:`shared_settings`: one
 that differs from this group's refuses it by name before anything is applied (exit 2; groups that
-join without a heal compare theirs at the quorum). torchft's
-own step (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so
-after a whole-job restart the group that resumed the newest checkpoint is the one the others heal
-from. No lighthouse or no quorum in time ends the group with 77 in one line.
+join without a heal compare theirs at the quorum). torchft's own step (the count of committed
+steps) travels in checkpoints as the state ``replica_groups``, so after a whole-job restart the
+group that resumed the newest checkpoint is the one the others heal from. No lighthouse or no
+quorum in time ends the group with 77 in one line.
 
 torchft is imported when the first run starts, never by importing this module, through its one
 adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
@@ -89,7 +89,7 @@ class ReplicaGroups(AgreementTransport):
     Args:
         config: the ``fault_tolerance`` section (validated here: a ``ConfigError`` names the field).
         settings: what this group must share with the others (:func:`shared_settings`), compared
-            with a peer's when this group heals from it; None: nothing compared.
+            with a peer's when this group joins (at its heal, or at the quorum); None: nothing.
 
     ``attach(trainer)`` wires it in as the trainer's agreement transport; the trainer then averages
     gradients and agrees decisions over the live groups. :attr:`group` is this group's id,
