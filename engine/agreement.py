@@ -1,12 +1,9 @@
 """The step's agreement: every value ranks must combine in a step, in one small all-reduce.
 
-A step needs the loss and token counts summed over data-parallel ranks and a handful of decisions
-that every rank must take alike: the requests on the trainer's control point
-(:class:`~engine.control.StepControl`: skip the optimizer step, stop after it, save a checkpoint,
-with which exit code). Each of those used to be its own collective; here they travel together. The
-trainer runs the agreement once per step, right after the ``BEFORE_OPTIMIZER_STEP`` handlers and
-before the optimizer; the agreed values replace the requests and are recorded in
-``trainer.control.decided``. Handlers add their own values as *slots*::
+The loss and token counts summed over data-parallel ranks, and the requests on the trainer's control
+point (:class:`~engine.control.StepControl`: skip, stop and its exit code, save) travel together,
+once per step, after the ``BEFORE_OPTIMIZER_STEP`` handlers and before the optimizer; the agreed
+values replace the requests (``trainer.control.decided``). Handlers add their own *slots*::
 
     def veto_if_bad(bad_ranks: float) -> None:
         if bad_ranks > 0:
@@ -14,23 +11,15 @@ before the optimizer; the agreed values replace the requests and are recorded in
 
     trainer.agreement.add("my_hook.bad", fill=lambda: local_flag, on_agreed=veto_if_bad)
 
-``fill()`` gives this rank's value (a bool, a number or a 0-dim tensor, on any device) just before
-the reduction; the agreed value is the **sum over ranks** and reaches ``on_agreed(value)`` right
-after it, before the optimizer step. Every rank calls ``on_agreed`` with the same value, so what
-it requests on the control point (``request_skip``, ``request_save``, ``request_stop``) is agreed by
-construction and takes effect in this step (``control.decided`` is recorded after the slots).
-With one process nothing is communicated.
-
-The values are packed into one float64 vector on the collective device and read back to the host
-in one go (``tolist()``): on CPU (gloo) that reads host memory, on a GPU (nccl) it is one
-device-to-host copy per step, the only one the engine makes when nobody reads a step value.
-Tensors that stay on one process (a single process's loss) are never read unless asked for.
+``fill()`` gives this rank's value (a bool, a number or a 0-dim tensor) just before the reduction;
+``on_agreed`` receives the **sum over ranks**, the same on every rank, so what it requests is agreed
+by construction and takes effect in this step. With one process nothing is communicated (its
+tensors are never read unless asked for). The values are packed into one float64 vector on the
+collective device and read back in one transfer: on a GPU, the step's only device-to-host copy.
 
 Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
-Lightning's ``Strategy.reduce_boolean_decision`` is the strategy's): the trainer asks it, never a
-layout. The default, :class:`AgreementTransport`, is the plain process group; the replica groups of
-a fault-tolerant run extend it (gradients averaged and the agreement summed across the live groups,
-then committed or voided; the quorum at the step boundary).
+Lightning's ``Strategy.reduce_boolean_decision``): :class:`AgreementTransport` is the plain process
+group; the replica groups of a fault-tolerant run extend it across the live groups.
 """
 
 from __future__ import annotations

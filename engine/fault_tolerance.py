@@ -9,19 +9,7 @@ live peer instead of reading a checkpoint. The runtime is the replica groups' ha
 (``handlers/replica_groups.py``); this module holds the section, its rules, and the one adapter
 over torchft (:func:`start_manager`, :func:`quorum_id`: the version check and every private
 attribute of torchft that hookloop reads), and imports no torchft until a manager is started.
-
-::
-
-    fault_tolerance:
-      enabled: true
-      replica_group_id: null     # null: the REPLICA_GROUP_ID environment variable
-      num_replica_groups: 2      # the most groups the run has: fixes each group's share of the data
-      min_replicas: 1            # a step commits only when this many groups took part
-      lighthouse: null           # http://host:port; null: TORCHFT_LIGHTHOUSE
-      timeout_s: 30.0            # cross-group collectives and a recovering group's transfer
-      quorum_timeout_s: 120.0    # no quorum this long: exit 77
-      connect_timeout_s: 10.0    # reaching the lighthouse and a peer's manager
-      max_uncommitted_steps: 20  # this many uncommitted steps in a row: exit 77
+The fields are the dataclass's below (docs/distributed.md has the table).
 
 Group-owned files go under ``<train.run_dir>/replica_group_<g>/`` (:func:`group_run_dir`): the run
 directory's lock, ``exit_status.json``, ``config.yaml``, metrics, traces, and the group's checkpoints
@@ -222,11 +210,9 @@ def check_torchft_version() -> bool:
         found = "unknown"
     if found != TORCHFT_VERSION:
         logger.warning(
-            "fault_tolerance: torchft %s is installed, but hookloop is tested with torchft==%s and reads "
-            "private parts of it (the manager's quorum id, its HTTP transport's server); install %s",
-            found,
-            TORCHFT_VERSION,
-            INSTALL_HINT,
+            f"fault_tolerance: torchft {found} is installed, but hookloop is tested with torchft=="
+            f"{TORCHFT_VERSION} and reads private parts of it (the manager's quorum id, its HTTP "
+            f"transport's server); install {INSTALL_HINT}"
         )
     return found == TORCHFT_VERSION
 

@@ -16,7 +16,8 @@ The trainer holds one :class:`RunEnd` (``trainer.run_end``), the counterpart of 
   recorded by the first worker of every other node (torchrun's ``LOCAL_RANK`` 0), unless the file
   changed since the run began (rank 0 recorded the end itself): the node lost may hold rank 0.
   Nothing is written before the run has started (RUN_STARTED): a refused start leaves the record
-  of the last run as it was.
+  of the last run as it was; only a start ended by an error with exit code 77 (a lost peer, no
+  lighthouse) is recorded, since a job script requeues on it.
 """
 
 from __future__ import annotations
@@ -271,13 +272,15 @@ class RunEnd:
         """Record a run ended by ``error``: its exit code, its type and message, and the rank whose
         error it was (a peer's, for :class:`~engine.errors.PeerCrashed`; else this rank)."""
         rank = error.rank if isinstance(error, PeerCrashed) else parallel.rank()
-        self.write(exit_code_of(error), f"{type(error).__name__}: {error}", rank=rank)
+        code = exit_code_of(error)
+        at_start = code == ExitCode.HEALTH_CHECK_FAILED  # recorded at the start too (see above)
+        self.write(code, f"{type(error).__name__}: {error}", rank=rank, at_start=at_start)
 
-    def write(self, code: int, reason: str, rank: int | None = None) -> None:
+    def write(self, code: int, reason: str, rank: int | None = None, at_start: bool = False) -> None:
         """Record how the run ended, when this rank is the one to (rank 0; for 77, also the first
         worker of another node while the record is as it was when the run began) and the run has
-        started. ``rank``: the rank whose error ended the run (recorded for a crash)."""
-        if self.run_dir is None or not self._run_start.started:
+        started (or ``at_start``). ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        if self.run_dir is None or not (self._run_start.started or at_start):
             return  # a start that failed leaves the record as it was
         if parallel.rank() != 0:
             if code != ExitCode.HEALTH_CHECK_FAILED or not first_on_node():

@@ -25,12 +25,15 @@ adds marked ``+``::
                                         restarted one joins and is healed before the next fetch
 
 Every decision the engine agrees on (skip, stop and its exit code, save, validate) is summed over
-the live groups, so all of them take it at the same step. Healing: the recovering group receives
-the model and optimizer (by value, over torchft's HTTP transport: a pickle from a peer of the same
-job) and the run's snapshot (:mod:`engine.run_snapshot`: counters, LR scheduler, handlers, data
-position, RNG), the same state a checkpoint holds, and a stop the peer decided. torchft's own step
-(the count of committed steps) travels in checkpoints as the state ``replica_groups``, so after a
-whole-job restart the group that resumed the newest checkpoint is the one the others heal from.
+the live groups, so all of them take it at the same step. Healing (every group but one of a fresh
+start too): the recovering group receives the model and optimizer (by value, over torchft's HTTP
+transport: a pickle from a peer of the same job), the run's snapshot (:mod:`engine.run_snapshot`:
+what a checkpoint holds), a stop the peer decided, and the peer's :func:`shared_settings`: one
+that differs from this group's refuses it by name before anything is applied (exit 2; groups that
+join without a heal compare theirs at the quorum). torchft's own step (the count of committed
+steps) travels in checkpoints as the state ``replica_groups``, so after a whole-job restart the
+group that resumed the newest checkpoint is the one the others heal from. No lighthouse or no
+quorum in time ends the group with 77 in one line.
 
 torchft is imported when the first run starts, never by importing this module, through its one
 adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
@@ -39,28 +42,45 @@ adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from hookloop.engine import fault_tolerance, parallel, run_snapshot
 from hookloop.engine.agreement import AgreementTransport, sum_over_ranks
-from hookloop.engine.errors import TrainingAborted
+from hookloop.engine.errors import ConfigError, TrainingAborted
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.fault_tolerance import FaultToleranceConfig
 
-__all__ = ["STATE_KEY", "ReplicaGroups"]
+__all__ = ["STATE_KEY", "ReplicaGroups", "shared_settings"]
 
 logger = logging.getLogger("hookloop.replica_groups")
 
 #: Where torchft's commit count sits in a checkpoint (a registered stateful object).
 STATE_KEY = "replica_groups"
 _HOLDER = "replica groups (an uncommitted step)"
+#: The config sections every replica group trains with alike, and the fields in them that are each
+#: group's own (where and how its processes run); docs/distributed.md lists both.
+SHARED_SECTIONS = ("model", "train", "optimizer", "lr", "data", "step_scheduler")
+OWN_FIELDS = ("train.run_dir", "train.device", "train.num_threads", "data.cache_dir", "data.num_workers")
+
+
+def shared_settings(cfg: Any) -> dict[str, Any]:
+    """Dotted field -> value of the settings of run config ``cfg`` every replica group must share."""
+    out = {"fault_tolerance.num_replica_groups": cfg.fault_tolerance.num_replica_groups}
+    for name in SHARED_SECTIONS:
+        section = getattr(cfg, name, None)
+        fields = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else dict(section or {})
+        out.update({f"{name}.{k}": v for k, v in fields.items() if f"{name}.{k}" not in OWN_FIELDS})
+    return out
 
 
 class ReplicaGroups(AgreementTransport):
@@ -68,6 +88,8 @@ class ReplicaGroups(AgreementTransport):
 
     Args:
         config: the ``fault_tolerance`` section (validated here: a ``ConfigError`` names the field).
+        settings: what this group must share with the others (:func:`shared_settings`), compared
+            with a peer's when this group joins (at its heal, or at the quorum); None: nothing.
 
     ``attach(trainer)`` wires it in as the trainer's agreement transport; the trainer then averages
     gradients and agrees decisions over the live groups. :attr:`group` is this group's id,
@@ -75,11 +97,12 @@ class ReplicaGroups(AgreementTransport):
     step committed, :attr:`uncommitted_steps` how many did not in this run. :meth:`shutdown` leaves
     (the composition root calls it)."""
 
-    def __init__(self, config: FaultToleranceConfig) -> None:
+    def __init__(self, config: FaultToleranceConfig, settings: Mapping[str, Any] | None = None) -> None:
         config.validate()
         if not config.enabled:
             raise ValueError("ReplicaGroups needs a fault_tolerance section with enabled=true")
         self.config = config
+        self.settings = json.loads(json.dumps(dict(settings or {}), sort_keys=True, default=str))
         self.group = config.group_id()
         self.groups = config.num_replica_groups
         self.lighthouse = config.lighthouse_address()
@@ -154,8 +177,6 @@ class ReplicaGroups(AgreementTransport):
 
     # ------------------------------------------------------------------ the quorum
     def _on_train_start(self) -> None:
-        if self.manager is None:
-            self._start()
         self._quorum(at_start=True)
 
     def step_boundary(self) -> bool:
@@ -173,13 +194,19 @@ class ReplicaGroups(AgreementTransport):
         watchdog = getattr(trainer, "watchdog", None)
         wait = watchdog.suspended() if watchdog is not None else contextlib.nullcontext()
         try:
-            with wait:  # bounded by quorum_timeout_s, and timeout_s for a heal
+            with wait:  # bounded by connect_timeout_s, quorum_timeout_s, and timeout_s for a heal
+                if self.manager is None:
+                    self._start()
                 self.manager.start_quorum()
-        except Exception as e:  # noqa: BLE001 - no quorum: the lighthouse or every peer is gone
+        except (ConfigError, TrainingAborted):  # a peer's settings differ (_receive); no torchft
+            raise
+        except Exception as e:  # noqa: BLE001 - no lighthouse reached, or it or every peer is gone
+            logger.debug("replica group %d: no quorum", self.group, exc_info=e)  # torchft's error in full
+            bound = "quorum_timeout_s" if self.manager is not None else "connect_timeout_s"
             raise TrainingAborted(
-                f"no quorum of replica groups within {self.config.quorum_timeout_s:g} s "
-                f"(fault_tolerance.quorum_timeout_s; lighthouse {self.lighthouse}): {type(e).__name__}: "
-                f"{_last_line(e).split(', details:')[0]}",
+                f"no quorum of replica groups within {getattr(self.config, bound):g} s (fault_tolerance."
+                f"{bound}; lighthouse {self.lighthouse}): {type(e).__name__}: "
+                f"{_last_line(e).split(', details:')[0].rsplit(': ', 1)[-1]}",
                 int(ExitCode.HEALTH_CHECK_FAILED),
             ) from e
         trainer.save_policy.release_saves(_HOLDER)
@@ -192,11 +219,14 @@ class ReplicaGroups(AgreementTransport):
 
     def _quorum_changed(self, quorum_id: int) -> None:
         """Learn which groups are live (one small all-reduce over them) and say it in one line."""
-        before = self.live
-        votes = torch.zeros(self.groups, dtype=torch.float64)
-        votes[self.group] = 1.0
+        before, mine = self.live, json.dumps(self.settings, sort_keys=True).encode()
+        votes = torch.zeros(3 * self.groups, dtype=torch.float64)  # per group: live, settings' crc, length
+        votes[self.group :: self.groups] = torch.tensor([1.0, zlib.crc32(mine), len(mine)])
         if self._sum(votes):
-            self.live = tuple(g for g, v in enumerate(votes.tolist()) if v > 0)
+            live, crcs, lengths = votes.view(3, self.groups).tolist()
+            self.live = tuple(g for g, v in enumerate(live) if v > 0)
+            if len({crcs[g] for g in self.live}) > 1:  # every live group sees it: all exchange
+                self._compare_all(mine, [int(n) for n in lengths])
         else:  # a group died right away: the next quorum says who is left
             self.live = (self.group,)
         change = [f"groups {', '.join(str(g) for g in self.live)}"]
@@ -212,6 +242,28 @@ class ReplicaGroups(AgreementTransport):
                 "; ".join(change),
                 self.trainer.state.iteration,
             )
+
+    def _compare_all(self, mine: bytes, lengths: list[int]) -> None:
+        """Every live group's settings, one row each in one all-reduce, compared with this group's
+        when it is joining (groups that joined without a heal: all of them after a whole-job restart
+        at one step); the groups already training go on and leave the refusal to the joining one."""
+        rows = torch.zeros(self.groups, max(lengths), dtype=torch.float64)
+        rows[self.group, : len(mine)] = torch.tensor(list(mine), dtype=torch.float64)
+        if self._sum(rows) and self._at_start:  # else a group died: the next quorum compares again
+            for g in self.live:
+                self._compare(json.loads(bytes(int(b) for b in rows[g, : lengths[g]].tolist())), g)
+
+    def _compare(self, theirs: dict[str, Any], peer: Any) -> None:
+        """A ``ConfigError`` naming the first setting in which replica group ``peer`` differs."""
+        mine = self.settings
+        for name in sorted(set(mine) | set(theirs)) if mine else ():
+            if mine.get(name, "unset") != theirs.get(name, "unset"):
+                raise ConfigError(
+                    name,
+                    f"is {mine.get(name, 'unset')!r} here but {theirs.get(name, 'unset')!r} on replica "
+                    f"group {peer}: every replica group trains with the same settings "
+                    "(docs/distributed.md); start this group with the others' value",
+                )
 
     # ------------------------------------------------------------------ the step (the transport)
     @property
@@ -322,6 +374,7 @@ class ReplicaGroups(AgreementTransport):
         decided, reason = trainer.control.decided, trainer.control.stop_reason
         return {
             "group": self.group,
+            "settings": self.settings,
             "model": model,
             "optim": optim,
             "snapshot": run_snapshot.capture(trainer),
@@ -332,6 +385,7 @@ class ReplicaGroups(AgreementTransport):
         """A peer's state, applied in the main thread inside ``start_quorum``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        self._compare(payload.get("settings", {}), payload.get("group"))  # before anything is applied
         start = time.perf_counter()
         trainer = self.trainer
         set_state_dict(

@@ -8,6 +8,10 @@ processes as replica groups of one process each, a real ``hookloop lighthouse``,
   sample of the global stream exactly once (committed, uncommitted, or dropped with its group).
 - A NaN on one group is skipped on both, a run ends on both at the same step, and its checkpoint
   resumes in a plain run without the section, which never imports torchft.
+- A group whose settings differ from the live group it would heal from is refused in one line
+  naming the field (exit 2, nothing written); the live group trains on.
+- No lighthouse, one that never answers, or one that dies: the group ends with 77 in one line and
+  ``exit_status.json``, no traceback.
 - Config refusals name the field before anything starts; without the section torchft is never
   imported.
 """
@@ -21,6 +25,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -343,6 +348,88 @@ def test_a_nan_on_one_group_is_skipped_on_both_and_the_checkpoint_resumes_withou
         plain.kill()
     assert "resumed from" in plain.text() and "(step 16)" in plain.text()
     assert exit_status(project / "runs/plain")["step"] == 18
+
+
+def test_a_group_with_other_settings_is_refused_by_name_before_its_first_step(project):
+    # Three groups (a global batch of 12): group 0 trains; groups 1 and 2 join it with another
+    # learning rate and another model width, and are refused before they receive anything.
+    three = ("fault_tolerance.num_replica_groups=3", "step_scheduler.global_batch_size=12")
+    with processes() as started, lighthouse_here(1) as address:
+        g0 = group(project, started, 0, address, "mixed", *three)
+        g0.wait_step(5)
+        g1 = group(project, started, 1, address, "mixed", *three, "optimizer.lr=0.003")
+        g2 = group(project, started, 2, address, "mixed", *three, "model.dim=12")
+        for proc, line in (
+            (g1, "config error: optimizer.lr: is 0.003 here but 0.0003 on replica group 0"),
+            (g2, "config error: model.dim: is 12 here but 8 on replica group 0"),
+        ):
+            assert proc.exit_code() == 2, proc.text()[-3000:]
+            assert proc.text().strip().splitlines()[-1].startswith(line), proc.text()[-3000:]
+            assert "step 1/" not in proc.text() and "Traceback" not in proc.text()
+        at = g0.last_step()
+        g0.wait_step(at + 5)  # the live group trains on
+        os.kill(g0.proc.pid, signal.SIGTERM)
+        assert g0.exit_code() == 75, g0.text()[-3000:]
+    run = project / "runs/mixed"
+    assert sorted(p.name for p in run.iterdir()) == ["replica_group_0"]  # the refused wrote nothing
+
+
+def test_groups_resumed_at_one_step_without_a_heal_compare_their_settings_too(project):
+    # Both groups save step 4 and end; started again (one with another learning rate), both resume
+    # step 4, so neither heals: the quorum's exchange of settings refuses both by name.
+    both = ("fault_tolerance.min_replicas=2",)
+    with processes() as started, lighthouse_here(2) as address:
+        first = [
+            group(project, started, g, address, "same", *both, "step_scheduler.max_steps=4") for g in [0, 1]
+        ]
+        assert [g.exit_code() for g in first] == [0, 0], first[1].text()[-3000:]
+        before = [exit_status(project / f"runs/same/replica_group_{g}") for g in (0, 1)]
+        again = [
+            group(project, started, g, address, "same", *both, "step_scheduler.max_steps=6", *lr, log="+")
+            for g, lr in ((0, ()), (1, ("optimizer.lr=0.003",)))
+        ]
+        for proc, line in (
+            (again[0], "config error: optimizer.lr: is 0.0003 here but 0.003 on replica group 1"),
+            (again[1], "config error: optimizer.lr: is 0.003 here but 0.0003 on replica group 0"),
+        ):
+            assert proc.exit_code() == 2, proc.text()[-3000:]
+            assert proc.text().strip().splitlines()[-1].startswith(line), proc.text()[-3000:]
+            assert "healed from" not in proc.text() and "step 5/" not in proc.text()
+    assert [exit_status(project / f"runs/same/replica_group_{g}") for g in (0, 1)] == before
+
+
+def test_no_lighthouse_a_silent_one_or_a_lost_one_ends_the_group_with_77_in_one_line(project):
+    fast = ("fault_tolerance.connect_timeout_s=2", "fault_tolerance.quorum_timeout_s=4")
+    with socket.socket() as free, socket.socket() as silent:
+        free.bind(("127.0.0.1", 0))  # a port nothing listens on once closed
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connects, never answers
+        nobody = f"http://127.0.0.1:{free.getsockname()[1]}"
+        mute = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        free.close()
+        with processes() as started:
+            address = lighthouse(project, started, 1, "lost")
+            lost = group(project, started, 0, address, "lost", *fast)
+            none = group(project, started, 0, nobody, "none", *fast)
+            quiet = group(project, started, 0, mute, "quiet", *fast)
+            lost.wait_step(5)
+            started[0].kill()  # the lighthouse dies mid-run
+            killed = time.monotonic()
+            assert lost.exit_code() == 77, lost.text()[-3000:]
+            assert time.monotonic() - killed < 4 + 30  # quorum_timeout_s, with room for a loaded machine
+            for proc, why in (
+                (none, "no quorum of replica groups within 2 s (fault_tolerance.connect_timeout_s"),
+                (quiet, "no quorum of replica groups within 4 s (fault_tolerance.quorum_timeout_s"),
+            ):
+                assert proc.exit_code() == 77, proc.text()[-3000:]
+                assert proc.text().strip().splitlines() == [proc.text().strip()], proc.text()
+                assert proc.text().startswith(f"stopped: {why}"), proc.text()
+    assert "Traceback" not in lost.text()
+    assert lost.text().strip().splitlines()[-1].startswith("stopped: no quorum of replica groups within 4 s")
+    for run, at_step in (("lost", 5), ("none", 0), ("quiet", 0)):
+        status = exit_status(project / "runs" / run / "replica_group_0")
+        assert status["code"] == 77 and (status["step"] >= 5 if at_step else status["step"] == 0), status
+    assert not (project / "runs/none/replica_group_0/config.yaml").exists()  # it never started
 
 
 def test_config_refusals_name_the_field_before_anything_starts(project, monkeypatch):

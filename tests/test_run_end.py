@@ -8,7 +8,7 @@ import pytest
 
 from hookloop.engine import parallel, run_end
 from hookloop.engine.control import StepControl
-from hookloop.engine.errors import PeerCrashed
+from hookloop.engine.errors import PeerCrashed, PeerFailure
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import read_exit_status, write_exit_status
 from hookloop.engine.run_end import SIGINT_STOP_REASON, RunEnd
@@ -27,6 +27,9 @@ def test_nothing_is_written_before_the_run_started_or_without_a_run_dir(tmp_path
     assert read_exit_status(tmp_path) is None
     end, _ = make(None)
     end.write(0, "finished")  # no run directory: nowhere to write, no error
+    end, _ = make(tmp_path, started=False)
+    end.record_error(PeerFailure("no quorum"))  # a start ended with 77: recorded for the requeue
+    assert read_exit_status(tmp_path)["code"] == 77
 
 
 def test_rank_zero_records_code_reason_step_and_checkpoint(tmp_path):

@@ -149,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     return training.train(cfg, checked=checked)
 
 
+_READ_HERE = (("train", "run_dir"), ("fault_tolerance", "enabled"))
+
+
 def _refuse_held_run_dir(config: Path, overrides: list[str]) -> None:
     """A run directory another run holds is refused before torch, model or data are loaded: the
     ``train.run_dir`` the file and overrides set (else ``runs/<config stem>``) is read without the
     schema, and its lock taken and given back at once (:mod:`hookloop.engine.run_lock`). Nothing
     is decided here that the full start does not decide again: anything unusual (an unreadable
     file, a run directory that is not a plain string, a launch of several processes, whose ranks
-    must agree on it) is left to that."""
+    must agree on it, replica groups, each holding a directory of its own in it) is left to that."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
         return
     try:
@@ -168,14 +171,17 @@ def _refuse_held_run_dir(config: Path, overrides: list[str]) -> None:
             import yaml
 
             raw = yaml.safe_load(text)
-        run_dir = (raw.get("train") or {}).get("run_dir")
+        found = {f"{s}.{k}": (raw.get(s) or {}).get(k) for s, k in _READ_HERE}
         for item in overrides:
             key, _, value = item.partition("=")
-            if key.strip() == "train.run_dir":
+            if key.strip() in found:
                 import yaml
 
-                run_dir = yaml.safe_load(value)
+                found[key.strip()] = yaml.safe_load(value)
     except Exception:  # noqa: BLE001 - the full load reports what is wrong with the file
+        return
+    run_dir = found["train.run_dir"]
+    if found["fault_tolerance.enabled"]:
         return
     if run_dir is None:
         run_dir = str(Path("runs") / config.stem)

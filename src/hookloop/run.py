@@ -66,7 +66,7 @@ from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
 from hookloop.handlers import AsyncCheckpointer, Places, attach_handlers
-from hookloop.handlers.replica_groups import ReplicaGroups
+from hookloop.handlers.replica_groups import ReplicaGroups, shared_settings
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
 from hookloop.run_settings import resume_settings
@@ -328,7 +328,7 @@ def _build(
     groups = None
     sections = cfg
     if cfg.fault_tolerance.enabled:  # before the handlers: a resume restores its commit count
-        groups = ReplicaGroups(cfg.fault_tolerance).attach(trainer)
+        groups = ReplicaGroups(cfg.fault_tolerance, shared_settings(cfg)).attach(trainer)
         if cfg.checkpoint.directory is not None:  # each group writes checkpoints of its own
             sections = copy.copy(cfg)
             directory = os.path.join(cfg.checkpoint.directory, group_dir_name(groups.group))
