@@ -31,7 +31,7 @@ from hookloop.engine.data.token_dataset import (
     token_file_vocab_size,
 )
 from hookloop.engine.data.trace import SampleTrace, read_sample_traces
-from hookloop.engine.data.vocab import check_model_vocab, data_vocab_size
+from hookloop.engine.data.vocab import check_model_vocab
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -43,7 +43,6 @@ __all__ = [
     "SampleTrace",
     "TokenDataset",
     "check_model_vocab",
-    "data_vocab_size",
     "prepare_tokens",
     "read_sample_traces",
     "read_token_metadata",

@@ -48,11 +48,6 @@ class MixtureLoader(DataLoader):
         self._returned: list[list[int]] | None = None  # indices of the batches returned, while logging
 
     @property
-    def draws_per_batch(self) -> int:
-        """Global draws (all ranks) one batch of this rank stands for."""
-        return self.batch_size * self.mixture_sampler.world_size
-
-    @property
     def position(self) -> int:
         """Global draw position right after the last batch this loader returned."""
         self._sync()
@@ -72,7 +67,7 @@ class MixtureLoader(DataLoader):
         if sampler.draws != self._position:  # an earlier iterator prefetched past what it returned
             sampler.load_state_dict(sampler.state_dict_at(self._position))
             self._loads = sampler._loads
-        step = self.draws_per_batch
+        step = self.batch_size * sampler.world_size  # global draws (all ranks) of one batch of this rank
         logging = self._returned is not None
         if logging:
             sampler.take_logged()  # whatever an earlier iterator read ahead is back in the stream

@@ -379,11 +379,7 @@ class MixtureSampler(Sampler[int]):
         rank must call this after the same number of yielded indices. Changes scheduled for later
         draws (:meth:`set_schedule`) are dropped. Invalid input leaves the sampler unchanged.
         """
-        position = self._draw_position()
-        current = self._segment_at(position).temperature
-        segments = self._check_changes([(position, weights, temperature)], position, "weights", current)
-        self._invalidate()
-        self._replace_future(segments)
+        self._schedule([(self._draw_position(), weights, temperature)], "weights")
 
     def set_schedule(self, changes: Sequence[Sequence[Any]]) -> None:
         """Lay out weight changes at future global draw indices, replacing any scheduled before.
@@ -395,13 +391,15 @@ class MixtureSampler(Sampler[int]):
         ``DataLoader`` prefetching ahead with workers gets exactly the scheduled weights for every
         draw. Every rank must set the same schedule. Invalid input leaves the sampler unchanged.
         """
+        self._schedule(changes, "changes")
+
+    def _schedule(self, changes: Sequence[Sequence[Any]], field: str) -> None:
         position = self._draw_position()
         current = self._segment_at(position).temperature
-        segments = self._check_changes(changes, position, "changes", current)
-        if not segments:
-            return
-        self._invalidate()
-        self._replace_future(segments)
+        segments = self._check_changes(changes, position, field, current)
+        if segments:
+            self._invalidate()
+            self._replace_future(segments)
 
     def __len__(self) -> int:
         raise TypeError(

@@ -55,16 +55,11 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.files import open_no_link
 from hookloop.engine.record_file import cut_to_step, step_row, warn_damaged
 
-__all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
+__all__ = ["SampleTrace", "read_sample_traces"]
 
 logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^samples-rank(\d+)\.jsonl$")
-
-
-def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
-    """``<run_dir>/samples-rank<rank>.jsonl``."""
-    return Path(run_dir) / f"samples-rank{rank}.jsonl"
 
 
 def _row(line: bytes) -> dict[str, Any] | None:
@@ -121,7 +116,7 @@ class SampleTrace:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank, self.world_size, self.write = int(rank), int(world_size), bool(write)
-        self.path = trace_path(run_dir, rank)
+        self.path = self.run_dir / f"samples-rank{rank}.jsonl"
         self._take, self.mixture = self._source(data)
         self._pending: list[int] = []
         self.trainer: Any = None
