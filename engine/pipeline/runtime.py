@@ -183,8 +183,7 @@ class PipelineRuntime(StepBody):
 
     # ------------------------------------------------------------------ running the schedule
     def _stage_pair(self, ctx: StepContext, microbatch: Any) -> tuple[Any, Any, tuple[int, Any]]:
-        """``(inputs, targets, (samples, tokens))`` of one microbatch as the stages take it: a dict
-        microbatch (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
+        """:func:`stage_pair` of one microbatch, and its ``(samples, tokens)``."""
         inputs, targets = ctx.prepare(microbatch)
         counts = count_batch(inputs)
         inputs, targets = stage_pair(inputs, targets)
@@ -262,12 +261,9 @@ class PipelineRuntime(StepBody):
         observed = ctx.observes_microbatch
         with ctx.autocast():
             losses, output = self._run_schedule(pairs, keep_outputs=observed and self.has_last)
-        tokens: Any = 0
-        samples = 0
-        if self.has_first and ctx.count_share:  # once per pipeline (and tensor-parallel group)
-            for mb_samples, mb_tokens in counts:
-                samples += mb_samples
-                tokens = tokens + mb_tokens
+        counted = counts if self.has_first and ctx.count_share else []  # once per pipeline (and TP group)
+        samples = sum(mb_samples for mb_samples, _ in counted)
+        tokens = sum((mb_tokens for _, mb_tokens in counted), 0)
         outputs = (
             torch.split(output, self.config.pp_microbatch_size) if isinstance(output, torch.Tensor) else None
         )
@@ -434,7 +430,7 @@ def build_pipeline(
         if isinstance(part, nn.parallel.DistributedDataParallel):
             _infer_shapes_without_ddp_sync(stage)
         stages.append(stage)
-    runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn or cfg.loss_fn, plan["rank_stages"])
+    runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn, plan["rank_stages"])
     kwargs = {"loss_fn": runtime._scheduled_loss, "scale_grads": cfg.scale_grads_in_schedule}
     style = plan["style"]
     if style == "csv":
@@ -462,9 +458,8 @@ def build_pipeline(
 def pipeline_loss_fn(model: nn.Module, config: PipelineConfig, loss_fn: Callable | None) -> Callable | None:
     """The last stage's loss: ``loss_fn``, else ``config.loss_fn``, else for a Hugging Face causal
     LM its shifted cross entropy (:func:`~engine.pipeline.hf_patches.causal_lm_loss`)."""
-    if hf_patches.is_hf_causal_lm(model):
-        return loss_fn or config.loss_fn or hf_patches.causal_lm_loss
-    return loss_fn or config.loss_fn
+    default = hf_patches.causal_lm_loss if hf_patches.is_hf_causal_lm(model) else None
+    return loss_fn or config.loss_fn or default
 
 
 def stage_module(model: nn.Module, config: PipelineConfig, fqns: list[list[str]], stage_id: int) -> nn.Module:

@@ -35,12 +35,9 @@ def find_layer_container(model: nn.Module) -> str:
     """The dotted name of the module holding the model's repeated layers (a ``ModuleDict`` or
     ``ModuleList``): a child of the model (``blocks``) or, when it has none, a child of one of its
     children (``model.layers`` in a Hugging Face causal LM)."""
-    containers = _layer_containers(model)
-    if not containers:
-        nested = [
-            f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
-        ]
-        containers = nested
+    containers = _layer_containers(model) or [
+        f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
+    ]
     for name in _LAYER_NAMES:
         for found in containers:
             if found.rpartition(".")[2] == name:
