@@ -25,13 +25,9 @@ _SAME_POSITION_KEYS = ("format", "version", "seed", "draws", "sources")
 
 
 class MixtureLoader(DataLoader):
-    """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position.
-
-    ``state_dict()`` / ``load_state_dict()`` are the sampler's, taken at the end of the last batch
-    this loader returned (O(prefetch depth) to compute, O(1) to restore). Every other argument
-    (``num_workers``, ``prefetch_factor``, ``pin_memory``, ...) is passed to ``DataLoader``. The stream
-    is endless; bound the run by steps.
-    """
+    """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position
+    (see the module docs): its state is O(prefetch depth) to compute, O(1) to restore. The stream
+    is endless; bound the run by steps."""
 
     def __init__(self, sampler: MixtureSampler, batch_size: int, **kwargs: Any) -> None:
         if not isinstance(sampler, MixtureSampler):

@@ -175,13 +175,13 @@ class TokenDataset(Dataset):
                 f"no sidecar {str(sidecar_path(self.path))!r} with a 'dtype' entry; pass dtype= "
                 f"(one of {list(SUPPORTED_TOKEN_DTYPES)})",
             )
-        if dtype is not None and meta_dtype is not None and _check_dtype(dtype, "dtype").name != meta_dtype:
+        self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
+        if dtype is not None and meta_dtype is not None and self.dtype.name != meta_dtype:
             raise ConfigError(
                 "dtype",
                 f"{dtype!r} contradicts the sidecar's {meta_dtype!r}; "
                 "drop the dtype argument or fix the sidecar",
             )
-        self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
         self.seq_len = int(seq_len)
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:

@@ -26,7 +26,6 @@ import numpy as np
 from hookloop.engine.data.text_files import text_batches
 from hookloop.engine.data.token_dataset import writing_token_file
 from hookloop.engine.data.tokenizer import TextTokenizer, encode_documents
-from hookloop.engine.errors import ConfigError
 
 __all__ = ["TOKENIZED_VERSION", "write_token_file"]
 
@@ -73,9 +72,8 @@ def write_token_file(
 ) -> dict[str, Any]:
     """Tokenize ``documents`` (a ``datasets.Dataset`` with a ``text`` column) into ``out_path`` and
     its sidecar; returns the sidecar's metadata. ``progress``: a tqdm bar on stderr (None: when
-    stderr is a terminal). ``sources`` and ``text_field`` are recorded in the sidecar."""
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ConfigError("--num-proc", f"must be an integer >= 1, got {num_proc!r}")
+    stderr is a terminal). ``sources`` and ``text_field`` are recorded in the sidecar. ``num_proc``
+    is an integer >= 1 (``hookloop prepare`` checks its ``--num-proc``)."""
     dtype = tokenizer.dtype
     num_tokens = 0
     with writing_token_file(out_path) as (fh, meta), _progress_bar(len(documents), progress) as bar:

@@ -28,13 +28,6 @@ Damage: a line that is not a whole step's JSON (torn by a kill mid-write, or gar
 a file is cut the same way, with a warning naming the file and the line's number (the cut of
 :mod:`engine.record_file`: a start costs the lines cut, not the trace's length).
 :func:`read_sample_traces` skips, with the same warning, a damaged line anywhere.
-
-Writers: one file per data-parallel rank, written by one process of its replica (the first of its
-tensor- and pipeline-parallel ranks; ``hookloop train`` chooses it).
-
-Sources it reads: a :class:`MixtureLoader` (exact with worker processes: only returned batches
-count), or a ``DataLoader`` without workers drawing from a :class:`MixtureSampler` (the map-style
-path: ``DataLoader(mixture, batch_size, sampler=MixtureSampler(...))``).
 """
 
 from __future__ import annotations
@@ -101,8 +94,9 @@ class SampleTrace:
 
     Args:
         run_dir: where ``samples-rank<rank>.jsonl`` goes.
-        data: the training loader: a :class:`MixtureLoader`, or a ``DataLoader`` with
-            ``num_workers=0`` whose sampler is a :class:`MixtureSampler`.
+        data: the training loader: a :class:`MixtureLoader` (exact with worker processes: only
+            returned batches count), or a ``DataLoader`` with ``num_workers=0`` whose sampler is a
+            :class:`MixtureSampler`.
         rank, world_size: this process's data-parallel rank and the number of data-parallel ranks.
         write: False on processes that share a data-parallel rank's data without owning its file
             (every process of a replica but its first tensor- and pipeline-parallel rank): they

@@ -2,10 +2,8 @@
 
 The fields follow NeMo AutoModel's pipelining config, including its Hugging Face patching switches
 (``patch_inner_model``, ``patch_causal_lm_model``, ``patch_stage_backward_maybe_with_nosync``,
-implemented in :mod:`engine.pipeline.hf_patches`).
-The degree (``pp_size``) lives in the distributed section. :meth:`PipelineConfig.validate` checks
-what can be checked without a model, before any process group exists; the schedule name and CSV
-file are checked against the installed torch when the degree is known.
+implemented in :mod:`engine.pipeline.hf_patches`). The degree (``pp_size``) lives in the
+distributed section.
 """
 
 from __future__ import annotations

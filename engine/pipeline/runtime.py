@@ -80,12 +80,9 @@ def stage_pair(inputs: Any, targets: Any) -> tuple[Any, Any]:
 class PipelineRuntime(StepBody):
     """This rank's pipeline stages and their schedule, and the pipeline's step body (a
     :class:`~engine.step_body.StepBody` declaring ``n_microbatches``). Build with
-    :func:`build_pipeline`.
-
-    ``module`` (an ``nn.ModuleList`` of this rank's stage modules, DDP/FSDP-wrapped when the
-    data-parallel degree is > 1) is what the optimizer and the Trainer take:
-    ``Trainer(runtime.module, optimizer, loss_fn, step_body=runtime)``.
-    """
+    :func:`build_pipeline`. ``module`` (an ``nn.ModuleList`` of this rank's stage modules,
+    DDP/FSDP-wrapped when the data-parallel degree is > 1) is what the optimizer and the Trainer
+    take (see :mod:`engine.pipeline`)."""
 
     def __init__(
         self,
@@ -164,11 +161,7 @@ class PipelineRuntime(StepBody):
 
     # ------------------------------------------------------------------ the loss the schedule calls
     def _scheduled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise ConfigError(
-                "pipeline.loss_fn", "no loss: pass loss_fn to build_pipeline, PipelineConfig or the Trainer"
-            )
-        loss = self.loss_fn(output, target)
+        loss = self.loss_fn(output, target)  # never None: bind() refuses a runtime without a loss
         check_loss(loss, self.loss_fn)
         i = losses_computed(self.schedule)
         self._raw_losses[i] = loss.detach()
