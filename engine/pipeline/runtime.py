@@ -458,16 +458,14 @@ def pipeline_loss_fn(model: nn.Module, config: PipelineConfig, loss_fn: Callable
 def stage_module(model: nn.Module, config: PipelineConfig, fqns: list[list[str]], stage_id: int) -> nn.Module:
     """Stage ``stage_id``'s part of ``model`` (a copy keeping the modules ``fqns[stage_id]`` names),
     with the pipeline forwards of a Hugging Face causal LM bound to it."""
-    hf = hf_patches.is_hf_causal_lm(model)
-    prepare = None
-    if hf:  # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
-        container = find_layer_container(model)
-        prepare = lambda part: hf_patches.layers_as_module_dict(part, container)  # noqa: E731
-    part = split_stage_module(model, fqns, stage_id, prepare)
-    if hf:
-        hf_patches.patch_stage_module(
-            part, patch_inner=config.patch_inner_model, patch_causal_lm=config.patch_causal_lm_model
-        )
+    if not hf_patches.is_hf_causal_lm(model):
+        return split_stage_module(model, fqns, stage_id)
+    # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
+    container = find_layer_container(model)
+    part = split_stage_module(model, fqns, stage_id, lambda c: hf_patches.layers_as_module_dict(c, container))
+    hf_patches.patch_stage_module(
+        part, patch_inner=config.patch_inner_model, patch_causal_lm=config.patch_causal_lm_model
+    )
     return part
 
 
