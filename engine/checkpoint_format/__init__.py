@@ -48,11 +48,7 @@ earlier version) as unverified. DCP stores no checksum of its own: without this,
 inside a tensor load silently.
 
 Nothing here unpickles arbitrary objects: DCP's ``.metadata`` is checked against the manifest and
-then read with an unpickler that resolves only an exact list of DCP's metadata classes and a few
-torch values (no module prefixes, no attribute walks, no builtins), non-tensor DCP entries are
-loaded with ``weights_only=True``, and the per-rank state is JSON (tensors and RNG states are
-base64 inside it). Both pickles are also read within stated bounds (size, nesting, values per
-call, keys per hash value: :mod:`.dcp_pickles`), so a crafted one is refused in time
-linear in its size instead of crashing or stalling the reader; verification already checks them,
-so a crafted checkpoint is skipped like a damaged one.
+its pickles are read allowlisted and bounded (:mod:`.dcp_pickles`), so a crafted one is refused in
+time linear in its size; verification already checks them, so a crafted checkpoint is skipped like
+a damaged one. The per-rank state is JSON (tensors and RNG states are base64 inside it).
 """

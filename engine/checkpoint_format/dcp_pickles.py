@@ -139,19 +139,16 @@ def _tables() -> dict[tuple[str, str], Any]:
 
 
 class MetadataUnpickler(BoundedUnpickler):
-    """Reads DCP's ``.metadata``: resolves exactly the names of :func:`_allowed_globals`, checks
-    every opcode that calls or fills in something, and keeps to this module's bounds.
+    """Reads DCP's ``.metadata``, resolving exactly the names of :func:`_allowed_globals`.
 
     ``find_class`` looks ``(module, name)`` up in a fixed table: no import, no attribute walk
     (``a.b.c`` names), no prefix match, so ``operator.attrgetter``, ``builtins.eval``/``getattr``,
     ``os.system`` and ``torch.distributed.checkpoint.planner.operator.attrgetter`` are refused.
-    Every callable on a pickle's stack comes from there (no opcode builds anything else callable;
-    persistent ids and extension codes are refused outright), and on top of that REDUCE, NEWOBJ,
-    NEWOBJ_EX, INST and OBJ check that what they call is in the table, and BUILD only fills in an
-    *instance* of one of DCP's dataclasses with its own field names: BUILD on a class would
-    otherwise rewrite that class for the whole process (``Metadata.__eq__ = ...``). Dictionary keys
-    are strings or ``MetadataIndex`` records (a name and a shape). This is the pure-Python
-    unpickler (the C one cannot be checked per opcode): about 6 MB/s here."""
+    Every callable on a pickle's stack comes from there, and on top of that every call checks that
+    what it calls is in the table, and BUILD only fills in an *instance* of one of DCP's
+    dataclasses with its own field names: BUILD on a class would otherwise rewrite that class for
+    the whole process (``Metadata.__eq__ = ...``). This is the pure-Python unpickler (the C one
+    cannot be checked per opcode): about 6 MB/s here."""
 
     dispatch = dict(BoundedUnpickler.dispatch)
 

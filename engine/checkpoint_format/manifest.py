@@ -143,11 +143,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, dict[str, Any]] | None:
 class RecordingWriter(_FileSystemWriter):
     """DCP's file writer that also produces this rank's manifest entries.
 
-    Its files go through a :class:`~.durable_files.ChecksummingFileSystem`: each is checksummed as it is
-    written (never read back), written back to disk while the rest is serialized, and fsynced once
-    when it is closed. DCP's own fsync is off (``sync_files=False``): it syncs before the last
-    buffered bytes are flushed. The names become durable with the directory fsync that publishing
-    makes before anything can see them. A helper thread checks the saved state for NaN/Inf beside
+    Its files go through a :class:`~.durable_files.ChecksummingFileSystem` (checksummed as written,
+    fsynced once at the close). DCP's own fsync is off (``sync_files=False``): it syncs before the
+    last buffered bytes are flushed. A helper thread checks the saved state for NaN/Inf beside
     the write, unless the planner checks each tensor as it hands it over (``check_inline``: a state
     written live, see ``handlers.checkpoint.host_copy``). All of it runs where DCP writes: on its
     background thread for an async save. ``entries`` then holds ``{name: {"size", "checksum",

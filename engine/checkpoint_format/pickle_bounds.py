@@ -169,23 +169,22 @@ class BoundedUnpickler(pickle._Unpickler):
         key = self.stack.pop()
         self._insert(self.stack[-1], key, value)
 
-    def load_setitems(self) -> None:
+    def _insert_items(self, opcode: str, target: Any = None) -> Any:
         items = self.pop_mark()
-        target = self.stack[-1]
+        if target is None:  # SETITEMS: the dictionary below the mark
+            target = self.stack[-1]
         if len(items) % 2:
-            raise PickleRefused("SETITEMS has a key without a value")
+            raise PickleRefused(f"{opcode} has a key without a value")
         insert = self._insert
         for i in range(0, len(items), 2):
             insert(target, items[i], items[i + 1])
+        return target
+
+    def load_setitems(self) -> None:
+        self._insert_items("SETITEMS")
 
     def load_dict(self) -> None:
-        items = self.pop_mark()
-        if len(items) % 2:
-            raise PickleRefused("DICT has a key without a value")
-        target: dict[Any, Any] = {}
-        for i in range(0, len(items), 2):
-            self._insert(target, items[i], items[i + 1])
-        self.append(target)
+        self.append(self._insert_items("DICT", {}))
 
     # ------------------------------------------------------------------ memo
     def load_put(self) -> None:

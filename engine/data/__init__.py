@@ -1,16 +1,10 @@
-"""Data primitives of the phase-curriculum mixer.
-
-* :class:`TokenDataset` -- fixed-length next-token windows over a memory-mapped token file.
-* :func:`prepare_tokens` -- write byte-level token files; :func:`stdlib_docs_text` and
-  :func:`stdlib_source_files` give text every Python install has, for runs without downloads.
-  ``hookloop prepare`` (:mod:`engine.data.prepare`) also writes token files with a Hugging Face
-  tokenizer (:mod:`engine.data.tokenizer`, :mod:`engine.data.text_files`,
-  :mod:`engine.data.tokenized`); those modules import ``datasets`` and ``tokenizers`` only when used.
-* :func:`check_model_vocab` -- a config's model must have as many token ids as its data uses.
-* :class:`MixtureDataset` -- named datasets in one index space, items tagged with their source.
-* :class:`MixtureSampler` -- endless weighted, resumable, rank-disjoint index stream over a mixture.
-* :class:`MixtureLoader` -- a ``DataLoader`` over a ``MixtureSampler`` whose state is exactly the
-  batches it returned, however far its workers prefetch.
+"""Data primitives of the phase-curriculum mixer: token files (:mod:`.prepare`, read by
+:class:`TokenDataset`), named datasets in one index space (:class:`MixtureDataset`), an endless,
+resumable, rank-disjoint index stream over them (:class:`MixtureSampler`) and its loader
+(:class:`MixtureLoader`), the model-vocabulary check (:mod:`.vocab`) and the sample trace
+(:class:`SampleTrace`). The Hugging Face tokenizer path of ``hookloop prepare``
+(:mod:`.tokenizer`, :mod:`.text_files`, :mod:`.tokenized`) imports ``datasets`` and ``tokenizers``
+only when used.
 """
 
 from hookloop.engine.data.loader import MixtureLoader
@@ -31,7 +25,7 @@ from hookloop.engine.data.token_dataset import (
     token_file_vocab_size,
 )
 from hookloop.engine.data.trace import SampleTrace, read_sample_traces
-from hookloop.engine.data.vocab import check_model_vocab, data_vocab_size
+from hookloop.engine.data.vocab import check_model_vocab
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -43,7 +37,6 @@ __all__ = [
     "SampleTrace",
     "TokenDataset",
     "check_model_vocab",
-    "data_vocab_size",
     "prepare_tokens",
     "read_sample_traces",
     "read_token_metadata",

@@ -25,13 +25,9 @@ _SAME_POSITION_KEYS = ("format", "version", "seed", "draws", "sources")
 
 
 class MixtureLoader(DataLoader):
-    """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position.
-
-    ``state_dict()`` / ``load_state_dict()`` are the sampler's, taken at the end of the last batch
-    this loader returned (O(prefetch depth) to compute, O(1) to restore). Every other argument
-    (``num_workers``, ``prefetch_factor``, ``pin_memory``, ...) is passed to ``DataLoader``. The stream
-    is endless; bound the run by steps.
-    """
+    """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position
+    (see the module docs): its state is O(prefetch depth) to compute, O(1) to restore. The stream
+    is endless; bound the run by steps."""
 
     def __init__(self, sampler: MixtureSampler, batch_size: int, **kwargs: Any) -> None:
         if not isinstance(sampler, MixtureSampler):
@@ -46,11 +42,6 @@ class MixtureLoader(DataLoader):
         self._position: int | None = None  # global draws after the last batch returned
         self._loads = sampler._loads
         self._returned: list[list[int]] | None = None  # indices of the batches returned, while logging
-
-    @property
-    def draws_per_batch(self) -> int:
-        """Global draws (all ranks) one batch of this rank stands for."""
-        return self.batch_size * self.mixture_sampler.world_size
 
     @property
     def position(self) -> int:
@@ -72,7 +63,7 @@ class MixtureLoader(DataLoader):
         if sampler.draws != self._position:  # an earlier iterator prefetched past what it returned
             sampler.load_state_dict(sampler.state_dict_at(self._position))
             self._loads = sampler._loads
-        step = self.draws_per_batch
+        step = self.batch_size * sampler.world_size  # global draws (all ranks) of one batch of this rank
         logging = self._returned is not None
         if logging:
             sampler.take_logged()  # whatever an earlier iterator read ahead is back in the stream

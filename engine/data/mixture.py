@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,11 +47,8 @@ class MixtureDataset(Dataset):
         self.datasets: tuple[Any, ...] = tuple(datasets.values())
         self.names: tuple[str, ...] = tuple(names)
         self.lengths: tuple[int, ...] = tuple(lengths)
-        offsets = [0]
-        for length in lengths[:-1]:
-            offsets.append(offsets[-1] + length)
-        self.offsets: tuple[int, ...] = tuple(offsets)
-        self._total = offsets[-1] + lengths[-1]
+        self.offsets: tuple[int, ...] = tuple(itertools.accumulate(lengths[:-1], initial=0))
+        self._total = sum(lengths)
         self.tag_source = bool(tag_source)
 
     def __len__(self) -> int:

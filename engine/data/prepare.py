@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import sysconfig
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,18 +32,15 @@ from hookloop.engine.data.token_dataset import (
     BYTE_VOCAB_SIZE,
     SUPPORTED_TOKEN_DTYPES,
     check_output,
-    publish_token_file,
+    writing_token_file,
 )
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import fsync_file
 
 __all__ = [
     "DOC_SEPARATOR",
-    "check_output",
     "main",
     "prepare_command",
     "prepare_tokens",
-    "publish_token_file",
     "stdlib_docs_text",
     "stdlib_docs_topics",
     "stdlib_source_files",
@@ -89,8 +85,8 @@ def prepare_tokens(
     ``separator`` is written between consecutive documents (not after the last); separator bytes
     already inside a document are kept, so splitting on the separator recovers the documents only
     when the text has none. ``dtype`` widens the storage (``uint16``/``uint32``) for token files that
-    will later be mixed with a larger vocabulary. The file is written to a temporary name and
-    renamed, so a crash never leaves a half-written token file behind.
+    will later be mixed with a larger vocabulary. A crash never leaves a half-written token file
+    behind (:func:`~engine.data.token_dataset.writing_token_file`).
 
     Returns the metadata written to the sidecar.
     """
@@ -105,43 +101,30 @@ def prepare_tokens(
         )
     if isinstance(sources, str | bytes | bytearray | os.PathLike):
         sources = [sources]
-    check_output(out_path)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # A name of its own per writer: several ranks, on several nodes whose pids may be the same
-    # (containers), may prepare the same file in a shared directory at once.
-    tag = uuid.uuid4().hex
-    tmp = out.with_name(f"{out.name}.{tag}.tmp")
     sep = np.array([separator], dtype=np_dtype)
     num_tokens = 0
     num_documents = 0
-    try:
-        with open(tmp, "wb") as fh:
-            for position, doc in enumerate(sources):
-                data = _document_bytes(doc, position)
-                if num_documents:
-                    sep.tofile(fh)
-                    num_tokens += 1
-                np.frombuffer(data, dtype=np.uint8).astype(np_dtype).tofile(fh)
-                num_tokens += len(data)
-                num_documents += 1
-        fsync_file(tmp)
+    with writing_token_file(out_path) as (fh, meta):
+        for position, doc in enumerate(sources):
+            data = _document_bytes(doc, position)
+            if num_documents:
+                sep.tofile(fh)
+                num_tokens += 1
+            np.frombuffer(data, dtype=np.uint8).astype(np_dtype).tofile(fh)
+            num_tokens += len(data)
+            num_documents += 1
         if num_documents == 0:
             raise ConfigError("sources", "is empty; pass at least one document (text, bytes or Path)")
-        meta: dict[str, Any] = {
-            "format": "hookloop-tokens",
-            "version": 1,
-            "tokenizer": "utf8-bytes",
-            "dtype": np_dtype.name,
-            "vocab_size": max(BYTE_VOCAB_SIZE, separator + 1),
-            "num_tokens": num_tokens,
-            "num_documents": num_documents,
-            "separator": separator,
-        }
-        publish_token_file(tmp, out, meta)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        meta.update(
+            format="hookloop-tokens",
+            version=1,
+            tokenizer="utf8-bytes",
+            dtype=np_dtype.name,
+            vocab_size=max(BYTE_VOCAB_SIZE, separator + 1),
+            num_tokens=num_tokens,
+            num_documents=num_documents,
+            separator=separator,
+        )
     return meta
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -114,17 +115,15 @@ def _tempered_probabilities(weights: np.ndarray, temperature: float) -> np.ndarr
     return scaled / scaled.sum()
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Chunk:
     """Indices precomputed for the next rounds, and how many of them were yielded."""
 
-    __slots__ = ("consumed", "indices", "own_sources", "sources", "start")
-
-    def __init__(self, start: int, sources: np.ndarray, own_sources: np.ndarray, indices: list[int]) -> None:
-        self.start = start
-        self.sources = sources
-        self.own_sources = own_sources
-        self.indices = indices
-        self.consumed = 0
+    start: int
+    sources: np.ndarray
+    own_sources: np.ndarray
+    indices: list[int]
+    consumed: int = 0
 
 
 class MixtureSampler(Sampler[int]):
@@ -133,10 +132,9 @@ class MixtureSampler(Sampler[int]):
     ``weights`` maps every source name to a finite weight ``>= 0`` (not all zero); the probability
     of drawing source ``i`` is ``w_i**(1/temperature)`` normalised, so ``temperature > 1`` flattens
     the mixture, ``< 1`` sharpens it, and a zero weight always stays exactly zero.
-    :meth:`update_weights` applies to the very next index yielded. ``rank``/``world_size`` split one
-    global stream disjointly between data-parallel ranks; every rank must be built with the same
-    mixture, seed and weights, and must change weights after the same number of yielded indices.
-    See the module documentation for the stream, resume and prefetch semantics.
+    ``rank``/``world_size`` split one global stream disjointly between data-parallel ranks; every
+    rank must be built with the same mixture, seed and weights. See the module documentation for
+    the stream, resume and prefetch semantics.
     """
 
     def __init__(
@@ -293,16 +291,8 @@ class MixtureSampler(Sampler[int]):
         return self._mixture
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
     def world_size(self) -> int:
         return self._world_size
-
-    @property
-    def seed(self) -> int:
-        return self._seed
 
     @property
     def temperature(self) -> float:
@@ -379,11 +369,7 @@ class MixtureSampler(Sampler[int]):
         rank must call this after the same number of yielded indices. Changes scheduled for later
         draws (:meth:`set_schedule`) are dropped. Invalid input leaves the sampler unchanged.
         """
-        position = self._draw_position()
-        current = self._segment_at(position).temperature
-        segments = self._check_changes([(position, weights, temperature)], position, "weights", current)
-        self._invalidate()
-        self._replace_future(segments)
+        self._schedule([(self._draw_position(), weights, temperature)], "weights")
 
     def set_schedule(self, changes: Sequence[Sequence[Any]]) -> None:
         """Lay out weight changes at future global draw indices, replacing any scheduled before.
@@ -391,17 +377,18 @@ class MixtureSampler(Sampler[int]):
         ``changes`` is ``[(draw, weights), ...]`` or ``[(draw, weights, temperature), ...]`` with
         strictly increasing ``draw >= self.draws``: ``weights`` apply from global draw ``draw`` on
         (the temperature carries over when not given). Draws before the first change keep the
-        weights in force now. Because the change points are fixed before the indices are drawn, a
-        ``DataLoader`` prefetching ahead with workers gets exactly the scheduled weights for every
-        draw. Every rank must set the same schedule. Invalid input leaves the sampler unchanged.
+        weights in force now. Every rank must set the same schedule. Invalid input leaves the
+        sampler unchanged.
         """
+        self._schedule(changes, "changes")
+
+    def _schedule(self, changes: Sequence[Sequence[Any]], field: str) -> None:
         position = self._draw_position()
         current = self._segment_at(position).temperature
-        segments = self._check_changes(changes, position, "changes", current)
-        if not segments:
-            return
-        self._invalidate()
-        self._replace_future(segments)
+        segments = self._check_changes(changes, position, field, current)
+        if segments:
+            self._invalidate()
+            self._replace_future(segments)
 
     def __len__(self) -> int:
         raise TypeError(
@@ -434,10 +421,8 @@ class MixtureSampler(Sampler[int]):
     def state_dict_at(self, draws: int) -> dict[str, Any]:
         """The :meth:`state_dict` the sampler has (or will have) when its position is global draw ``draws``.
 
-        Rewinds or advances by recomputing the sources of the draws in between (a vectorised pass,
-        no data access; cost proportional to the distance), so a caller that knows how many draws
-        training really used (e.g. steps x samples per step) gets an exact snapshot while a loader
-        prefetches ahead. ``draws`` must differ from the current position by whole rounds of
+        Recomputes the sources of the draws in between (no data access; cost proportional to the
+        distance). ``draws`` must differ from the current position by whole rounds of
         ``world_size`` draws and must not lie before the weight history the sampler keeps (the last
         64 weight changes, back to its creation or last :meth:`load_state_dict`).
         """

@@ -203,10 +203,8 @@ def load_documents(
                 for f in group:
                     if f.stat().st_size:
                         parts.append(_text_column(_load(datasets, builder, [f], cache), f, text_field))
-        if not parts:
-            raise ConfigError("--files", "hold no document (empty files); give files with text")
-        ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    if len(ds) == 0:
+        ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0] if parts else None
+    if ds is None or len(ds) == 0:
         raise ConfigError("--files", "hold no document (empty files); give files with text")
     return ds
 

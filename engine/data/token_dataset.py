@@ -15,17 +15,20 @@ ids a model needs for either.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import atomic_write
+from hookloop.engine.files import atomic_write, fsync_file
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -58,25 +61,42 @@ def check_output(out_path: str | os.PathLike[str], field: str = "out_path") -> N
         raise ConfigError(field, f"its sidecar {side} is a directory; move it or name another token file")
 
 
-def publish_token_file(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
-    """The complete (written and fsynced) token file ``tmp`` becomes ``out``, with ``meta`` as its
-    sidecar. The sidecar lands first and the token file last, so a reader that sees the token file
-    finds its sidecar; when the token file cannot follow, the sidecar is put back as it was (a
-    sidecar of someone else's is never left describing a file that is not there)."""
-    side = sidecar_path(out)
+@contextlib.contextmanager
+def writing_token_file(out_path: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, dict[str, Any]]]:
+    """``(file, meta)``: write the tokens to ``file`` and fill ``meta``. On a clean exit the file is
+    fsynced and becomes ``out_path``, with ``meta`` as its sidecar; otherwise nothing is left behind.
+
+    The file is written under a temporary name of its own: several ranks, on several nodes whose
+    pids may be the same (containers), may prepare the same file in a shared directory at once. The
+    sidecar lands first and the token file last, so a reader that sees the token file finds its
+    sidecar; when the token file cannot follow, the sidecar is put back as it was (a sidecar of
+    someone else's is never left describing a file that is not there)."""
+    check_output(out_path)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex}.tmp")
+    meta: dict[str, Any] = {}
     try:
-        before: bytes | None = side.read_bytes()
-    except FileNotFoundError:
-        before = None
-    atomic_write(side, json.dumps(meta, indent=2) + "\n")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if before is None:
-            side.unlink(missing_ok=True)
-        else:
-            atomic_write(side, before)
-        raise
+        with open(tmp, "wb") as fh:
+            yield fh, meta
+        fsync_file(tmp)
+        side = sidecar_path(out)
+        try:
+            before: bytes | None = side.read_bytes()
+        except FileNotFoundError:
+            before = None
+        atomic_write(side, json.dumps(meta, indent=2) + "\n")
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if before is None:
+                side.unlink(missing_ok=True)
+            else:
+                atomic_write(side, before)
+            raise
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def read_token_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -116,11 +136,9 @@ def token_file_vocab_size(path: str | os.PathLike[str]) -> int | None:
 def _check_dtype(dtype: Any, field: str) -> np.dtype:
     try:
         resolved = np.dtype(dtype)
-    except TypeError as exc:
-        raise ConfigError(
-            field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}"
-        ) from exc
-    if resolved.name not in SUPPORTED_TOKEN_DTYPES:
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in SUPPORTED_TOKEN_DTYPES:
         raise ConfigError(field, f"unsupported dtype {dtype!r}; use one of {list(SUPPORTED_TOKEN_DTYPES)}")
     return resolved.newbyteorder("<")
 
@@ -157,17 +175,13 @@ class TokenDataset(Dataset):
                 f"no sidecar {str(sidecar_path(self.path))!r} with a 'dtype' entry; pass dtype= "
                 f"(one of {list(SUPPORTED_TOKEN_DTYPES)})",
             )
-        if (
-            dtype is not None
-            and meta_dtype is not None
-            and np.dtype(_check_dtype(dtype, "dtype")).name != meta_dtype
-        ):
+        self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
+        if dtype is not None and meta_dtype is not None and self.dtype.name != meta_dtype:
             raise ConfigError(
                 "dtype",
                 f"{dtype!r} contradicts the sidecar's {meta_dtype!r}; "
                 "drop the dtype argument or fix the sidecar",
             )
-        self.dtype = _check_dtype(meta_dtype if dtype is None else dtype, "dtype")
         self.seq_len = int(seq_len)
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:

@@ -2,8 +2,8 @@
 
 The sidecar ``<out>.json`` (version 2) holds ``dtype`` (``uint16`` when every id fits, else
 ``uint32``), ``vocab_size``, ``eos_id``, ``documents``, ``tokens`` and ``tokenizer`` (path, sha256
-of its serialisation, eos token, and how it was trained when it was). The token file is written to a
-temporary name and renamed after the sidecar, as :func:`engine.data.prepare_tokens` does.
+of its serialisation, eos token, and how it was trained when it was), written as
+:func:`engine.data.prepare_tokens` writes its files.
 
 ``num_proc > 1`` tokenizes batches of documents in that many worker processes (one tokenizer thread
 each) while this process reads ahead and writes the results in document order, so the file is
@@ -18,18 +18,14 @@ import os
 import signal
 import sys
 import threading
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hookloop.engine.data.text_files import text_batches
-from hookloop.engine.data.token_dataset import check_output, publish_token_file
+from hookloop.engine.data.token_dataset import writing_token_file
 from hookloop.engine.data.tokenizer import TextTokenizer, encode_documents
-from hookloop.engine.errors import ConfigError
-from hookloop.engine.files import fsync_file
 
 __all__ = ["TOKENIZED_VERSION", "write_token_file"]
 
@@ -76,50 +72,37 @@ def write_token_file(
 ) -> dict[str, Any]:
     """Tokenize ``documents`` (a ``datasets.Dataset`` with a ``text`` column) into ``out_path`` and
     its sidecar; returns the sidecar's metadata. ``progress``: a tqdm bar on stderr (None: when
-    stderr is a terminal). ``sources`` and ``text_field`` are recorded in the sidecar."""
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ConfigError("--num-proc", f"must be an integer >= 1, got {num_proc!r}")
-    check_output(out_path)
+    stderr is a terminal). ``sources`` and ``text_field`` are recorded in the sidecar. ``num_proc``
+    is an integer >= 1 (``hookloop prepare`` checks its ``--num-proc``)."""
     dtype = tokenizer.dtype
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex}.tmp")
     num_tokens = 0
-    bar = _progress_bar(len(documents), progress)
-    try:
-        with open(tmp, "wb") as fh:
+    with writing_token_file(out_path) as (fh, meta), _progress_bar(len(documents), progress) as bar:
 
-            def write(ids: np.ndarray, docs: int) -> None:
-                nonlocal num_tokens
-                ids.tofile(fh)
-                num_tokens += len(ids)
-                bar.update(docs)
+        def write(ids: np.ndarray, docs: int) -> None:
+            nonlocal num_tokens
+            ids.tofile(fh)
+            num_tokens += len(ids)
+            bar.update(docs)
 
-            batches = text_batches(documents)
-            if num_proc == 1:
-                for texts in batches:
-                    write(tokenizer.encode_documents(texts), len(texts))
-            else:
-                _tokenize_in_workers(batches, tokenizer, dtype, num_proc, write)
-        fsync_file(tmp)
-        meta: dict[str, Any] = {
-            "format": "hookloop-tokens",
-            "version": TOKENIZED_VERSION,
-            "dtype": dtype,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "documents": len(documents),
-            "tokens": num_tokens,
-            "tokenizer": tokenizer.describe(),
-            "sources": list(sources),
-        }
+        batches = text_batches(documents)
+        if num_proc == 1:
+            for texts in batches:
+                write(tokenizer.encode_documents(texts), len(texts))
+        else:
+            _tokenize_in_workers(batches, tokenizer, dtype, num_proc, write)
+        meta.update(
+            format="hookloop-tokens",
+            version=TOKENIZED_VERSION,
+            dtype=dtype,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            documents=len(documents),
+            tokens=num_tokens,
+            tokenizer=tokenizer.describe(),
+            sources=list(sources),
+        )
         if text_field is not None:
             meta["text_field"] = text_field
-        publish_token_file(tmp, out, meta)
-    finally:
-        bar.close()
-        if tmp.exists():
-            tmp.unlink()
     return meta
 
 

@@ -1,16 +1,6 @@
-"""The tokenizer of a token file: a Hugging Face tokenizer from local files, or a byte-level BPE
-trained here on the input text. Nothing is ever downloaded.
-
-* :func:`load_tokenizer` -- a ``tokenizer.json`` file, or a directory holding one (its
-  ``tokenizer_config.json`` names the end-of-document token), or a directory that only
-  ``transformers``' ``AutoTokenizer`` reads (slow-tokenizer files such as ``vocab.json`` +
-  ``merges.txt``), converted to its fast backend.
-* :func:`train_bpe_tokenizer` -- a byte-level BPE (``tokenizers``' ``BpeTrainer``) with the special
-  token ``<|endoftext|>`` (id 0) as its end of document, saved as ``tokenizer.json`` and
-  ``tokenizer_config.json`` in a directory of its own: training is deterministic, and the saved
-  directory is what later runs pass as ``--tokenizer``.
-* :func:`token_dtype` -- the narrowest storage for a vocabulary: ``uint16`` up to 65,536 ids, else
-  ``uint32``.
+"""The tokenizer of a token file: a Hugging Face tokenizer from local files
+(:func:`load_tokenizer`), or a byte-level BPE trained here on the input text
+(:func:`train_bpe_tokenizer`). Nothing is ever downloaded.
 
 ``tokenizers`` (and ``transformers``, for directories without ``tokenizer.json``) are imported only
 when a function here runs, so ``import hookloop`` stays free of them.
@@ -214,7 +204,8 @@ def _auto_tokenizer(directory: Path) -> tuple[Any, str | None]:
 
 
 def load_tokenizer(path: str | os.PathLike[str], eos_token: str | None = None) -> TextTokenizer:
-    """The tokenizer at ``path`` (a ``tokenizer.json`` or a tokenizer directory) and its
+    """The tokenizer at ``path`` (a ``tokenizer.json``, a directory holding one, or one only
+    ``transformers``' ``AutoTokenizer`` reads, converted to its fast backend) and its
     end-of-document token: ``eos_token`` when given (it must be in the vocabulary), else the
     directory's ``tokenizer_config.json`` ``eos_token``, else the first of :data:`EOS_CANDIDATES` the
     vocabulary holds. Raises :class:`ConfigError` naming ``--tokenizer`` or ``--eos-token``."""
@@ -282,7 +273,8 @@ def train_bpe_tokenizer(
 ) -> TextTokenizer:
     """Train a byte-level BPE of at most ``vocab_size`` ids on ``batches`` (lists of documents) and
     save it to ``directory`` (``tokenizer.json`` + ``tokenizer_config.json``). Every byte is in
-    the vocabulary, so any text round-trips through encode and decode. ``length`` (documents) sizes
+    the vocabulary, so any text round-trips through encode and decode; training is deterministic.
+    ``length`` (documents) sizes
     the progress bar; ``sources`` are recorded as what it was trained on. A small corpus may stop
     short of ``vocab_size`` (no pair left to merge)."""
     directory = check_bpe_target(directory, vocab_size)

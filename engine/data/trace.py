@@ -28,13 +28,6 @@ Damage: a line that is not a whole step's JSON (torn by a kill mid-write, or gar
 a file is cut the same way, with a warning naming the file and the line's number (the cut of
 :mod:`engine.record_file`: a start costs the lines cut, not the trace's length).
 :func:`read_sample_traces` skips, with the same warning, a damaged line anywhere.
-
-Writers: one file per data-parallel rank, written by one process of its replica (the first of its
-tensor- and pipeline-parallel ranks; ``hookloop train`` chooses it).
-
-Sources it reads: a :class:`MixtureLoader` (exact with worker processes: only returned batches
-count), or a ``DataLoader`` without workers drawing from a :class:`MixtureSampler` (the map-style
-path: ``DataLoader(mixture, batch_size, sampler=MixtureSampler(...))``).
 """
 
 from __future__ import annotations
@@ -55,16 +48,11 @@ from hookloop.engine.events import Events, Priority
 from hookloop.engine.files import open_no_link
 from hookloop.engine.record_file import cut_to_step, step_row, warn_damaged
 
-__all__ = ["SampleTrace", "read_sample_traces", "trace_path"]
+__all__ = ["SampleTrace", "read_sample_traces"]
 
 logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^samples-rank(\d+)\.jsonl$")
-
-
-def trace_path(run_dir: str | os.PathLike, rank: int) -> Path:
-    """``<run_dir>/samples-rank<rank>.jsonl``."""
-    return Path(run_dir) / f"samples-rank{rank}.jsonl"
 
 
 def _row(line: bytes) -> dict[str, Any] | None:
@@ -106,8 +94,9 @@ class SampleTrace:
 
     Args:
         run_dir: where ``samples-rank<rank>.jsonl`` goes.
-        data: the training loader: a :class:`MixtureLoader`, or a ``DataLoader`` with
-            ``num_workers=0`` whose sampler is a :class:`MixtureSampler`.
+        data: the training loader: a :class:`MixtureLoader` (exact with worker processes: only
+            returned batches count), or a ``DataLoader`` with ``num_workers=0`` whose sampler is a
+            :class:`MixtureSampler`.
         rank, world_size: this process's data-parallel rank and the number of data-parallel ranks.
         write: False on processes that share a data-parallel rank's data without owning its file
             (every process of a replica but its first tensor- and pipeline-parallel rank): they
@@ -121,7 +110,7 @@ class SampleTrace:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank, self.world_size, self.write = int(rank), int(world_size), bool(write)
-        self.path = trace_path(run_dir, rank)
+        self.path = self.run_dir / f"samples-rank{rank}.jsonl"
         self._take, self.mixture = self._source(data)
         self._pending: list[int] = []
         self.trainer: Any = None

@@ -35,7 +35,6 @@ __all__ = [
     "DataVocab",
     "check_model_vocab",
     "data_vocab",
-    "data_vocab_size",
     "largest_token_id",
     "model_vocab_size",
 ]
@@ -103,30 +102,26 @@ def data_vocab(datasets: Mapping[str, str]) -> DataVocab | None:
     return best
 
 
-def data_vocab_size(datasets: Mapping[str, str]) -> tuple[int, str] | None:
-    """``(ids, dataset name)`` of :func:`data_vocab`."""
-    found = data_vocab(datasets)
-    return None if found is None else (found.size, found.name)
-
-
-def _model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> tuple[Any, bool]:
-    """``(vocab_size, from_default)``; ``(None, False)`` when the factory takes no ``vocab_size``."""
+def _model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """``(vocab_size, from_default)``; ``(None, False)`` when the factory takes no integer ``vocab_size``."""
     if "vocab_size" in args:
-        return args["vocab_size"], False
-    try:
-        parameter = inspect.signature(build).parameters.get("vocab_size")
-    except (TypeError, ValueError):  # no signature (a builtin or C callable)
+        vocab, from_default = args["vocab_size"], False
+    else:
+        try:
+            parameter = inspect.signature(build).parameters.get("vocab_size")
+        except (TypeError, ValueError):  # no signature (a builtin or C callable)
+            parameter = None
+        vocab = None if parameter is None else parameter.default
+        from_default = True
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
         return None, False
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        return None, False
-    return parameter.default, True
+    return vocab, from_default
 
 
 def model_vocab_size(build: Callable[..., Any], args: Mapping[str, Any]) -> int | None:
     """The ``vocab_size`` the model built by ``build(**args)`` gets (set or the factory's default),
     None when it takes none."""
-    vocab, _ = _model_vocab_size(build, args)
-    return None if isinstance(vocab, bool) or not isinstance(vocab, int) else vocab
+    return _model_vocab_size(build, args)[0]
 
 
 def check_model_vocab(
@@ -135,9 +130,7 @@ def check_model_vocab(
     """Raise :class:`ConfigError` on ``model.vocab_size`` when the model built by ``build(**args)``
     has fewer token ids than the data in ``datasets`` uses."""
     vocab, from_default = _model_vocab_size(build, args)
-    if isinstance(vocab, bool) or not isinstance(vocab, int):
-        return
-    found = data_vocab(datasets)
+    found = None if vocab is None else data_vocab(datasets)
     if found is None or found.size <= vocab:
         return
     default = " (the factory's default)" if from_default else ""

@@ -2,10 +2,8 @@
 
 The fields follow NeMo AutoModel's pipelining config, including its Hugging Face patching switches
 (``patch_inner_model``, ``patch_causal_lm_model``, ``patch_stage_backward_maybe_with_nosync``,
-implemented in :mod:`engine.pipeline.hf_patches`).
-The degree (``pp_size``) lives in the distributed section. :meth:`PipelineConfig.validate` checks
-what can be checked without a model, before any process group exists; the schedule name and CSV
-file are checked against the installed torch when the degree is known.
+implemented in :mod:`engine.pipeline.hf_patches`). The degree (``pp_size``) lives in the
+distributed section.
 """
 
 from __future__ import annotations
@@ -256,15 +254,9 @@ class PipelineConfig:
 
     def _num_stages(self, style: str, pp: int, n_layers: int | None, csv_schedule: Any, p: str) -> int:
         if self.module_fqns_per_model_part is not None:
-            n = len(self.module_fqns_per_model_part)
-            if csv_schedule is not None and n != csv_schedule.num_stages:
-                raise ConfigError(
-                    f"{p}.module_fqns_per_model_part",
-                    f"lists {n} stages but {csv_schedule.path} schedules {csv_schedule.num_stages}",
-                )
-            return n
-        if self.layers_per_stage is not None and n_layers is not None:
-            n = math.ceil(n_layers / self.layers_per_stage)
+            n, field, says = len(self.module_fqns_per_model_part), "module_fqns_per_model_part", "lists"
+        elif self.layers_per_stage is not None and n_layers is not None:
+            n, field, says = math.ceil(n_layers / self.layers_per_stage), "layers_per_stage", "gives"
             if n % pp:
                 rounding = self.round_virtual_stages_to_pp_multiple
                 if rounding is None:
@@ -275,15 +267,14 @@ class PipelineConfig:
                         f"{p}.round_virtual_stages_to_pp_multiple to 'up' or 'down'",
                     )
                 n = math.ceil(n / pp) * pp if rounding == "up" else max(pp, n // pp * pp)
-            if csv_schedule is not None and n != csv_schedule.num_stages:
-                raise ConfigError(
-                    f"{p}.layers_per_stage",
-                    f"gives {n} stages but {csv_schedule.path} schedules {csv_schedule.num_stages}",
-                )
-            return n
-        if csv_schedule is not None:
+        elif csv_schedule is not None:
             return csv_schedule.num_stages
-        return pp if style == "single" else 2 * pp
+        else:
+            return pp if style == "single" else 2 * pp
+        if csv_schedule is not None and n != csv_schedule.num_stages:
+            scheduled = f"{csv_schedule.path} schedules {csv_schedule.num_stages}"
+            raise ConfigError(f"{p}.{field}", f"{says} {n} stages but {scheduled}")
+        return n
 
 
 def _check_fqns(field: str, fqns: Any) -> None:

@@ -3,20 +3,10 @@
 A stage is a pruned deep copy of the whole model (:mod:`engine.pipeline.split`): a later stage has
 no token embedding, an earlier one no final norm or ``lm_head``, and its layer list holds only some
 layers. Hugging Face's own ``forward`` methods assume the whole tree and return ``ModelOutput``
-objects, which cannot cross stages. The patches, bound to each stage's copy only (the class and
-the original model are untouched), replace them:
-
-* ``patch_inner_model``: the decoder (``model.model``) embeds token ids when it holds the embedding
-  and otherwise takes the previous stage's hidden states, runs the layers it holds with the causal
-  mask and rotary position embeddings, applies the final norm when it holds it, and returns the
-  hidden states as a plain tensor.
-* ``patch_causal_lm_model``: the causal-LM wrapper returns ``lm_head(hidden)`` (logits) on the stage
-  holding the head, the hidden states elsewhere, never a loss object. The last stage's loss is then
-  :func:`causal_lm_loss`: the model's own shifted cross-entropy, so pipeline and single-process
-  losses agree.
-* ``patch_stage_backward_maybe_with_nosync``: a stage's backward skips the data-parallel gradient
-  sync except on the step's last microbatch, where DDP all-reduces and FSDP2 reduce-scatters
-  (and reshards) inside that backward, instead of FSDP2 reducing after the whole schedule.
+objects, which cannot cross stages. The patches (one per ``pipeline.patch_*`` field, described
+with :class:`~engine.pipeline.PipelineConfig`), bound to each stage's copy only (the class and the
+original model are untouched), replace them; the last stage's loss is then :func:`causal_lm_loss`,
+the model's own shifted cross-entropy, so pipeline and single-process losses agree.
 
 Decoders in the Llama layout (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``: Llama,
 Mistral, Qwen2, ...) are supported; others are refused with the field to change.
@@ -204,5 +194,4 @@ def _backward_maybe_with_nosync(
         submod.set_requires_gradient_sync(last_backward)
         submod.set_is_last_backward(last_backward)
         submod.set_reshard_after_backward(last_backward)
-        return run()
     return run()

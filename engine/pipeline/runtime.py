@@ -80,12 +80,9 @@ def stage_pair(inputs: Any, targets: Any) -> tuple[Any, Any]:
 class PipelineRuntime(StepBody):
     """This rank's pipeline stages and their schedule, and the pipeline's step body (a
     :class:`~engine.step_body.StepBody` declaring ``n_microbatches``). Build with
-    :func:`build_pipeline`.
-
-    ``module`` (an ``nn.ModuleList`` of this rank's stage modules, DDP/FSDP-wrapped when the
-    data-parallel degree is > 1) is what the optimizer and the Trainer take:
-    ``Trainer(runtime.module, optimizer, loss_fn, step_body=runtime)``.
-    """
+    :func:`build_pipeline`. ``module`` (an ``nn.ModuleList`` of this rank's stage modules,
+    DDP/FSDP-wrapped when the data-parallel degree is > 1) is what the optimizer and the Trainer
+    take (see :mod:`engine.pipeline`)."""
 
     def __init__(
         self,
@@ -164,11 +161,7 @@ class PipelineRuntime(StepBody):
 
     # ------------------------------------------------------------------ the loss the schedule calls
     def _scheduled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise ConfigError(
-                "pipeline.loss_fn", "no loss: pass loss_fn to build_pipeline, PipelineConfig or the Trainer"
-            )
-        loss = self.loss_fn(output, target)
+        loss = self.loss_fn(output, target)  # never None: bind() refuses a runtime without a loss
         check_loss(loss, self.loss_fn)
         i = losses_computed(self.schedule)
         self._raw_losses[i] = loss.detach()
@@ -183,8 +176,7 @@ class PipelineRuntime(StepBody):
 
     # ------------------------------------------------------------------ running the schedule
     def _stage_pair(self, ctx: StepContext, microbatch: Any) -> tuple[Any, Any, tuple[int, Any]]:
-        """``(inputs, targets, (samples, tokens))`` of one microbatch as the stages take it: a dict
-        microbatch (Hugging Face convention) gives its ``input_ids`` and its ``labels``."""
+        """:func:`stage_pair` of one microbatch, and its ``(samples, tokens)``."""
         inputs, targets = ctx.prepare(microbatch)
         counts = count_batch(inputs)
         inputs, targets = stage_pair(inputs, targets)
@@ -262,12 +254,9 @@ class PipelineRuntime(StepBody):
         observed = ctx.observes_microbatch
         with ctx.autocast():
             losses, output = self._run_schedule(pairs, keep_outputs=observed and self.has_last)
-        tokens: Any = 0
-        samples = 0
-        if self.has_first and ctx.count_share:  # once per pipeline (and tensor-parallel group)
-            for mb_samples, mb_tokens in counts:
-                samples += mb_samples
-                tokens = tokens + mb_tokens
+        counted = counts if self.has_first and ctx.count_share else []  # once per pipeline (and TP group)
+        samples = sum(mb_samples for mb_samples, _ in counted)
+        tokens = sum((mb_tokens for _, mb_tokens in counted), 0)
         outputs = (
             torch.split(output, self.config.pp_microbatch_size) if isinstance(output, torch.Tensor) else None
         )
@@ -434,7 +423,7 @@ def build_pipeline(
         if isinstance(part, nn.parallel.DistributedDataParallel):
             _infer_shapes_without_ddp_sync(stage)
         stages.append(stage)
-    runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn or cfg.loss_fn, plan["rank_stages"])
+    runtime = PipelineRuntime(cfg, stages, mesh, device, loss_fn, plan["rank_stages"])
     kwargs = {"loss_fn": runtime._scheduled_loss, "scale_grads": cfg.scale_grads_in_schedule}
     style = plan["style"]
     if style == "csv":
@@ -462,24 +451,21 @@ def build_pipeline(
 def pipeline_loss_fn(model: nn.Module, config: PipelineConfig, loss_fn: Callable | None) -> Callable | None:
     """The last stage's loss: ``loss_fn``, else ``config.loss_fn``, else for a Hugging Face causal
     LM its shifted cross entropy (:func:`~engine.pipeline.hf_patches.causal_lm_loss`)."""
-    if hf_patches.is_hf_causal_lm(model):
-        return loss_fn or config.loss_fn or hf_patches.causal_lm_loss
-    return loss_fn or config.loss_fn
+    default = hf_patches.causal_lm_loss if hf_patches.is_hf_causal_lm(model) else None
+    return loss_fn or config.loss_fn or default
 
 
 def stage_module(model: nn.Module, config: PipelineConfig, fqns: list[list[str]], stage_id: int) -> nn.Module:
     """Stage ``stage_id``'s part of ``model`` (a copy keeping the modules ``fqns[stage_id]`` names),
     with the pipeline forwards of a Hugging Face causal LM bound to it."""
-    hf = hf_patches.is_hf_causal_lm(model)
-    prepare = None
-    if hf:  # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
-        container = find_layer_container(model)
-        prepare = lambda part: hf_patches.layers_as_module_dict(part, container)  # noqa: E731
-    part = split_stage_module(model, fqns, stage_id, prepare)
-    if hf:
-        hf_patches.patch_stage_module(
-            part, patch_inner=config.patch_inner_model, patch_causal_lm=config.patch_causal_lm_model
-        )
+    if not hf_patches.is_hf_causal_lm(model):
+        return split_stage_module(model, fqns, stage_id)
+    # stages of a Hugging Face causal LM run the pipeline forwards (pipeline.patch_* fields)
+    container = find_layer_container(model)
+    part = split_stage_module(model, fqns, stage_id, lambda c: hf_patches.layers_as_module_dict(c, container))
+    hf_patches.patch_stage_module(
+        part, patch_inner=config.patch_inner_model, patch_causal_lm=config.patch_causal_lm_model
+    )
     return part
 
 

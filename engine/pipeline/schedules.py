@@ -114,10 +114,6 @@ class CsvSchedule:
     num_stages: int
     n_microbatches: int
 
-    @property
-    def pp_size(self) -> int:
-        return len(self.rank_stages)
-
 
 def parse_schedule_csv(
     path: Any,

@@ -17,6 +17,7 @@ exists; ``hookloop check --nproc N`` runs it.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +36,9 @@ def find_layer_container(model: nn.Module) -> str:
     """The dotted name of the module holding the model's repeated layers (a ``ModuleDict`` or
     ``ModuleList``): a child of the model (``blocks``) or, when it has none, a child of one of its
     children (``model.layers`` in a Hugging Face causal LM)."""
-    containers = _layer_containers(model)
-    if not containers:
-        nested = [
-            f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
-        ]
-        containers = nested
+    containers = _layer_containers(model) or [
+        f"{name}.{found}" for name, child in model.named_children() for found in _layer_containers(child)
+    ]
     for name in _LAYER_NAMES:
         for found in containers:
             if found.rpartition(".")[2] == name:
@@ -96,12 +94,8 @@ def default_module_fqns(
             f"rank) or {more}",
         )
     base, extra = divmod(n_layers, num_stages)
-    parts: list[list[str]] = []
-    start = 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
-        parts.append(layer_keys[start : start + size])
-        start += size
+    starts = [s * base + min(s, extra) for s in range(num_stages + 1)]  # the first `extra` take one more
+    parts = [layer_keys[a:b] for a, b in itertools.pairwise(starts)]
     parts[0] = before + parts[0]
     parts[-1] = parts[-1] + after
     return parts
