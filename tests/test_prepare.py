@@ -645,3 +645,31 @@ def test_a_ctrl_c_while_the_workers_start_is_not_lost(bpe, monkeypatch):
             [["some text"]] * 8, load_tokenizer(bpe), "uint16", 2, lambda *a: written.append(a)
         )
     assert not written and not multiprocessing.active_children()
+
+
+def _sigterm_is_default(texts) -> np.ndarray:
+    """Run in a tokenizing worker: 1 when SIGTERM would end it whatever it is doing."""
+    return np.array([signal.getsignal(signal.SIGTERM) is signal.SIG_DFL], dtype=np.uint16)
+
+
+def test_tokenizing_workers_end_on_sigterm_whatever_this_process_handles_it_with(bpe, monkeypatch):
+    """The pool ends its workers with SIGTERM; a handler of this process's (the test suite turns
+    SIGTERM into KeyboardInterrupt, a user's program may note it) must not be a worker's: run by
+    Python, it never runs in a worker stuck in C, and the pool's join would wait forever."""
+    import threading
+
+    from hookloop.engine.data import tokenized
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are the main thread's")
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(tokenized, "_encode_in_worker", _sigterm_is_default)
+        seen: list = []
+        tokenized._tokenize_in_workers(
+            [["a"]] * 4, load_tokenizer(bpe), "uint16", 2, lambda ids, _: seen.append(ids)
+        )
+        assert [int(ids[0]) for ids in seen] == [1, 1, 1, 1]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # this process keeps its own
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -118,9 +118,14 @@ def _tokenize_in_workers(
     # While the workers are forked a Ctrl-C is only noted (a worker would otherwise print a
     # traceback before its initializer makes it ignore Ctrl-C), then raised once the pool stands:
     # the main process ends the pool on Ctrl-C, and one pressed during the start is not lost.
+    # The workers are forked with SIGTERM's default action, whatever this process handles it with:
+    # the pool ends them with SIGTERM, and a handler run by Python never runs in a worker stuck in C
+    # (a fork of a process with threads can leave one waiting on a lock forever).
     main = threading.current_thread() is threading.main_thread()
     caught: list[int] = []
-    previous_sigint = signal.signal(signal.SIGINT, lambda signum, _: caught.append(signum)) if main else None
+    if main:
+        previous_sigint = signal.signal(signal.SIGINT, lambda signum, _: caught.append(signum))
+        previous_sigterm = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         pool = _pool_context().Pool(
             num_proc,
@@ -130,6 +135,7 @@ def _tokenize_in_workers(
     finally:
         if main:
             signal.signal(signal.SIGINT, previous_sigint)
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if previous is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
