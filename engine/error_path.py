@@ -70,10 +70,7 @@ class ErrorPath:
         self._last_handled = None
 
     def on_error(self, e: BaseException) -> None:
-        """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
-        when at least one is attached and none raises; a handler re-raises to decline). Otherwise
-        TRAIN_FAILED handlers clean up and the error propagates; a handler that fails with another
-        error is logged, and the original error still wins."""
+        """The one error path (see the module docstring); a handler re-raises to decline."""
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
         self._run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
@@ -105,9 +102,7 @@ class ErrorPath:
     def _handled(self, e: BaseException) -> None:
         """An EXCEPTION handler handled ``e``. As in ignite, the loop goes on after the error's
         epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
-        whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
-        raised leaves no gradients or step flags behind for the next one. When the run is at its
-        limit, ``control.stop_reason`` says that it ended on a handled error."""
+        whose every step raises still ends at its ``max_epochs`` / ``max_steps``."""
         state = self._state()
         self._drop_gradients()
         self._control.drop_step_requests()
@@ -149,8 +144,7 @@ class ErrorPath:
         )
 
     def _fail(self, e: BaseException) -> None:
-        """TRAIN_FAILED handlers clean up after ``e`` (once per error); a handler that fails is
-        logged and the next one still runs."""
+        """TRAIN_FAILED handlers clean up after ``e`` (once per error)."""
         if id(e) in self._failed:
             return
         self._failed.add(id(e))

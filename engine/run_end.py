@@ -229,9 +229,8 @@ class RunEnd:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The span of one ``run()``: Ctrl-C stops gracefully, the exit status as it is now is
-        remembered (to tell whether rank 0 has recorded this run's end since), and an error that
-        ends the run is recorded (:meth:`record_error`) before it propagates."""
+        """The span of one ``run()``: Ctrl-C stops gracefully, and an error that ends the run is
+        recorded (:meth:`record_error`) before it propagates."""
         self._sigint_noted, self.stop_kind = False, None
         previous = self._install_sigint()
         self.stops.install()
@@ -274,9 +273,8 @@ class RunEnd:
         self.write(exit_code_of(error), f"{type(error).__name__}: {error}", rank=rank)
 
     def write(self, code: int, reason: str, rank: int | None = None) -> None:
-        """Record how the run ended, when this rank is the one to (rank 0; for 77, also the first
-        worker of another node while the record is as it was when the run began) and the run has
-        started. ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        """Record how the run ended, when this rank is the one to (see the module docstring).
+        ``rank``: the rank whose error ended the run (recorded for a crash)."""
         if self.run_dir is None or not self._run_start.started:
             return  # a start that failed leaves the record as it was
         if parallel.rank() != 0:

@@ -1,17 +1,12 @@
 """The core engine: an ignite ``Engine`` whose iteration is one optimizer step.
 
 Everything a run needs beyond the step itself (scheduling, checkpoints, NaN handling, logging) is a
-handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
-:class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
-(:class:`~engine.control.StepControl`: skip, save, validate, stop, roll back) once every rank
-agrees; handlers that judge the state and handlers that save it cooperate through its save policy
-(:class:`~engine.save_policy.SavePolicy`).
-
-Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
-tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
-own the trainer holds: the step body (:mod:`engine.step_body`; the pipeline runtime of
-:mod:`engine.pipeline` is one), validation through it (:mod:`engine.validation`), the step's decisions
-(:mod:`engine.step_decisions`), the run's limits, start and end (:mod:`engine.run_limits`,
+handler attached to a :class:`Trainer`. Here is the loop itself: the constructor's wiring, the
+events, running and stopping, and the step's tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR
+scheduler). Each other part is a room of its own the trainer holds: the step body
+(:mod:`engine.step_body`), validation through it (:mod:`engine.validation`), the control point and
+the step's decisions (:mod:`engine.control`, :mod:`engine.step_decisions`), the save policy
+(:mod:`engine.save_policy`), the run's limits, start and end (:mod:`engine.run_limits`,
 :mod:`engine.run_start`, :mod:`engine.run_end`), the error path (:mod:`engine.error_path`) and the
 handler registry (:mod:`engine.handler_registry`).
 """
@@ -381,8 +376,7 @@ class Trainer(IgniteAdapter):
         return self.registry.handlers
 
     def describe(self) -> str:
-        """Every event's handlers in the order they run, with their places (``print`` it to see
-        the order of a run; :meth:`engine.events.EventRegistry.describe`)."""
+        """Every event's handlers in the order they run (:meth:`engine.events.EventRegistry.describe`)."""
         return self.events.describe()
 
     def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
@@ -448,8 +442,6 @@ class Trainer(IgniteAdapter):
         self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
-        """The bounds on the run's epochs (:meth:`engine.run_limits.RunPlan.epoch_ended`), then the
-        stop agreement."""
         self.plan.epoch_ended()
         self._agree_boundary_stop()
 
@@ -505,10 +497,8 @@ class Trainer(IgniteAdapter):
         return self.run_end.run_dir
 
     def write_exit_status(self, code: int, reason: str, rank: int | None = None) -> None:
-        """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
-        script can requeue on 75 even when the launcher reports only failure or success; a lost
-        peer or a hang (77) also on the first worker of every other node (:mod:`engine.run_end`).
-        ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        """Record how the run ended in ``run_dir/exit_status.json`` (:mod:`engine.run_end`), so a
+        job script can requeue on 75; ``rank``: the rank whose error ended the run."""
         self.run_end.write(code, reason, rank=rank)
 
     def _on_watchdog_expired(self, reason: str) -> None:
@@ -580,7 +570,7 @@ class Trainer(IgniteAdapter):
     # ------------------------------------------------------------------ the step
     def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """One optimizer step (ignite's process function): the step body's forward and backward
-        (:mod:`engine.step_body`), then :meth:`_finish_step`. Local and pipeline bodies alike."""
+        (:mod:`engine.step_body`), then :meth:`_finish_step`."""
         ctx = self.step_context
         ctx.observes_microbatch = self.events.any_for(Events.MICROBATCH)
         return self._finish_step(checked_result(self.step_body, self.step_body.run_step(microbatches, ctx)))
@@ -654,10 +644,8 @@ class Trainer(IgniteAdapter):
     @property
     def evaluator(self) -> Engine:
         """The ignite engine validation runs on (:mod:`engine.validation`): attach ignite metrics to
-        it (its items are the step body's validation forwards, its process function returns
-        ``(model_output, targets)``); their results join ``state.metrics`` before VALIDATION_END,
-        reduced over the data-parallel ranks. It runs where the body holds the outputs (a
-        pipeline's last stage), whose results reach every rank."""
+        it (its process function returns ``(model_output, targets)``); their results join
+        ``state.metrics`` before VALIDATION_END, reduced over the data-parallel ranks."""
         return self.validator.evaluator
 
     def validate(self) -> float:

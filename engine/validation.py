@@ -307,24 +307,20 @@ class Validator:
     def _count_losses(self, items: Iterator[EvalResult]) -> dict[str, Any]:
         """On a rank without the outputs: the losses only (the metrics come from the rank with them)."""
         for item in items:
-            self._feed_watchdog()
-            self._add_loss(item.loss, item.samples)
+            self._add_loss(item)
         return {}
 
     def _step(self, engine: Engine, item: EvalResult) -> tuple[Any, Any]:
         """The evaluator's process function: one microbatch's loss into the totals; returns
         ``(model_output, targets)`` for the metrics."""
-        self._feed_watchdog()
-        self._add_loss(item.loss, item.samples)
+        self._add_loss(item)
         return item.output, item.targets
 
-    def _add_loss(self, loss: Any, samples: int) -> None:
-        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
-        # and however the samples are shared among ranks.
-        self._loss_total += torch.as_tensor(loss).detach().double().cpu() * samples
-        self._samples += samples
-
-    def _feed_watchdog(self) -> None:
+    def _add_loss(self, item: EvalResult) -> None:
         watchdog = self._trainer.watchdog
         if watchdog is not None:
             watchdog.feed()
+        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
+        # and however the samples are shared among ranks.
+        self._loss_total += torch.as_tensor(item.loss).detach().double().cpu() * item.samples
+        self._samples += item.samples

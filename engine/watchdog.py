@@ -104,9 +104,8 @@ class ProgressWatchdog:
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """No bound inside (a local wait that has its own timeout), except that a peer which stops
-        beating still ends the process; fed again on the way out. The peers see this rank as
-        busy meanwhile (:class:`PeerHeartbeats`)."""
+        """No bound inside (a local wait that has its own timeout; see the module docstring); fed
+        again on the way out."""
         self._suspended += 1
         heartbeats = self.heartbeats
         if self._suspended == 1:
@@ -211,12 +210,9 @@ class PeerLook:
 
 
 class PeerHeartbeats:
-    """Each rank's watchdog beats a counter under ``hookloop/heartbeat/<rank>`` in a store no
-    collective uses (the process group's): ``busy:<n>`` while the rank is in a long local wait,
-    ``idle:<n>`` otherwise, ``n`` advancing every beat (a thread of its own, so a rank blocked in a
-    collective still beats, and a stopped or dead one does not). :meth:`look` reads the peers
-    twice, 1.5 beats apart, each read bounded (a store hosted by a stopped process does not
-    answer)."""
+    """Each rank's beat under ``hookloop/heartbeat/<rank>`` in the process group's store (see the
+    module docstring): ``busy:<n>`` while the rank is in a long local wait, ``idle:<n>`` otherwise,
+    from a thread of its own, so a rank blocked in a collective still beats."""
 
     PREFIX = "hookloop/heartbeat/"
 
