@@ -33,15 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorPath:
-    """The error path of one trainer (see the module docstring).
-
-    ``events``: the trainer's :class:`~engine.events.EventRegistry` (EXCEPTION and TRAIN_FAILED
-    handlers); ``run_start``: its :class:`~engine.run_start.RunStart` (a failure at TRAIN_START is
-    voted there); ``control``: its :class:`~engine.control.StepControl`; ``state``: gives the
-    trainer's state; ``drop_gradients``: zeroes the optimizer's
-    gradients (a step that raised leaves none behind); ``limits_reached``: whether the state is at
-    its step or epoch limit (ignite's rule).
-    """
+    """The error path of one trainer (see the module docstring), from the trainer's parts;
+    ``drop_gradients`` zeroes the optimizer's gradients (a step that raised leaves none behind),
+    ``limits_reached`` says whether the state is at its step or epoch limit (ignite's rule)."""
 
     def __init__(
         self,

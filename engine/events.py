@@ -337,11 +337,6 @@ class EventHandle(RemovableEventHandle):
             entry for entry in (ref() for ref in self._entries) if entry is not None and not entry.removed
         ]
 
-    @property
-    def priority(self) -> Place:
-        entries = self.entries()
-        return entries[0].priority if entries else Priority.DEFAULT
-
     def remove(self) -> None:
         engine = self.engine()
         if engine is None:

@@ -274,7 +274,6 @@ class GroupModel(ComputationModel):
         backend = None if group is None else dist.get_backend(group)
         self._backend = backend
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        self._nproc_per_node, self._nnodes, self._node = self._size, 1, 0
 
     def _compute_nproc_per_node(self) -> int:
         return self._size

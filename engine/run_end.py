@@ -143,12 +143,8 @@ def first_on_node() -> bool:
 
 
 class RunEnd:
-    """The Ctrl-C rule and the exit status record of one trainer (see the module docstring).
-
-    ``control``: the trainer's :class:`~engine.control.StepControl` (Ctrl-C asks it for the stop);
-    ``run_start``: its :class:`~engine.run_start.RunStart` (whether the run has started);
-    ``state``: gives the trainer's state (the step and ``last_checkpoint`` recorded);
-    ``run_dir``: where ``exit_status.json`` goes (None: nowhere)."""
+    """The Ctrl-C rule and the exit status record of one trainer (see the module docstring), from
+    the trainer's parts; ``run_dir``: where ``exit_status.json`` goes (None: nowhere)."""
 
     def __init__(
         self,

@@ -312,11 +312,8 @@ class LocalStepBody(StepBody):
     forward and backward per microbatch, gradients synchronised on the last one only.
 
     A step that is not ``loss_fn(model(inputs), targets)`` subclasses it and overrides
-    :meth:`compute_loss` only; gradient accumulation, DDP's ``no_sync``, FSDP2's gradient sync, fp16
-    loss scaling, MICROBATCH and validation stay as they are. Give the trainer the instance,
-    ``Trainer(model, optimizer, loss_fn, step_body=body)``, built over that same ``model`` (the
-    wrapped one under DDP or FSDP2); the trainer hands it the rest (:meth:`bind`). Unbound, it
-    trains every trainable parameter of ``model`` in fp32, without tensor or loss parallelism.
+    :meth:`compute_loss` only, built over the trainer's ``model`` (the wrapped one under DDP or
+    FSDP2). Unbound, it trains every trainable parameter of ``model`` in fp32.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:

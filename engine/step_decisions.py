@@ -46,15 +46,10 @@ AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAV
 
 
 class StepDecisions:
-    """The step's agreement and end for one trainer (see the module docstring).
-
-    ``control``: the trainer's :class:`~engine.control.StepControl`; ``agreement``: its
-    :class:`~engine.agreement.StepAgreement` (the handlers' slots); ``state``: gives its state;
-    ``events``: its :class:`~engine.events.EventRegistry` (who could ask late); ``fire``: fires an
-    event as the trainer does (ROLLBACK); ``validation_vote``: this rank's vote for a validation at
-    this step (its request or the validator's cadence, see :meth:`engine.validation.Validator.vote`);
-    ``owner``: the trainer, whose own handlers never ask
-    late."""
+    """The step's agreement and end for one trainer (see the module docstring), from the trainer's
+    parts; ``validation_vote``: this rank's vote for a validation at this step
+    (:meth:`engine.validation.Validator.vote`); ``owner``: the trainer, whose own handlers never
+    ask late."""
 
     def __init__(
         self,

@@ -210,13 +210,12 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        self.watchdog: ProgressWatchdog | None = (
-            None
-            if hang_timeout_s is None
-            else ProgressWatchdog(hang_timeout_s, rank=parallel.rank())  # dumps to run_dir once started
-        )
-        if self.watchdog is not None:
-            self.watchdog.on_expire.append(self._on_watchdog_expired)
+        self.watchdog: ProgressWatchdog | None = None
+        if hang_timeout_s is not None:  # its stack dumps go to run_dir once the run has started
+            self.watchdog = ProgressWatchdog(hang_timeout_s, rank=parallel.rank())
+            self.watchdog.on_expire.append(
+                lambda reason: self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
+            )
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
@@ -501,9 +500,6 @@ class Trainer(IgniteAdapter):
         job script can requeue on 75; ``rank``: the rank whose error ended the run."""
         self.run_end.write(code, reason, rank=rank)
 
-    def _on_watchdog_expired(self, reason: str) -> None:
-        self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
-
     @property
     def limits(self) -> tuple[int | None, int | None]:
         """``(max_steps, max_epochs)`` of the current run (:attr:`engine.run_limits.RunPlan.limits`)."""
@@ -525,10 +521,8 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _step_iterator(self, data: Any) -> Iterator[list]:
-        if data is None:  # run(None, epoch_length=N): None microbatches, as ignite's data=None
-            data = NO_DATA
-        if self.step_data.data is not data:
-            self.step_data.data = data
+        # run(None, epoch_length=N): None microbatches, as ignite's data=None
+        self.step_data.data = NO_DATA if data is None else data
         return iter(self.step_data)
 
     def resume_at(self, epoch: int, steps_in_epoch: int, data_position: dict | None = None) -> None:

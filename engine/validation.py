@@ -58,6 +58,7 @@ from ignite.engine import Engine
 from ignite.metrics import Metric
 
 from hookloop.engine import parallel
+from hookloop.engine.checks import check_int
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.ignite_adapter import ignite_world
@@ -221,10 +222,7 @@ class Validator:
                 "was removed: the validation cadence is the step scheduler's val_every_steps=N "
                 "(step_scheduler.val_every_steps), or ask with trainer.control.request_validate()",
             )
-        if eval_iters is not None and (
-            isinstance(eval_iters, bool) or not isinstance(eval_iters, int) or eval_iters < 1
-        ):
-            raise ConfigError("eval_iters", f"must be a positive integer or None, got {eval_iters!r}")
+        check_int("eval_iters", eval_iters, allow_none=True)
         metrics = check_metrics(metrics)
         evaluator = self.evaluator
         for metric in self.metrics.values():

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine import parallel
+from hookloop.engine.checks import check_number
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import open_no_link
@@ -61,12 +62,7 @@ class ProgressWatchdog:
         rank: int = 0,
         poll_s: float | None = None,
     ) -> None:
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not 0 < timeout_s < float("inf")
-        ):
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
+        check_number("timeout_s", timeout_s, positive=True, hint="seconds")
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.exit_code = int(exit_code)
         self.rank = rank
@@ -94,8 +90,7 @@ class ProgressWatchdog:
         if timeout_s is None:
             self._bounds.pop(name, None)
             return
-        if not 0 < timeout_s < float("inf"):
-            raise ValueError(f"bound {name!r} must be a positive finite number of seconds, got {timeout_s!r}")
+        check_number(f"bound {name!r}", timeout_s, positive=True, hint="seconds")
         self._bounds[name] = float(timeout_s)
 
     # ------------------------------------------------------------------ feeding
