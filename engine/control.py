@@ -154,7 +154,6 @@ class StepControl:
         asked = [name for name in ("skip", "save", "validate", "stop") if getattr(self, name)]
         return f"StepControl(requested={asked}, exit_code={self.exit_code}, decided={self.decided})"
 
-    # ---------------------------------------------------------------- requests (any handler)
     def request_skip(self) -> None:
         """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
         self.skip = True
@@ -199,7 +198,6 @@ class StepControl:
         (:func:`merge_rollbacks` says what to restore when ranks ask differently)."""
         self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
-    # ---------------------------------------------------------------- the trainer's side
     def start_run(self) -> None:
         """A run starts: no stop, no step request, nothing decided."""
         self.stop = False

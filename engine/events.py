@@ -337,6 +337,11 @@ class EventHandle(RemovableEventHandle):
             entry for entry in (ref() for ref in self._entries) if entry is not None and not entry.removed
         ]
 
+    @property
+    def priority(self) -> Place:
+        entries = self.entries()
+        return entries[0].priority if entries else Priority.DEFAULT
+
     def remove(self) -> None:
         engine = self.engine()
         if engine is None:
@@ -374,7 +379,6 @@ class EventRegistry:
         self._seq = itertools.count()
         self._version = 0
 
-    # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
         """Attach ``handler`` at ``priority``: a :class:`Place`, or a plain number (an order inside
         DEFAULT, :meth:`Place.of`)."""
@@ -443,7 +447,6 @@ class EventRegistry:
         entry.func, entry.args, entry.kwargs, entry.pass_engine = func, tuple(args), dict(kwargs), pass_engine
         self._changed(entry.event)
 
-    # -------------------------------------------------------------------------------- removing
     def remove_entry(self, entry: _Entry) -> None:
         entries = self._entries.get(entry.event, [])
         if entry in entries:
@@ -464,7 +467,6 @@ class EventRegistry:
         for entry in matches:
             self.remove_entry(entry)
 
-    # -------------------------------------------------------------------------------- queries
     def has(self, handler: Callable, event: Any | None = None) -> bool:
         if event is None:
             events: Iterable = list(self._entries)
@@ -499,7 +501,6 @@ class EventRegistry:
                 lines.append(f"  {places[id(entry)]:<{width}}  {_handler_name(entry.original)}{note}")
         return "\n".join(lines)
 
-    # -------------------------------------------------------------------------------- firing
     def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
         """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after
         the ones already there (as in ignite); one removed during the firing no longer runs."""

@@ -165,7 +165,7 @@ class IgniteAdapter(Engine):
     """ignite's ``Engine`` with hookloop's dispatch, data grouping and error path plugged in.
 
     Subclasses provide ``events`` (an :class:`~engine.events.EventRegistry`), ``_step_iterator(data)``
-    and ``_on_error(error)``.
+    and ``error_path`` (an :class:`~engine.error_path.ErrorPath`).
     """
 
     events: Any
@@ -186,7 +186,6 @@ class IgniteAdapter(Engine):
     def is_registered_event(self, event: Any) -> bool:
         return event in self._allowed_events
 
-    # ------------------------------------------------------------------ the overridden hooks
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
         # The hot path of every event: kept to one call into the registry.
         self.last_event_name = event_name
@@ -203,15 +202,8 @@ class IgniteAdapter(Engine):
         self._dataloader_iter = self._step_iterator(self.state.dataloader)
 
     def _handle_exception(self, e: BaseException) -> None:
-        self._on_error(e)
+        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
 
-    def _step_iterator(self, data: Any) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _on_error(self, e: BaseException) -> None:  # pragma: no cover - abstract
-        raise e
-
-    # ------------------------------------------------------------------ loop position
     def position_loop(self, steps_in_epoch: int | None) -> None:
         """Re-enter the current epoch with ``steps_in_epoch`` steps already done in it (None: at the
         next epoch's start); the data iterator is created afresh from ``state.dataloader``."""
@@ -253,7 +245,6 @@ class IgniteAdapter(Engine):
         return self._is_done(self.state) and self._internal_run_generator is None
 
 
-# ---------------------------------------------------------------------- ignite.distributed's world
 class GroupModel(ComputationModel):
     """``idist``'s computation model over one process group: its ranks are ``idist``'s world
     (``get_rank`` / ``get_world_size`` count inside it) and every collective without a ``group=``

@@ -323,14 +323,13 @@ class RunPlan:
         max_steps, max_epochs = self.limits
         if max_steps is not None and state.iteration >= max_steps:
             return True
-        length, data = state.epoch_length, self._engine.step_data
+        length = state.epoch_length
         return bool(
             length
             and max_epochs
             and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
             and state.epoch >= max_epochs
-            and data is not None
-            and data.steps >= length
+            and self._engine.step_data.steps >= length
         )
 
     def set_up(self, *run_args: Any) -> bool:

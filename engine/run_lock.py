@@ -187,7 +187,6 @@ class RunDirLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    # ------------------------------------------------------------------------------ acquire
     def acquire(self) -> RunDirLock:
         """Take the lock, creating the directory if needed, and return it; :class:`RunDirInUse`
         naming the holder when a live run holds it. Nothing in the directory is changed on a refusal."""
@@ -286,7 +285,6 @@ class RunDirLock:
             f"{self.directory} is in use by {who}: wait for it to end, or pick another {self.field}",
         )
 
-    # ------------------------------------------------------------------------------ heartbeat
     def _touch(self) -> None:
         if self._fd is None or self._beat_failed:
             return
@@ -296,7 +294,6 @@ class RunDirLock:
             self._beat_failed = True
             logger.warning("cannot refresh the run directory lock %s: %s", self.path, e)
 
-    # ------------------------------------------------------------------------------ release
     def release(self, *, remove_created: bool = False) -> None:
         """Give the lock up (the file goes). ``remove_created``: also remove the directories
         :meth:`acquire` created, those left empty (a start that never began leaves none behind)."""

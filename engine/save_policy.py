@@ -51,7 +51,6 @@ class SavePolicy:
             f"initial_save={self._initial_save})"
         )
 
-    # ---------------------------------------------------------------- judges say
     def hold_saves(self, by: str) -> None:
         """``by`` distrusts the current state: no save starts or is published until it releases."""
         self._holders.add(_name(by))
@@ -76,7 +75,6 @@ class SavePolicy:
         """Ask for a checkpoint of step 0 when a run starts fresh (something to roll back to)."""
         self._initial_save = True
 
-    # ---------------------------------------------------------------- savers read
     @property
     def saves_held(self) -> bool:
         """Whether any judge holds saves: start none, publish none."""

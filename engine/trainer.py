@@ -260,7 +260,6 @@ class Trainer(IgniteAdapter):
             self.limits_reached,
         )
 
-    # ------------------------------------------------------------------ configuration
     #: The run plan's (:class:`engine.run_limits.RunPlan`): microbatches per step, default limits.
     grad_accum_steps = run_limits.PlanAttribute()
     max_steps = run_limits.PlanAttribute()
@@ -306,7 +305,6 @@ class Trainer(IgniteAdapter):
         ``info.mesh_dim("dp")``); None: found from the layout (see :mod:`engine.validation`)."""
         self.validator.configure(data, eval_iters, every_steps, metrics, dp_group)
 
-    # ------------------------------------------------------------------ event handlers
     def add_event_handler(  # type: ignore[override]
         self,
         event_name: Any,
@@ -352,7 +350,6 @@ class Trainer(IgniteAdapter):
             if event is Events.ROLLBACK:  # a fired ROLLBACK uses up the rollback request, whoever fired it
                 self.control.rollback = None
 
-    # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
         """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
         every checkpoint holds it under ``key`` (default: its ``state_key``, else its class name;
@@ -383,7 +380,6 @@ class Trainer(IgniteAdapter):
         registered under the state key ``kind``; ``default`` when there is none."""
         return self.registry.get(kind, default)
 
-    # ------------------------------------------------------------------ agreement
     def agree_any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
         return parallel.agree_any(flag)
@@ -444,7 +440,6 @@ class Trainer(IgniteAdapter):
         self.plan.epoch_ended()
         self._agree_boundary_stop()
 
-    # ------------------------------------------------------------------ running
     def run(  # type: ignore[override]
         self,
         data: Iterable | None = None,
@@ -469,10 +464,6 @@ class Trainer(IgniteAdapter):
         ``trainer.control.exit_code`` (and ``stop_reason``) tell how it ended.
         """
         continuing = self.plan.set_up(data, max_epochs, max_iters, epoch_length, max_steps)
-        return self._run_guarded(data, continuing=continuing)
-
-    def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
-        """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
             self.watchdog.dump_dir = None  # stacks go to stderr until this run has started
             if self.watchdog.heartbeats is None and parallel.world_size() > 1:
@@ -558,10 +549,6 @@ class Trainer(IgniteAdapter):
         elif state.max_iters is not None and state.iteration > state.max_iters:
             super().terminate(self._skip_completed)
 
-    def _on_error(self, e: BaseException) -> None:
-        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
-
-    # ------------------------------------------------------------------ the step
     def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """One optimizer step (ignite's process function): the step body's forward and backward
         (:mod:`engine.step_body`), then :meth:`_finish_step`."""
@@ -630,7 +617,6 @@ class Trainer(IgniteAdapter):
                 found_inf.fill_(1.0)
         scaler.update()
 
-    # ------------------------------------------------------------------ validation
     def _maybe_validate(self) -> None:
         if self.control.decided.validate:  # agreed: every rank validates at this step
             self.validate()

@@ -51,23 +51,16 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressWatchdog:
-    """Ends the process with ``exit_code`` when :meth:`feed` was not called for the active bound."""
+    """Ends the process with exit code 77 when :meth:`feed` was not called for the active bound;
+    the stacks go to ``dump_dir`` (None: stderr)."""
 
-    def __init__(
-        self,
-        timeout_s: float,
-        *,
-        dump_dir: str | os.PathLike | None = None,
-        exit_code: int = ExitCode.HEALTH_CHECK_FAILED,
-        rank: int = 0,
-        poll_s: float | None = None,
-    ) -> None:
+    exit_code = int(ExitCode.HEALTH_CHECK_FAILED)
+
+    def __init__(self, timeout_s: float, *, rank: int = 0) -> None:
         check_number("timeout_s", timeout_s, positive=True, hint="seconds")
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
-        self.exit_code = int(exit_code)
+        self.dump_dir: Path | None = None
         self.rank = rank
         self._bounds: dict[str, float] = {"default": float(timeout_s)}
-        self._poll_s = poll_s
         self._last = time.monotonic()
         self._suspended = 0
         self._suspended_since = self._last
@@ -79,7 +72,6 @@ class ProgressWatchdog:
         #: theirs show to it (None: one process, or no store).
         self.heartbeats: PeerHeartbeats | None = None
 
-    # ------------------------------------------------------------------ bounds
     @property
     def timeout_s(self) -> float:
         """The active bound: the smallest of those set."""
@@ -93,7 +85,6 @@ class ProgressWatchdog:
         check_number(f"bound {name!r}", timeout_s, positive=True, hint="seconds")
         self._bounds[name] = float(timeout_s)
 
-    # ------------------------------------------------------------------ feeding
     def feed(self) -> None:
         self._last = time.monotonic()
 
@@ -118,7 +109,6 @@ class ProgressWatchdog:
     def _beat_interval(self) -> float:
         return min(5.0, self.timeout_s / 4)
 
-    # ------------------------------------------------------------------ thread
     def start(self) -> ProgressWatchdog:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
@@ -142,7 +132,7 @@ class ProgressWatchdog:
         return self._thread is not None and self._thread.is_alive()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll_s or min(1.0, self.timeout_s / 10)):
+        while not self._stop.wait(min(1.0, self.timeout_s / 10)):
             heartbeats = self.heartbeats
             now = time.monotonic()
             if self._suspended:
