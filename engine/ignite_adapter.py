@@ -210,9 +210,8 @@ class IgniteAdapter(Engine):
         self._init_iter = steps_in_epoch
         self._dataloader_iter = None
 
-    def restart_data(self) -> None:
-        """Restart the live data iterator now (from ``state.dataloader`` and the data position)."""
-        self._setup_dataloader_iter()
+    #: Restart the live data iterator now (from ``state.dataloader`` and the data position).
+    restart_data = _setup_dataloader_iter
 
     def start_loop(self, data: Any, continuing: bool) -> Any:
         """ignite's ``run`` after its state set-up: the loop over the current state (a new run, or

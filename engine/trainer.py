@@ -323,13 +323,6 @@ class Trainer(IgniteAdapter):
     def remove_event_handler(self, handler: Callable, event_name: Any) -> None:
         self.events.remove(handler, event_name)
 
-    def on(self, event_name: Any, *args: Any, priority: float = Priority.DEFAULT, **kwargs: Any) -> Callable:  # type: ignore[override]
-        def decorator(f: Callable) -> Callable:
-            self.add_event_handler(event_name, f, *args, priority=priority, **kwargs)
-            return f
-
-        return decorator
-
     def has_event_handler_for(self, event: Any) -> bool:
         """Whether any handler is attached to ``event``."""
         return self.events.any_for(event)
