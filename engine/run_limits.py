@@ -288,8 +288,7 @@ class RunPlan:
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("grad_accum_steps", f"must be an integer >= 1, got {value!r}")
+        check_int("grad_accum_steps", value)
         self._grad_accum_steps = value
 
     def configure(

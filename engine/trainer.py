@@ -91,11 +91,9 @@ class Trainer(IgniteAdapter):
             the model as keyword arguments (:func:`engine.batch.default_prepare_batch`).
         device: where batches go; defaults to the device of the model's first parameter.
         step_body: what runs the step's forward and backward and validation's forward
-            (:class:`engine.step_body.StepBody`; None: a :class:`~engine.step_body.LocalStepBody`
-            over ``model``): a body of your own for a step that is not "forward, loss, backward", or
-            the pipeline runtime ``build_pipeline`` returns (``model`` is then ``runtime.module``).
-            It takes the trainer's model, parameters and parallel settings (``bind``); a body that
-            declares ``n_microbatches`` sets ``grad_accum_steps``.
+            (:mod:`engine.step_body`; None: a ``LocalStepBody`` over ``model``): a body of your own,
+            or the pipeline runtime ``build_pipeline`` returns (``model`` is then
+            ``runtime.module``); a body that declares ``n_microbatches`` sets ``grad_accum_steps``.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
             watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
             that fails writes neither). None: neither file is written (stacks go to stderr).

@@ -109,7 +109,7 @@ class ProgressWatchdog:
     def _beat_interval(self) -> float:
         return min(5.0, self.timeout_s / 4)
 
-    def start(self) -> ProgressWatchdog:
+    def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self.feed()
@@ -117,7 +117,6 @@ class ProgressWatchdog:
                 self.heartbeats.start(self._beat_interval())
             self._thread = threading.Thread(target=self._watch, name="hookloop-watchdog", daemon=True)
             self._thread.start()
-        return self
 
     def stop(self) -> None:
         self._stop.set()
