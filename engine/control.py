@@ -45,22 +45,16 @@ A validation asked for on any rank runs on every rank (it is collective: a reque
 the others did not see would leave them waiting), at the step's STEP_END (``Priority.VALIDATION``),
 when ``decided.validate`` is true. It travels as one more value in the step's one all-reduce.
 
-``rollback`` (a :class:`Rollback`) says which checkpoint a ROLLBACK restores (the newest intact one
-at or before ``at_or_before``; None: the newest) and whether the data position is kept (training
-goes on past the bad window) instead of restored. None while nobody asked: a ROLLBACK fired on its
-own restores the newest checkpoint with its data position.
-
 How a rollback is carried out: a handler calls :meth:`StepControl.request_rollback` during a step,
 from agreed values (e.g. in its agreement slot's ``on_agreed``, or from a counter only agreed values
 move), so every rank asks alike and every rank's ROLLBACK restores together (the restore is
-collective). The request also says what to do when nothing can be restored (``reason``,
-``exit_code``). The trainer carries it out at the end of that step, once every STEP_END handler has
+collective); the request (a :class:`Rollback`) says what is restored and what to do when nothing
+can be. The trainer carries it out at the end of that step, once every STEP_END handler has
 seen the step that triggered it (at its own ``Priority.ENGINE_LAST``, before the late stop
 agreement): it records the request as ``decided.rollback``, fires ROLLBACK (the checkpointer
 restores, then the other ROLLBACK handlers, the requester's own bookkeeping among them, see the
-restored state), and clears the request. When the restore fails with a ``CheckpointError`` (no
-intact checkpoint at or before the target), the run ends with ``TrainingAborted`` and the requested
-exit code, checkpoints left as they are.
+restored state), and clears the request. A ROLLBACK fired while nobody asked restores the newest
+checkpoint with its data position.
 
 A request that must be the same on every rank is made from agreed values (in a slot's
 ``on_agreed``, or from ``decided``) or goes through the agreement (``skip``, ``save``,
@@ -88,12 +82,12 @@ OTHER_RANK_STOP = "stop requested on another rank"
 class Rollback:
     """A rollback request: restore the newest intact checkpoint at or before ``at_or_before``
     (None: the newest) whose saved state is finite; ``keep_data_position``: keep reading the data
-    from where it is instead of from the checkpoint's position.
+    from where it is (training goes on past the bad window) instead of from the checkpoint's.
 
-    When no checkpoint can be restored the trainer ends the run with ``TrainingAborted`` and
-    ``exit_code``, naming ``reason`` (who asked, e.g. ``"nan.action='rollback'"``) in the message.
-    These two say what happens on failure, not what is restored: two requests for the same
-    checkpoint compare equal whatever they say."""
+    When no checkpoint can be restored (a ``CheckpointError``) the trainer ends the run with
+    ``TrainingAborted`` and ``exit_code``, naming ``reason`` (who asked, e.g.
+    ``"nan.action='rollback'"``), checkpoints left as they are. These two say what happens on
+    failure, not what is restored: two requests for the same checkpoint compare equal."""
 
     at_or_before: int | None = None
     keep_data_position: bool = False
@@ -160,7 +154,6 @@ class StepControl:
         asked = [name for name in ("skip", "save", "validate", "stop") if getattr(self, name)]
         return f"StepControl(requested={asked}, exit_code={self.exit_code}, decided={self.decided})"
 
-    # ---------------------------------------------------------------- requests (any handler)
     def request_skip(self) -> None:
         """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
         self.skip = True
@@ -200,22 +193,17 @@ class StepControl:
         reason: str | None = None,
         exit_code: int = ExitCode.ERROR,
     ) -> None:
-        """Roll back at the end of this step (see :class:`Rollback` and the module docstring): the
-        trainer fires ROLLBACK, which restores what this says; when nothing can be restored the run
-        ends with ``exit_code``. Agreed like a stop: asked on one rank, every rank rolls back at the
-        end of the same step (:func:`merge_rollbacks` says what to restore when ranks ask
-        differently); a handler without ``asks_after_agreement = True`` asks for it after the
-        step's agreement from agreed values only (every rank alike)."""
+        """Roll back at the end of this step (see :class:`Rollback` and the module docstring).
+        Agreed like a stop: asked on one rank, every rank rolls back at the end of the same step
+        (:func:`merge_rollbacks` says what to restore when ranks ask differently)."""
         self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
 
-    # ---------------------------------------------------------------- the trainer's side
     def start_run(self) -> None:
         """A run starts: no stop, no step request, nothing decided."""
         self.stop = False
         self.stop_reason = None
         self.exit_code = 0
-        self.skip = self.save = self.validate = False
-        self.save_by = ()
+        self.drop_step_requests()
         self.rollback = None
         self.decided = _NOTHING_DECIDED
 

@@ -33,15 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorPath:
-    """The error path of one trainer (see the module docstring).
-
-    ``events``: the trainer's :class:`~engine.events.EventRegistry` (EXCEPTION and TRAIN_FAILED
-    handlers); ``run_start``: its :class:`~engine.run_start.RunStart` (a failure at TRAIN_START is
-    voted there); ``control``: its :class:`~engine.control.StepControl`; ``state``: gives the
-    trainer's state; ``drop_gradients``: zeroes the optimizer's
-    gradients (a step that raised leaves none behind); ``limits_reached``: whether the state is at
-    its step or epoch limit (ignite's rule).
-    """
+    """The error path of one trainer (see the module docstring), from the trainer's parts;
+    ``drop_gradients`` zeroes the optimizer's gradients (a step that raised leaves none behind),
+    ``limits_reached`` says whether the state is at its step or epoch limit (ignite's rule)."""
 
     def __init__(
         self,
@@ -70,10 +64,7 @@ class ErrorPath:
         self._last_handled = None
 
     def on_error(self, e: BaseException) -> None:
-        """The one error path. EXCEPTION handlers may handle the error (ignite's rule: it is handled
-        when at least one is attached and none raises; a handler re-raises to decline). Otherwise
-        TRAIN_FAILED handlers clean up and the error propagates; a handler that fails with another
-        error is logged, and the original error still wins."""
+        """The one error path (see the module docstring); a handler re-raises to decline."""
         if id(e) in self._failed:  # ignite routes an error here twice (inner and outer loop)
             raise e
         self._run_start.fail(e)  # failed at TRAIN_START: every rank hears of it, none starts
@@ -105,9 +96,7 @@ class ErrorPath:
     def _handled(self, e: BaseException) -> None:
         """An EXCEPTION handler handled ``e``. As in ignite, the loop goes on after the error's
         epoch (an error in a step ends its epoch; one outside the epochs ends the run), so a run
-        whose every step raises still ends at its ``max_epochs`` / ``max_steps``. A step that
-        raised leaves no gradients or step flags behind for the next one. When the run is at its
-        limit, ``control.stop_reason`` says that it ended on a handled error."""
+        whose every step raises still ends at its ``max_epochs`` / ``max_steps``."""
         state = self._state()
         self._drop_gradients()
         self._control.drop_step_requests()
@@ -149,8 +138,7 @@ class ErrorPath:
         )
 
     def _fail(self, e: BaseException) -> None:
-        """TRAIN_FAILED handlers clean up after ``e`` (once per error); a handler that fails is
-        logged and the next one still runs."""
+        """TRAIN_FAILED handlers clean up after ``e`` (once per error)."""
         if id(e) in self._failed:
             return
         self._failed.add(id(e))

@@ -73,6 +73,7 @@ what :meth:`EventRegistry.describe` prints (``trainer.describe()``, ``hookloop c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -177,19 +178,10 @@ class PlaceError(ValueError):
 
 
 class Place(float):
-    """Where a handler runs on an event: a phase of :class:`Priority` and an order inside it.
-
-    Handlers run phase by phase (the order of :class:`Priority`), and inside a phase by order,
-    higher first; equal places run in attach order. ``Priority.ACT`` is the act phase's order 0,
-    ``Priority.ACT + 1`` runs just before it and ``Priority.ACT - 1`` just after it, both still in
-    ACT. An order lies strictly between ``-ORDER_LIMIT`` and ``+ORDER_LIMIT`` (1000): a place can
-    never leave its phase, and one that would (``Priority.ACT + 1e9``) is refused with a
-    :class:`PlaceError` naming the phase, its room and the fix (name the neighbouring phase).
-
-    A place is the number the trainer sorts handlers by (a ``float``), so places compare with each
-    other and with plain numbers. A plain number given as a priority is an order inside DEFAULT
-    (:meth:`of`): ``priority=5`` is ``Priority.DEFAULT + 5``.
-    """
+    """Where a handler runs on an event: a phase of :class:`Priority` and an order inside it (the
+    rules are the module docstring's). ``Priority.ACT + 1`` runs just before ``Priority.ACT`` and
+    ``Priority.ACT - 1`` just after it, both still in ACT. A place is the number the trainer sorts
+    handlers by (a ``float``), so places compare with each other and with plain numbers."""
 
     __slots__ = ("phase", "order")
     phase: str
@@ -223,20 +215,19 @@ class Place(float):
         return cls._make("DEFAULT", priority, lambda: written)
 
     def __add__(self, other: Any) -> Place:
-        if isinstance(other, Place):
-            raise TypeError(f"{self!r} + {other!r}: a place takes a number (an order), not another place")
-        if isinstance(other, bool) or not isinstance(other, numbers.Real):
-            return NotImplemented
-        return Place._make(self.phase, self.order + other, lambda: f"{self!r} + {other!r}")
+        return self._moved(other, 1, "+")
 
     __radd__ = __add__
 
     def __sub__(self, other: Any) -> Place:
+        return self._moved(other, -1, "-")
+
+    def _moved(self, other: Any, sign: int, op: str) -> Place:
         if isinstance(other, Place):
-            raise TypeError(f"{self!r} - {other!r}: a place takes a number (an order), not another place")
+            raise TypeError(f"{self!r} {op} {other!r}: a place takes a number (an order), not another place")
         if isinstance(other, bool) or not isinstance(other, numbers.Real):
             return NotImplemented
-        return Place._make(self.phase, self.order - other, lambda: f"{self!r} - {other!r}")
+        return Place._make(self.phase, self.order + sign * other, lambda: f"{self!r} {op} {other!r}")
 
     def __repr__(self) -> str:
         if not self.order:
@@ -292,10 +283,6 @@ class _PhaseTable(type):
 class Priority(metaclass=_PhaseTable):
     """The phases of an event, in the order they run (see the module docstring for what a handler
     in each phase may rely on and may do). Each is a :class:`Place` (order 0 of its phase).
-
-    A handler takes a place inside a phase: ``Priority.ACT + 1`` (just before the act phase's
-    order-0 handlers) or ``Priority.RECORD - 1`` (after the first logger); an order stays strictly
-    between -1000 and +1000, so a place never leaves its phase (:class:`PlaceError` otherwise).
     ``ENGINE_FIRST`` and ``ENGINE_LAST`` are the trainer's own and take no order. ``VALIDATION`` is
     the trainer's own place in ``OBSERVE`` (it validates at STEP_END when asked)."""
 
@@ -312,34 +299,22 @@ class Priority(metaclass=_PhaseTable):
     ENGINE_LAST = Place("ENGINE_LAST")
 
 
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)
 class _Entry:
     """One registered handler: what to call, how, when (filter) and in which order (priority)."""
 
-    __slots__ = (
-        "event",
-        "func",
-        "original",
-        "args",
-        "kwargs",
-        "priority",
-        "seq",
-        "every",
-        "filter",
-        "attr",
-        "pass_engine",
-        "removed",
-        "__weakref__",
-    )
-
-    def __init__(self, event: Any, func: Callable, original: Callable, args: tuple, kwargs: dict,
-                 priority: Place, seq: float, every: int | None, event_filter: Callable | None,
-                 attr: str | None, pass_engine: bool) -> None:  # fmt: skip
-        self.event, self.func, self.original = event, func, original
-        self.args, self.kwargs = args, kwargs
-        self.priority, self.seq = priority, seq
-        self.every, self.filter, self.attr = every, event_filter, attr
-        self.pass_engine = pass_engine
-        self.removed = False
+    event: Any
+    func: Callable
+    original: Callable
+    args: tuple
+    kwargs: dict
+    priority: Place
+    seq: float
+    every: int | None
+    filter: Callable | None
+    attr: str | None
+    pass_engine: bool
+    removed: bool = False
 
 
 class EventHandle(RemovableEventHandle):
@@ -404,7 +379,6 @@ class EventRegistry:
         self._seq = itertools.count()
         self._version = 0
 
-    # -------------------------------------------------------------------------------- adding
     def add(self, event: Any, handler: Callable, args: tuple, kwargs: dict, priority: float) -> EventHandle:
         """Attach ``handler`` at ``priority``: a :class:`Place`, or a plain number (an order inside
         DEFAULT, :meth:`Place.of`)."""
@@ -473,7 +447,6 @@ class EventRegistry:
         entry.func, entry.args, entry.kwargs, entry.pass_engine = func, tuple(args), dict(kwargs), pass_engine
         self._changed(entry.event)
 
-    # -------------------------------------------------------------------------------- removing
     def remove_entry(self, entry: _Entry) -> None:
         entries = self._entries.get(entry.event, [])
         if entry in entries:
@@ -494,7 +467,6 @@ class EventRegistry:
         for entry in matches:
             self.remove_entry(entry)
 
-    # -------------------------------------------------------------------------------- queries
     def has(self, handler: Callable, event: Any | None = None) -> bool:
         if event is None:
             events: Iterable = list(self._entries)
@@ -529,7 +501,6 @@ class EventRegistry:
                 lines.append(f"  {places[id(entry)]:<{width}}  {_handler_name(entry.original)}{note}")
         return "\n".join(lines)
 
-    # -------------------------------------------------------------------------------- firing
     def fire(self, event: Any, event_args: tuple = (), event_kwargs: dict | None = None) -> None:
         """Run ``event``'s handlers in order. A handler added during the firing runs in it too, after
         the ones already there (as in ignite); one removed during the firing no longer runs."""

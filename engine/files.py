@@ -42,7 +42,9 @@ def open_no_link(
         ) from None
 
 
-def _fsync_path(path: str | os.PathLike) -> None:
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in the directory ``path`` durable (as :func:`fsync_file`, the
+    contents of the closed file at ``path``)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -50,14 +52,7 @@ def _fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
-    _fsync_path(path)
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    """Make the contents of the (closed) file at ``path`` durable."""
-    _fsync_path(path)
+fsync_file = fsync_dir
 
 
 def fsync_fd(fd: int) -> None:
@@ -99,10 +94,7 @@ def check_writable_dir(field_name: str, directory: str | os.PathLike, *, create:
     if create:
         try:
             os.makedirs(directory, exist_ok=True)
-            probe = os.path.join(directory, f".write-test-{uuid.uuid4().hex}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            _write_probe(directory, "write-test")
         except OSError as e:
             raise ConfigError(
                 field_name,
@@ -130,11 +122,15 @@ def check_writable_dir(field_name: str, directory: str | os.PathLike, *, create:
                 os.mkdir(probe)
                 os.rmdir(probe)
             else:
-                probe = os.path.join(path, f".hookloop-write-test-{uuid.uuid4().hex}")
-                with open(probe, "w") as f:
-                    f.write("ok")
-                os.remove(probe)
+                _write_probe(path, "hookloop-write-test")
         except OSError as e:
             problem = f"cannot {'create a directory' if missing else 'write'} in {path} ({e.strerror or e})"
     if problem is not None:
         raise ConfigError(field_name, f"{directory}: {problem}; pick a directory this user can write")
+
+
+def _write_probe(directory: str | os.PathLike, name: str) -> None:
+    probe = os.path.join(directory, f".{name}-{uuid.uuid4().hex}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)

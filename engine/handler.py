@@ -113,13 +113,9 @@ class Handler:
     restore_on_rollback: bool = True
     #: Whether a stop or a rollback this handler asks for after the step's agreement (from a
     #: callback on STEP_END, VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK), on one rank alone, must
-    #: take effect at this very step (:mod:`engine.step_decisions`):
-    #:
-    #: - ``False`` (the default): such a request is agreed at the next step's agreement; every rank
-    #:   stops after the next step. No cost.
-    #: - ``True``: an exact stop at this step. **Cost: a second small all-reduce at the end of
-    #:   every step**, on every rank, while it is attached: the late agreement that makes every rank
-    #:   stop or roll back after the same step.
+    #: take effect at this very step. False (the default, no cost): it is agreed at the next step's
+    #: agreement. True: **a second small all-reduce at the end of every step** while it is attached
+    #: (:mod:`engine.step_decisions`).
     asks_after_agreement: ClassVar[bool] = False
 
     trainer: Any = None

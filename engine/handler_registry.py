@@ -26,24 +26,20 @@ H = TypeVar("H")
 
 
 class HandlerRegistry:
-    """The attached handlers (in attach order) and the stateful objects by checkpoint key."""
+    """The attached handlers (in attach order) and the stateful objects by checkpoint key; the
+    trainer's methods of the same names (``trainer.register_handler``, ...) say what each does."""
 
     def __init__(self) -> None:
         self._handlers: list[Any] = []
         self._stateful: dict[str, Any] = {}
 
     def register(self, handler: Any, key: str | None = None) -> None:
-        """Record ``handler`` as attached: :meth:`get` finds it, and when it is stateful
-        (``state_dict``/``load_state_dict``) every checkpoint holds it under ``key`` (default: its
-        ``state_key``, else its class name), unless it says ``checkpointed = False``."""
         if handler not in self._handlers:
             self._handlers.append(handler)
         if is_stateful(handler) and getattr(handler, "checkpointed", True):
             self.register_stateful(key or handler_state_key(handler), handler)
 
     def register_stateful(self, key: str, obj: Any) -> None:
-        """Register ``obj`` (with ``state_dict``/``load_state_dict``) so checkpoints hold it under
-        ``key``. Two different objects claiming one key is an error, not a silent overwrite."""
         if not is_stateful(obj):
             raise TypeError(f"{type(obj).__name__} needs state_dict() and load_state_dict() to be registered")
         held = self._stateful.get(key)
@@ -56,17 +52,13 @@ class HandlerRegistry:
 
     @property
     def stateful(self) -> dict[str, Any]:
-        """Registered stateful objects by key (a copy)."""
         return dict(self._stateful)
 
     @property
     def handlers(self) -> tuple[Any, ...]:
-        """The registered handlers, in attach order."""
         return tuple(self._handlers)
 
     def get(self, kind: type[H] | str, default: Any = None) -> H | Any:
-        """The attached handler of type ``kind`` (the first one, subclasses included), or the one
-        registered under the state key ``kind``; ``default`` when there is none."""
         if isinstance(kind, str):
             found = self._stateful.get(kind)
             if found is not None:

@@ -165,7 +165,7 @@ class IgniteAdapter(Engine):
     """ignite's ``Engine`` with hookloop's dispatch, data grouping and error path plugged in.
 
     Subclasses provide ``events`` (an :class:`~engine.events.EventRegistry`), ``_step_iterator(data)``
-    and ``_on_error(error)``.
+    and ``error_path`` (an :class:`~engine.error_path.ErrorPath`).
     """
 
     events: Any
@@ -186,7 +186,6 @@ class IgniteAdapter(Engine):
     def is_registered_event(self, event: Any) -> bool:
         return event in self._allowed_events
 
-    # ------------------------------------------------------------------ the overridden hooks
     def _fire_event(self, event_name: Any, *event_args: Any, **event_kwargs: Any) -> None:
         # The hot path of every event: kept to one call into the registry.
         self.last_event_name = event_name
@@ -203,24 +202,16 @@ class IgniteAdapter(Engine):
         self._dataloader_iter = self._step_iterator(self.state.dataloader)
 
     def _handle_exception(self, e: BaseException) -> None:
-        self._on_error(e)
+        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
 
-    def _step_iterator(self, data: Any) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _on_error(self, e: BaseException) -> None:  # pragma: no cover - abstract
-        raise e
-
-    # ------------------------------------------------------------------ loop position
     def position_loop(self, steps_in_epoch: int | None) -> None:
         """Re-enter the current epoch with ``steps_in_epoch`` steps already done in it (None: at the
         next epoch's start); the data iterator is created afresh from ``state.dataloader``."""
         self._init_iter = steps_in_epoch
         self._dataloader_iter = None
 
-    def restart_data(self) -> None:
-        """Restart the live data iterator now (from ``state.dataloader`` and the data position)."""
-        self._setup_dataloader_iter()
+    #: Restart the live data iterator now (from ``state.dataloader`` and the data position).
+    restart_data = _setup_dataloader_iter
 
     def start_loop(self, data: Any, continuing: bool) -> Any:
         """ignite's ``run`` after its state set-up: the loop over the current state (a new run, or
@@ -253,7 +244,6 @@ class IgniteAdapter(Engine):
         return self._is_done(self.state) and self._internal_run_generator is None
 
 
-# ---------------------------------------------------------------------- ignite.distributed's world
 class GroupModel(ComputationModel):
     """``idist``'s computation model over one process group: its ranks are ``idist``'s world
     (``get_rank`` / ``get_world_size`` count inside it) and every collective without a ``group=``
@@ -274,7 +264,6 @@ class GroupModel(ComputationModel):
         backend = None if group is None else dist.get_backend(group)
         self._backend = backend
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-        self._nproc_per_node, self._nnodes, self._node = self._size, 1, 0
 
     def _compute_nproc_per_node(self) -> int:
         return self._size

@@ -63,7 +63,6 @@ def check_lr_schedule(
     decay_steps_default: int | None = None,
     default_name: str = "",
     prefix: str = "lr",
-    peak_name: str = "optimizer.lr",
 ) -> None:
     """The one copy of the learning-rate rules; raises :class:`ConfigError` naming the field.
 
@@ -89,9 +88,9 @@ def check_lr_schedule(
     )
     if peak_lr is None:
         return
-    check_number(peak_name, peak_lr, positive=True)
+    check_number("optimizer.lr", peak_lr, positive=True)
     if min_lr > peak_lr:
-        raise ConfigError(f"{p}.min_lr", f"({min_lr}) must not exceed {peak_name} ({peak_lr})")
+        raise ConfigError(f"{p}.min_lr", f"({min_lr}) must not exceed optimizer.lr ({peak_lr})")
     if decay_style not in _DECAYING:
         return
     decay = decay_steps if decay_steps is not None else decay_steps_default

@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from hookloop.engine.errors import ConfigError, HookloopError
 from hookloop.engine.precision import PRECISIONS
+from hookloop.engine.tensor_parallel import is_dtensor
 
 __all__ = [
     "DistInfo",
     "agree_any",
-    "all_reduce_max",
     "all_reduce_sum",
     "collective_device",
     "data_parallel_group",
@@ -74,10 +74,6 @@ class DistInfo:
         """This rank's coordinate along mesh dimension ``name``; 0 without it."""
         sub = self.mesh_dim(name)
         return sub.get_local_rank() if sub is not None else 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def world_size() -> int:
@@ -176,8 +172,6 @@ def exit_process(code: int) -> None:
     ("terminate called without an active exception"), turning a clean exit into SIGABRT and losing
     the exit code a job script relies on; leaving through ``os._exit`` after the flush avoids it.
     """
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     destroy_distributed()
@@ -246,34 +240,17 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _repeated_blocks(model: torch.nn.Module) -> Any:
-    """The model's repeated layers, each its own FSDP2 unit: ``blocks`` or ``layers``, also under a
-    Hugging Face model's decoder (``model.model.layers``)."""
+def _per_block(wrap: Callable[..., Any], model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """``wrap`` each of the model's repeated layers (``blocks`` or ``layers``, also under a Hugging
+    Face model's decoder, ``model.model.layers``) as its own FSDP2 unit, then the model itself."""
     inner = getattr(model, "base_model_prefix", None)
     for owner in (model, getattr(model, inner, None) if isinstance(inner, str) and inner else None):
         blocks = getattr(owner, "blocks", None) or getattr(owner, "layers", None)
         if isinstance(blocks, (torch.nn.ModuleDict, torch.nn.ModuleList)):
-            return blocks
-    return None
-
-
-def _has_dtensor_params(model: torch.nn.Module) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # nothing made a DTensor without it
-    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
-
-
-def _replicate(model: torch.nn.Module, dp_mesh: Any) -> torch.nn.Module:
-    """Data parallelism by replication (DDP's semantics: gradients averaged over ``dp_mesh``) for a
-    model whose parameters are DTensors: torch's FSDP2-based ``replicate``, which composes with
-    tensor parallelism where ``DistributedDataParallel`` does not. Each repeated block is its own
-    unit, as with ``fully_shard``."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    blocks = _repeated_blocks(model)
-    if blocks is not None:
-        for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
-            replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+            for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
+                wrap(block, **kwargs)
+            break
+    wrap(model, **kwargs)
     return model
 
 
@@ -302,9 +279,10 @@ def wrap_data_parallel(
         )
     if mode == "none" or world_size() == 1 or (mesh is not None and mesh.size() == 1):
         return model
-    if mode == "ddp" and _has_dtensor_params(model):
-        # Tensor-parallel parameters: DDP cannot hold DTensors; FSDP2's replicate is DDP for them.
-        return _replicate(model, mesh)
+    if mode == "ddp" and any(is_dtensor(p) for p in model.parameters()):
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return _per_block(replicate, model, mesh=mesh)
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -324,12 +302,7 @@ def wrap_data_parallel(
             "mixed_precision must be a precision name or a MixedPrecisionPolicy, "
             f"got {type(mixed_precision).__name__}"
         )
-    blocks = _repeated_blocks(model)
-    if blocks is not None:
-        for block in blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+    return _per_block(fully_shard, model, mesh=mesh, mp_policy=policy)
 
 
 def collective_device(group: Any = None) -> torch.device:
@@ -366,10 +339,8 @@ def data_parallel_group(dp: Any = None, *, positions: tuple[int, ...] = ()) -> A
         return dp if dist.get_world_size(dp) > 1 else None
     if not positions:
         return dist.group.WORLD
-    everyone: list[Any] = [None] * world_size()
-    dist.all_gather_object(everyone, tuple(positions))
     peers: dict[Any, list[int]] = {}
-    for r, position in enumerate(everyone):
+    for r, position in enumerate(gather_objects(tuple(positions))):
         peers.setdefault(position, []).append(r)
     groups = sorted(peers.values())
     if len(groups) == 1:
@@ -378,15 +349,6 @@ def data_parallel_group(dp: Any = None, *, positions: tuple[int, ...] = ()) -> A
         return None
     mine, _ = dist.new_subgroups_by_enumeration(groups)
     return mine if len(peers[tuple(positions)]) > 1 else None
-
-
-def all_reduce_max(value: float, group: Any = None) -> float:
-    """The largest ``value`` over ranks."""
-    if world_size() == 1:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t[0])
 
 
 _PEER_FAILURE_MARKS = (

@@ -62,11 +62,7 @@ def flush_open() -> None:
     checkpoint becomes visible, so a run resumed from that checkpoint finds every record written
     before it; an error stays with its file and is raised to that file's writer."""
     for records in list(_open):
-        try:
-            with records._lock:
-                records._drain()
-        except Exception as e:  # a full disk: the checkpoint goes on, the writer hears of it
-            records._error = e
+        records._drain_noting_error()
 
 
 @atexit.register
@@ -178,11 +174,14 @@ class RecordFile:
 
     def _flush_every(self) -> None:
         while not self._closed.wait(self.flush_secs):
-            try:
-                with self._lock:
-                    self._drain()
-            except Exception as e:  # a full disk, a writer's error: said to the writer
-                self._error = e
+            self._drain_noting_error()
+
+    def _drain_noting_error(self) -> None:
+        try:
+            with self._lock:
+                self._drain()
+        except Exception as e:  # a full disk, a writer's error: said to the writer
+            self._error = e
 
 
 def step_row(line: bytes) -> dict[str, Any] | None:

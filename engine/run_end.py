@@ -144,12 +144,8 @@ def first_on_node() -> bool:
 
 
 class RunEnd:
-    """The Ctrl-C rule and the exit status record of one trainer (see the module docstring).
-
-    ``control``: the trainer's :class:`~engine.control.StepControl` (Ctrl-C asks it for the stop);
-    ``run_start``: its :class:`~engine.run_start.RunStart` (whether the run has started);
-    ``state``: gives the trainer's state (the step and ``last_checkpoint`` recorded);
-    ``run_dir``: where ``exit_status.json`` goes (None: nowhere)."""
+    """The Ctrl-C rule and the exit status record of one trainer (see the module docstring), from
+    the trainer's parts; ``run_dir``: where ``exit_status.json`` goes (None: nowhere)."""
 
     def __init__(
         self,
@@ -230,9 +226,8 @@ class RunEnd:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The span of one ``run()``: Ctrl-C stops gracefully, the exit status as it is now is
-        remembered (to tell whether rank 0 has recorded this run's end since), and an error that
-        ends the run is recorded (:meth:`record_error`) before it propagates."""
+        """The span of one ``run()``: Ctrl-C stops gracefully, and an error that ends the run is
+        recorded (:meth:`record_error`) before it propagates."""
         self._sigint_noted, self.stop_kind = False, None
         previous = self._install_sigint()
         self.stops.install()
@@ -277,9 +272,8 @@ class RunEnd:
         self.write(code, f"{type(error).__name__}: {error}", rank=rank, at_start=at_start)
 
     def write(self, code: int, reason: str, rank: int | None = None, at_start: bool = False) -> None:
-        """Record how the run ended, when this rank is the one to (rank 0; for 77, also the first
-        worker of another node while the record is as it was when the run began) and the run has
-        started (or ``at_start``). ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        """Record how the run ended, when this rank is the one to (see the module docstring) and the
+        run has started (or ``at_start``). ``rank``: the rank whose error ended the run."""
         if self.run_dir is None or not (self._run_start.started or at_start):
             return  # a start that failed leaves the record as it was
         if parallel.rank() != 0:

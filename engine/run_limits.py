@@ -131,12 +131,9 @@ def set_up_run(
     epoch_length: int | None = None,
     max_steps: int | None = None,
 ) -> bool:
-    """Check ``run()``'s arguments and set ``engine``'s state up for its loop, as ignite's ``run``
-    does; returns whether the run continues an unfinished one (else it starts afresh).
-
-    ``engine`` is the :class:`~engine.Trainer`: its ``state``, its plan's default limits
-    (``max_steps`` / ``max_epochs``), its ``step_data`` (replaced for a new data source) and the adapter's
-    ``extend_max_epochs`` / ``extend_max_iters`` / ``run_finished`` / ``forget_run``."""
+    """Check ``run()``'s arguments and set the :class:`~engine.Trainer` ``engine``'s state up for its
+    loop, as ignite's ``run`` does; returns whether the run continues an unfinished one (else it
+    starts afresh). A new data source replaces ``engine.step_data``."""
     max_steps, steps_name = check_run_arguments(data, max_epochs, max_iters, epoch_length, max_steps)
     state = engine.state
     _extend_limits(engine, max_steps, max_epochs, steps_name)
@@ -267,17 +264,9 @@ def microbatches_to_skip(
 
 
 class RunPlan:
-    """Where a run is and where it ends, for one trainer (``trainer.plan``; module docstring): the
-    default limits ``run()`` uses when not given them, the accumulation, the set-up of a run
-    (:meth:`set_up`), the start position (:meth:`start_at`), the epoch bounds and the last step.
-
-    The bounds on epochs, checked at each epoch's end (the trainer's last EPOCH_END handler): a run
-    given both limits keeps its own ``max_epochs`` once ignite learns the epoch length, and a run
-    limited by steps alone stops after two epochs in a row start no step (a stop request on the
-    control point, agreed like any other).
-
-    ``engine``: the :class:`~engine.Trainer` (its ``state``, ``control``, ``step_data`` and ignite
-    adapter)."""
+    """Where a run is and where it ends, for one trainer (``trainer.plan``; see the module
+    docstring). ``engine``: the :class:`~engine.Trainer` (its ``state``, ``control``, ``step_data``
+    and ignite adapter)."""
 
     def __init__(self, engine: Any, grad_accum_steps: int = 1) -> None:
         self._engine = engine
@@ -299,8 +288,7 @@ class RunPlan:
 
     @grad_accum_steps.setter
     def grad_accum_steps(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("grad_accum_steps", f"must be an integer >= 1, got {value!r}")
+        check_int("grad_accum_steps", value)
         self._grad_accum_steps = value
 
     def configure(
@@ -334,14 +322,13 @@ class RunPlan:
         max_steps, max_epochs = self.limits
         if max_steps is not None and state.iteration >= max_steps:
             return True
-        length, data = state.epoch_length, self._engine.step_data
+        length = state.epoch_length
         return bool(
             length
             and max_epochs
             and max_epochs < 2**40  # a run limited by steps alone may carry a huge epoch limit
             and state.epoch >= max_epochs
-            and data is not None
-            and data.steps >= length
+            and self._engine.step_data.steps >= length
         )
 
     def set_up(self, *run_args: Any) -> bool:
@@ -409,9 +396,10 @@ class RunPlan:
         self._in_epoch = True
 
     def epoch_ended(self) -> None:
-        """A run limited by steps alone (no ``max_epochs``) whose epochs stop starting steps (used-up
-        data, or every fetch raising into an EXCEPTION handler that handles it) would repeat empty
-        epochs without end: after two in a row it asks to stop, saying so."""
+        """The bounds on epochs (the trainer's last EPOCH_END handler): a run given both limits
+        keeps its own ``max_epochs`` once ignite learns the epoch length, and a run limited by steps
+        alone whose epochs stop starting steps would repeat empty epochs without end, so after two
+        in a row it asks to stop, saying so (agreed like any stop)."""
         state = self._engine.state
         self._in_epoch = False
         if self._limit is not None and state.epoch_length is not None:

@@ -187,10 +187,9 @@ class RunDirLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    # ------------------------------------------------------------------------------ acquire
-    def acquire(self) -> None:
-        """Take the lock, creating the directory if needed; :class:`RunDirInUse` naming the holder
-        when a live run holds it. Nothing in the directory is changed on a refusal."""
+    def acquire(self) -> RunDirLock:
+        """Take the lock, creating the directory if needed, and return it; :class:`RunDirInUse`
+        naming the holder when a live run holds it. Nothing in the directory is changed on a refusal."""
         with _held_guard:
             if self.key in _held:
                 raise self._in_use(_held[self.key].holder, "this process")
@@ -206,6 +205,7 @@ class RunDirLock:
                 raise
             _held[self.key] = self
         _start_heartbeat()
+        return self
 
     def _create_directory(self) -> None:
         missing, path = [], self.directory.absolute()
@@ -285,7 +285,6 @@ class RunDirLock:
             f"{self.directory} is in use by {who}: wait for it to end, or pick another {self.field}",
         )
 
-    # ------------------------------------------------------------------------------ heartbeat
     def _touch(self) -> None:
         if self._fd is None or self._beat_failed:
             return
@@ -295,7 +294,6 @@ class RunDirLock:
             self._beat_failed = True
             logger.warning("cannot refresh the run directory lock %s: %s", self.path, e)
 
-    # ------------------------------------------------------------------------------ release
     def release(self, *, remove_created: bool = False) -> None:
         """Give the lock up (the file goes). ``remove_created``: also remove the directories
         :meth:`acquire` created, those left empty (a start that never began leaves none behind)."""
@@ -323,8 +321,7 @@ class RunDirLock:
                 return  # not empty (or gone): it stays, and so do its parents
 
     def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
@@ -388,19 +385,10 @@ def held_lock_covering(path: str | os.PathLike) -> RunDirLock | None:
 
 
 def hold_run_dir(directory: str | os.PathLike, *, field: str = "train.run_dir") -> RunDirLock | None:
-    """Take the lock on ``directory`` for every rank of this launch: rank 0 takes it, and every
-    rank learns the outcome from one agreed collective (under the process group's timeout), so no
-    rank writes before the launch holds the directory and no rank is left waiting on a refusal.
+    """Take the lock on ``directory`` for every rank of this launch (see the module docstring).
     Returns the lock on rank 0 (None elsewhere); raises :class:`RunDirInUse` on every rank when it
-    is held (rank 0's names the holder; the others' say only that rank 0 was refused, and stay
-    quiet)."""
-
-    def take() -> RunDirLock:
-        lock = RunDirLock(directory, field=field)
-        lock.acquire()
-        return lock
-
-    return _agreed(take, directory, field)
+    is held (rank 0's names the holder)."""
+    return _agreed(lambda: RunDirLock(directory, field=field).acquire(), directory, field)
 
 
 def hold_for(user: object, directory: str | os.PathLike, *, field: str) -> RunDirLock | None:
@@ -414,8 +402,7 @@ def hold_for(user: object, directory: str | os.PathLike, *, field: str) -> RunDi
     def take() -> RunDirLock | None:
         covering = held_lock_covering(directory)
         if covering is None:
-            lock = RunDirLock(directory, field=field)
-            lock.acquire()
+            lock = RunDirLock(directory, field=field).acquire()
             lock.user = user
             return lock
         if covering.user is not None and covering.user is not user:

@@ -29,18 +29,12 @@ import torch
 from hookloop.engine import rng
 from hookloop.engine.checkpoint_format.state_codec import decode, encode
 
-__all__ = ["EVENT_COUNTERS", "apply", "capture", "data_generators"]
+__all__ = ["EVENT_COUNTERS", "apply", "capture"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
 #: Counters that count events fired (filters read them): a rollback keeps them monotonic.
 EVENT_COUNTERS = ("microbatches_seen", "validations", "checkpoints_saved", "rollbacks", "skipped_steps")
-
-
-def data_generators(trainer: Any) -> list[torch.Generator]:
-    """The RNG generators of the trainer's data source (a sampler's, a loader's)."""
-    step_data = trainer.step_data
-    return rng.data_generators(step_data.data) if step_data is not None else []
 
 
 def capture(trainer: Any) -> dict[str, Any]:
@@ -51,7 +45,7 @@ def capture(trainer: Any) -> dict[str, Any]:
     handlers = {}
     for key, obj in trainer.stateful.items():
         handlers[key] = encode(obj.state_dict(), f"handler {key!r} state_dict()")
-    data = trainer.step_data.state_dict() if trainer.step_data is not None else None
+    data = trainer.step_data.state_dict()
     scheduler = trainer.lr_scheduler
     return {
         "counters": state.counters(),
@@ -59,7 +53,7 @@ def capture(trainer: Any) -> dict[str, Any]:
         "lr_scheduler": None if scheduler is None else encode(scheduler.state_dict(), "lr_scheduler"),
         "handlers": handlers,
         "data": encode(data, "data position"),
-        "rng": rng.capture_rng(data_generators(trainer)),
+        "rng": rng.capture_rng(rng.data_generators(trainer.step_data.data)),
         # What the run last reported, so a resumed run that trains no further step still says it.
         "last": {"loss": float(state.loss), "metrics": numeric(state.metrics)},
     }
@@ -94,7 +88,7 @@ def apply(
     position = decode(snapshot["data"]) if snapshot.get("data") is not None else None
     epoch_length = snapshot.get("epoch_length")
     state.load_counters(counters)
-    rng.restore_rng(snapshot["rng"], data_generators(trainer))
+    rng.restore_rng(snapshot["rng"], rng.data_generators(trainer.step_data.data))
     state.lr = trainer.rates.write(state.step + 1)  # the schedule's rates at the restored position
     if resume:
         last = snapshot.get("last") or {}

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from hookloop.engine import parallel
 from hookloop.engine.agreement import agreed_exit_code, exit_code_votes, sum_over_ranks
 from hookloop.engine.errors import ConfigError, StartRefused, exit_code_of
@@ -84,9 +82,7 @@ class RunStart:
         if parallel.world_size() == 1:
             return False  # the error is this process's own
         mine = None if error is None else (parallel.rank(), error_line(error))
-        told: list[Any] = [None] * parallel.world_size()
-        dist.all_gather_object(told, mine)
-        rank, line = next(item for item in told if item is not None)
+        rank, line = next(item for item in parallel.gather_objects(mine) if item is not None)
         if error is None:  # this rank did not fail: it ends like the one that did, quietly
             raise StartRefused(line, agreed_exit_code(votes[2:]), rank)
         return False

@@ -77,10 +77,6 @@ class RunningMean:
         finite = torch.isfinite(stacked)
         return torch.where(finite, stacked, 0.0).sum() / finite.sum()
 
-    def extend(self, values: Iterable[float]) -> None:
-        for value in values:
-            self.add(value)
-
     @property
     def mean(self) -> float:
         self._read()
@@ -100,7 +96,8 @@ class RunningMean:
     def restore(self, values: Iterable[float]) -> None:
         """Replace the window's contents with ``values`` (the last ``window`` finite ones count)."""
         self.clear()
-        self.extend(values)
+        for value in values:
+            self.add(value)
 
     def __len__(self) -> int:
         self._read()

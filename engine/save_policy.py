@@ -24,10 +24,8 @@ A judge names itself (``by``): one judge releasing its hold never releases anoth
 is information, not a request to agree on: judges set it from values every rank shares (a verdict
 agreed in the step's agreement), so it is the same on every rank. Nothing here resets when a run
 starts: a hold or a protected step belongs to its judge, which clears it (its own state may be
-restored from a checkpoint); the initial save is a setting of the trainer.
-
-Requests to the loop itself (skip a step, save, validate, stop, roll back) are not here: they go to
-the trainer's control point (:mod:`engine.control`), where the trainer decides them.
+restored from a checkpoint); the initial save is a setting of the trainer. Requests to the loop
+itself (skip a step, save, validate, stop, roll back) go to the control point (:mod:`engine.control`).
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ class SavePolicy:
             f"initial_save={self._initial_save})"
         )
 
-    # ---------------------------------------------------------------- judges say
     def hold_saves(self, by: str) -> None:
         """``by`` distrusts the current state: no save starts or is published until it releases."""
         self._holders.add(_name(by))
@@ -76,7 +73,6 @@ class SavePolicy:
         """Ask for a checkpoint of step 0 when a run starts fresh (something to roll back to)."""
         self._initial_save = True
 
-    # ---------------------------------------------------------------- savers read
     @property
     def saves_held(self) -> bool:
         """Whether any judge holds saves: start none, publish none."""

@@ -121,8 +121,8 @@ class TrainState(State):
 
     @property
     def control(self) -> StepControl | None:
-        """The control point of the trainer this state belongs to (``trainer.control``, which owns
-        it), to read how a run ended from the state ``run()`` returns; None before it is bound."""
+        """``trainer.control``, to read how a run ended from the state ``run()`` returns; None
+        before the state is bound to a trainer."""
         return self.__dict__.get("_control")
 
     @property
@@ -153,10 +153,9 @@ class TrainState(State):
 
 
 class StateAttribute:
-    """The descriptor behind ``trainer.state``: assigning an ignite ``State`` (as ignite's docs and
-    tests do) makes it a :class:`TrainState` in place, bound to the trainer's control point
-    (``trainer.control``, which the trainer creates and owns). Only assignment is intercepted (no
-    ``__get__``), so reading ``trainer.state`` costs what reading a plain attribute costs."""
+    """The descriptor behind ``trainer.state``: an assigned ignite ``State`` becomes a
+    :class:`TrainState` (:meth:`TrainState.adopt`) bound to ``trainer.control``. Only assignment is
+    intercepted (no ``__get__``), so reading ``trainer.state`` costs what reading a plain attribute costs."""
 
     def __set__(self, trainer: Any, value: Any) -> None:
         state = TrainState.adopt(value)

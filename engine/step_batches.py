@@ -98,9 +98,6 @@ class StepBatches:
     def grad_accum_steps(self) -> int:
         return self._accum()
 
-    def __len__(self) -> int:
-        return steps_in(len(self.data), self.grad_accum_steps)  # type: ignore[arg-type, return-value]
-
     def steps_per_pass(self) -> int | None:
         """Optimizer steps in one pass over the data, or None when the data has no length."""
         return steps_in(data_length(self.data), self.grad_accum_steps)

@@ -14,22 +14,16 @@ and validation (:mod:`engine.validation`) runs through the same body, forward on
         ...                                     # the evaluator's items where body.holds_outputs
     metrics = body.share_metrics(metrics)       # computed where the outputs are, on every rank
 
-A body is a :class:`StepBody`: it implements ``run_step``; the rest has defaults for a model held
-whole on this rank, from what the trainer hands it (:meth:`StepBody.bind`: its model, parameters
-and layout), so a body written from scratch implements the step and, if it validates differently,
-``compute_loss`` or ``eval_batches``. Two bodies ship: :class:`LocalStepBody` (the model on this
-rank, plain, DDP, FSDP2 or tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this
-rank's pipeline stages, declaring its microbatches per step, ``n_microbatches``), both given as
-``Trainer(..., step_body=body)``. A user whose step is not "forward, loss, backward" usually
-subclasses :class:`LocalStepBody` and overrides :meth:`StepBody.compute_loss` (a frozen teacher, two
-views of a batch, several losses); an object of another class needs every member
-(:func:`check_step_body` says which are missing). A body sees
-the trainer only through the :class:`StepContext` it is handed: prepare a microbatch, the autocast
-and loss contexts, the loss function, and one call to report a finished microbatch (the trainer
-then fires MICROBATCH). What comes after the backward (the norm's agreement, clipping, the
-optimizer) is the trainer's. A body runs validation's forward passes the way it runs a step's, so a
-model is validated exactly as it is trained (precision, tensor and pipeline parallelism), with no
-special case in the trainer.
+Two bodies ship: :class:`LocalStepBody` (the model on this rank, plain, DDP, FSDP2 or
+tensor-parallel) and :class:`engine.pipeline.PipelineRuntime` (this rank's pipeline stages,
+declaring its microbatches per step, ``n_microbatches``). A user whose step is not "forward, loss,
+backward" usually subclasses :class:`LocalStepBody` and overrides :meth:`StepBody.compute_loss` (a
+frozen teacher, two views of a batch, several losses); an object of another class than
+:class:`StepBody` needs every member (:func:`check_step_body` says which are missing). A body sees
+the trainer only through the :class:`StepContext` it is handed; what comes after the backward (the
+norm's agreement, clipping, the optimizer) is the trainer's. A body runs validation's forward
+passes the way it runs a step's, so a model is validated exactly as it is trained (precision,
+tensor and pipeline parallelism), with no special case in the trainer.
 """
 
 from __future__ import annotations
@@ -318,33 +312,14 @@ class LocalStepBody(StepBody):
     forward and backward per microbatch, gradients synchronised on the last one only.
 
     A step that is not ``loss_fn(model(inputs), targets)`` subclasses it and overrides
-    :meth:`compute_loss` only; gradient accumulation, DDP's ``no_sync``, FSDP2's gradient sync, fp16
-    loss scaling, MICROBATCH and validation stay as they are. Give the trainer the instance,
-    ``Trainer(model, optimizer, loss_fn, step_body=body)``, built over that same ``model`` (the
-    wrapped one under DDP or FSDP2); the trainer hands it the rest (:meth:`bind`).
-
-    Args:
-        model: the module to train (the trainer's ``model``).
-        params: its trainable parameters (the gradient norm's); None: set by the trainer.
-        tp_mesh: the tensor-parallel mesh dimension, or None.
-        grad_scaler: fp16 loss scaling: the backward runs on the scaled loss.
-        loss_parallel: the loss is a replicated DTensor (vocabulary-parallel cross entropy).
+    :meth:`compute_loss` only, built over the trainer's ``model`` (the wrapped one under DDP or
+    FSDP2). Unbound, it trains every trainable parameter of ``model`` in fp32.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        params: Sequence[torch.Tensor] | None = None,
-        *,
-        tp_mesh: Any = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        loss_parallel: bool = False,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
-        self.tp_mesh = tp_mesh
-        self.grad_scaler = grad_scaler
-        self.loss_parallel = loss_parallel
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tp_mesh, self.grad_scaler, self.loss_parallel = None, None, False
 
     def bind(self, model: torch.nn.Module, params: Sequence[torch.Tensor], **settings: Any) -> None:
         if model is not self.model:

@@ -46,15 +46,10 @@ AFTER_AGREEMENT = (Events.STEP_END, Events.VALIDATION_END, Events.CHECKPOINT_SAV
 
 
 class StepDecisions:
-    """The step's agreement and end for one trainer (see the module docstring).
-
-    ``control``: the trainer's :class:`~engine.control.StepControl`; ``agreement``: its
-    :class:`~engine.agreement.StepAgreement` (the handlers' slots); ``state``: gives its state;
-    ``events``: its :class:`~engine.events.EventRegistry` (who could ask late); ``fire``: fires an
-    event as the trainer does (ROLLBACK); ``validation_vote``: this rank's vote for a validation at
-    this step (its request or the validator's cadence, see :meth:`engine.validation.Validator.vote`);
-    ``owner``: the trainer, whose own handlers never ask
-    late."""
+    """The step's agreement and end for one trainer (see the module docstring), from the trainer's
+    parts; ``validation_vote``: this rank's vote for a validation at this step
+    (:meth:`engine.validation.Validator.vote`); ``owner``: the trainer, whose own handlers never
+    ask late."""
 
     def __init__(
         self,
@@ -81,11 +76,8 @@ class StepDecisions:
         self.late = False
 
     def agree(self, loss: Any, norm: Any, tokens: Any, samples: int, overflow: Any) -> None:
-        """The step's one collective: loss, norm and counts summed over ranks together with every
-        decision ranks must share (skip, stop and its exit code, checkpoint, validation, whether
-        anything may still ask for a stop after it) and the handlers' slots; then the agreed values
-        are applied and recorded in ``control.decided``: the only place the control's requests
-        become decisions."""
+        """The step's one collective (see the module docstring); the agreed values are applied and
+        recorded in ``control.decided``: the only place the control's requests become decisions."""
         state, control = self._state(), self._control
         transport = self._agreement.transport  # who takes part (engine.agreement)
         slots = self._agreement.slots
@@ -129,12 +121,8 @@ class StepDecisions:
         control.record_decided()
 
     def late_requests_possible(self) -> bool:
-        """Whether a stop may still be asked for after the step's agreement on this rank: a handler
-        of STEP_END (besides the trainer's own and handlers that say they never ask late, see
-        :attr:`engine.Handler.asks_after_agreement`; a function or an object that does not say
-        counts as asking), of VALIDATION_END, CHECKPOINT_SAVED or ROLLBACK (a validation agreed
-        for this step counts too, see :meth:`agree`). Agreed across ranks; when false everywhere
-        the trainer needs no second collective at the end of the step."""
+        """Whether a handler of :data:`AFTER_AGREEMENT` on this rank may still ask for a stop after
+        the step's agreement (see the module docstring); agreed across ranks in :meth:`agree`."""
         for event in AFTER_AGREEMENT:
             for entry in self._events.entries(event):
                 owner = _owner(entry)
@@ -143,13 +131,9 @@ class StepDecisions:
         return False
 
     def end_step(self) -> bool:
-        """After the step's handlers: agree on late requests, carry out a rollback request
-        (:mod:`engine.control`), reset the step's requests and flags; returns whether every rank
-        agreed to stop. A stop or rollback asked for after the step's agreement (or a rollback asked
-        before it) is agreed here with a second small collective, run only when some rank has
-        handlers that could ask or asked (the step's agreement said so); a rollback some rank asked
-        for is then gathered (:func:`engine.control.merge_rollbacks`); a checkpoint asked for that
-        late is carried to the next step."""
+        """After the step's handlers (see the module docstring): agree on late requests, carry out
+        a rollback request (:mod:`engine.control`), reset the step's requests and flags; returns
+        whether every rank agreed to stop."""
         state, control = self._state(), self._control
         stop = control.decided.stop
         if self.late:  # stop and rollback requests of any rank, agreed

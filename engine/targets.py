@@ -100,6 +100,11 @@ def _parameters(fn: Callable) -> Mapping[str, inspect.Parameter] | None:
         return None
 
 
+def _keyword_names(params: Mapping[str, inspect.Parameter]) -> list[str]:
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [n for n, p in params.items() if p.kind in keyword]
+
+
 def bind_arguments(
     fn: Callable,
     args: Mapping[str, Any],
@@ -116,11 +121,7 @@ def bind_arguments(
     if params is None:
         return dict(args)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = [
-        n
-        for n, p in params.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
+    named = _keyword_names(params)
     for key in args:
         if not isinstance(key, str) or not key.isidentifier():
             raise ConfigError(f"{prefix}.{key}", f"is not an argument name (of {target})")
@@ -208,10 +209,4 @@ def accepted_names(fn: Callable) -> set[str] | None:
     """The keyword arguments ``fn`` names in its signature (``**kwargs`` aside); None when it has no
     signature."""
     params = _parameters(fn)
-    if params is None:
-        return None
-    return {
-        n
-        for n, p in params.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
+    return None if params is None else set(_keyword_names(params))

@@ -145,8 +145,8 @@ def _group_key(t: torch.Tensor) -> tuple:
     return (None, (), t.dtype)
 
 
-def grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The total ``norm_type`` norm of ``grads`` over every rank's part: DTensor gradients are
+def grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The total 2-norm of ``grads`` over every rank's part: DTensor gradients are
     grouped by mesh and placements, each group's norm made whole (``full_tensor()``: one small
     all-reduce for a sharded group, none for a replicated one), plain gradients taken as they are.
     A plain tensor (fp32 or wider) is returned."""
@@ -157,16 +157,14 @@ def grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Te
         return torch.zeros(())
     parts = []
     for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, norm_type, foreach=not is_dtensor(members[0]) or None)
+        norm = torch.nn.utils.get_total_norm(members, foreach=not is_dtensor(members[0]) or None)
         if is_dtensor(norm):
             norm = norm.full_tensor()
         parts.append(norm.float() if norm.dtype in (torch.float16, torch.bfloat16) else norm)
     if len(parts) == 1:
         return parts[0]
     stacked = torch.stack([p.to(parts[0].device, torch.float64) for p in parts])
-    if norm_type == float("inf"):
-        return stacked.max().to(parts[0].dtype)
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type).to(parts[0].dtype)
+    return stacked.pow(2.0).sum().pow(0.5).to(parts[0].dtype)
 
 
 def clip_grads_with_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

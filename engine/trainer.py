@@ -1,17 +1,12 @@
 """The core engine: an ignite ``Engine`` whose iteration is one optimizer step.
 
 Everything a run needs beyond the step itself (scheduling, checkpoints, NaN handling, logging) is a
-handler attached to a :class:`Trainer`; the trainer only runs the step body, fires events, keeps
-:class:`~engine.state.TrainState`, and takes the decisions handlers request on its control point
-(:class:`~engine.control.StepControl`: skip, save, validate, stop, roll back) once every rank
-agrees; handlers that judge the state and handlers that save it cooperate through its save policy
-(:class:`~engine.save_policy.SavePolicy`).
-
-Here is the loop itself: the constructor's wiring, the events, running and stopping, and the step's
-tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR scheduler). Each other part is a room of its
-own the trainer holds: the step body (:mod:`engine.step_body`; the pipeline runtime of
-:mod:`engine.pipeline` is one), validation through it (:mod:`engine.validation`), the step's decisions
-(:mod:`engine.step_decisions`), the run's limits, start and end (:mod:`engine.run_limits`,
+handler attached to a :class:`Trainer`. Here is the loop itself: the constructor's wiring, the
+events, running and stopping, and the step's tail (BEFORE_OPTIMIZER_STEP, clipping, optimizer, LR
+scheduler). Each other part is a room of its own the trainer holds: the step body
+(:mod:`engine.step_body`), validation through it (:mod:`engine.validation`), the control point and
+the step's decisions (:mod:`engine.control`, :mod:`engine.step_decisions`), the save policy
+(:mod:`engine.save_policy`), the run's limits, start and end (:mod:`engine.run_limits`,
 :mod:`engine.run_start`, :mod:`engine.run_end`), the error path (:mod:`engine.error_path`) and the
 handler registry (:mod:`engine.handler_registry`).
 """
@@ -96,11 +91,9 @@ class Trainer(IgniteAdapter):
             the model as keyword arguments (:func:`engine.batch.default_prepare_batch`).
         device: where batches go; defaults to the device of the model's first parameter.
         step_body: what runs the step's forward and backward and validation's forward
-            (:class:`engine.step_body.StepBody`; None: a :class:`~engine.step_body.LocalStepBody`
-            over ``model``): a body of your own for a step that is not "forward, loss, backward", or
-            the pipeline runtime ``build_pipeline`` returns (``model`` is then ``runtime.module``).
-            It takes the trainer's model, parameters and parallel settings (``bind``); a body that
-            declares ``n_microbatches`` sets ``grad_accum_steps``.
+            (:mod:`engine.step_body`; None: a ``LocalStepBody`` over ``model``): a body of your own,
+            or the pipeline runtime ``build_pipeline`` returns (``model`` is then
+            ``runtime.module``); a body that declares ``n_microbatches`` sets ``grad_accum_steps``.
         run_dir: where the run writes ``exit_status.json`` (rank 0, on every exit) and, when the
             watchdog fires, every thread's stack, once the run has started (RUN_STARTED: a start
             that fails writes neither). None: neither file is written (stacks go to stderr).
@@ -215,13 +208,12 @@ class Trainer(IgniteAdapter):
         #: Validation: its data, metrics and evaluator (:mod:`engine.validation`).
         self.validator = Validator(self)
         self._skip_completed = False
-        self.watchdog: ProgressWatchdog | None = (
-            None
-            if hang_timeout_s is None
-            else ProgressWatchdog(hang_timeout_s, rank=parallel.rank())  # dumps to run_dir once started
-        )
-        if self.watchdog is not None:
-            self.watchdog.on_expire.append(self._on_watchdog_expired)
+        self.watchdog: ProgressWatchdog | None = None
+        if hang_timeout_s is not None:  # its stack dumps go to run_dir once the run has started
+            self.watchdog = ProgressWatchdog(hang_timeout_s, rank=parallel.rank())
+            self.watchdog.on_expire.append(
+                lambda reason: self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
+            )
 
         self.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.ENGINE_FIRST)
         self.add_event_handler(Events.TRAIN_START, self._agree_start, priority=Priority.ENGINE_LAST)
@@ -266,7 +258,6 @@ class Trainer(IgniteAdapter):
             self.limits_reached,
         )
 
-    # ------------------------------------------------------------------ configuration
     #: The run plan's (:class:`engine.run_limits.RunPlan`): microbatches per step, default limits.
     grad_accum_steps = run_limits.PlanAttribute()
     max_steps = run_limits.PlanAttribute()
@@ -312,7 +303,6 @@ class Trainer(IgniteAdapter):
         ``info.mesh_dim("dp")``); None: found from the layout (see :mod:`engine.validation`)."""
         self.validator.configure(data, eval_iters, every_steps, metrics, dp_group)
 
-    # ------------------------------------------------------------------ event handlers
     def add_event_handler(  # type: ignore[override]
         self,
         event_name: Any,
@@ -330,13 +320,6 @@ class Trainer(IgniteAdapter):
 
     def remove_event_handler(self, handler: Callable, event_name: Any) -> None:
         self.events.remove(handler, event_name)
-
-    def on(self, event_name: Any, *args: Any, priority: float = Priority.DEFAULT, **kwargs: Any) -> Callable:  # type: ignore[override]
-        def decorator(f: Callable) -> Callable:
-            self.add_event_handler(event_name, f, *args, priority=priority, **kwargs)
-            return f
-
-        return decorator
 
     def has_event_handler_for(self, event: Any) -> bool:
         """Whether any handler is attached to ``event``."""
@@ -358,7 +341,6 @@ class Trainer(IgniteAdapter):
             if event is Events.ROLLBACK:  # a fired ROLLBACK uses up the rollback request, whoever fired it
                 self.control.rollback = None
 
-    # ------------------------------------------------------------------ handler registry
     def register_handler(self, handler: Any, key: str | None = None) -> None:
         """Record ``handler`` as attached: :meth:`get_handler` finds it, and when it is stateful
         every checkpoint holds it under ``key`` (default: its ``state_key``, else its class name;
@@ -381,8 +363,7 @@ class Trainer(IgniteAdapter):
         return self.registry.handlers
 
     def describe(self) -> str:
-        """Every event's handlers in the order they run, with their places (``print`` it to see
-        the order of a run; :meth:`engine.events.EventRegistry.describe`)."""
+        """Every event's handlers in the order they run (:meth:`engine.events.EventRegistry.describe`)."""
         return self.events.describe()
 
     def get_handler(self, kind: type[H] | str, default: Any = None) -> H | Any:
@@ -390,7 +371,6 @@ class Trainer(IgniteAdapter):
         registered under the state key ``kind``; ``default`` when there is none."""
         return self.registry.get(kind, default)
 
-    # ------------------------------------------------------------------ agreement
     def agree_any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (one small all-reduce)."""
         return parallel.agree_any(flag)
@@ -448,12 +428,9 @@ class Trainer(IgniteAdapter):
         self._agree_boundary_stop()
 
     def _end_epoch(self) -> None:
-        """The bounds on the run's epochs (:meth:`engine.run_limits.RunPlan.epoch_ended`), then the
-        stop agreement."""
         self.plan.epoch_ended()
         self._agree_boundary_stop()
 
-    # ------------------------------------------------------------------ running
     def run(  # type: ignore[override]
         self,
         data: Iterable | None = None,
@@ -478,10 +455,6 @@ class Trainer(IgniteAdapter):
         ``trainer.control.exit_code`` (and ``stop_reason``) tell how it ended.
         """
         continuing = self.plan.set_up(data, max_epochs, max_iters, epoch_length, max_steps)
-        return self._run_guarded(data, continuing=continuing)
-
-    def _run_guarded(self, data: Iterable | None, continuing: bool) -> TrainState:
-        """ignite's loop under the watchdog; ``exit_status.json`` written however it ends."""
         if self.watchdog is not None:
             self.watchdog.dump_dir = None  # stacks go to stderr until this run has started
             if self.watchdog.heartbeats is None and parallel.world_size() > 1:
@@ -505,14 +478,9 @@ class Trainer(IgniteAdapter):
         return self.run_end.run_dir
 
     def write_exit_status(self, code: int, reason: str, rank: int | None = None) -> None:
-        """Record how the run ended in ``run_dir/exit_status.json`` (rank 0; atomic), so a job
-        script can requeue on 75 even when the launcher reports only failure or success; a lost
-        peer or a hang (77) also on the first worker of every other node (:mod:`engine.run_end`).
-        ``rank``: the rank whose error ended the run (recorded for a crash)."""
+        """Record how the run ended in ``run_dir/exit_status.json`` (:mod:`engine.run_end`), so a
+        job script can requeue on 75; ``rank``: the rank whose error ended the run."""
         self.run_end.write(code, reason, rank=rank)
-
-    def _on_watchdog_expired(self, reason: str) -> None:
-        self.write_exit_status(int(ExitCode.HEALTH_CHECK_FAILED), reason)
 
     @property
     def limits(self) -> tuple[int | None, int | None]:
@@ -535,10 +503,8 @@ class Trainer(IgniteAdapter):
         self.restart_data()
 
     def _step_iterator(self, data: Any) -> Iterator[list]:
-        if data is None:  # run(None, epoch_length=N): None microbatches, as ignite's data=None
-            data = NO_DATA
-        if self.step_data.data is not data:
-            self.step_data.data = data
+        # run(None, epoch_length=N): None microbatches, as ignite's data=None
+        self.step_data.data = NO_DATA if data is None else data
         return iter(self.step_data)
 
     def resume_at(self, epoch: int, steps_in_epoch: int, data_position: dict | None = None) -> None:
@@ -574,13 +540,9 @@ class Trainer(IgniteAdapter):
         elif state.max_iters is not None and state.iteration > state.max_iters:
             super().terminate(self._skip_completed)
 
-    def _on_error(self, e: BaseException) -> None:
-        self.error_path.on_error(e)  # handled (returns) or re-raised, see engine.error_path
-
-    # ------------------------------------------------------------------ the step
     def _run_step(self, _engine: Engine, microbatches: Sequence[Any]) -> float:
         """One optimizer step (ignite's process function): the step body's forward and backward
-        (:mod:`engine.step_body`), then :meth:`_finish_step`. Local and pipeline bodies alike."""
+        (:mod:`engine.step_body`), then :meth:`_finish_step`."""
         ctx = self.step_context
         ctx.observes_microbatch = self.events.any_for(Events.MICROBATCH)
         return self._finish_step(checked_result(self.step_body, self.step_body.run_step(microbatches, ctx)))
@@ -646,7 +608,6 @@ class Trainer(IgniteAdapter):
                 found_inf.fill_(1.0)
         scaler.update()
 
-    # ------------------------------------------------------------------ validation
     def _maybe_validate(self) -> None:
         if self.control.decided.validate:  # agreed: every rank validates at this step
             self.validate()
@@ -654,10 +615,8 @@ class Trainer(IgniteAdapter):
     @property
     def evaluator(self) -> Engine:
         """The ignite engine validation runs on (:mod:`engine.validation`): attach ignite metrics to
-        it (its items are the step body's validation forwards, its process function returns
-        ``(model_output, targets)``); their results join ``state.metrics`` before VALIDATION_END,
-        reduced over the data-parallel ranks. It runs where the body holds the outputs (a
-        pipeline's last stage), whose results reach every rank."""
+        it (its process function returns ``(model_output, targets)``); their results join
+        ``state.metrics`` before VALIDATION_END, reduced over the data-parallel ranks."""
         return self.validator.evaluator
 
     def validate(self) -> float:

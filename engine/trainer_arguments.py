@@ -4,12 +4,11 @@ built: each names the argument and what it takes (``TypeError`` for a wrong kind
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from hookloop.engine.checks import check_choice
+from hookloop.engine.checks import check_choice, check_number
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.precision import PRECISIONS
 from hookloop.engine.step_body import check_step_body
@@ -54,12 +53,5 @@ def check_constructor_arguments(
     if grad_clip_norm is not None and not (number and grad_clip_norm > 0):
         raise ConfigError("grad_clip_norm", f"must be a positive number or None, got {grad_clip_norm!r}")
     check_choice("precision", precision, PRECISIONS)
-    if hang_timeout_s is not None and (
-        isinstance(hang_timeout_s, bool)
-        or not isinstance(hang_timeout_s, (int, float))
-        or not 0 < hang_timeout_s < math.inf
-    ):
-        raise ConfigError(
-            "hang_timeout_s", f"must be a positive finite number of seconds or None, got {hang_timeout_s!r}"
-        )
+    check_number("hang_timeout_s", hang_timeout_s, positive=True, allow_none=True, hint="seconds")
     check_step_body(step_body, precision)

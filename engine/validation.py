@@ -58,6 +58,7 @@ from ignite.engine import Engine
 from ignite.metrics import Metric
 
 from hookloop.engine import parallel
+from hookloop.engine.checks import check_int
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.ignite_adapter import ignite_world
@@ -221,10 +222,7 @@ class Validator:
                 "was removed: the validation cadence is the step scheduler's val_every_steps=N "
                 "(step_scheduler.val_every_steps), or ask with trainer.control.request_validate()",
             )
-        if eval_iters is not None and (
-            isinstance(eval_iters, bool) or not isinstance(eval_iters, int) or eval_iters < 1
-        ):
-            raise ConfigError("eval_iters", f"must be a positive integer or None, got {eval_iters!r}")
+        check_int("eval_iters", eval_iters, allow_none=True)
         metrics = check_metrics(metrics)
         evaluator = self.evaluator
         for metric in self.metrics.values():
@@ -307,24 +305,20 @@ class Validator:
     def _count_losses(self, items: Iterator[EvalResult]) -> dict[str, Any]:
         """On a rank without the outputs: the losses only (the metrics come from the rank with them)."""
         for item in items:
-            self._feed_watchdog()
-            self._add_loss(item.loss, item.samples)
+            self._add_loss(item)
         return {}
 
     def _step(self, engine: Engine, item: EvalResult) -> tuple[Any, Any]:
         """The evaluator's process function: one microbatch's loss into the totals; returns
         ``(model_output, targets)`` for the metrics."""
-        self._feed_watchdog()
-        self._add_loss(item.loss, item.samples)
+        self._add_loss(item)
         return item.output, item.targets
 
-    def _add_loss(self, loss: Any, samples: int) -> None:
-        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
-        # and however the samples are shared among ranks.
-        self._loss_total += torch.as_tensor(loss).detach().double().cpu() * samples
-        self._samples += samples
-
-    def _feed_watchdog(self) -> None:
+    def _add_loss(self, item: EvalResult) -> None:
         watchdog = self._trainer.watchdog
         if watchdog is not None:
             watchdog.feed()
+        # Weighted by samples: the mean over every validation sample, whatever the batches' sizes
+        # and however the samples are shared among ranks.
+        self._loss_total += torch.as_tensor(item.loss).detach().double().cpu() * item.samples
+        self._samples += item.samples

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine import parallel
+from hookloop.engine.checks import check_number
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import open_no_link
@@ -50,28 +51,16 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressWatchdog:
-    """Ends the process with ``exit_code`` when :meth:`feed` was not called for the active bound."""
+    """Ends the process with exit code 77 when :meth:`feed` was not called for the active bound;
+    the stacks go to ``dump_dir`` (None: stderr)."""
 
-    def __init__(
-        self,
-        timeout_s: float,
-        *,
-        dump_dir: str | os.PathLike | None = None,
-        exit_code: int = ExitCode.HEALTH_CHECK_FAILED,
-        rank: int = 0,
-        poll_s: float | None = None,
-    ) -> None:
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not 0 < timeout_s < float("inf")
-        ):
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
-        self.exit_code = int(exit_code)
+    exit_code = int(ExitCode.HEALTH_CHECK_FAILED)
+
+    def __init__(self, timeout_s: float, *, rank: int = 0) -> None:
+        check_number("timeout_s", timeout_s, positive=True, hint="seconds")
+        self.dump_dir: Path | None = None
         self.rank = rank
         self._bounds: dict[str, float] = {"default": float(timeout_s)}
-        self._poll_s = poll_s
         self._last = time.monotonic()
         self._suspended = 0
         self._suspended_since = self._last
@@ -83,7 +72,6 @@ class ProgressWatchdog:
         #: theirs show to it (None: one process, or no store).
         self.heartbeats: PeerHeartbeats | None = None
 
-    # ------------------------------------------------------------------ bounds
     @property
     def timeout_s(self) -> float:
         """The active bound: the smallest of those set."""
@@ -94,19 +82,16 @@ class ProgressWatchdog:
         if timeout_s is None:
             self._bounds.pop(name, None)
             return
-        if not 0 < timeout_s < float("inf"):
-            raise ValueError(f"bound {name!r} must be a positive finite number of seconds, got {timeout_s!r}")
+        check_number(f"bound {name!r}", timeout_s, positive=True, hint="seconds")
         self._bounds[name] = float(timeout_s)
 
-    # ------------------------------------------------------------------ feeding
     def feed(self) -> None:
         self._last = time.monotonic()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """No bound inside (a local wait that has its own timeout), except that a peer which stops
-        beating still ends the process; fed again on the way out. The peers see this rank as
-        busy meanwhile (:class:`PeerHeartbeats`)."""
+        """No bound inside (a local wait that has its own timeout; see the module docstring); fed
+        again on the way out."""
         self._suspended += 1
         heartbeats = self.heartbeats
         if self._suspended == 1:
@@ -124,8 +109,7 @@ class ProgressWatchdog:
     def _beat_interval(self) -> float:
         return min(5.0, self.timeout_s / 4)
 
-    # ------------------------------------------------------------------ thread
-    def start(self) -> ProgressWatchdog:
+    def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self.feed()
@@ -133,7 +117,6 @@ class ProgressWatchdog:
                 self.heartbeats.start(self._beat_interval())
             self._thread = threading.Thread(target=self._watch, name="hookloop-watchdog", daemon=True)
             self._thread.start()
-        return self
 
     def stop(self) -> None:
         self._stop.set()
@@ -148,7 +131,7 @@ class ProgressWatchdog:
         return self._thread is not None and self._thread.is_alive()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll_s or min(1.0, self.timeout_s / 10)):
+        while not self._stop.wait(min(1.0, self.timeout_s / 10)):
             heartbeats = self.heartbeats
             now = time.monotonic()
             if self._suspended:
@@ -211,12 +194,9 @@ class PeerLook:
 
 
 class PeerHeartbeats:
-    """Each rank's watchdog beats a counter under ``hookloop/heartbeat/<rank>`` in a store no
-    collective uses (the process group's): ``busy:<n>`` while the rank is in a long local wait,
-    ``idle:<n>`` otherwise, ``n`` advancing every beat (a thread of its own, so a rank blocked in a
-    collective still beats, and a stopped or dead one does not). :meth:`look` reads the peers
-    twice, 1.5 beats apart, each read bounded (a store hosted by a stopped process does not
-    answer)."""
+    """Each rank's beat under ``hookloop/heartbeat/<rank>`` in the process group's store (see the
+    module docstring): ``busy:<n>`` while the rank is in a long local wait, ``idle:<n>`` otherwise,
+    from a thread of its own, so a rank blocked in a collective still beats."""
 
     PREFIX = "hookloop/heartbeat/"
 
