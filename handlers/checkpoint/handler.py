@@ -218,10 +218,8 @@ class AsyncCheckpointer(Handler):
         self._started = True
         state = self.trainer.state
         if self.resume is not None:
-            path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
+            path = self.load_resume()
             if path is not None:
-                self._load(path, rollback=False)
-                state.last_checkpoint = path
                 max_steps = self.trainer.plan.limits[0]
                 if max_steps is not None and state.iteration >= max_steps:
                     self.trainer.control.request_stop(
@@ -237,6 +235,17 @@ class AsyncCheckpointer(Handler):
         # Something may roll back before the first regular save (the trainer's save policy says so):
         # keep the initial state (written in the background, published at the next step's end).
         self._initial_save_due = self.trainer.save_policy.initial_save_due(state.iteration)
+
+    def load_resume(self) -> str | None:
+        """Load the checkpoint ``checkpoint.resume`` names (the newest intact one by default) into
+        the trainer, as the resume at TRAIN_START does; return its path (None: nothing to resume).
+        What a resume refuses is raised before anything loads. ``hookloop check`` tries it on a
+        trainer of its own (:mod:`hookloop.first_step`)."""
+        path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
+        if path is not None:
+            self._load(path, rollback=False)
+            self.trainer.state.last_checkpoint = path
+        return path
 
     def _on_run_started(self) -> None:
         """The run has started (every rank agreed): only now is the directory written, so a refused

@@ -72,7 +72,7 @@ from hookloop.run_data import build_data
 from hookloop.run_settings import resume_settings
 from hookloop.training_config import Checked, check, save_config
 
-__all__ = ["Run", "build", "build_optimizer"]
+__all__ = ["Run", "attach_run_handlers", "build", "build_optimizer", "new_trainer"]
 
 logger = logging.getLogger("hookloop.train")
 
@@ -80,6 +80,60 @@ logger = logging.getLogger("hookloop.train")
 def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer the ``optimizer`` section names, over ``model``'s parameters."""
     return cfg.optimizer.build(model.parameters())
+
+
+def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **settings: Any) -> Trainer:
+    """``model``'s :class:`~engine.Trainer` with the config's optimizer, LR schedule and training
+    settings; ``settings`` are the layout's (``device``, ``step_body``, ...) and may replace
+    ``loss_fn``. ``hookloop check`` makes one on its CPU model (:mod:`hookloop.first_step`)."""
+    optimizer = build_optimizer(cfg, model)
+    return Trainer(
+        model,
+        optimizer,
+        settings.pop("loss_fn", resolved.recipe.loss_fn),
+        lr_scheduler=build_lr_scheduler(optimizer, **schedule_settings(cfg)),
+        grad_clip_norm=cfg.train.grad_clip_norm,
+        precision=cfg.train.precision,
+        prepare_batch=cfg.data.prepare_batch(resolved.recipe),
+        **settings,
+    )
+
+
+def attach_run_handlers(
+    trainer: Trainer,
+    cfg: Any,
+    resolved: ResolvedModel,
+    data: Any,
+    *,
+    extra: Sequence[Any] = (),
+    dp: int,
+    dp_rank: int = 0,
+    run_dir: str | os.PathLike | None = None,
+    write_trace: bool = False,
+    **runtime: Any,
+) -> list[Any]:
+    """Every enabled shipped handler built from its section and attached in
+    ``handlers.HANDLER_ORDER``, then the config's ``handlers:`` entries, then ``extra``; what its
+    checkpoints record and a resume checks; the sample trace. Returns the attached handlers.
+    ``hookloop check`` attaches them to its own trainer (:mod:`hookloop.first_step`): a handler
+    ``hookloop train`` refuses, check refuses with the same line."""
+    run_dir = Path(cfg.train.run_dir if run_dir is None else run_dir)
+    attached = attach_handlers(
+        trainer,
+        cfg,
+        extra=extra,
+        dataloader=data.train,
+        dp_size=dp,
+        sampler=data.sampler,
+        run_dir=run_dir,
+        **runtime,
+    )
+    checkpointer = trainer.get_handler(AsyncCheckpointer)
+    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
+        checkpointer.record_settings(resume_settings(cfg, resolved))
+    if cfg.data.trace_samples:  # one file per data-parallel rank
+        SampleTrace(run_dir, data.train, rank=dp_rank, world_size=dp, write=write_trace).attach(trainer)
+    return attached
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -308,22 +362,17 @@ def _build(
     loss_fn = recipe.loss_fn
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
         loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
-    optimizer = build_optimizer(cfg, model)
-    lr_scheduler = build_lr_scheduler(optimizer, **schedule_settings(cfg))
-    trainer = Trainer(
+    trainer = new_trainer(
+        cfg,
+        resolved,
         model,
-        optimizer,
-        loss_fn,
-        lr_scheduler=lr_scheduler,
-        grad_clip_norm=cfg.train.grad_clip_norm,
+        loss_fn=loss_fn,
         device=device,
         step_body=runtime,
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
-        precision=cfg.train.precision,
         tp_mesh=tp_mesh,
         loss_parallel=cfg.distributed.loss_parallel,
-        prepare_batch=cfg.data.prepare_batch(recipe),
     )
     groups = None
     sections = cfg
@@ -333,26 +382,18 @@ def _build(
             sections = copy.copy(cfg)
             directory = os.path.join(cfg.checkpoint.directory, group_dir_name(groups.group))
             sections.checkpoint = dataclasses.replace(cfg.checkpoint, directory=directory)
-    # Every enabled shipped handler, built from its section and attached in handlers.HANDLER_ORDER
-    # (the step scheduler, checkpoints, the NaN detector, the curriculum, metrics, loggers,
-    # profiler, health and straggler checks), then the config's handlers: entries, then ``extra``.
-    attached = attach_handlers(
+    attached = attach_run_handlers(
         trainer,
         sections,
+        resolved,
+        data,
         extra=extra,
-        dataloader=data.train,
-        dp_size=dp,
-        sampler=data.sampler,
+        dp=dp,
+        dp_rank=dp_rank,
         run_dir=run_dir,
+        write_trace=info.rank % (tp * pp) == 0,  # one trace file per data-parallel rank
         flops_per_token=flops_per_token,
     )
-    checkpointer = trainer.get_handler(AsyncCheckpointer)
-    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
-        checkpointer.record_settings(resume_settings(cfg, resolved))
-    if cfg.data.trace_samples:  # one file per data-parallel rank, by the replica's first rank
-        SampleTrace(
-            run_dir, data.train, rank=dp_rank, world_size=dp, write=info.rank % (tp * pp) == 0
-        ).attach(trainer)
     if data.val is not None:
         metrics = build_metrics(cfg.validation)
         trainer.set_validation(data.val, metrics=metrics, dp_group=info.mesh_dim("dp"))
@@ -360,8 +401,8 @@ def _build(
         config=cfg,
         trainer=trainer,
         model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        optimizer=trainer.optimizer,
+        lr_scheduler=trainer.lr_scheduler,
         train_loader=data.train,
         val_loader=data.val,
         sampler=data.sampler,
