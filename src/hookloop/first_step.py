@@ -24,7 +24,7 @@ group exists:
    :meth:`FirstStep.summary` (the ``config ok`` line) says so.
 6. The validation metrics are fed the model's output on the first validation batch (a small model's).
 7. The trainer is made and the run's handlers attached as ``hookloop train`` makes and attaches
-   them (:func:`hookloop.run.new_trainer`, :func:`hookloop.run.attach_run_handlers`), on the CPU
+   them (:func:`new_trainer`, :func:`attach_run_handlers`, which it calls too), on the CPU
    model (a stand-in for a larger one); with a checkpoint to resume, a small model's resume loads it
    (:meth:`~handlers.AsyncCheckpointer.load_resume`), refused as the run's resume would be.
    :attr:`FirstStep.order` is that trainer's order of handlers (``hookloop check --order``).
@@ -35,27 +35,34 @@ The random states of Python, NumPy and torch are as they were afterwards; nothin
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hookloop.engine import Trainer, build_lr_scheduler
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
+from hookloop.engine.data import SampleTrace
 from hookloop.engine.data.vocab import model_vocab_size
 from hookloop.engine.errors import ConfigError
+from hookloop.engine.lr import schedule_settings
 from hookloop.engine.pipeline import PipelineConfig, hf_patches, plan_stages
 from hookloop.engine.pipeline.runtime import forward_through_stages, pipeline_loss_fn, stage_pair
 from hookloop.engine.step_body import check_loss
 from hookloop.engine.validation import build_metrics
+from hookloop.handlers import AsyncCheckpointer, attach_handlers
 from hookloop.recipe import ResolvedModel, model_error
 from hookloop.run_data import build_data
+from hookloop.run_settings import resume_settings
 
-__all__ = ["MAX_PARAMS", "MAX_WORK", "FirstStep", "try_first_step"]
+__all__ = ["MAX_PARAMS", "MAX_WORK", "FirstStep", "attach_run_handlers", "new_trainer", "try_first_step"]
 
 #: Models with more parameters are not built for real by the check (their forward is not tried).
 MAX_PARAMS = 50_000_000
@@ -218,8 +225,6 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
     """The run's trainer on ``built`` (``real``: the model built for real; else a stand-in) with its
     handlers attached, and with a small model the checkpoint a resume loads loaded; its order."""
     from hookloop.engine.checkpoint_format.errors import CheckpointError
-    from hookloop.handlers import AsyncCheckpointer
-    from hookloop.run import attach_run_handlers, new_trainer
 
     flops = model.flops_per_token(built, cfg)
     trainer = new_trainer(cfg, model, built if real else torch.nn.Linear(1, 1), device=torch.device("cpu"))
@@ -232,6 +237,60 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
             if isinstance(e, ConfigError):
                 raise
     return trainer.describe()
+
+
+def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **settings: Any) -> Trainer:
+    """``model``'s :class:`~engine.Trainer` with the config's optimizer, LR schedule and training
+    settings; ``settings`` are the layout's (``device``, ``step_body``, ...) and may replace
+    ``loss_fn``. ``hookloop check`` makes one on its CPU model (:func:`try_first_step`)."""
+    optimizer = cfg.optimizer.build(model.parameters())
+    return Trainer(
+        model,
+        optimizer,
+        settings.pop("loss_fn", resolved.recipe.loss_fn),
+        lr_scheduler=build_lr_scheduler(optimizer, **schedule_settings(cfg)),
+        grad_clip_norm=cfg.train.grad_clip_norm,
+        precision=cfg.train.precision,
+        prepare_batch=cfg.data.prepare_batch(resolved.recipe),
+        **settings,
+    )
+
+
+def attach_run_handlers(
+    trainer: Trainer,
+    cfg: Any,
+    resolved: ResolvedModel,
+    data: Any,
+    *,
+    extra: Sequence[Any] = (),
+    dp: int,
+    dp_rank: int = 0,
+    run_dir: str | os.PathLike | None = None,
+    write_trace: bool = False,
+    **runtime: Any,
+) -> list[Any]:
+    """Every enabled shipped handler built from its section and attached in
+    ``handlers.HANDLER_ORDER``, then the config's ``handlers:`` entries, then ``extra``; what its
+    checkpoints record and a resume checks; the sample trace. Returns the attached handlers.
+    ``hookloop check`` attaches them to its own trainer (:func:`try_first_step`): a handler
+    ``hookloop train`` refuses, check refuses with the same line."""
+    run_dir = Path(cfg.train.run_dir if run_dir is None else run_dir)
+    attached = attach_handlers(
+        trainer,
+        cfg,
+        extra=extra,
+        dataloader=data.train,
+        dp_size=dp,
+        sampler=data.sampler,
+        run_dir=run_dir,
+        **runtime,
+    )
+    checkpointer = trainer.get_handler(AsyncCheckpointer)
+    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
+        checkpointer.record_settings(resume_settings(cfg, resolved))
+    if cfg.data.trace_samples:  # one file per data-parallel rank
+        SampleTrace(run_dir, data.train, rank=dp_rank, world_size=dp, write=write_trace).attach(trainer)
+    return attached
 
 
 def _count(model: torch.nn.Module) -> int:

@@ -45,15 +45,12 @@ from hookloop.engine import (
     StartRefused,
     Trainer,
     TrainingAborted,
-    build_lr_scheduler,
     init_distributed,
     wrap_data_parallel,
 )
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.compile import compile_mode, compile_model
-from hookloop.engine.data import SampleTrace
 from hookloop.engine.fault_tolerance import group_dir_name, group_run_dir
-from hookloop.engine.lr import schedule_settings
 from hookloop.engine.parallel import (
     DistInfo,
     destroy_distributed,
@@ -65,14 +62,14 @@ from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
-from hookloop.handlers import AsyncCheckpointer, Places, attach_handlers
+from hookloop.first_step import attach_run_handlers, new_trainer
+from hookloop.handlers import Places
 from hookloop.handlers.replica_groups import ReplicaGroups
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
-from hookloop.run_settings import resume_settings
 from hookloop.training_config import Checked, check, save_config
 
-__all__ = ["Run", "attach_run_handlers", "build", "build_optimizer", "new_trainer"]
+__all__ = ["Run", "build", "build_optimizer"]
 
 logger = logging.getLogger("hookloop.train")
 
@@ -80,60 +77,6 @@ logger = logging.getLogger("hookloop.train")
 def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer the ``optimizer`` section names, over ``model``'s parameters."""
     return cfg.optimizer.build(model.parameters())
-
-
-def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **settings: Any) -> Trainer:
-    """``model``'s :class:`~engine.Trainer` with the config's optimizer, LR schedule and training
-    settings; ``settings`` are the layout's (``device``, ``step_body``, ...) and may replace
-    ``loss_fn``. ``hookloop check`` makes one on its CPU model (:mod:`hookloop.first_step`)."""
-    optimizer = build_optimizer(cfg, model)
-    return Trainer(
-        model,
-        optimizer,
-        settings.pop("loss_fn", resolved.recipe.loss_fn),
-        lr_scheduler=build_lr_scheduler(optimizer, **schedule_settings(cfg)),
-        grad_clip_norm=cfg.train.grad_clip_norm,
-        precision=cfg.train.precision,
-        prepare_batch=cfg.data.prepare_batch(resolved.recipe),
-        **settings,
-    )
-
-
-def attach_run_handlers(
-    trainer: Trainer,
-    cfg: Any,
-    resolved: ResolvedModel,
-    data: Any,
-    *,
-    extra: Sequence[Any] = (),
-    dp: int,
-    dp_rank: int = 0,
-    run_dir: str | os.PathLike | None = None,
-    write_trace: bool = False,
-    **runtime: Any,
-) -> list[Any]:
-    """Every enabled shipped handler built from its section and attached in
-    ``handlers.HANDLER_ORDER``, then the config's ``handlers:`` entries, then ``extra``; what its
-    checkpoints record and a resume checks; the sample trace. Returns the attached handlers.
-    ``hookloop check`` attaches them to its own trainer (:mod:`hookloop.first_step`): a handler
-    ``hookloop train`` refuses, check refuses with the same line."""
-    run_dir = Path(cfg.train.run_dir if run_dir is None else run_dir)
-    attached = attach_handlers(
-        trainer,
-        cfg,
-        extra=extra,
-        dataloader=data.train,
-        dp_size=dp,
-        sampler=data.sampler,
-        run_dir=run_dir,
-        **runtime,
-    )
-    checkpointer = trainer.get_handler(AsyncCheckpointer)
-    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
-        checkpointer.record_settings(resume_settings(cfg, resolved))
-    if cfg.data.trace_samples:  # one file per data-parallel rank
-        SampleTrace(run_dir, data.train, rank=dp_rank, world_size=dp, write=write_trace).attach(trainer)
-    return attached
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
