@@ -35,12 +35,10 @@ The random states of Python, NumPy and torch are as they were afterwards; nothin
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -201,8 +199,15 @@ def try_first_step(cfg: Any, model: ResolvedModel, world_size: int) -> FirstStep
 
 
 def _prepared(prepare: Any, loader: Any) -> tuple[Any, Any]:
+    """The first microbatch of ``loader``, prepared as the step body prepares it."""
     try:
-        return prepare(_first_microbatch(loader), torch.device("cpu"))
+        batch = next(iter(loader))
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError.caused_by("data", "the first microbatch cannot be made", e) from None
+    try:
+        return prepare(batch, torch.device("cpu"))
     except TypeError as e:  # a layout the default does not know: data.inputs / data.targets say it
         raise ConfigError("data.inputs", str(e)) from None
 
@@ -228,7 +233,7 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
 
     flops = model.flops_per_token(built, cfg)
     trainer = new_trainer(cfg, model, built if real else torch.nn.Linear(1, 1), device=torch.device("cpu"))
-    attach_run_handlers(trainer, cfg, model, data, dp=dp, flops_per_token=flops)
+    attach_run_handlers(trainer, cfg, model, data, dp_size=dp, flops_per_token=flops)
     checkpointer = trainer.get_handler(AsyncCheckpointer)
     if real and checkpointer is not None and checkpointer.resume is not None:
         try:
@@ -240,9 +245,8 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
 
 
 def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **settings: Any) -> Trainer:
-    """``model``'s :class:`~engine.Trainer` with the config's optimizer, LR schedule and training
-    settings; ``settings`` are the layout's (``device``, ``step_body``, ...) and may replace
-    ``loss_fn``. ``hookloop check`` makes one on its CPU model (:func:`try_first_step`)."""
+    """``model``'s :class:`~engine.Trainer` with the config's optimizer, LR schedule and settings, and
+    ``settings`` (the layout's: ``device``, ``step_body``, ...; ``loss_fn`` replaces the recipe's)."""
     optimizer = cfg.optimizer.build(model.parameters())
     return Trainer(
         model,
@@ -257,38 +261,19 @@ def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **set
 
 
 def attach_run_handlers(
-    trainer: Trainer,
-    cfg: Any,
-    resolved: ResolvedModel,
-    data: Any,
-    *,
-    extra: Sequence[Any] = (),
-    dp: int,
-    dp_rank: int = 0,
-    run_dir: str | os.PathLike | None = None,
-    write_trace: bool = False,
-    **runtime: Any,
+    trainer: Trainer, cfg: Any, resolved: ResolvedModel, data: Any, *, dp_rank: int = 0, **runtime: Any
 ) -> list[Any]:
-    """Every enabled shipped handler built from its section and attached in
-    ``handlers.HANDLER_ORDER``, then the config's ``handlers:`` entries, then ``extra``; what its
-    checkpoints record and a resume checks; the sample trace. Returns the attached handlers.
-    ``hookloop check`` attaches them to its own trainer (:func:`try_first_step`): a handler
-    ``hookloop train`` refuses, check refuses with the same line."""
-    run_dir = Path(cfg.train.run_dir if run_dir is None else run_dir)
-    attached = attach_handlers(
-        trainer,
-        cfg,
-        extra=extra,
-        dataloader=data.train,
-        dp_size=dp,
-        sampler=data.sampler,
-        run_dir=run_dir,
-        **runtime,
-    )
+    """Every enabled shipped handler, then the config's ``handlers:`` entries, then ``extra``,
+    attached by :func:`handlers.attach_handlers` with ``runtime`` (``dp_size``, ``run_dir``, ...);
+    what the checkpoints record; the sample trace (``write_trace``: this rank writes it). Returns
+    the attached handlers. ``hookloop check`` attaches them too (:func:`try_first_step`)."""
+    write_trace = runtime.pop("write_trace", False)
+    attached = attach_handlers(trainer, cfg, dataloader=data.train, sampler=data.sampler, **runtime)
     checkpointer = trainer.get_handler(AsyncCheckpointer)
     if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
         checkpointer.record_settings(resume_settings(cfg, resolved))
     if cfg.data.trace_samples:  # one file per data-parallel rank
+        run_dir, dp = runtime.get("run_dir", cfg.train.run_dir), runtime["dp_size"]
         SampleTrace(run_dir, data.train, rank=dp_rank, world_size=dp, write=write_trace).attach(trainer)
     return attached
 
@@ -304,15 +289,6 @@ def _meta_model(model: ResolvedModel) -> torch.nn.Module | None:
         return model.build("meta")
     except Exception:  # noqa: BLE001
         return None
-
-
-def _first_microbatch(loader: Any) -> Any:
-    try:
-        return next(iter(loader))
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError.caused_by("data", "the first microbatch cannot be made", e) from None
 
 
 def _layers_hint(model: ResolvedModel, built: torch.nn.Module) -> str | None:

@@ -331,7 +331,7 @@ def _build(
         resolved,
         data,
         extra=extra,
-        dp=dp,
+        dp_size=dp,
         dp_rank=dp_rank,
         run_dir=run_dir,
         write_trace=info.rank % (tp * pp) == 0,  # one trace file per data-parallel rank
