@@ -26,7 +26,8 @@ group exists:
 7. The trainer is made and the run's handlers attached as ``hookloop train`` makes and attaches
    them (:func:`new_trainer`, :func:`attach_run_handlers`, which it calls too), on the CPU
    model (a stand-in for a larger one); with a checkpoint to resume, a small model's resume loads it
-   (:meth:`~handlers.AsyncCheckpointer.load_resume`), refused as the run's resume would be.
+   (:meth:`~handlers.AsyncCheckpointer.load_resume`), refused as the run's resume would be (in one
+   process: a rank of several leaves it to the run's resume, which every rank refuses alike).
    :attr:`FirstStep.order` is that trainer's order of handlers (``hookloop check --order``).
 
 The random states of Python, NumPy and torch are as they were afterwards; nothing is written.
@@ -35,6 +36,7 @@ The random states of Python, NumPy and torch are as they were afterwards; nothin
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import warnings
 from collections.abc import Iterator, Mapping
@@ -235,7 +237,8 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
     trainer = new_trainer(cfg, model, built if real else torch.nn.Linear(1, 1), device=torch.device("cpu"))
     attach_run_handlers(trainer, cfg, model, data, dp_size=dp, flops_per_token=flops)
     checkpointer = trainer.get_handler(AsyncCheckpointer)
-    if real and checkpointer is not None and checkpointer.resume is not None:
+    alone = os.environ.get("WORLD_SIZE", "1") == "1"  # else the run's resume refuses on every rank alike
+    if real and alone and checkpointer is not None and checkpointer.resume is not None:
         try:
             checkpointer.load_resume()
         except CheckpointError as e:  # damage: the run's resume falls back or says so itself
