@@ -23,12 +23,10 @@ group exists:
    plan or compile; activation checkpointing as configured). A larger model skips this and
    :meth:`FirstStep.summary` (the ``config ok`` line) says so.
 6. The validation metrics are fed the model's output on the first validation batch (a small model's).
-7. The trainer is made and the run's handlers attached as ``hookloop train`` makes and attaches
-   them (:func:`new_trainer`, :func:`attach_run_handlers`, which it calls too), on the CPU
-   model (a stand-in for a larger one); with a checkpoint to resume, a small model's resume loads it
-   (:meth:`~handlers.AsyncCheckpointer.load_resume`), refused as the run's resume would be (in one
-   process: a rank of several leaves it to the run's resume, which every rank refuses alike).
-   :attr:`FirstStep.order` is that trainer's order of handlers (``hookloop check --order``).
+7. The trainer made and the handlers attached as train does (:func:`new_trainer`,
+   :func:`attach_run_handlers`), on the CPU model or a stand-in; in one process, a small model's
+   resume loaded into it (:meth:`~handlers.AsyncCheckpointer.load_resume`). Its order of handlers
+   is :attr:`FirstStep.order` (``hookloop check --order``).
 
 The random states of Python, NumPy and torch are as they were afterwards; nothing is written.
 """
@@ -73,8 +71,8 @@ MAX_WORK = 10_000_000_000
 @dataclass(frozen=True)
 class FirstStep:
     """What :func:`try_first_step` found: the model's size, the first microbatch's inputs, the
-    pipeline stages' layer counts (None without a pipeline), and whether the forward ran (else
-    why not)."""
+    pipeline stages' layer counts (None without a pipeline), whether the forward ran (else why
+    not), and the run's order of handlers (``trainer.describe()``)."""
 
     params: int
     inputs: str
