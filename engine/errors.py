@@ -27,6 +27,13 @@ class ConfigError(HookloopError, ValueError):
         self.field = field
         super().__init__(f"{field}: {message}")
 
+    @classmethod
+    def caused_by(cls, field: str, what: str, error: BaseException, hint: str = "") -> ConfigError:
+        """``error``, raised by the user's code, as one line: ``<field>: <what>: <Type>: <its first
+        line><hint>``."""
+        line = next((s.strip() for s in str(error).splitlines() if s.strip()), "")
+        return cls(field, f"{what}: {type(error).__name__}{': ' if line else ''}{line}{hint}")
+
 
 class TrainingAborted(HookloopError, RuntimeError):
     """The run was stopped on purpose (e.g. NaN rollbacks exhausted, failed health check).

@@ -212,7 +212,12 @@ def build_handler_entries(
     without ``attach(trainer)`` is a :class:`ConfigError` naming the entry."""
     built = []
     for entry in entries:
-        handler = entry.build(runtime)
+        try:
+            handler = entry.build(runtime)
+        except ConfigError:
+            raise
+        except Exception as e:  # the handler's own refusal of its arguments, as one line
+            raise ConfigError.caused_by(entry.field, f"{entry.target}(...) fails", e) from e
         if handler is None:
             continue
         if not callable(getattr(handler, "attach", None)):

@@ -398,16 +398,19 @@ def attach_handlers(
 
 def attach_one(trainer: Any, handler: Any, where: str) -> None:
     """``handler.attach(trainer)``, then register it with the trainer if its ``attach`` did not (an
-    ignite-style object), so a stateful one is checkpointed like a hookloop ``Handler``. Two stateful
-    handlers claiming one checkpoint key is a :class:`ConfigError` naming ``where``."""
+    ignite-style object), so a stateful one is checkpointed like a hookloop ``Handler``. What either
+    raises (two stateful handlers claiming one checkpoint key, say) is a :class:`ConfigError`
+    naming ``where``."""
     try:
         handler.attach(trainer)
         if handler not in trainer.handlers:
             trainer.register_handler(handler)
-    except ValueError as e:
-        if "state key" not in str(e):
-            raise
-        raise ConfigError(where, str(e)) from None
+    except ConfigError:
+        raise
+    except Exception as e:
+        if isinstance(e, ValueError) and "state key" in str(e):
+            raise ConfigError(where, str(e)) from None
+        raise ConfigError.caused_by(where, f"{type(handler).__name__}.attach(trainer) fails", e) from e
 
 
 def _from_run_config(cfg: Any) -> dict[str, Any]:

@@ -80,9 +80,9 @@ class AsyncCheckpointer(Handler):
     Public surface (what a user or another handler may call): :meth:`wait` (drain the save in
     flight), :meth:`restore_latest` (roll back to the newest intact finite checkpoint),
     :meth:`record_settings` (settings of the run a checkpoint records and a resume checks),
-    :meth:`close`, the properties :attr:`saving` and :attr:`staging`, and the read-only attributes
-    ``directory``, ``mode``, ``last_saved_step``, ``last_checkpoint`` and ``resumed_from``.
-    Everything else is private: the events drive it.
+    :meth:`load_resume`, :meth:`close`, the properties :attr:`saving` and :attr:`staging`, and the
+    read-only attributes ``directory``, ``mode``, ``last_saved_step``, ``last_checkpoint`` and
+    ``resumed_from``. Everything else is private: the events drive it.
     """
 
     Config = CheckpointConfig
@@ -206,27 +206,29 @@ class AsyncCheckpointer(Handler):
         if self._started:  # a later run() in this process continues; it does not reload
             return
         self._started = True
-        state = self.trainer.state
-        if self.resume is not None:
-            path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
-            if path is not None:
-                self._load(path, rollback=False)
-                state.last_checkpoint = path
-                max_steps = self.trainer.plan.limits[0]
-                if max_steps is not None and state.iteration >= max_steps:
-                    self.trainer.control.request_stop(
-                        f"the checkpoint {path} is at step {state.iteration} >= max_steps ({max_steps}): "
-                        "nothing left to train, this run is finished; to start another, pass "
-                        "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
-                    )  # the trainer says the reason once, as it stops ("stopping after step N: ...")
-                return
+        if self.resume is not None and (path := self.load_resume()) is not None:
+            max_steps, step = self.trainer.plan.limits[0], self.trainer.state.iteration
+            if max_steps is not None and step >= max_steps:
+                self.trainer.control.request_stop(
+                    f"the checkpoint {path} is at step {step} >= max_steps ({max_steps}): "
+                    "nothing left to train, this run is finished; to start another, pass "
+                    "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
+                )  # the trainer says the reason once, as it stops ("stopping after step N: ...")
+            return
         if self.finetune_from is not None:
             path = self._reader.agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")
             if path is not None:
                 self._reader.load_weights(self.trainer.model, path)
-        # Something may roll back before the first regular save (the trainer's save policy says so):
-        # keep the initial state (written in the background, published at the next step's end).
-        self._initial_save_due = self.trainer.save_policy.initial_save_due(state.iteration)
+        # A rollback before the first regular save (the save policy says) needs the initial state.
+        self._initial_save_due = self.trainer.save_policy.initial_save_due(self.trainer.state.iteration)
+
+    def load_resume(self) -> str | None:
+        """TRAIN_START's resume (``hookloop check`` tries it): the checkpoint loaded, or None."""
+        path = self._reader.agreed_checkpoint(self.resume, check=self._state.check)
+        if path is not None:
+            self._load(path, rollback=False)
+            self.trainer.state.last_checkpoint = path
+        return path
 
     def _on_run_started(self) -> None:
         """The run has started (every rank agreed): only now is the directory written, so a refused

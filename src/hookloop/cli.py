@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render(TrainingConfig))
         return 0
     from hookloop import train as training
-    from hookloop.training_config import describe_order
 
     try:
         if args.command == "check" and args.nproc is not None and args.nproc < 1:
@@ -132,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(annotated_yaml(cfg))
             return 0
         checked = training.check(cfg, world)
-        order = describe_order(cfg, checked) if args.command == "check" and args.order else None
     except ConfigError as e:
         training.report_config_error(e)
         return 2
@@ -143,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             f"config ok: {args.config} (model {checked.target}{own}, run directory {cfg.train.run_dir})"
             f"{tried}"
         )
-        if order is not None:
-            print(order)
+        if args.order:
+            print(checked.first_step.order)
         return 0
     return training.train(cfg, checked=checked)
 

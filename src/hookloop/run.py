@@ -45,15 +45,12 @@ from hookloop.engine import (
     StartRefused,
     Trainer,
     TrainingAborted,
-    build_lr_scheduler,
     init_distributed,
     wrap_data_parallel,
 )
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.compile import compile_mode, compile_model
-from hookloop.engine.data import SampleTrace
 from hookloop.engine.fault_tolerance import group_dir_name, group_run_dir
-from hookloop.engine.lr import schedule_settings
 from hookloop.engine.parallel import (
     DistInfo,
     destroy_distributed,
@@ -65,11 +62,11 @@ from hookloop.engine.pipeline import PipelineConfig, build_pipeline
 from hookloop.engine.run_lock import RunDirLock, hold_run_dir
 from hookloop.engine.tensor_parallel import apply_tensor_parallel
 from hookloop.engine.validation import build_metrics
-from hookloop.handlers import AsyncCheckpointer, Places, attach_handlers
+from hookloop.first_step import attach_run_handlers, new_trainer
+from hookloop.handlers import Places
 from hookloop.handlers.replica_groups import ReplicaGroups, shared_settings
 from hookloop.recipe import ResolvedModel
 from hookloop.run_data import build_data
-from hookloop.run_settings import resume_settings
 from hookloop.training_config import Checked, check, save_config
 
 __all__ = ["Run", "build", "build_optimizer"]
@@ -308,22 +305,17 @@ def _build(
     loss_fn = recipe.loss_fn
     if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
         loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
-    optimizer = build_optimizer(cfg, model)
-    lr_scheduler = build_lr_scheduler(optimizer, **schedule_settings(cfg))
-    trainer = Trainer(
+    trainer = new_trainer(
+        cfg,
+        resolved,
         model,
-        optimizer,
-        loss_fn,
-        lr_scheduler=lr_scheduler,
-        grad_clip_norm=cfg.train.grad_clip_norm,
+        loss_fn=loss_fn,
         device=device,
         step_body=runtime,
         run_dir=run_dir,
         hang_timeout_s=cfg.distributed.hang_timeout_s,
-        precision=cfg.train.precision,
         tp_mesh=tp_mesh,
         loss_parallel=cfg.distributed.loss_parallel,
-        prepare_batch=cfg.data.prepare_batch(recipe),
     )
     groups = None
     sections = cfg
@@ -333,26 +325,18 @@ def _build(
             sections = copy.copy(cfg)
             directory = os.path.join(cfg.checkpoint.directory, group_dir_name(groups.group))
             sections.checkpoint = dataclasses.replace(cfg.checkpoint, directory=directory)
-    # Every enabled shipped handler, built from its section and attached in handlers.HANDLER_ORDER
-    # (the step scheduler, checkpoints, the NaN detector, the curriculum, metrics, loggers,
-    # profiler, health and straggler checks), then the config's handlers: entries, then ``extra``.
-    attached = attach_handlers(
+    attached = attach_run_handlers(
         trainer,
         sections,
+        resolved,
+        data,
         extra=extra,
-        dataloader=data.train,
         dp_size=dp,
-        sampler=data.sampler,
+        dp_rank=dp_rank,
         run_dir=run_dir,
+        write_trace=info.rank % (tp * pp) == 0,  # one trace file per data-parallel rank
         flops_per_token=flops_per_token,
     )
-    checkpointer = trainer.get_handler(AsyncCheckpointer)
-    if checkpointer is not None:  # what its checkpoints record and a resume checks, before it loads
-        checkpointer.record_settings(resume_settings(cfg, resolved))
-    if cfg.data.trace_samples:  # one file per data-parallel rank, by the replica's first rank
-        SampleTrace(
-            run_dir, data.train, rank=dp_rank, world_size=dp, write=info.rank % (tp * pp) == 0
-        ).attach(trainer)
     if data.val is not None:
         metrics = build_metrics(cfg.validation)
         trainer.set_validation(data.val, metrics=metrics, dp_group=info.mesh_dim("dp"))
@@ -360,8 +344,8 @@ def _build(
         config=cfg,
         trainer=trainer,
         model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
+        optimizer=trainer.optimizer,
+        lr_scheduler=trainer.lr_scheduler,
         train_loader=data.train,
         val_loader=data.val,
         sampler=data.sampler,

@@ -131,8 +131,7 @@ def named_datasets(cfg: Any, *, write_cache: bool = True) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as e:  # one line for the command; the cause stays chained for Python callers
-        gist = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        raise ConfigError("data.target", f"{data.target} fails: {type(e).__name__}: {gist}") from e
+        raise ConfigError.caused_by("data.target", f"{data.target} fails", e) from e
     if isinstance(made, Mapping):
         if not made:
             raise ConfigError(

@@ -29,7 +29,6 @@ __all__ = [
     "FaultConfig",
     "TrainingConfig",
     "check",
-    "describe_order",
     "load_training_config",
     "report_config_error",
     "resolve_run_dir",
@@ -166,9 +165,9 @@ def check(cfg: Any, world_size: int | None = None) -> Checked:
     arguments (names and annotated types), the ``handlers:`` entries and theirs, the data (files,
     or ``data.target`` and its arguments), the vocabulary, directories, checkpoint paths, the
     device, what the layout supports, then step 1 tried for ``world_size`` processes (default:
-    ``WORLD_SIZE``, else 1): the model built, the pipeline split, the first microbatch collated
-    and, for a small model, its forward and loss (:mod:`hookloop.first_step`). Raises
-    :class:`ConfigError` naming the field; creates nothing."""
+    ``WORLD_SIZE``, else 1): the model built, the pipeline split, the first microbatch collated,
+    a small model's forward, loss and metrics, the handlers attached, a resume tried
+    (:mod:`hookloop.first_step`). Raises :class:`ConfigError` naming the field; creates nothing."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model = resolve_model(cfg)
@@ -183,24 +182,6 @@ def check(cfg: Any, world_size: int | None = None) -> Checked:
     if callable(getattr(cfg, "check_ranked_metric", None)):
         cfg.check_ranked_metric([entry.factory for entry in entries])
     return Checked(model, tuple(entries), try_first_step(cfg, model, world_size))
-
-
-def describe_order(cfg: Any, checked: Checked) -> str:
-    """``hookloop check CONFIG --order``: ``trainer.describe()`` with the config's shipped handlers
-    and ``handlers:`` entries attached as ``hookloop train`` attaches them. Creates nothing, as
-    :func:`check`: no process group, the data without its cache, a stand-in model."""
-    from hookloop.engine import Trainer
-    from hookloop.engine.data import SampleTrace
-    from hookloop.handlers import attach_handlers
-    from hookloop.run_data import build_data
-
-    data = build_data(cfg, 0, 1, checked.model.recipe.collate_fn, num_workers=0, write_cache=False)
-    model = torch.nn.Linear(1, 1)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.nn.functional.mse_loss)
-    attach_handlers(trainer, cfg, dataloader=data.train, dp_size=1, sampler=data.sampler)
-    if cfg.data.trace_samples:
-        SampleTrace(cfg.train.run_dir, data.train, rank=0, world_size=1, write=False).attach(trainer)
-    return trainer.describe()
 
 
 def _check_layout(cfg: Any, model: ResolvedModel) -> None:

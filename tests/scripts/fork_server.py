@@ -1,7 +1,8 @@
 """Starts test commands as forks of an interpreter that imported torch once.
 
 ``tests/forked.py`` starts one per test process. It imports the heavy third-party modules every
-command pays for (torch, torch.distributed.checkpoint, ignite) and nothing of hookloop's, so a
+command pays for (torch, torch.distributed.checkpoint, ignite, torch._dynamo, which every optimizer
+imports) and nothing of hookloop's, so a
 command still runs its own imports of the project. Then, for each request (one JSON line on stdin:
 ``argv`` after the interpreter -- ``["-c", CODE]``, ``["-m", MODULE, *args]`` or
 ``[SCRIPT, *args]`` --, ``cwd``, ``env``, ``stdout`` and ``stderr`` file paths), it forks a child
@@ -32,6 +33,7 @@ import types
 
 import ignite.engine  # noqa: F401
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 
 _OWN_PATH = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
