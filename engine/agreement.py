@@ -142,15 +142,15 @@ def sum_over_ranks(
 
 def pack(values: Sequence[Value], device: torch.device) -> torch.Tensor:
     """One float64 vector on ``device`` from host numbers and 0-dim tensors, with no host read."""
-    host = [float(v) for v in values if not isinstance(v, torch.Tensor)]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return torch.tensor(host, dtype=torch.float64, device=device)
-    out = torch.empty(len(values), dtype=torch.float64, device=device)
     tensor_at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     host_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    stacked = torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors])
-    out[tensor_at] = stacked
+    host = [float(values[i]) for i in host_at]
+    if not tensor_at:
+        return torch.tensor(host, dtype=torch.float64, device=device)
+    out = torch.empty(len(values), dtype=torch.float64, device=device)
+    out[tensor_at] = torch.stack(
+        [values[i].detach().reshape(()).to(device, torch.float64) for i in tensor_at]
+    )
     if host_at:
         out[host_at] = torch.tensor(host, dtype=torch.float64, device=device)
     return out

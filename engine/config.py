@@ -307,15 +307,12 @@ def load_config(
     return validate_sections(cfg, world_size)
 
 
-_NULL_WORDS = ("None", "none")
-
-
 def _null_words(schema: type, item: str) -> str:
     """``key=None`` / ``key=none`` as ``key=null`` when ``key`` names an Optional field, so every
     spelling of null works on the command line (YAML reads ``null`` and ``~`` already); elsewhere
     the word stays a string."""
     key, value = item.split("=", 1)
-    if value.strip() in _NULL_WORDS and _is_optional(schema, key.strip()):
+    if value.strip() in ("None", "none") and _is_optional(schema, key.strip()):
         return f"{key}=null"
     return item
 

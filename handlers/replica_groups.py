@@ -396,13 +396,12 @@ class ReplicaGroups(AgreementTransport):
             options=StateDictOptions(flatten_optimizer_state_dict=True),
         )
         snapshot = payload["snapshot"]
-        own = run_snapshot.capture(trainer)["data"]
         run_snapshot.apply(
             trainer,
             snapshot,
             resume=self._at_start,
             keep_counters=False,
-            keep_data_position=snapshot.get("data") == own,
+            keep_data_position=snapshot.get("data") == run_snapshot.capture(trainer)["data"],
             skip_handlers=(STATE_KEY,),
         )
         size = sum(t.numel() * t.element_size() for t in _tensors(payload))

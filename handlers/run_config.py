@@ -107,9 +107,6 @@ class RunConfig:
     #: entries, attached after the shipped ones (:mod:`handlers.handler_entries`)
     handlers: List[Dict[str, Any]] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @property
     def lr_decay_steps_default(self) -> int | None:
         """What a null ``lr.decay_steps`` stands for: the run's ``step_scheduler.max_steps`` (None

@@ -47,12 +47,14 @@ import torch
 from hookloop.engine import Trainer, build_lr_scheduler
 from hookloop.engine.activation_checkpointing import apply_activation_checkpointing
 from hookloop.engine.batch import count_batch, default_prepare_batch, forward_and_loss
+from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.data import SampleTrace
 from hookloop.engine.data.vocab import model_vocab_size
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.lr import schedule_settings
 from hookloop.engine.pipeline import PipelineConfig, hf_patches, plan_stages
 from hookloop.engine.pipeline.runtime import forward_through_stages, pipeline_loss_fn, stage_pair
+from hookloop.engine.pipeline.split import find_layer_container
 from hookloop.engine.step_body import check_loss
 from hookloop.engine.validation import build_metrics
 from hookloop.handlers import AsyncCheckpointer, attach_handlers
@@ -229,8 +231,6 @@ def _feed_metrics(
 def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any, dp: int, real: bool) -> str:
     """The run's trainer on ``built`` (``real``: the model built for real; else a stand-in) with its
     handlers attached, and with a small model the checkpoint a resume loads loaded; its order."""
-    from hookloop.engine.checkpoint_format.errors import CheckpointError
-
     flops = model.flops_per_token(built, cfg)
     trainer = new_trainer(cfg, model, built if real else torch.nn.Linear(1, 1), device=torch.device("cpu"))
     attach_run_handlers(trainer, cfg, model, data, dp_size=dp, flops_per_token=flops)
@@ -294,8 +294,6 @@ def _meta_model(model: ResolvedModel) -> torch.nn.Module | None:
 
 def _layers_hint(model: ResolvedModel, built: torch.nn.Module) -> str | None:
     """The ``model`` argument that sets the layer count (``model.n_layers``), when one does."""
-    from hookloop.engine.pipeline.split import find_layer_container
-
     try:
         n_layers = len(list(built.get_submodule(find_layer_container(built)).children()))
     except ConfigError:
@@ -305,8 +303,6 @@ def _layers_hint(model: ResolvedModel, built: torch.nn.Module) -> str | None:
 
 
 def _stage_layers(built: torch.nn.Module, fqns: list[list[str]]) -> tuple[int, ...]:
-    from hookloop.engine.pipeline.split import find_layer_container
-
     container = find_layer_container(built)
     layers = {f"{container}.{name}" for name, _ in built.get_submodule(container).named_children()}
     return tuple(

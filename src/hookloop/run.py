@@ -79,14 +79,6 @@ def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     return cfg.optimizer.build(model.parameters())
 
 
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-
-
 def nan_injecting_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], bad: set[int], state_of: Callable[[], Any]
 ) -> Callable[[Any, Any], torch.Tensor]:
@@ -197,10 +189,8 @@ def _log_summary(run: Run) -> None:
         start = f"resuming from {state.last_checkpoint} (step {state.iteration})"
     else:
         start = "fresh (step 0)"
-    handlers = ", ".join(type(h).__name__ for h in trainer.handlers) or "none"
-    n_params = run.n_params
     tp, pp = cfg.distributed.tp_size, cfg.distributed.pp_size
-    logger.info("model: %s, %s parameters", run.resolved.target, f"{n_params:,}")
+    logger.info("model: %s, %s parameters", run.resolved.target, f"{run.n_params:,}")
     logger.info(
         "world size %d (dp %d x tp %d x pp %d), precision %s",
         run.dist.world_size, run.dp_size, tp, pp, cfg.train.precision,
@@ -212,7 +202,7 @@ def _log_summary(run: Run) -> None:
     logger.info("threads: %s", threads.describe(torch.get_num_threads(), cfg.train.num_threads))
     logger.info("run directory: %s", trainer.run_dir)
     logger.info("start: %s", start)
-    logger.info("handlers: %s", handlers)
+    logger.info("handlers: %s", ", ".join(type(h).__name__ for h in trainer.handlers) or "none")
 
 
 def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = None) -> Run:
@@ -226,7 +216,11 @@ def build(cfg: Any, handlers: Sequence[Any] = (), *, checked: Checked | None = N
     count = threads.chosen(cfg.train.num_threads)  # None: torch's own count, its waits passive
     if count is not None:
         torch.set_num_threads(count)
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
     pp, tp = cfg.distributed.pp_size, cfg.distributed.tp_size
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     # Data is sharded over data-parallel replicas; the pipeline stages and tensor-parallel ranks of
@@ -338,8 +332,7 @@ def _build(
         flops_per_token=flops_per_token,
     )
     if data.val is not None:
-        metrics = build_metrics(cfg.validation)
-        trainer.set_validation(data.val, metrics=metrics, dp_group=info.mesh_dim("dp"))
+        trainer.set_validation(data.val, metrics=build_metrics(cfg.validation), dp_group=info.mesh_dim("dp"))
     run = Run(
         config=cfg,
         trainer=trainer,

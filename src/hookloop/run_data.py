@@ -38,16 +38,7 @@ from hookloop.engine.data import (
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.targets import accepted_names, bind_arguments, resolve_target
 
-__all__ = [
-    "BUILTIN_SOURCES",
-    "RunData",
-    "build_data",
-    "builtin_tokens",
-    "check_data",
-    "named_datasets",
-    "token_file",
-    "validation_indices",
-]
+__all__ = ["RunData", "build_data", "check_data", "validation_indices"]
 
 BUILTIN_SOURCES = {"stdlib_docs", "stdlib_source"}
 
@@ -235,8 +226,10 @@ def build_data(
         val_rank, val_world = val_shard or (rank, world)
         shard = Subset(val_set, validation_indices(len(val_set), cfg.data.val_samples, val_rank, val_world))
         # Pipeline stages take whole microbatches only: a partial last batch is dropped there.
-        drop_last = cfg.distributed.pp_size > 1
         val = DataLoader(
-            shard, batch_size=cfg.train.local_batch_size, collate_fn=collate_fn, drop_last=drop_last
+            shard,
+            batch_size=cfg.train.local_batch_size,
+            collate_fn=collate_fn,
+            drop_last=cfg.distributed.pp_size > 1,
         )
     return RunData(train, val, sampler)
