@@ -266,9 +266,7 @@ class ReplicaGroups(AgreementTransport):
                 )
 
     # ------------------------------------------------------------------ the step (the transport)
-    @property
-    def spans_processes(self) -> bool:
-        return True
+    spans_processes = True
 
     def agree_step(self, values: Sequence[Any]) -> list[Any]:
         """The step's values summed inside the group, then over the live groups (:meth:`_agree_step`)."""

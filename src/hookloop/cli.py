@@ -160,21 +160,16 @@ def _refuse_held_run_dir(config: Path, overrides: list[str]) -> None:
     if os.environ.get("WORLD_SIZE", "1") != "1":
         return
     try:
+        import tomllib
+
+        import yaml
+
         text = config.read_text()
-        if config.suffix == ".toml":
-            import tomllib
-
-            raw = tomllib.loads(text)
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text)
+        raw = tomllib.loads(text) if config.suffix == ".toml" else yaml.safe_load(text)
         found = {f"{s}.{k}": (raw.get(s) or {}).get(k) for s, k in _READ_HERE}
         for item in overrides:
             key, _, value = item.partition("=")
             if key.strip() in found:
-                import yaml
-
                 found[key.strip()] = yaml.safe_load(value)
     except Exception:  # noqa: BLE001 - the full load reports what is wrong with the file
         return

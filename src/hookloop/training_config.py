@@ -161,13 +161,9 @@ class Checked:
 
 
 def check(cfg: Any, world_size: int | None = None) -> Checked:
-    """Everything that can be checked before a process group exists: the model target and its
-    arguments (names and annotated types), the ``handlers:`` entries and theirs, the data (files,
-    or ``data.target`` and its arguments), the vocabulary, directories, checkpoint paths, the
-    device, what the layout supports, then step 1 tried for ``world_size`` processes (default:
-    ``WORLD_SIZE``, else 1): the model built, the pipeline split, the first microbatch collated,
-    a small model's forward, loss and metrics, the handlers attached, a resume tried
-    (:mod:`hookloop.first_step`). Raises :class:`ConfigError` naming the field; creates nothing."""
+    """Everything that can be checked before a process group exists, then step 1 tried for
+    ``world_size`` processes (default: ``WORLD_SIZE``, else 1; :mod:`hookloop.first_step`). Raises
+    :class:`ConfigError` naming the field; creates nothing."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model = resolve_model(cfg)
