@@ -259,10 +259,8 @@ def load_config(
     world_size: int | None = None,
 ) -> Any:
     """Load a YAML or TOML file onto ``schema``'s defaults, apply ``key=value`` overrides, and
-    validate every section (:func:`validate_sections`); return a ``schema`` instance.
-
-    ``schema`` is a dataclass of sections, the engine's and the handlers'; the caller composes it
-    (the handlers' package has the run's full schema and a helper that adds a user's sections).
+    validate every section (:func:`validate_sections`); return a ``schema`` instance (a dataclass
+    of sections, which the caller composes).
 
     Raises :class:`ConfigError` naming the field for unknown keys, wrong types, missing files and
     inconsistent values.

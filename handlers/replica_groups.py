@@ -402,11 +402,10 @@ class ReplicaGroups(AgreementTransport):
             keep_data_position=snapshot.get("data") == run_snapshot.capture(trainer)["data"],
             skip_handlers=(STATE_KEY,),
         )
-        size = sum(t.numel() * t.element_size() for t in _tensors(payload))
         self._healed = {
             "group": payload.get("group"),
             "stop": payload.get("stop") or {},
-            "bytes": size,
+            "size": _size(sum(t.numel() * t.element_size() for t in _tensors(payload))),
             "seconds": time.perf_counter() - start,
         }
 
@@ -419,7 +418,7 @@ class ReplicaGroups(AgreementTransport):
                 self.group,
                 healed["group"],
                 trainer.state.iteration,
-                _size(healed["bytes"]),
+                healed["size"],
                 healed["seconds"],
             )
         stop, control = healed["stop"], trainer.control

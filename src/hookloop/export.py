@@ -61,7 +61,6 @@ class _Checkpoint:
             raise CheckpointError(
                 f"{self.config_path} does not exist: {run_dir} is not a hookloop run directory"
             )
-        # the plain model: one process, no tensor or pipeline split
         plain = ["distributed.tp_size=1", "distributed.pp_size=1", "fault_tolerance.enabled=false"]
         self.cfg = load_training_config(self.config_path, plain, world_size=1)
         ckpt = self.cfg.checkpoint

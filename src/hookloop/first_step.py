@@ -193,7 +193,7 @@ def try_first_step(cfg: Any, model: ResolvedModel, world_size: int) -> FirstStep
                 f"parameters and {MAX_WORK:.0e} parameters x tokens"
             )
         else:
-            _forward(model, built, pipe, fqns, inputs, targets, described)
+            _forward(model, built, pipe, fqns, inputs, targets)
             if data.val is not None and cfg.validation.metrics:
                 _feed_metrics(cfg, model, built, pipe, fqns, *_prepared(prepare, data.val))
         order = _attached(cfg, model, built, data, dp, real=not skipped)
@@ -218,7 +218,7 @@ def _feed_metrics(
     cfg: Any, model: ResolvedModel, built: Any, pipe: Any, fqns: Any, inputs: Any, targets: Any
 ) -> None:
     """Each validation metric fed the model's output on the first validation batch, and computed."""
-    output = _forward(model, built, pipe, fqns, inputs, targets, _describe(inputs))
+    output = _forward(model, built, pipe, fqns, inputs, targets)
     for name, metric in build_metrics(cfg.validation).items():
         try:
             metric.update((output, targets))
@@ -317,7 +317,6 @@ def _forward(
     fqns: list[list[str]] | None,
     inputs: Any,
     targets: Any,
-    described: str,
 ) -> Any:
     ids = _token_ids(inputs)
     loss_fn = model.recipe.loss_fn
@@ -347,5 +346,5 @@ def _forward(
                 f" (its largest token id is {int(ids.max())}: does the model's vocabulary cover the data's?)"
             )
         where = "through the pipeline stages " if pipe is not None else ""
-        what = f"forward and loss {where}on the first microbatch {described} fail"
+        what = f"forward and loss {where}on the first microbatch {_describe(inputs)} fail"
         raise ConfigError.caused_by("model", what, e, hint) from None
