@@ -38,6 +38,7 @@ def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentPa
     parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=helps[command])
     if command == "config":
         parser.add_argument("config", type=Path, nargs="?", default=None, help="YAML or TOML run config")
+        parser.add_argument("--markdown", action="store_true", help="the reference page as Markdown")
     else:
         parser.add_argument("config", type=Path, help="YAML or TOML run config")
     parser.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
@@ -51,8 +52,6 @@ def _command_parser(command: str, prog: str = "hookloop") -> argparse.ArgumentPa
         parser.add_argument(
             "--order", action="store_true", help="print every event's handlers in run order, with places"
         )
-    if command == "config":
-        parser.add_argument("--markdown", action="store_true", help="the reference page as Markdown")
     return parser
 
 
