@@ -30,10 +30,9 @@ from typing import Any
 from torch import nn
 
 from hookloop.engine.checks import check_choice
+from hookloop.engine.config import AC_MODES
 
 __all__ = ["AC_MODES", "apply_activation_checkpointing", "saved_activation_bytes", "transformer_blocks"]
-
-AC_MODES = ("none", "full", "selective")
 
 
 def transformer_blocks(

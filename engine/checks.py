@@ -17,12 +17,25 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Collection
+import signal
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from hookloop.engine.errors import ConfigError
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_str", "dotted"]
+__all__ = [
+    "SignalLike",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_str",
+    "dotted",
+    "grad_acc_steps_for",
+    "resolve_signals",
+]
+
+SignalLike = str | int | signal.Signals
 
 
 def dotted(prefix: str, name: str) -> str:
@@ -133,3 +146,53 @@ def check_str(field: str, value: Any, *, allow_none: bool = False, what: str = "
         return
     if not isinstance(value, str) or not value:
         raise ConfigError(field, f"must be {what}{' or null' if allow_none else ''}, got {value!r}")
+
+
+def grad_acc_steps_for(
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_size: int,
+    *,
+    field: str = "global_batch_size",
+    local_field: str = "local_batch_size",
+) -> int:
+    """Microbatches per optimizer step, ``global_batch_size // (local_batch_size * dp_size)``; the
+    one rule that it must divide exactly (the run config checks it with the world size too)."""
+    per_microbatch = local_batch_size * dp_size
+    if global_batch_size % per_microbatch:
+        lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
+        raise ConfigError(
+            field,
+            f"({global_batch_size}) must be a multiple of {local_field} x data-parallel size "
+            f"({local_batch_size} x {dp_size} = {per_microbatch}); use a multiple such as {lower} or "
+            f"change {local_field}",
+        )
+    return global_batch_size // per_microbatch
+
+
+def resolve_signals(
+    value: SignalLike | Sequence[SignalLike] | None, field: str = "stop_signals"
+) -> tuple[signal.Signals, ...]:
+    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none. The one
+    rule for ``stop_signals``: catchable signals only; errors name ``field``."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, int, signal.Signals)) else list(value)
+    out: list[signal.Signals] = []
+    for item in items:
+        try:
+            if isinstance(item, str):
+                sig = signal.Signals[item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()]
+            elif isinstance(item, int) and not isinstance(item, bool):
+                sig = signal.Signals(item)
+            else:
+                raise TypeError
+        except (KeyError, ValueError, TypeError):
+            raise ConfigError(
+                field, f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(field, f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)

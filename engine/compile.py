@@ -20,23 +20,9 @@ from typing import Any
 
 from torch import nn
 
-from hookloop.engine.errors import ConfigError
+from hookloop.engine.config import COMPILE_MODES, compile_mode
 
 __all__ = ["COMPILE_MODES", "compile_mode", "compile_model"]
-
-COMPILE_MODES = ("blocks", "model")
-
-
-def compile_mode(setting: Any, field: str = "train.compile") -> str | None:
-    """The mode a ``train.compile`` setting asks for: ``False`` -> None, ``True`` -> "blocks",
-    "blocks" or "model" as given; anything else is a :class:`ConfigError` naming ``field``."""
-    if setting is False:
-        return None
-    if setting is True:
-        return "blocks"
-    if isinstance(setting, str) and setting in COMPILE_MODES:
-        return setting
-    raise ConfigError(field, f"must be false, true (= 'blocks'), 'blocks' or 'model', got {setting!r}")
 
 
 def compile_model(model: nn.Module, mode: str | bool = "blocks", **compile_kwargs: Any) -> nn.Module:

@@ -18,21 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
-from hookloop.engine.activation_checkpointing import AC_MODES
 from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, check_str
-from hookloop.engine.compile import compile_mode
 from hookloop.engine.data.config import DataConfig, PhaseConfig
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.lr import check_lr_schedule
-from hookloop.engine.precision import PRECISIONS
+from hookloop.engine.targets import TARGET_HINT
 
 __all__ = [
+    "AC_MODES",
+    "COMPILE_MODES",
+    "DECAY_STYLES",
     "DataConfig",
     "DistributedConfig",
     "LRConfig",
@@ -41,12 +42,36 @@ __all__ = [
     "PhaseConfig",
     "PipelineSection",
     "TrainConfig",
+    "ValidationConfig",
+    "WSD_DECAY_STYLES",
+    "check_lr_schedule",
+    "compile_mode",
     "load_config",
+    "schedule_settings",
     "validate_sections",
 ]
 
 # OmegaConf resolves annotations at run time, so sections spell Optional/List the old way.
 # ruff: noqa: UP006, UP007, UP035, UP045
+
+#: ``train.activation_checkpointing``'s modes (:mod:`engine.activation_checkpointing`).
+AC_MODES = ("none", "full", "selective")
+#: ``train.compile``'s modes besides true and false (:mod:`engine.compile`).
+COMPILE_MODES = ("blocks", "model")
+#: The allowed precision names, in the order messages list them (:mod:`engine.precision`).
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed")
+
+
+def compile_mode(setting: Any, field: str = "train.compile") -> str | None:
+    """The mode a ``train.compile`` setting asks for: ``False`` -> None, ``True`` -> "blocks",
+    "blocks" or "model" as given; anything else is a :class:`ConfigError` naming ``field``."""
+    if setting is False:
+        return None
+    if setting is True:
+        return "blocks"
+    if isinstance(setting, str) and setting in COMPILE_MODES:
+        return setting
+    raise ConfigError(field, f"must be false, true (= 'blocks'), 'blocks' or 'model', got {setting!r}")
 
 
 @dataclass
@@ -114,6 +139,88 @@ class OptimizerConfig:
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
         return cls(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
+
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential")
+#: The styles that decay to ``min_lr`` at ``decay_steps`` (and so need it).
+DECAYING_STYLES = ("linear", "cosine", "WSD")
+
+
+def check_lr_schedule(
+    *,
+    peak_lr: float | None = None,
+    warmup_steps: int = 0,
+    decay_steps: int | None = None,
+    decay_style: str = "cosine",
+    min_lr: float = 0.0,
+    warmup_init: float = 0.0,
+    wsd_decay_steps: int | None = None,
+    wsd_decay_style: str = "exponential",
+    decay_steps_default: int | None = None,
+    default_name: str = "",
+    prefix: str = "lr",
+) -> None:
+    """The one copy of the learning-rate rules; raises :class:`ConfigError` naming the field.
+
+    Each setting on its own (types, ranges, styles, ``wsd_decay_steps`` for WSD), then, with
+    ``peak_lr`` known, the rules that relate them: ``min_lr`` at most the peak, a decaying style
+    needs decay steps, the decay ends after warmup, the WSD decay fits after warmup.
+    ``decay_steps_default`` stands in for a null ``decay_steps`` (a run's ``max_steps``, named
+    ``default_name`` in messages). The ``lr`` config section checks the settings alone; the run
+    config and :func:`build_lr_scheduler` check everything.
+    """
+    p = prefix
+    check_int(f"{p}.warmup_steps", warmup_steps, low=0)
+    check_int(f"{p}.decay_steps", decay_steps, allow_none=True)
+    check_choice(f"{p}.decay_style", decay_style, DECAY_STYLES)
+    check_choice(f"{p}.wsd_decay_style", wsd_decay_style, WSD_DECAY_STYLES)
+    check_number(f"{p}.min_lr", min_lr, low=0)
+    check_number(f"{p}.warmup_init", warmup_init, low=0)
+    check_int(
+        f"{p}.wsd_decay_steps",
+        wsd_decay_steps,
+        allow_none=decay_style != "WSD",
+        hint="needed for decay_style=WSD",
+    )
+    if peak_lr is None:
+        return
+    check_number("optimizer.lr", peak_lr, positive=True)
+    if min_lr > peak_lr:
+        raise ConfigError(f"{p}.min_lr", f"({min_lr}) must not exceed optimizer.lr ({peak_lr})")
+    if decay_style not in DECAYING_STYLES:
+        return
+    decay = decay_steps if decay_steps is not None else decay_steps_default
+    if decay is None:
+        unless = f" unless {default_name} is set" if default_name else " (e.g. max_steps)"
+        raise ConfigError(f"{p}.decay_steps", f"is required for decay_style={decay_style!r}{unless}")
+    if decay <= warmup_steps:
+        # Blame the setting the user wrote: decay_steps, or warmup_steps when the decay follows a default.
+        at_fault = f"{p}.decay_steps" if decay_steps is not None else f"{p}.warmup_steps"
+        raise ConfigError(
+            at_fault, f"{p}.warmup_steps ({warmup_steps}) must be smaller than the decay steps ({decay})"
+        )
+    if decay_style == "WSD":
+        assert wsd_decay_steps is not None
+        if wsd_decay_steps > decay - warmup_steps:
+            raise ConfigError(
+                f"{p}.wsd_decay_steps",
+                f"({wsd_decay_steps}) must fit after warmup: at most decay_steps - warmup_steps "
+                f"= {decay - warmup_steps}",
+            )
+
+
+def schedule_settings(cfg: Any) -> dict[str, Any]:
+    """The schedule a run config asks for, as :func:`check_lr_schedule` and
+    :func:`build_lr_scheduler` take it: ``optimizer.lr`` is the peak, the ``lr`` section shapes it,
+    and ``step_scheduler.max_steps`` (``cfg.lr_decay_steps_default``) stands in for a null
+    ``decay_steps``."""
+    return {
+        "peak_lr": cfg.optimizer.lr,
+        **dataclasses.asdict(cfg.lr),
+        "decay_steps_default": cfg.lr_decay_steps_default,
+        "default_name": "step_scheduler.max_steps",
+    }
 
 
 @dataclass
@@ -207,6 +314,74 @@ class PipelineSection:
             unset["pp_batch_size"] = self.pp_microbatch_size or 1
         pipe = PipelineConfig.from_section(self, **unset)
         pipe.validate(prefix, pp_size=pp_size if pp_size and pp_size > 1 and not unset else None)
+
+
+#: A validation metric's name (published as ``val_<name>``).
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def check_metric_name(name: Any, field_: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            field_, f"metric name {name!r}: use letters, digits and underscores (it is logged as val_<name>)"
+        )
+    if name == "loss":
+        raise ConfigError(
+            field_, "'loss' is taken: val_loss is always published; give the metric another name"
+        )
+
+
+@dataclass
+class ValidationConfig:
+    """The ``validation`` section: ignite metrics computed over the validation data and published as
+    ``state.metrics["val_<name>"]`` beside ``val_loss`` (logged by every logger, usable as
+    ``checkpoint.metric``). Each is fed ``(model_output, targets)`` of every validation microbatch and
+    reduced over the data-parallel ranks only (see :mod:`engine.validation`). A ``val_accuracy`` to
+    keep checkpoints by wants ``checkpoint.metric_mode: max``."""
+
+    #: name -> the target of an ignite Metric class or factory (`ignite.metrics:Accuracy`,
+    #: `hookloop.engine:TokenAccuracy`, `my_metrics.py:build`), or `{target: ..., <its keyword
+    #: arguments>}`; published as `val_<name>`
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "validation") -> None:
+        """Names and shapes; resolving the targets and checking their arguments is
+        :func:`build_metrics` (``hookloop check`` runs it before anything starts)."""
+        if not isinstance(self.metrics, Mapping):
+            raise ConfigError(
+                f"{prefix}.metrics", f"must be a mapping name -> metric target, got {self.metrics!r}"
+            )
+        for name, spec in self.metrics.items():
+            check_metric_name(name, f"{prefix}.metrics.{name}")
+            metric_target_and_args(spec, f"{prefix}.metrics.{name}")
+
+    def produces(self, cfg: Any) -> set[str]:
+        """``val_loss`` and ``val_<name>`` of every metric, when the run validates (validation data,
+        and the step scheduler that says when)."""
+        sched = getattr(cfg, "step_scheduler", None)
+        if cfg.data.val_fraction > 0 and sched is not None and sched.enabled:
+            return {"val_loss", *(f"val_{name}" for name in self.metrics)}
+        return set()
+
+
+def metric_target_and_args(spec: Any, field_: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping):
+        args = dict(spec)
+        target = args.pop("target", None)
+        if target is None:
+            raise ConfigError(
+                f"{field_}.target", f"is not set: name the metric class or factory, {TARGET_HINT}"
+            )
+        if not isinstance(target, str):
+            raise ConfigError(
+                f"{field_}.target", f"must name the metric class or factory, {TARGET_HINT}; got {target!r}"
+            )
+        return target, args
+    raise ConfigError(
+        field_, f"must be a target ({TARGET_HINT}) or {{target: ..., <its arguments>}}, got {spec!r}"
+    )
 
 
 # Keys users reach for that live in another section, and removed keys with their replacement (one

@@ -25,7 +25,13 @@ from typing import Any
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.files import atomic_write
 
-__all__ = ["EXIT_STATUS_FILE", "exit_status_identity", "read_exit_status", "write_exit_status"]
+__all__ = [
+    "EXIT_STATUS_FILE",
+    "exit_status_identity",
+    "nothing_left_to_train",
+    "read_exit_status",
+    "write_exit_status",
+]
 
 EXIT_STATUS_FILE = "exit_status.json"
 
@@ -80,3 +86,12 @@ def read_exit_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def nothing_left_to_train(checkpoint: str | os.PathLike, step: int, max_steps: int) -> str:
+    """The reason a run resumed from ``checkpoint`` at ``step >= max_steps`` stops at once (exit 0)."""
+    return (
+        f"the checkpoint {checkpoint} is at step {step} >= max_steps ({max_steps}): nothing left to "
+        "train, this run is finished; to start another, pass train.run_dir=<new dir> (or "
+        "checkpoint.resume=null to train again from step 0)"
+    )

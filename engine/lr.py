@@ -22,7 +22,6 @@ every other group's rate.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +29,13 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from hookloop.engine.checks import check_choice, check_int, check_number
-from hookloop.engine.errors import ConfigError
+from hookloop.engine.config import (
+    DECAY_STYLES,
+    DECAYING_STYLES,
+    WSD_DECAY_STYLES,
+    check_lr_schedule,
+    schedule_settings,
+)
 
 __all__ = [
     "DECAY_STYLES",
@@ -43,87 +47,6 @@ __all__ = [
     "lr_at",
     "schedule_settings",
 ]
-
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential")
-#: The styles that decay to ``min_lr`` at ``decay_steps`` (and so need it).
-_DECAYING = ("linear", "cosine", "WSD")
-
-
-def check_lr_schedule(
-    *,
-    peak_lr: float | None = None,
-    warmup_steps: int = 0,
-    decay_steps: int | None = None,
-    decay_style: str = "cosine",
-    min_lr: float = 0.0,
-    warmup_init: float = 0.0,
-    wsd_decay_steps: int | None = None,
-    wsd_decay_style: str = "exponential",
-    decay_steps_default: int | None = None,
-    default_name: str = "",
-    prefix: str = "lr",
-) -> None:
-    """The one copy of the learning-rate rules; raises :class:`ConfigError` naming the field.
-
-    Each setting on its own (types, ranges, styles, ``wsd_decay_steps`` for WSD), then, with
-    ``peak_lr`` known, the rules that relate them: ``min_lr`` at most the peak, a decaying style
-    needs decay steps, the decay ends after warmup, the WSD decay fits after warmup.
-    ``decay_steps_default`` stands in for a null ``decay_steps`` (a run's ``max_steps``, named
-    ``default_name`` in messages). The ``lr`` config section checks the settings alone; the run
-    config and :func:`build_lr_scheduler` check everything.
-    """
-    p = prefix
-    check_int(f"{p}.warmup_steps", warmup_steps, low=0)
-    check_int(f"{p}.decay_steps", decay_steps, allow_none=True)
-    check_choice(f"{p}.decay_style", decay_style, DECAY_STYLES)
-    check_choice(f"{p}.wsd_decay_style", wsd_decay_style, WSD_DECAY_STYLES)
-    check_number(f"{p}.min_lr", min_lr, low=0)
-    check_number(f"{p}.warmup_init", warmup_init, low=0)
-    check_int(
-        f"{p}.wsd_decay_steps",
-        wsd_decay_steps,
-        allow_none=decay_style != "WSD",
-        hint="needed for decay_style=WSD",
-    )
-    if peak_lr is None:
-        return
-    check_number("optimizer.lr", peak_lr, positive=True)
-    if min_lr > peak_lr:
-        raise ConfigError(f"{p}.min_lr", f"({min_lr}) must not exceed optimizer.lr ({peak_lr})")
-    if decay_style not in _DECAYING:
-        return
-    decay = decay_steps if decay_steps is not None else decay_steps_default
-    if decay is None:
-        unless = f" unless {default_name} is set" if default_name else " (e.g. max_steps)"
-        raise ConfigError(f"{p}.decay_steps", f"is required for decay_style={decay_style!r}{unless}")
-    if decay <= warmup_steps:
-        # Blame the setting the user wrote: decay_steps, or warmup_steps when the decay follows a default.
-        at_fault = f"{p}.decay_steps" if decay_steps is not None else f"{p}.warmup_steps"
-        raise ConfigError(
-            at_fault, f"{p}.warmup_steps ({warmup_steps}) must be smaller than the decay steps ({decay})"
-        )
-    if decay_style == "WSD":
-        assert wsd_decay_steps is not None
-        if wsd_decay_steps > decay - warmup_steps:
-            raise ConfigError(
-                f"{p}.wsd_decay_steps",
-                f"({wsd_decay_steps}) must fit after warmup: at most decay_steps - warmup_steps "
-                f"= {decay - warmup_steps}",
-            )
-
-
-def schedule_settings(cfg: Any) -> dict[str, Any]:
-    """The schedule a run config asks for, as :func:`check_lr_schedule` and
-    :func:`build_lr_scheduler` take it: ``optimizer.lr`` is the peak, the ``lr`` section shapes it,
-    and ``step_scheduler.max_steps`` (``cfg.lr_decay_steps_default``) stands in for a null
-    ``decay_steps``."""
-    return {
-        "peak_lr": cfg.optimizer.lr,
-        **dataclasses.asdict(cfg.lr),
-        "decay_steps_default": cfg.lr_decay_steps_default,
-        "default_name": "step_scheduler.max_steps",
-    }
 
 
 def lr_at(
@@ -223,7 +146,7 @@ def build_lr_scheduler(
         warmup_steps=warmup_steps,
         # a default stands in only where the style decays: the other styles never read it
         decay_steps=decay_steps
-        if decay_steps is not None or decay_style not in _DECAYING
+        if decay_steps is not None or decay_style not in DECAYING_STYLES
         else decay_steps_default,
         decay_style=decay_style,
         min_lr=min_lr,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hookloop.engine.config import PRECISIONS
+
 __all__ = ["AUTOCAST_DTYPES", "PRECISIONS"]
 
 #: Precision name -> the dtype the forward and loss autocast to (None: no autocast). fp16 also
@@ -17,6 +19,4 @@ AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {
     "bf16-mixed": torch.bfloat16,
     "fp16-mixed": torch.float16,
 }
-
-#: The allowed precision names, in the order messages list them.
-PRECISIONS: tuple[str, ...] = tuple(AUTOCAST_DTYPES)
+assert tuple(AUTOCAST_DTYPES) == PRECISIONS  # the names are the config's (engine.config)

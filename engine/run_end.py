@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from hookloop.engine import parallel
+from hookloop.engine.checks import SignalLike, resolve_signals
 from hookloop.engine.control import OTHER_RANK_STOP
-from hookloop.engine.errors import ConfigError, PeerCrashed, exit_code_of
+from hookloop.engine.errors import PeerCrashed, exit_code_of
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 
@@ -43,40 +44,11 @@ __all__ = ["SIGINT_STOP_REASON", "RunEnd", "StopSignals", "first_on_node", "reso
 
 logger = logging.getLogger(__name__)
 
-SignalLike = str | int | signal.Signals
 
 SIGINT_STOP_REASON = (
     "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again to "
     "interrupt at once"
 )
-
-
-def resolve_signals(
-    value: SignalLike | Sequence[SignalLike] | None, field: str = "stop_signals"
-) -> tuple[signal.Signals, ...]:
-    """Signal names ("SIGTERM"), numbers or members -> members; None or empty -> none. The one
-    rule for ``stop_signals``: catchable signals only; errors name ``field``."""
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, (str, int, signal.Signals)) else list(value)
-    out: list[signal.Signals] = []
-    for item in items:
-        try:
-            if isinstance(item, str):
-                sig = signal.Signals[item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()]
-            elif isinstance(item, int) and not isinstance(item, bool):
-                sig = signal.Signals(item)
-            else:
-                raise TypeError
-        except (KeyError, ValueError, TypeError):
-            raise ConfigError(
-                field, f"{item!r} is not a signal; use names such as 'SIGTERM' or 'SIGUSR1'"
-            ) from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(field, f"{sig.name} cannot be caught; use SIGTERM, SIGUSR1 or SIGUSR2")
-        if sig not in out:
-            out.append(sig)
-    return tuple(out)
 
 
 class StopSignals:

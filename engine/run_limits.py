@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hookloop.engine.checks import check_int
+from hookloop.engine.checks import check_int, grad_acc_steps_for
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.step_batches import NO_DATA, StepBatches, data_length
 
@@ -171,28 +171,6 @@ def set_up_run(
             "set engine.state.max_epochs = engine.state.max_iters = None to start a new run.)"
         )
     return True
-
-
-def grad_acc_steps_for(
-    global_batch_size: int,
-    local_batch_size: int,
-    dp_size: int,
-    *,
-    field: str = "global_batch_size",
-    local_field: str = "local_batch_size",
-) -> int:
-    """Microbatches per optimizer step, ``global_batch_size // (local_batch_size * dp_size)``; the
-    one rule that it must divide exactly (the run config checks it with the world size too)."""
-    per_microbatch = local_batch_size * dp_size
-    if global_batch_size % per_microbatch:
-        lower = max(per_microbatch, global_batch_size // per_microbatch * per_microbatch)
-        raise ConfigError(
-            field,
-            f"({global_batch_size}) must be a multiple of {local_field} x data-parallel size "
-            f"({local_batch_size} x {dp_size} = {per_microbatch}); use a multiple such as {lower} or "
-            f"change {local_field}",
-        )
-    return global_batch_size // per_microbatch
 
 
 def derive_limits(num_epochs: int | None, max_steps: int | None, epoch_len: int | None) -> tuple[int, int]:

@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from ignite.engine import Engine
@@ -59,35 +57,22 @@ from ignite.metrics import Metric
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_int
+from hookloop.engine.config import ValidationConfig, check_metric_name, metric_target_and_args
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.ignite_adapter import ignite_world
 from hookloop.engine.step_batches import data_length
 from hookloop.engine.step_body import EvalResult
-from hookloop.engine.targets import TARGET_HINT, bind_arguments, resolve_target
+from hookloop.engine.targets import bind_arguments, resolve_target
 
 if TYPE_CHECKING:
     from hookloop.engine.trainer import Trainer
 
 __all__ = ["ValidationConfig", "Validator", "build_metrics", "check_metrics"]
 
-# OmegaConf resolves the section's annotations at run time: Dict the old way.
-# ruff: noqa: UP006, UP035
 
-_NAME = re.compile(r"[A-Za-z0-9_]+")
 _UNSET = object()
 _END = object()
-
-
-def _check_name(name: Any, field_: str) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ConfigError(
-            field_, f"metric name {name!r}: use letters, digits and underscores (it is logged as val_<name>)"
-        )
-    if name == "loss":
-        raise ConfigError(
-            field_, "'loss' is taken: val_loss is always published; give the metric another name"
-        )
 
 
 def check_metrics(metrics: Mapping[str, Metric] | None, prefix: str = "metrics") -> dict[str, Metric]:
@@ -99,7 +84,7 @@ def check_metrics(metrics: Mapping[str, Metric] | None, prefix: str = "metrics")
         raise TypeError(f"{prefix} must be a mapping name -> ignite Metric, got {type(metrics).__name__}")
     seen: dict[int, str] = {}
     for name, metric in metrics.items():
-        _check_name(name, f"{prefix}.{name}")
+        check_metric_name(name, f"{prefix}.{name}")
         if not isinstance(metric, Metric):
             raise TypeError(
                 f"{prefix}[{name!r}] must be an ignite Metric (e.g. ignite.metrics.Accuracy()), got "
@@ -114,51 +99,6 @@ def check_metrics(metrics: Mapping[str, Metric] | None, prefix: str = "metrics")
     return dict(metrics)
 
 
-@dataclass
-class ValidationConfig:
-    """The ``validation`` section: ignite metrics computed over the validation data and published as
-    ``state.metrics["val_<name>"]`` beside ``val_loss`` (logged by every logger, usable as
-    ``checkpoint.metric``). Each is fed ``(model_output, targets)`` of every validation microbatch and
-    reduced over the data-parallel ranks only (see :mod:`engine.validation`). A ``val_accuracy`` to
-    keep checkpoints by wants ``checkpoint.metric_mode: max``."""
-
-    #: name -> the target of an ignite Metric class or factory (`ignite.metrics:Accuracy`,
-    #: `hookloop.engine:TokenAccuracy`, `my_metrics.py:build`), or `{target: ..., <its keyword
-    #: arguments>}`; published as `val_<name>`
-    metrics: Dict[str, Any] = field(default_factory=dict)
-
-    def validate(self, prefix: str = "validation") -> None:
-        """Names and shapes; resolving the targets and checking their arguments is
-        :func:`build_metrics` (``hookloop check`` runs it before anything starts)."""
-        if not isinstance(self.metrics, Mapping):
-            raise ConfigError(
-                f"{prefix}.metrics", f"must be a mapping name -> metric target, got {self.metrics!r}"
-            )
-        for name, spec in self.metrics.items():
-            _check_name(name, f"{prefix}.metrics.{name}")
-            _target_and_args(spec, f"{prefix}.metrics.{name}")
-
-
-def _target_and_args(spec: Any, field_: str) -> tuple[str, dict[str, Any]]:
-    if isinstance(spec, str):
-        return spec, {}
-    if isinstance(spec, Mapping):
-        args = dict(spec)
-        target = args.pop("target", None)
-        if target is None:
-            raise ConfigError(
-                f"{field_}.target", f"is not set: name the metric class or factory, {TARGET_HINT}"
-            )
-        if not isinstance(target, str):
-            raise ConfigError(
-                f"{field_}.target", f"must name the metric class or factory, {TARGET_HINT}; got {target!r}"
-            )
-        return target, args
-    raise ConfigError(
-        field_, f"must be a target ({TARGET_HINT}) or {{target: ..., <its arguments>}}, got {spec!r}"
-    )
-
-
 def build_metrics(section: ValidationConfig, prefix: str = "validation") -> dict[str, Metric]:
     """The metrics ``section`` names, built: each target resolved, its arguments checked against its
     signature, then called. Errors are :class:`ConfigError` naming ``<prefix>.metrics.<name>.target``
@@ -167,7 +107,7 @@ def build_metrics(section: ValidationConfig, prefix: str = "validation") -> dict
     out: dict[str, Metric] = {}
     for name, spec in section.metrics.items():
         where = f"{prefix}.metrics.{name}"
-        target, args = _target_and_args(spec, where)
+        target, args = metric_target_and_args(spec, where)
         obj = resolve_target(target, f"{where}.target")
         if isinstance(obj, Metric) or not callable(obj):
             raise ConfigError(

@@ -20,15 +20,16 @@ import inspect
 import re
 import textwrap
 import typing
+from pathlib import Path
 from typing import Any
 
-__all__ = ["doc_sources", "field_docs", "render", "type_name"]
+__all__ = ["DocSource", "doc_sources", "field_docs", "render", "type_name"]
 
 COMMAND = "hookloop config --markdown > docs/configuration.md"
 
 # Where a section's field descriptions come from when the field has no comment of its own: the class
 # whose docstring has an ``Args:`` list for the same names. Handlers name their section themselves.
-_ENGINE_DOC_SOURCES = {"pipeline": "hookloop.engine.pipeline.config.PipelineConfig"}
+_ENGINE_DOC_SOURCES = {"hookloop.engine.pipeline.config:PipelineConfig": "pipeline"}
 # Fields every handler section shares, described once here.
 _GENERIC = {"enabled": "build and attach this section's handler (false: `from_config` returns None)"}
 
@@ -129,30 +130,49 @@ def _args(doc: str | None) -> dict[str, str]:
     return out
 
 
-def field_docs(section_cls: type, doc_source: type | None = None) -> dict[str, str]:
+@dataclasses.dataclass(frozen=True)
+class DocSource:
+    """The class whose docstring documents a section's fields (``Args:``), read from its source
+    file without importing it (a handler's module imports torch)."""
+
+    module: str
+    name: str
+    doc: str | None
+
+    @classmethod
+    def find(cls, dotted: str) -> DocSource:
+        """``module:Class`` without importing ``module`` (nor its package: only ``hookloop.engine`` or
+        ``hookloop.handlers``, which import nothing heavy)."""
+        import importlib
+
+        module, _, name = dotted.partition(":")
+        parts = module.split(".")
+        top = Path(importlib.import_module(".".join(parts[:2])).__file__).parent
+        source = top.joinpath(*parts[2:]).with_suffix(".py").read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return cls(module, name, ast.get_docstring(node))
+        raise LookupError(f"{dotted}: no class {name} in {module}")
+
+
+def field_docs(section_cls: type, doc_source: DocSource | None = None) -> dict[str, str]:
     """Field name -> description for one section (see the module docstring for the sources)."""
     docs = {**_args(section_cls.__doc__)}
     if doc_source is not None:
-        docs.update(_args(doc_source.__doc__))
+        docs.update(_args(doc_source.doc))
     docs.update(_comments(section_cls))
     return docs
 
 
-def doc_sources() -> dict[str, type]:
-    """Section name -> the handler (or engine class) whose docstring documents its fields."""
-    import importlib
+def doc_sources() -> dict[str, DocSource]:
+    """Section name -> the handler (or engine class) whose docstring documents its fields: the first
+    shipped handler reading the section (:data:`handlers.shipped.HANDLERS`)."""
+    from hookloop.handlers.shipped import HANDLERS
 
-    import hookloop.handlers as handlers
-
-    out: dict[str, type] = {}
-    for name in handlers.__all__:
-        obj = getattr(handlers, name)
-        section = getattr(obj, "section", None)
-        if inspect.isclass(obj) and isinstance(section, str) and getattr(obj, "Config", None):
-            out.setdefault(section, obj)
-    for section, dotted in _ENGINE_DOC_SOURCES.items():
-        module, _, attr = dotted.rpartition(".")
-        out[section] = getattr(importlib.import_module(module), attr)
+    out: dict[str, DocSource] = {}
+    for dotted, section in {**HANDLERS, **_ENGINE_DOC_SOURCES}.items():
+        if section not in out:
+            out[section] = DocSource.find(dotted)
     return out
 
 
@@ -164,7 +184,7 @@ def _summary(cls: type) -> str:
     return _md(" ".join(line.strip() for line in paragraph.splitlines()))
 
 
-def _table(cls: type, doc_source: type | None, prefix: str) -> list[str]:
+def _table(cls: type, doc_source: DocSource | None, prefix: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls, doc_source)
     rows = ["| field | type | default | description |", "|---|---|---|---|"]
@@ -236,8 +256,8 @@ def render(schema: type | None = None) -> str:
             continue
         source = sources.get(f.name)
         where = f"`{tp.__module__}.{tp.__name__}`"
-        if source is not None and source.__module__.startswith("hookloop.handlers"):
-            where += f", read by `{source.__name__}`"
+        if source is not None and source.module.startswith("hookloop.handlers"):
+            where += f", read by `{source.name}`"
         lines += [f"Dataclass {where}.", ""]
         summary = _summary(tp)
         if summary:

@@ -49,6 +49,9 @@ class ConsoleLogger(MetricLogger):
     ``flush_secs`` seconds, when a checkpoint is published and at the end, in step order.
     """
 
+    doc = "docs/metrics_and_loggers.md"  # its page (a shipped handler: handlers/declarations.py)
+    switch = "console"  # the logging section's boolean that builds it
+
     priority = LOG_CONSOLE
 
     def __init__(
@@ -72,7 +75,7 @@ class ConsoleLogger(MetricLogger):
     @classmethod
     def from_config(cls, cfg: LoggingConfig) -> ConsoleLogger | None:
         """From the ``logging`` section, or None when ``cfg.console`` is false."""
-        if not cfg.console:
+        if not getattr(cfg, cls.switch):
             return None
         return cls(progress_bar=cfg.progress_bar)
 

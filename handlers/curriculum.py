@@ -93,6 +93,7 @@ class PhaseCurriculum(Handler):
     # configured by the engine's ``data`` section (phases and their temperature)
     Config = DataConfig
     section = "data"
+    doc = "docs/data.md"  # its page (a shipped handler: handlers/declarations.py)
 
     def __init__(
         self,

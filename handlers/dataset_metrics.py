@@ -23,19 +23,19 @@ The accumulation stays on the logits' device; nothing is synchronised between lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hookloop.engine import parallel
-from hookloop.engine.checks import check_bool, check_int, dotted
+from hookloop.engine.checks import check_int
 from hookloop.engine.data.mixture import MixtureDataset
 from hookloop.engine.data.sampler import MixtureSampler
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.handler import Handler
+from hookloop.handlers.sections.dataset_metrics import DatasetMetricsConfig
 
 __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 
@@ -44,20 +44,6 @@ __all__ = ["DatasetMetricsConfig", "PerDatasetMetrics"]
 DATASET_METRICS = Priority.OBSERVE - 900
 #: TRAIN_END: the last sums, just before the metrics tracker closes its files.
 DATASET_METRICS_END = Priority.DECIDE + 1
-
-
-@dataclass
-class DatasetMetricsConfig:
-    """The ``dataset_metrics`` section: per-dataset loss and tokens of a data mixture (see
-    :class:`PerDatasetMetrics`), published every ``logging.log_interval`` steps (the one log
-    cadence); the handler is built only when the training data is a mixture whose samples carry
-    their source (a ``MixtureSampler`` over a token-file ``MixtureDataset``; a ``data.target``'s
-    samples are left as they are, so there it is not built)."""
-
-    enabled: bool = True
-
-    def validate(self, prefix: str = "dataset_metrics") -> None:
-        check_bool(dotted(prefix, "enabled"), self.enabled)
 
 
 class PerDatasetMetrics(Handler):
@@ -71,6 +57,7 @@ class PerDatasetMetrics(Handler):
 
     Config = DatasetMetricsConfig
     section = "dataset_metrics"
+    doc = "docs/data.md"  # its page (a shipped handler: handlers/declarations.py)
 
     def __init__(
         self,

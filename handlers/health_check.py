@@ -22,38 +22,23 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hookloop.engine import parallel
-from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.checks import check_number
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.watchdog import dump_stacks
+from hookloop.handlers.sections.health import HealthConfig
 
 __all__ = ["HealthCheck", "HealthCheckError", "HealthConfig"]
 
 #: Where the health check runs on STEP_END: the first observer, before anything reads the step.
 HEALTH = Priority.OBSERVE + 400
-
-
-@dataclass
-class HealthConfig:
-    """The ``health`` section: see :class:`HealthCheck`."""
-
-    enabled: bool = False
-    every_steps: int = 100
-    timeout_s: float = 60.0
-
-    def validate(self, prefix: str = "health") -> None:
-        """The only copy of the health check's rules (its constructor calls this too)."""
-        check_bool(dotted(prefix, "enabled"), self.enabled)
-        check_int(dotted(prefix, "every_steps"), self.every_steps)
-        check_number(dotted(prefix, "timeout_s"), self.timeout_s, positive=True, hint="seconds")
 
 
 logger = logging.getLogger(__name__)
@@ -79,6 +64,7 @@ class HealthCheck(Handler):
 
     Config = HealthConfig
     section = "health"
+    doc = "docs/health_check.md"  # its page (a shipped handler: handlers/declarations.py)
 
     def __init__(
         self,

@@ -38,6 +38,9 @@ class JSONLLogger(MetricLogger):
     checkpoint writes again.
     """
 
+    doc = "docs/metrics_and_loggers.md"  # its page (a shipped handler: handlers/declarations.py)
+    switch = "jsonl"  # the logging section's boolean that builds it
+
     priority = LOG_JSONL
 
     def __init__(
@@ -55,7 +58,7 @@ class JSONLLogger(MetricLogger):
     @classmethod
     def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> JSONLLogger | None:
         """``<run_dir>/metrics.jsonl`` from the ``logging`` section, or None when ``cfg.jsonl`` is false."""
-        if not cfg.jsonl:
+        if not getattr(cfg, cls.switch):
             return None
         return cls(Path(run_dir) / "metrics.jsonl")
 

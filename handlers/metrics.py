@@ -36,20 +36,20 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from ignite.engine import Events as IgniteEvents
 
 from hookloop.engine import parallel
-from hookloop.engine.checks import check_bool, check_int, check_number, dotted
+from hookloop.engine.checks import check_int
 from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.flops import estimate_flops_per_token, peak_flops_for_device
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.record_file import RecordFile
 from hookloop.engine.running_mean import RunningMean
+from hookloop.handlers.sections.metrics import MetricsConfig
 
 __all__ = ["MetricsConfig", "MetricsTracker", "estimate_flops_per_token", "peak_flops_for_device"]
 
@@ -67,25 +67,6 @@ logger = logging.getLogger(__name__)
 
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
-
-
-@dataclass
-class MetricsConfig:
-    """The ``metrics`` section: see :class:`MetricsTracker` (which publishes every
-    ``logging.log_interval`` steps). ``flops_per_token`` null asks the model, 0 turns FLOP figures
-    off; ``peak_flops_per_device`` null looks the accelerator up."""
-
-    flops_per_token: Optional[float] = None
-    peak_flops_per_device: Optional[float] = None
-    enabled: bool = True
-
-    def validate(self, prefix: str = "metrics") -> None:
-        """The only copy of the tracker's rules for these settings (its constructor calls this)."""
-        check_number(dotted(prefix, "flops_per_token"), self.flops_per_token, low=0, allow_none=True)
-        check_number(
-            dotted(prefix, "peak_flops_per_device"), self.peak_flops_per_device, low=0, allow_none=True
-        )
-        check_bool(dotted(prefix, "enabled"), self.enabled)
 
 
 # one encoder for every line: json.dumps with non-default separators builds a new one per call
@@ -142,6 +123,7 @@ class MetricsTracker(Handler):
 
     Config = MetricsConfig
     section = "metrics"
+    doc = "docs/metrics_and_loggers.md"  # its page (a shipped handler: handlers/declarations.py)
     state_key = "metrics_tracker"
 
     def __init__(

@@ -49,16 +49,16 @@ import collections
 import logging
 import math
 import statistics
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted
-from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from hookloop.engine.checks import check_int
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.engine.parallel import rank
+from hookloop.handlers.sections.nan import NaNConfig
 
 __all__ = ["NaNConfig", "NaNDetector"]
 
@@ -75,43 +75,10 @@ ROLLBACK_DONE = Priority.CLEANUP - 900
 
 logger = logging.getLogger(__name__)
 
-ACTIONS = ("warn", "raise", "rollback")
 _MIN_SPIKE_HISTORY = 10
 
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
-
-
-@dataclass
-class NaNConfig:
-    """The ``nan`` section: see :class:`NaNDetector` (``action: rollback`` needs checkpoints)."""
-
-    enabled: bool = True
-    max_consecutive: int = 5  # bad steps in a row that trigger a rollback
-    check_grad_norm: bool = True  # a non-finite gradient norm is bad too, not only the loss
-    action: str = "rollback"  # warn (veto and log), raise (stop, exit 76) or rollback
-    max_rollbacks: int = 3  # rollbacks allowed in a run; the next request stops it (exit 76)
-    skip_data_on_rollback: bool = True  # after a rollback, go on past the bad data, not rewind it
-    spike_factor: Optional[float] = None  # a loss above this x the median good loss is bad; null: off
-    spike_window: int = 100  # recent good losses the spike median is taken over
-
-    def validate(self, prefix: str = "nan") -> None:
-        """The only copy of the detector's rules (its constructor calls this too)."""
-        p = prefix
-        check_bool(dotted(p, "enabled"), self.enabled)
-        check_int(dotted(p, "max_consecutive"), self.max_consecutive)
-        check_bool(dotted(p, "check_grad_norm"), self.check_grad_norm)
-        check_choice(dotted(p, "action"), self.action, ACTIONS)
-        check_int(dotted(p, "max_rollbacks"), self.max_rollbacks, low=0)
-        check_bool(dotted(p, "skip_data_on_rollback"), self.skip_data_on_rollback)
-        check_number(
-            dotted(p, "spike_factor"),
-            self.spike_factor,
-            above=1,
-            allow_none=True,
-            hint="a multiple of the median loss",
-        )
-        check_int(dotted(p, "spike_window"), self.spike_window)
 
 
 class NaNDetector(Handler):
@@ -121,6 +88,7 @@ class NaNDetector(Handler):
     restore_on_rollback = False
     Config = NaNConfig
     section = "nan"
+    doc = "docs/nan_detector.md"  # its page (a shipped handler: handlers/declarations.py)
 
     def __init__(
         self,

@@ -1,7 +1,6 @@
 """The run config: the engine's sections and every shipped handler's, composed into one dataclass.
 
     cfg = load_run_config("examples/configs/gpt_tiny.yaml", ["step_scheduler.max_steps=100"])
-    handlers = attach_handlers(trainer, cfg, dataloader=loader, dp_size=dp, sampler=sampler)
 
 * :class:`RunConfig` has one field per section (``train``, ``optimizer``, ..., ``nan``, ``health``);
   each section is a dataclass with ``validate(prefix)``, defined beside the code it configures.
@@ -9,8 +8,10 @@
   validates every section, then the relations between sections (:meth:`RunConfig.validate`).
 * :func:`compose_config` adds a user's own sections, so a user's handler is configured, overridden
   and validated exactly like a shipped one.
-* :data:`HANDLER_ORDER` is the canonical attach order and :func:`attach_handlers` builds every
-  enabled handler from its section (``cls.from_config(section, **runtime)``) and attaches it.
+
+The shipped handlers' sections come from :data:`handlers.shipped.SECTIONS`, generated from the
+handler classes' declarations. Nothing here imports torch: a config is loaded, refused and printed
+without it. Building and attaching the handlers is :mod:`handlers.order`'s (:func:`attach_handlers`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Dict, List
 
 from hookloop.engine.checkpoint_format.directory import resolve_checkpoint
 from hookloop.engine.checkpoint_format.errors import CheckpointError
+from hookloop.engine.checks import grad_acc_steps_for
 from hookloop.engine.config import (
     DataConfig,
     DistributedConfig,
@@ -31,35 +33,19 @@ from hookloop.engine.config import (
     OptimizerConfig,
     PipelineSection,
     TrainConfig,
+    ValidationConfig,
+    check_lr_schedule,
     load_config,
+    schedule_settings,
     validate_sections,
 )
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.fault_tolerance import FaultToleranceConfig, check_fault_tolerance
 from hookloop.engine.files import check_writable_dir
-from hookloop.engine.lr import check_lr_schedule, schedule_settings
-from hookloop.engine.run_limits import grad_acc_steps_for
-from hookloop.engine.validation import ValidationConfig
-from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
-from hookloop.handlers.console import ConsoleLogger
-from hookloop.handlers.curriculum import PhaseCurriculum
-from hookloop.handlers.dataset_metrics import DatasetMetricsConfig, PerDatasetMetrics
-from hookloop.handlers.handler_entries import build_handler_entries, check_handler_entries, runtime_arguments
-from hookloop.handlers.health_check import HealthCheck, HealthConfig
-from hookloop.handlers.jsonl_logger import JSONLLogger
-from hookloop.handlers.loggers import LoggingConfig
-from hookloop.handlers.metrics import MetricsConfig, MetricsTracker
-from hookloop.handlers.nan_detector import NaNConfig, NaNDetector
-from hookloop.handlers.profiler import ProfilerWindow, ProfilingConfig
-from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
-from hookloop.handlers.straggler import StragglerConfig, StragglerDetector
-from hookloop.handlers.tensorboard_logger import TensorBoardLogger
-from hookloop.handlers.wandb_logger import WandBLogger
+from hookloop.handlers.shipped import SECTIONS
 
 __all__ = [
-    "HANDLER_ORDER",
     "RunConfig",
-    "attach_handlers",
     "check_run_paths",
     "compose_config",
     "load_run_config",
@@ -80,10 +66,10 @@ def run_dir_of(cfg: Any) -> str:
 
 
 @dataclass
-class RunConfig:
-    """A training run's whole configuration: ``model`` (free-form, for the model builder), the
-    engine's sections and every shipped handler's section. YAML keys and dotted overrides are
-    ``<section>.<field>``."""
+class EngineSections:
+    """The engine's part of a run config: ``model`` (free-form, for the model builder) and the
+    engine's sections. :class:`RunConfig` adds every shipped handler's section, ``handlers`` and the
+    rules that relate sections."""
 
     model: Dict[str, Any] = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -92,17 +78,29 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    step_scheduler: StepSchedulerConfig = field(default_factory=StepSchedulerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    nan: NaNConfig = field(default_factory=NaNConfig)
     data: DataConfig = field(default_factory=DataConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    dataset_metrics: DatasetMetricsConfig = field(default_factory=DatasetMetricsConfig)
-    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+
+#: The shipped handlers' sections, in attach order (:data:`handlers.shipped.SECTIONS`, generated from
+#: the handlers' declarations), less the engine's own.
+ShippedSections = dataclasses.make_dataclass(
+    "ShippedSections",
+    [
+        (name, schema, field(default_factory=schema))
+        for name, schema in SECTIONS.items()
+        if name not in {f.name for f in dataclasses.fields(EngineSections)}
+    ],
+    namespace={"__module__": __name__},
+)
+
+
+@dataclass
+class RunConfig(ShippedSections, EngineSections):
+    """A training run's whole configuration: ``model`` (free-form, for the model builder), the
+    engine's sections, every shipped handler's section and ``handlers``. YAML keys and dotted
+    overrides are ``<section>.<field>``."""
+
     #: the run's own handlers: ``{target: module:attribute | path/file.py:attribute, <its arguments>}``
     #: entries, attached after the shipped ones (:mod:`handlers.handler_entries`)
     handlers: List[Dict[str, Any]] = field(default_factory=list)
@@ -202,19 +200,13 @@ class RunConfig:
 
     def produced_metrics(self) -> set[str]:
         """The ``state.metrics`` entries this configuration publishes that can rank checkpoints
-        (``checkpoint.metric``): validation loss and ``val_<name>`` of every validation metric,
-        training loss figures, per-dataset losses."""
+        (``checkpoint.metric``): what every section's ``produces(cfg)`` says (``validation``:
+        ``val_loss`` and ``val_<name>``; ``metrics``: the loss figures; ...)."""
         out: set[str] = set()
-        sched = self.step_scheduler
-        if self.data.val_fraction > 0 and sched.enabled:
-            out.add("val_loss")
-            out.update(f"val_{name}" for name in self.validation.metrics)
-        if self.metrics.enabled:
-            out.update(("loss", "loss_avg", "grad_norm"))
-        if sched.enabled:
-            out.add("loss_avg")
-        if self.dataset_metrics.enabled and self.data.target is None:
-            out.update(f"loss/{name}" for name in self.data.datasets)
+        for f in dataclasses.fields(self):
+            produces = getattr(getattr(self, f.name), "produces", None)
+            if callable(produces):
+                out.update(produces(self))
         return out
 
 
@@ -316,109 +308,3 @@ def compose_config(base: type = RunConfig, name: str | None = None, **sections: 
     composed = dataclasses.make_dataclass(cls_name, new_fields, bases=(base,))
     composed.__doc__ = f"{base.__name__} plus the sections {', '.join(sections)}."
     return composed
-
-
-#: The order :func:`attach_handlers` attaches handlers in. The step scheduler first (it sets the
-#: trainer's length and accumulation); the checkpointer next (it resumes at TRAIN_START before any
-#: other handler reads the state, and answers the NaN detector's ROLLBACK); then the NaN detector,
-#: the curriculum, metrics, loggers, profiler, health check and straggler detector.
-HANDLER_ORDER: list[type] = [
-    StepScheduler,
-    AsyncCheckpointer,
-    NaNDetector,
-    PhaseCurriculum,
-    PerDatasetMetrics,
-    MetricsTracker,
-    JSONLLogger,
-    TensorBoardLogger,
-    WandBLogger,
-    ConsoleLogger,
-    ProfilerWindow,
-    HealthCheck,
-    StragglerDetector,
-]
-
-
-def attach_handlers(
-    trainer: Any,
-    cfg: Any,
-    *,
-    order: Sequence[type] | None = None,
-    extra: Sequence[Any] = (),
-    **runtime: Any,
-) -> list:
-    """Build every enabled handler of ``order`` (default :data:`HANDLER_ORDER`) from its section of
-    ``cfg`` with ``cls.from_config(getattr(cfg, cls.section), **runtime)``, then the config's own
-    ``handlers:`` entries (:mod:`handlers.handler_entries`), then attach them all in that order,
-    followed by the ``extra`` handler objects; return the attached handlers. Everything is built
-    before anything is attached, so a bad setting fails before the trainer is touched.
-
-    ``runtime`` holds what a config file cannot (``dataloader``, ``dp_size``, ``sampler``,
-    ``flops_per_token``, ...); ``run_dir``, ``local_batch_size``, ``log_interval``, ``config`` and
-    ``trainer`` default to the run's. Each handler gets the runtime values its ``from_config`` (or
-    factory) names (or, when it takes ``**runtime``, those its constructor names). A handler class
-    whose section is composed in (:func:`compose_config`) joins with ``order=[*HANDLER_ORDER, MyHook]``.
-    """
-    runtime = {**_from_run_config(cfg), "trainer": trainer, **runtime}
-    built: list[tuple[str, Any]] = []
-    for cls in HANDLER_ORDER if order is None else order:
-        section = getattr(cls, "section", None)
-        if not isinstance(section, str) or not hasattr(cfg, section):
-            raise ConfigError(
-                section or cls.__name__,
-                f"{cls.__name__}'s config section is not in {type(cfg).__name__}: add it with "
-                f"compose_config({section or '<name>'}={cls.__name__}.Config) and set {cls.__name__}.section",
-            )
-        section_cfg = getattr(cfg, section)
-        if getattr(section_cfg, "enabled", True) is False:
-            continue
-        if not callable(getattr(cls, "from_config", None)):
-            raise TypeError(
-                f"{cls.__name__} has no from_config(cfg, **runtime): subclass engine.handler.Handler "
-                "or define it"
-            )
-        handler = cls.from_config(section_cfg, **runtime_arguments(cls, section_cfg, runtime))
-        if handler is not None:
-            built.append((section, handler))
-    built += build_handler_entries(check_handler_entries(getattr(cfg, "handlers", None) or []), runtime)
-    for i, handler in enumerate(extra):
-        if not callable(getattr(handler, "attach", None)):
-            raise TypeError(
-                f"handlers[{i}] is a {type(handler).__name__}, which has no attach(trainer): pass hookloop "
-                "Handlers or objects with attach(trainer)"
-            )
-        built.append((f"handlers[{i}] (passed in)", handler))
-    for where, handler in built:
-        attach_one(trainer, handler, where)
-    return [handler for _, handler in built]
-
-
-def attach_one(trainer: Any, handler: Any, where: str) -> None:
-    """``handler.attach(trainer)``, then register it with the trainer if its ``attach`` did not (an
-    ignite-style object), so a stateful one is checkpointed like a hookloop ``Handler``. What either
-    raises (two stateful handlers claiming one checkpoint key, say) is a :class:`ConfigError`
-    naming ``where``."""
-    try:
-        handler.attach(trainer)
-        if handler not in trainer.handlers:
-            trainer.register_handler(handler)
-    except ConfigError:
-        raise
-    except Exception as e:
-        if isinstance(e, ValueError) and "state key" in str(e):
-            raise ConfigError(where, str(e)) from None
-        raise ConfigError.caused_by(where, f"{type(handler).__name__}.attach(trainer) fails", e) from e
-
-
-def _from_run_config(cfg: Any) -> dict[str, Any]:
-    """Runtime values a run config already knows."""
-    out: dict[str, Any] = {}
-    train = getattr(cfg, "train", None)
-    if train is not None:
-        out["run_dir"] = run_dir_of(cfg)
-        out["local_batch_size"] = train.local_batch_size
-    if getattr(cfg, "logging", None) is not None:
-        out["log_interval"] = cfg.logging.log_interval
-    if dataclasses.is_dataclass(cfg):
-        out["config"] = dataclasses.asdict(cfg)
-    return out

@@ -19,16 +19,16 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from hookloop.engine import parallel
-from hookloop.engine.checks import check_bool, check_choice, check_int, check_number, dotted
+from hookloop.engine.checks import check_choice, check_int
 from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.handler import Handler, checked_settings
+from hookloop.handlers.sections.straggler import StragglerConfig
 
 __all__ = ["StragglerConfig", "StragglerDetector"]
 
@@ -40,27 +40,6 @@ STRAGGLER = Priority.DECIDE - 500
 
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
-
-
-@dataclass
-class StragglerConfig:
-    """The ``straggler`` section: see :class:`StragglerDetector`."""
-
-    enabled: bool = False
-    every_steps: int = 100
-    stop_threshold: Optional[float] = None
-
-    def validate(self, prefix: str = "straggler") -> None:
-        """The only copy of the detector's rules for these settings (its constructor calls this)."""
-        check_bool(dotted(prefix, "enabled"), self.enabled)
-        check_int(dotted(prefix, "every_steps"), self.every_steps)
-        check_number(
-            dotted(prefix, "stop_threshold"),
-            self.stop_threshold,
-            above=1,
-            allow_none=True,
-            hint="slowest / median step time",
-        )
 
 
 logger = logging.getLogger(__name__)
@@ -78,6 +57,7 @@ class StragglerDetector(Handler):
 
     Config = StragglerConfig
     section = "straggler"
+    doc = "docs/health_check.md"  # its page (a shipped handler: handlers/declarations.py)
 
     @property
     def asks_after_agreement(self) -> bool:  # type: ignore[override]

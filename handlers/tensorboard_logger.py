@@ -33,6 +33,9 @@ class TensorBoardLogger(MetricLogger):
             TRAIN_END or an error).
     """
 
+    doc = "docs/metrics_and_loggers.md"  # its page (a shipped handler: handlers/declarations.py)
+    switch = "tensorboard"  # the logging section's boolean that builds it
+
     priority = LOG_TENSORBOARD
 
     def __init__(
@@ -52,7 +55,7 @@ class TensorBoardLogger(MetricLogger):
     def from_config(cls, cfg: LoggingConfig, *, run_dir: str | os.PathLike) -> TensorBoardLogger | None:
         """``<run_dir>/tensorboard`` from the ``logging`` section, or None when ``cfg.tensorboard``
         is false."""
-        if not cfg.tensorboard:
+        if not getattr(cfg, cls.switch):
             return None
         return cls(Path(run_dir) / "tensorboard")
 

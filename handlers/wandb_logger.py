@@ -28,6 +28,9 @@ class WandBLogger(MetricLogger):
     (``settings=wandb.Settings(...)``, ``id``/``resume`` to continue a run, ``tags``, ...).
     """
 
+    doc = "docs/metrics_and_loggers.md"  # its page (a shipped handler: handlers/declarations.py)
+    switch = "wandb"  # the logging section's boolean that builds it
+
     priority = LOG_WANDB
 
     def __init__(
@@ -57,7 +60,7 @@ class WandBLogger(MetricLogger):
     ) -> WandBLogger | None:
         """From the ``logging`` section (``wandb_project``, ``wandb_mode``),
         or None when ``cfg.wandb`` is false; ``config`` (the whole run config) is recorded once."""
-        if not cfg.wandb:
+        if not getattr(cfg, cls.switch):
             return None
         return cls(
             cfg.wandb_project,

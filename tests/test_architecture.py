@@ -68,7 +68,12 @@ IGNITE_PRIVATE = {
     "_do_broadcast",
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
-SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
+# the config sections (torch-free, one per shipped handler) are shared: a handler may read another's
+SHARED_HANDLER_MODULES = {
+    "hookloop.handlers.metric_logger",
+    "hookloop.handlers.loggers",
+    "hookloop.handlers.sections",
+}
 # Modules held to the size bound: the checkpoint wing (the handler package and the checkpoint format
 # it reads and writes) and the file helpers.
 MAX_LINES = 450
@@ -100,6 +105,8 @@ COMPOSERS = {
     "hookloop.handlers.plot",
     "hookloop.handlers.config_reference",
     "hookloop.handlers.order",
+    "hookloop.handlers.shipped",
+    "hookloop.handlers.declarations",
 }
 
 

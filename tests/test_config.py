@@ -197,7 +197,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_type_errors_point_at_the_section_dataclass():
-    with pytest.raises(ConfigError, match=r"handlers\.nan_detector\.NaNConfig"):
+    with pytest.raises(ConfigError, match=r"handlers\.sections\.nan\.NaNConfig"):
         load_run_config(None, ["nan.max_consecutive=lots"])
     with pytest.raises(ConfigError, match="sections of RunConfig are: model, train"):
         load_run_config(None, ["nosection.x=1"])

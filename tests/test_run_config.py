@@ -21,7 +21,6 @@ from hookloop.handlers import (
     HANDLER_ORDER,
     AsyncCheckpointer,
     CheckpointConfig,
-    ConsoleLogger,
     HealthCheck,
     HealthConfig,
     JSONLLogger,
@@ -39,7 +38,6 @@ from hookloop.handlers import (
     StepSchedulerConfig,
     StragglerConfig,
     StragglerDetector,
-    TensorBoardLogger,
     WandBLogger,
     attach_handlers,
     compose_config,
@@ -191,24 +189,6 @@ def _runtime(tmp_path):
     )
 
 
-# what turns each shipped handler off in its section
-_OFF = {
-    StepScheduler: ("enabled", False),
-    AsyncCheckpointer: ("enabled", False),
-    NaNDetector: ("enabled", False),
-    PhaseCurriculum: None,  # the data section is the engine's: no mixture sampler -> no curriculum
-    PerDatasetMetrics: ("enabled", False),
-    MetricsTracker: ("enabled", False),
-    JSONLLogger: ("jsonl", False),
-    TensorBoardLogger: ("tensorboard", False),
-    WandBLogger: ("wandb", False),
-    ConsoleLogger: ("console", False),
-    ProfilerWindow: ("enabled", False),
-    HealthCheck: ("enabled", False),
-    StragglerDetector: ("enabled", False),
-}
-
-
 @pytest.mark.parametrize("cls", HANDLER_ORDER, ids=lambda c: c.__name__)
 def test_from_config_builds_when_enabled_and_returns_none_when_disabled(cls, tmp_path):
     import inspect
@@ -220,11 +200,11 @@ def test_from_config_builds_when_enabled_and_returns_none_when_disabled(cls, tmp
         if hasattr(section, name):
             setattr(section, name, True)
     assert isinstance(cls.from_config(section, **runtime), cls)
-    off = _OFF[cls]
-    if off is None:
+    switch = getattr(cls, "switch", "enabled")  # a logger's own boolean in the logging section
+    if hasattr(section, switch):
+        setattr(section, switch, False)
+    else:  # the data section is the engine's: no mixture sampler -> no curriculum
         runtime.pop("sampler")
-    else:
-        setattr(section, *off)
     assert cls.from_config(section, **runtime) is None
 
 

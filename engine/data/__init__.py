@@ -7,25 +7,68 @@ resumable, rank-disjoint index stream over them (:class:`MixtureSampler`) and it
 only when used.
 """
 
-from hookloop.engine.data.loader import MixtureLoader
-from hookloop.engine.data.mixture import MixtureDataset
-from hookloop.engine.data.prepare import (
-    DOC_SEPARATOR,
-    prepare_tokens,
-    stdlib_docs_text,
-    stdlib_docs_topics,
-    stdlib_source_files,
-)
-from hookloop.engine.data.sampler import MixtureSampler
-from hookloop.engine.data.token_dataset import (
-    BYTE_VOCAB_SIZE,
-    SUPPORTED_TOKEN_DTYPES,
-    TokenDataset,
-    read_token_metadata,
-    token_file_vocab_size,
-)
-from hookloop.engine.data.trace import SampleTrace, read_sample_traces
-from hookloop.engine.data.vocab import check_model_vocab
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
+    from hookloop.engine.data.loader import MixtureLoader
+    from hookloop.engine.data.mixture import MixtureDataset
+    from hookloop.engine.data.prepare import (
+        DOC_SEPARATOR,
+        prepare_tokens,
+        stdlib_docs_text,
+        stdlib_docs_topics,
+        stdlib_source_files,
+    )
+    from hookloop.engine.data.sampler import MixtureSampler
+    from hookloop.engine.data.token_dataset import (
+        BYTE_VOCAB_SIZE,
+        SUPPORTED_TOKEN_DTYPES,
+        TokenDataset,
+        read_token_metadata,
+        token_file_vocab_size,
+    )
+    from hookloop.engine.data.trace import SampleTrace, read_sample_traces
+    from hookloop.engine.data.vocab import check_model_vocab
+
+# Where each public name lives: imported on first use (PEP 562), so the config section
+# (:mod:`.config`) loads without torch.
+_MODULES = {
+    "loader": ("MixtureLoader",),
+    "mixture": ("MixtureDataset",),
+    "prepare": (
+        "DOC_SEPARATOR",
+        "prepare_tokens",
+        "stdlib_docs_text",
+        "stdlib_docs_topics",
+        "stdlib_source_files",
+    ),
+    "sampler": ("MixtureSampler",),
+    "token_dataset": (
+        "BYTE_VOCAB_SIZE",
+        "SUPPORTED_TOKEN_DTYPES",
+        "TokenDataset",
+        "read_token_metadata",
+        "token_file_vocab_size",
+    ),
+    "trace": ("SampleTrace", "read_sample_traces"),
+    "vocab": ("check_model_vocab",),
+}
+_HOMES = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hookloop.engine.data' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"hookloop.engine.data.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

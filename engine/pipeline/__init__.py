@@ -11,10 +11,38 @@ Importing this package is cheap: ``torch.distributed.pipelining`` (about two sec
 only when a schedule is looked up or built.
 """
 
-from hookloop.engine.pipeline.config import PipelineConfig, bubble_fraction
-from hookloop.engine.pipeline.runtime import PipelineRuntime, build_pipeline
-from hookloop.engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
-from hookloop.engine.pipeline.split import default_module_fqns, plan_stages, split_stage_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
+    from hookloop.engine.pipeline.config import PipelineConfig, bubble_fraction
+    from hookloop.engine.pipeline.runtime import PipelineRuntime, build_pipeline
+    from hookloop.engine.pipeline.schedules import available_schedules, parse_schedule_csv, resolve_schedule
+    from hookloop.engine.pipeline.split import default_module_fqns, plan_stages, split_stage_module
+
+# Where each public name lives: imported on first use (PEP 562), so the config's rules
+# (:mod:`.config`) load without torch.
+_MODULES = {
+    "config": ("PipelineConfig", "bubble_fraction"),
+    "runtime": ("PipelineRuntime", "build_pipeline"),
+    "schedules": ("available_schedules", "parse_schedule_csv", "resolve_schedule"),
+    "split": ("default_module_fqns", "plan_stages", "split_stage_module"),
+}
+_HOMES = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hookloop.engine.pipeline' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"hookloop.engine.pipeline.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __all__ = [
     "PipelineConfig",

@@ -10,26 +10,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hookloop.engine.checks import check_bool, check_int
 from hookloop.engine.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["PipelineConfig", "bubble_fraction"]
 
+# dtype names -> the torch dtype's attribute name (torch is imported only to resolve one)
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float64": "float64",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    """``value`` is a ``torch.dtype`` (none can exist before torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
 
 
 #: torch schedules that refuse fewer microbatches per step than stages.
@@ -111,16 +120,18 @@ class PipelineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
+        import torch
+
         if self.dtype is None or isinstance(self.dtype, torch.dtype):
             return self.dtype
-        return _DTYPES[str(self.dtype).removeprefix("torch.")]
+        return getattr(torch, _DTYPES[str(self.dtype).removeprefix("torch.")])
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as plain values (dtype as its name, loss_fn as its qualified name)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.module_fqns_per_model_part is not None:
             out["module_fqns_per_model_part"] = [list(p) for p in self.module_fqns_per_model_part]
-        if isinstance(self.dtype, torch.dtype):
+        if _is_torch_dtype(self.dtype):
             out["dtype"] = str(self.dtype).removeprefix("torch.")
         if self.loss_fn is not None:
             fn = self.loss_fn
@@ -164,7 +175,7 @@ class PipelineConfig:
                     f"and {p}.layers_per_stage both split the model: set only one",
                 )
             _check_fqns(f"{p}.module_fqns_per_model_part", fqns)
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+        if self.dtype is not None and not _is_torch_dtype(self.dtype):
             if str(self.dtype).removeprefix("torch.") not in _DTYPES:
                 raise ConfigError(
                     f"{p}.dtype", f"must be one of {', '.join(_DTYPES)} or null, got {self.dtype!r}"

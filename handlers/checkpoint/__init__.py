@@ -73,10 +73,10 @@ from hookloop.engine.checkpoint_format.errors import (
     CheckpointIndexBoundError,
     CheckpointLayoutError,
 )
-from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.handler import CAPTURE, CHECKPOINT, RESUME, STAGING_WAIT, AsyncCheckpointer
 from hookloop.handlers.checkpoint.model_layout import describe_layout_difference
 from hookloop.handlers.checkpoint.resume_settings import Recorded
+from hookloop.handlers.sections.checkpoint import AsyncMode, CheckpointConfig
 
 __all__ = [
     "CAPTURE",

@@ -15,15 +15,16 @@ from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events, Priority
 from hookloop.engine.exit_codes import ExitCode
+from hookloop.engine.exit_status import nothing_left_to_train
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
-from hookloop.handlers.checkpoint.config import AsyncMode, CheckpointConfig
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, resolve_checkpoint_setting
 from hookloop.handlers.checkpoint.resume_settings import Recorded, ResumeSettings
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
+from hookloop.handlers.sections.checkpoint import AsyncMode, CheckpointConfig
 
 __all__ = ["CAPTURE", "CHECKPOINT", "RESUME", "STAGING_WAIT", "AsyncCheckpointer"]
 
@@ -87,6 +88,7 @@ class AsyncCheckpointer(Handler):
 
     Config = CheckpointConfig
     section = "checkpoint"
+    doc = "docs/checkpoint.md"  # its page (a shipped handler: handlers/declarations.py)
 
     def __init__(
         self,
@@ -209,11 +211,8 @@ class AsyncCheckpointer(Handler):
         if self.resume is not None and (path := self.load_resume()) is not None:
             max_steps, step = self.trainer.plan.limits[0], self.trainer.state.iteration
             if max_steps is not None and step >= max_steps:
-                self.trainer.control.request_stop(
-                    f"the checkpoint {path} is at step {step} >= max_steps ({max_steps}): "
-                    "nothing left to train, this run is finished; to start another, pass "
-                    "train.run_dir=<new dir> (or checkpoint.resume=null to train again from step 0)"
-                )  # the trainer says the reason once, as it stops ("stopping after step N: ...")
+                # the trainer says the reason once, as it stops ("stopping after step N: ...")
+                self.trainer.control.request_stop(nothing_left_to_train(path, step, max_steps))
             return
         if self.finetune_from is not None:
             path = self._reader.agreed_checkpoint(self.finetune_from, "checkpoint.finetune_from")

@@ -27,7 +27,6 @@ from hookloop.engine.checkpoint_format.durable_files import write_durable
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, manifest_entry
 from hookloop.handlers.checkpoint import optim_layout
-from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.dcp_calls import (
     STATE_DICT_OPTIONS,
     SavePlanner,
@@ -41,6 +40,7 @@ from hookloop.handlers.checkpoint.host_copy import HostCopy, stage_then_save
 from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
+from hookloop.handlers.sections.checkpoint import AsyncMode
 
 __all__ = ["CheckpointWriter", "Save"]
 

@@ -108,27 +108,38 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
+    # The config is loaded, refused or printed without torch (hookloop.training_config).
+    from hookloop import training_config
+
     if args.command == "config" and args.markdown:
         from hookloop.handlers.config_reference import render
-        from hookloop.train import TrainingConfig
 
-        sys.stdout.write(render(TrainingConfig))
+        sys.stdout.write(render(training_config.TrainingConfig))
         return 0
-    from hookloop import train as training
-
     try:
         if args.command == "check" and args.nproc is not None and args.nproc < 1:
             raise ConfigError("--nproc", f"must be a world size >= 1, got {args.nproc}")
         world = args.nproc if args.command == "check" else None
         if args.command == "config" and args.config is None and not args.overrides:
-            cfg = training.TrainingConfig()  # every field at its default, as the reference lists them
+            cfg = training_config.TrainingConfig()  # every field at its default, as the reference lists them
         else:
-            cfg = training.load_training_config(args.config, args.overrides, world_size=world)
-        if args.command == "config":
-            from hookloop.handlers.config_reference import annotated_yaml
+            cfg = training_config.load_training_config(args.config, args.overrides, world_size=world)
+    except ConfigError as e:
+        training_config.report_config_error(e)
+        return 2
+    if args.command == "config":
+        from hookloop.handlers.config_reference import annotated_yaml
 
-            sys.stdout.write(annotated_yaml(cfg))
-            return 0
+        sys.stdout.write(annotated_yaml(cfg))
+        return 0
+    if args.command == "train" and (finished := training_config.finished_run(cfg)) is not None:
+        step, reason = finished
+        print(f"[hookloop] stopping after step {step}: {reason}", file=sys.stderr)
+        print(f"done: step {step}, no step left to train, exit code 0 (SUCCESS)", flush=True)
+        return 0
+    from hookloop import train as training
+
+    try:
         checked = training.check(cfg, world)
     except ConfigError as e:
         training.report_config_error(e)

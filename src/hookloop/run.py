@@ -66,8 +66,9 @@ from hookloop.first_step import attach_run_handlers, new_trainer
 from hookloop.handlers import Places
 from hookloop.handlers.replica_groups import ReplicaGroups, shared_settings
 from hookloop.recipe import ResolvedModel
+from hookloop.run_check import Checked, check
 from hookloop.run_data import build_data
-from hookloop.training_config import Checked, check, save_config
+from hookloop.training_config import save_config
 
 __all__ = ["Run", "build", "build_optimizer"]
 

@@ -31,12 +31,11 @@ from typing import Any
 from hookloop.engine import ConfigError
 from hookloop.export import load_model
 from hookloop.run import Run, build, build_optimizer
+from hookloop.run_check import Checked, check
 from hookloop.run_data import build_data, validation_indices
 from hookloop.training_config import (
-    Checked,
     FaultConfig,
     TrainingConfig,
-    check,
     load_training_config,
     report_config_error,
     resolve_run_dir,

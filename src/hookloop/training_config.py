@@ -1,6 +1,7 @@
-"""What ``hookloop train`` reads and checks: :data:`TrainingConfig` (every shipped section plus
-``fault``), loading it, and :func:`check`, which finds every mistake it can before any process
-group exists (``hookloop check``), ending with step 1 tried (:mod:`hookloop.first_step`).
+"""What ``hookloop train`` reads: :data:`TrainingConfig` (every shipped section plus ``fault``),
+loading it and saving it. Imports no torch: ``hookloop config``, a wrong key or value and a finished
+run are answered without it. What is checked beyond the config (the model, the data, step 1) is
+:func:`hookloop.run_check.check`'s.
 """
 
 from __future__ import annotations
@@ -12,26 +13,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hookloop.engine.data import check_model_vocab
 from hookloop.engine.errors import ConfigError
-from hookloop.engine.tensor_parallel import NO_PLAN_HINT
-from hookloop.engine.validation import build_metrics
-from hookloop.first_step import FirstStep, try_first_step
-from hookloop.handlers import RunConfig, check_run_paths, compose_config, load_run_config
-from hookloop.handlers.handler_entries import HandlerEntry, check_handler_entries
-from hookloop.recipe import ResolvedModel, resolve_model
-from hookloop.run_data import check_data
+from hookloop.handlers.run_config import RunConfig, compose_config, load_run_config
 
 __all__ = [
-    "Checked",
     "FaultConfig",
     "TrainingConfig",
-    "check",
     "load_training_config",
     "report_config_error",
     "resolve_run_dir",
+    "config_text",
+    "finished_run",
     "save_config",
 ]
 
@@ -85,21 +77,6 @@ def load_training_config(
     return cfg
 
 
-def check_device(cfg: Any) -> None:
-    """``train.device`` (null: the launcher's choice, CPU or this rank's GPU) must exist here."""
-    device = cfg.train.device
-    if device is None:
-        return
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as e:
-        raise ConfigError(
-            "train.device", f"{device!r} is not a device ({e}); use 'cpu', 'cuda' or null"
-        ) from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device", f"{device!r} but no CUDA device is available; use 'cpu' or null")
-
-
 def report_config_error(error: ConfigError) -> None:
     """One line on stderr, ``config error: <field>: ...``; under torchrun every rank finds the same
     error before any process group exists, and only rank 0 says it. The other ranks wait (at most
@@ -132,6 +109,8 @@ def _launcher_store() -> Any:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("WORLD_SIZE", "1") == "1":
         return None
     try:
+        import torch
+
         return torch.distributed.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
@@ -142,93 +121,54 @@ def _launcher_store() -> Any:
         return None
 
 
-@dataclass(frozen=True)
-class Checked:
-    """What :func:`check` resolved: the model (its target, recipe and bound arguments), the
-    config's own handler entries, and what trying step 1 found."""
+def config_text(cfg: Any) -> str:
+    """The resolved config as ``<run_dir>/config.yaml`` holds it."""
+    from omegaconf import OmegaConf
 
-    model: ResolvedModel
-    handlers: tuple[HandlerEntry, ...] = ()
-    first_step: FirstStep | None = None
-
-    @property
-    def target(self) -> str:
-        return self.model.target
-
-    @property
-    def args(self) -> dict[str, Any]:
-        return self.model.args
-
-
-def check(cfg: Any, world_size: int | None = None) -> Checked:
-    """Everything that can be checked before a process group exists, then step 1 tried for
-    ``world_size`` processes (default: ``WORLD_SIZE``, else 1; :mod:`hookloop.first_step`). Raises
-    :class:`ConfigError` naming the field; creates nothing."""
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model = resolve_model(cfg)
-    build_metrics(cfg.validation)  # each validation metric's target and arguments
-    entries = check_handler_entries(cfg.handlers)
-    check_run_paths(cfg)
-    check_data(cfg)
-    if cfg.data.target is None:  # token files say their vocabulary (docs/data.md, "Vocabulary")
-        check_model_vocab(model.recipe.build, model.args, cfg.data.datasets)
-    check_device(cfg)
-    _check_layout(cfg, model)
-    if callable(getattr(cfg, "check_ranked_metric", None)):
-        cfg.check_ranked_metric([entry.factory for entry in entries])
-    return Checked(model, tuple(entries), try_first_step(cfg, model, world_size))
-
-
-def _check_layout(cfg: Any, model: ResolvedModel) -> None:
-    if cfg.fault.nan_microbatches and model.recipe.loss_fn is None:
-        raise ConfigError(
-            "fault.nan_microbatches", "needs a loss_fn to poison: this model computes its own loss"
-        )
-    if cfg.train.compile is not False and cfg.distributed.pp_size > 1:
-        raise ConfigError(
-            "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"
-        )
-    if cfg.distributed.tp_size == 1:
-        return
-    if model.recipe.tp_plan is None:
-        raise ConfigError(
-            "distributed.tp_size",
-            f"model.target {model.target} has no tensor-parallel plan: {NO_PLAN_HINT}",
-        )
-    if cfg.train.compile is not False:
-        raise ConfigError(
-            "train.compile", "is not supported with distributed.tp_size > 1 yet; set train.compile=false"
-        )
-    if cfg.distributed.loss_parallel and cfg.distributed.pp_size > 1:
-        raise ConfigError(
-            "distributed.loss_parallel",
-            "is not supported with distributed.pp_size > 1 (the schedule runs backward); set it to false",
-        )
-    if cfg.distributed.loss_parallel and model.recipe.loss_fn is None:
-        raise ConfigError(
-            "distributed.loss_parallel",
-            f"needs a loss_fn (a cross entropy) to run on the sharded logits; model.target "
-            f"{model.target} computes its own loss: set it to false",
-        )
-    if cfg.train.precision == "fp16-mixed":
-        raise ConfigError(
-            "train.precision",
-            "'fp16-mixed' (loss scaling) is not supported with distributed.tp_size > 1 yet; "
-            "use 'bf16-mixed' or 'fp32'",
-        )
+    header = "# The resolved config of this run: every field, defaults included.\n"
+    return header + OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def save_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
     """Write the resolved config to ``<run_dir>/config.yaml`` (atomically: a reader never sees half
     a file), creating the run directory. ``hookloop train <run_dir>/config.yaml`` trains the same
     run again."""
-    from omegaconf import OmegaConf
-
     from hookloop.engine.files import atomic_write
 
     path = Path(run_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = "# The resolved config of this run: every field, defaults included.\n"
-    atomic_write(path, header + OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    atomic_write(path, config_text(cfg))
     return path
+
+
+def finished_run(cfg: Any) -> tuple[int, str] | None:
+    """``(step, reason)`` when the run directory's own records say, for certain, that ``cfg`` has
+    nothing left to train, else None (then the checkpointer decides, after loading the checkpoint).
+
+    Certain means: one process, no replica groups, checkpoints resumed automatically, a
+    ``step_scheduler.max_steps``; the run ended with exit code 0 (``exit_status.json``) naming the
+    newest complete checkpoint, whose marker says a step >= max_steps; and the run's
+    ``config.yaml`` is this very config (any change, a new max_steps, LR or model size, is left to
+    the full start, which honours or refuses it). Reads a few small files; imports no torch."""
+    from hookloop.engine.checkpoint_format.directory import MARKER, read_json, resolve_checkpoint
+    from hookloop.engine.exit_status import nothing_left_to_train, read_exit_status
+
+    ckpt, sched = cfg.checkpoint, cfg.step_scheduler
+    if os.environ.get("WORLD_SIZE", "1") != "1" or cfg.fault_tolerance.enabled:
+        return None
+    if not (ckpt.enabled and ckpt.resume == "auto" and sched.enabled and sched.max_steps is not None):
+        return None
+    run_dir = Path(cfg.train.run_dir)
+    try:
+        status = read_exit_status(run_dir)
+        if not status or status.get("code") != 0 or not status.get("checkpoint"):
+            return None
+        newest, _ = resolve_checkpoint(ckpt.directory or run_dir / "checkpoints")
+        step = read_json(os.path.join(newest, MARKER))["step"]
+        same = os.path.abspath(status["checkpoint"]) == newest
+        recorded = (run_dir / "config.yaml").read_text()
+        if not (same and step >= sched.max_steps and recorded == config_text(cfg)):
+            return None
+    except Exception:  # noqa: BLE001 - anything unusual is the full start's to report
+        return None
+    return step, nothing_left_to_train(newest, step, sched.max_steps)

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from hookloop.engine import Trainer
-from hookloop.handlers.checkpoint.config import AsyncMode
 from hookloop.handlers.checkpoint.reader import CheckpointReader
 from hookloop.handlers.checkpoint.session import CheckpointSession
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.checkpoint.writer import CheckpointWriter
+from hookloop.handlers.sections.checkpoint import AsyncMode
 
 SESSION_ID = "0000abcd"  # this run's session in every room test; a crashed run's is another id
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hookloop.engine import ConfigError
-from hookloop.handlers.checkpoint.config import MODES, AsyncMode, CheckpointConfig
+from hookloop.handlers.sections.checkpoint import MODES, AsyncMode, CheckpointConfig
 
 
 def test_modes_and_their_old_name_parse_to_the_enum():

@@ -1,0 +1,1 @@
+"""The shipped handlers' config sections, one module each, importing no torch."""
