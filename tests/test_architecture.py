@@ -685,3 +685,31 @@ def test_importing_hookloop_loads_no_distributed_checkpoint(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"import hookloop loaded: {out.stdout.strip()}"
+
+
+#: The config layer: what ``hookloop config``, a refused key or value and a finished run need.
+CONFIG_LAYER = (
+    "import importlib, pkgutil, sys\n"
+    "import hookloop.handlers.sections as sections\n"
+    "for info in pkgutil.iter_modules(sections.__path__, 'hookloop.handlers.sections.'):\n"
+    "    importlib.import_module(info.name)\n"
+    "import hookloop.engine.config, hookloop.handlers.shipped, hookloop.handlers.config_reference\n"
+    "from hookloop.handlers import RunConfig, compose_config, load_run_config, validate_run_config\n"
+    "from hookloop.training_config import TrainingConfig, finished_run, load_training_config\n"
+    "overrides = ['checkpoint.keep_best=2', 'step_scheduler.max_steps=10', 'distributed.tp_size=2']\n"
+    "cfg = load_training_config(None, overrides, world_size=2)\n"
+    "assert 'val_loss' in cfg.produced_metrics(), cfg.produced_metrics()\n"
+    "hookloop.handlers.config_reference.annotated_yaml(cfg)\n"
+    "print(sorted(m for m in ('torch', 'ignite') if m in sys.modules))\n"
+)
+
+
+def test_the_config_layer_imports_no_torch(tmp_path):
+    """Every shipped section (``handlers/sections``), the engine's sections, the run config (load,
+    compose, validate, produced metrics), the generated list of shipped sections and the reference
+    load without torch or ignite: a refusal is answered in a fraction of a second."""
+    out = subprocess.run(
+        [sys.executable, "-c", CONFIG_LAYER], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the config layer imported {out.stdout.strip()}"

@@ -1,7 +1,7 @@
 """The answers ``hookloop`` gives without importing torch (or ignite): ``--help``, ``config``, an
 unknown key, a wrong value, a held run directory and a finished run (issue 43, item 2). Each row
 runs the real command in a fresh interpreter and reads, after ``cli.main`` returned, whether torch
-was imported; the config layer itself is imported in a fresh interpreter too."""
+was imported (``tests/test_architecture.py`` imports the config layer itself without torch)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hookloop.engine.run_lock import RunDirLock
-from tests.dist_utils import REPO, run_process
+from tests.dist_utils import run_process
 
 NO_TORCH = {"code": 0, "torch": False, "ignite": False}
 # cli.main in a fresh interpreter, then what it imported (stderr's last line)
@@ -64,28 +64,6 @@ def project(tmp_path: Path) -> Path:
     (tmp_path / "tiny_model.py").write_text(MODEL)
     (tmp_path / "run.yaml").write_text(CONFIG)
     return tmp_path
-
-
-def test_the_config_layer_imports_no_torch():
-    """The guard: every config section, the run config (load, compose, validate, produced metrics),
-    the generated list of shipped sections, the configuration reference and ``hookloop.train``'s
-    config load without torch or ignite."""
-    code = (
-        "import importlib, pkgutil, sys\n"
-        "import hookloop.handlers.sections as sections\n"
-        "for info in pkgutil.iter_modules(sections.__path__, 'hookloop.handlers.sections.'):\n"
-        "    importlib.import_module(info.name)\n"
-        "import hookloop.engine.config, hookloop.handlers.shipped, hookloop.handlers.config_reference\n"
-        "from hookloop.handlers import RunConfig, compose_config, load_run_config, validate_run_config\n"
-        "from hookloop.training_config import TrainingConfig, finished_run, load_training_config\n"
-        "overrides = ['checkpoint.keep_best=2', 'step_scheduler.max_steps=10']\n"
-        "cfg = load_training_config(None, overrides, world_size=1)\n"
-        "assert 'val_loss' in cfg.produced_metrics(), cfg.produced_metrics()\n"
-        "print(sorted(m for m in ('torch', 'ignite') if m in sys.modules))\n"
-    )
-    out = run_process([sys.executable, "-c", code], cwd=REPO, timeout=120, fresh=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "[]"
 
 
 def test_help_config_and_refusals_are_answered_without_torch(project):
