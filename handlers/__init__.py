@@ -14,58 +14,19 @@ backends (tensorboard, wandb, matplotlib) are imported only when the handler tha
 built.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
-    from hookloop.engine.events import Priority
-    from hookloop.handlers.checkpoint import AsyncCheckpointer
-    from hookloop.handlers.console import ConsoleLogger
-    from hookloop.handlers.curriculum import Phase, PhaseCurriculum
-    from hookloop.handlers.dataset_metrics import PerDatasetMetrics
-    from hookloop.handlers.health_check import HealthCheck, HealthCheckError
-    from hookloop.handlers.jsonl_logger import JSONLLogger
-    from hookloop.handlers.loggers import build_loggers
-    from hookloop.handlers.metric_logger import MetricLogger, metric_tag
-    from hookloop.handlers.metrics import MetricsTracker
-    from hookloop.handlers.nan_detector import NaNDetector
-    from hookloop.handlers.order import HANDLER_ORDER, Places, attach_handlers
-    from hookloop.handlers.profiler import ProfilerWindow
-    from hookloop.handlers.replica_groups import ReplicaGroups
-    from hookloop.handlers.run_config import (
-        RunConfig,
-        check_run_paths,
-        compose_config,
-        load_run_config,
-        validate_run_config,
-    )
-    from hookloop.handlers.sections.checkpoint import CheckpointConfig
-    from hookloop.handlers.sections.dataset_metrics import DatasetMetricsConfig
-    from hookloop.handlers.sections.health import HealthConfig
-    from hookloop.handlers.sections.logging import LoggingConfig
-    from hookloop.handlers.sections.metrics import MetricsConfig
-    from hookloop.handlers.sections.nan import NaNConfig
-    from hookloop.handlers.sections.profiling import ProfilingConfig
-    from hookloop.handlers.sections.step_scheduler import StepSchedulerConfig
-    from hookloop.handlers.sections.straggler import StragglerConfig
-    from hookloop.handlers.step_scheduler import StepScheduler
-    from hookloop.handlers.straggler import StragglerDetector
-    from hookloop.handlers.tensorboard_logger import TensorBoardLogger
-    from hookloop.handlers.wandb_logger import WandBLogger
+from hookloop.handlers.shipped import HANDLERS, SECTIONS
 
+# Where each public name lives: imported on first use (PEP 562). Every shipped handler class and its
+# section's config come from their declarations (handlers/shipped.py, generated, imports no torch).
 _MODULES = {
     "hookloop.engine.events": ("Priority",),
-    "hookloop.handlers.checkpoint": ("AsyncCheckpointer",),
-    "hookloop.handlers.console": ("ConsoleLogger",),
-    "hookloop.handlers.curriculum": ("Phase", "PhaseCurriculum"),
-    "hookloop.handlers.dataset_metrics": ("PerDatasetMetrics",),
-    "hookloop.handlers.health_check": ("HealthCheck", "HealthCheckError"),
-    "hookloop.handlers.jsonl_logger": ("JSONLLogger",),
+    "hookloop.handlers.curriculum": ("Phase",),
+    "hookloop.handlers.health_check": ("HealthCheckError",),
     "hookloop.handlers.loggers": ("build_loggers",),
     "hookloop.handlers.metric_logger": ("MetricLogger", "metric_tag"),
-    "hookloop.handlers.metrics": ("MetricsTracker",),
-    "hookloop.handlers.nan_detector": ("NaNDetector",),
     "hookloop.handlers.order": ("HANDLER_ORDER", "Places", "attach_handlers"),
-    "hookloop.handlers.profiler": ("ProfilerWindow",),
     "hookloop.handlers.replica_groups": ("ReplicaGroups",),
     "hookloop.handlers.run_config": (
         "RunConfig",
@@ -74,21 +35,10 @@ _MODULES = {
         "load_run_config",
         "validate_run_config",
     ),
-    "hookloop.handlers.sections.checkpoint": ("CheckpointConfig",),
-    "hookloop.handlers.sections.dataset_metrics": ("DatasetMetricsConfig",),
-    "hookloop.handlers.sections.health": ("HealthConfig",),
-    "hookloop.handlers.sections.logging": ("LoggingConfig",),
-    "hookloop.handlers.sections.metrics": ("MetricsConfig",),
-    "hookloop.handlers.sections.nan": ("NaNConfig",),
-    "hookloop.handlers.sections.profiling": ("ProfilingConfig",),
-    "hookloop.handlers.sections.step_scheduler": ("StepSchedulerConfig",),
-    "hookloop.handlers.sections.straggler": ("StragglerConfig",),
-    "hookloop.handlers.step_scheduler": ("StepScheduler",),
-    "hookloop.handlers.straggler": ("StragglerDetector",),
-    "hookloop.handlers.tensorboard_logger": ("TensorBoardLogger",),
-    "hookloop.handlers.wandb_logger": ("WandBLogger",),
 }
 _HOMES = {name: module for module, names in _MODULES.items() for name in names}
+_HOMES.update({dotted.partition(":")[2]: dotted.partition(":")[0] for dotted in HANDLERS})
+_HOMES.update({c.__name__: c.__module__ for c in SECTIONS.values() if c.__module__.startswith(__name__)})
 
 
 def __getattr__(name: str) -> Any:
@@ -105,42 +55,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
 
 
-__all__ = [
-    "HANDLER_ORDER",
-    "AsyncCheckpointer",
-    "CheckpointConfig",
-    "ConsoleLogger",
-    "DatasetMetricsConfig",
-    "HealthCheck",
-    "HealthCheckError",
-    "HealthConfig",
-    "JSONLLogger",
-    "LoggingConfig",
-    "MetricLogger",
-    "MetricsConfig",
-    "MetricsTracker",
-    "NaNConfig",
-    "NaNDetector",
-    "PerDatasetMetrics",
-    "Phase",
-    "PhaseCurriculum",
-    "Places",
-    "Priority",
-    "ProfilerWindow",
-    "ProfilingConfig",
-    "RunConfig",
-    "StepScheduler",
-    "StepSchedulerConfig",
-    "ReplicaGroups",
-    "StragglerConfig",
-    "StragglerDetector",
-    "TensorBoardLogger",
-    "WandBLogger",
-    "attach_handlers",
-    "build_loggers",
-    "compose_config",
-    "check_run_paths",
-    "load_run_config",
-    "metric_tag",
-    "validate_run_config",
-]
+__all__ = sorted(_HOMES)
