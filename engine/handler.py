@@ -107,6 +107,9 @@ class Handler:
     Config: ClassVar[type | None] = None
     #: The section's name in a run config (``nan``, ``checkpoint``, ...).
     section: ClassVar[str | None] = None
+    #: A shipped handler's page, ``docs/<page>.md``: declaring it in a ``hookloop.handlers`` module
+    #: ships the handler (``python -m hookloop.handlers.declarations``; docs/development.md).
+    doc: ClassVar[str | None] = None
     #: Key of this handler's state in checkpoints; None means the class name.
     state_key: str | None = None
     #: Whether a rollback restores this handler's state (a detector keeps its own counters).
