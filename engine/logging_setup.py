@@ -68,6 +68,8 @@ def _rank() -> int:
             return int(env)
         except ValueError:
             pass
+    if "torch" not in sys.modules:  # no process group exists without torch (a refusal before it)
+        return 0
     from hookloop.engine import parallel
 
     return parallel.rank()

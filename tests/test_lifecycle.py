@@ -105,6 +105,15 @@ def test_second_run_resumes_and_says_nothing_is_left(tmp_path):
     assert f"[hookloop] checkpoint of step 6 is complete: {final}\n" in err
     assert "done: step 6" in first.stdout and "exit code 0 (SUCCESS)" in first.stdout
 
+    # Again: the run's records say it is finished, which is said without loading anything
+    # (tests/test_cli_without_torch.py); without a record of its end, the checkpointer decides.
+    again = run_process([sys.executable, str(SCRIPT), *args], timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("nothing left to train") == 1, again.stderr
+    assert f"[hookloop] stopping after step 6: the checkpoint {final} is at step 6" in again.stderr
+    assert "done: step 6, no step left to train, exit code 0 (SUCCESS)" in again.stdout
+    (run_dir / "exit_status.json").unlink()
+
     second = run_process([sys.executable, str(SCRIPT), *args], timeout=180)
     assert second.returncode == 0, second.stderr[-3000:]
     err = second.stderr

@@ -133,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(annotated_yaml(cfg))
         return 0
     if args.command == "train" and (finished := training_config.finished_run(cfg)) is not None:
+        import logging
+
+        from hookloop.engine.logging_setup import install_default
+
+        install_default()  # the lifecycle line the trainer would log, through the same logger
         step, reason = finished
-        print(f"[hookloop] stopping after step {step}: {reason}", file=sys.stderr)
+        logging.getLogger("hookloop.train").info("stopping after step %d: %s", step, reason)
         print(f"done: step {step}, no step left to train, exit code 0 (SUCCESS)", flush=True)
         return 0
     from hookloop import train as training
