@@ -2,9 +2,12 @@
 
 A run config is a dataclass whose fields are *sections*, each a dataclass with a
 ``validate(prefix)`` method holding the only copy of its rules. The engine's sections live here
-(``train``, ``optimizer``, ``lr``, ``distributed``, ``pipeline``) and in :mod:`engine.data.config`
-(``data``); each handler's section lives beside the handler, and the caller composes them all
-into one schema and passes it to :func:`load_config`.
+(``train``, ``optimizer``, ``lr``, ``distributed``, ``pipeline``, ``validation``), in
+:mod:`engine.data.config` (``data``) and :mod:`engine.fault_tolerance`; each shipped handler's
+section lives in ``hookloop.handlers.sections``, and the caller composes them all into one schema
+and passes it to :func:`load_config`. Like every section, this module imports no torch: the names
+the sections check against (precisions, compile and checkpointing modes, the LR rules) are defined
+here, and the modules that apply them import them from here.
 
 :func:`load_config` reads YAML or TOML, applies dotted command-line overrides
 (``step_scheduler.max_steps=100``), merges them onto the schema's defaults with OmegaConf, then

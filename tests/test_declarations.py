@@ -23,16 +23,17 @@ from hookloop.handlers.declarations import (
     shipped_handlers,
 )
 from hookloop.handlers.shipped import HANDLERS, SECTIONS
+from tests.dist_utils import REPO
 
 
 def test_the_generated_files_are_current():
-    handlers = shipped_handlers()
-    assert SHIPPED.read_text() == render_shipped(handlers), f"handlers/shipped.py is stale: run {COMMAND}"
-    assert render_table(handlers) in DOCS.read_text(), f"docs/handlers.md's table is stale: run {COMMAND}"
+    handlers = shipped_handlers(REPO)
+    assert (REPO / SHIPPED).read_text() == render_shipped(handlers), f"{SHIPPED} is stale: run {COMMAND}"
+    assert render_table(handlers) in (REPO / DOCS).read_text(), f"{DOCS}'s table is stale: run {COMMAND}"
 
 
 def test_the_shipped_handlers_are_found_by_their_declarations():
-    found = shipped_handlers()
+    found = shipped_handlers(REPO)
     assert found == HANDLER_ORDER
     assert list(HANDLERS) == [f"{c.__module__}:{c.__qualname__}" for c in found]
     for cls in found:
