@@ -52,10 +52,8 @@ def shipped_handlers(repo: Path = REPO) -> list[type]:
             if inspect.isclass(cls) and cls.__module__ == info.name and "doc" in vars(cls):
                 _check(cls, repo)
                 found[f"{cls.__module__}:{cls.__qualname__}"] = cls
-    try:
-        from hookloop.handlers.shipped import HANDLERS
-    except ImportError:
-        HANDLERS = {}
+    from hookloop.handlers.shipped import HANDLERS
+
     known = [name for name in HANDLERS if name in found]
     return [found[name] for name in [*known, *sorted(set(found) - set(known))]]
 
