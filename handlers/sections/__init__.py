@@ -1,0 +1,1 @@
+"""The shipped handlers' config sections, importable without torch."""
