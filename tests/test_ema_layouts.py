@@ -108,6 +108,10 @@ def test_stop_resume_validation_and_export_of_the_average(tmp_path, layout):
 
     exported = _export_ema(straight_dir, tmp_path / "out")
     assert all(torch.equal(exported[k], ref["average"][k]) for k in ref["average"])
+    from hookloop.train import load_model
+
+    loaded = load_model(straight_dir, ema=True).state_dict()
+    assert all(torch.equal(loaded[k], exported[k]) for k in exported)
     trained = run_process(
         [sys.executable, "-m", "hookloop", "export", str(straight_dir), "--out", str(tmp_path / "plain")],
         cwd=tmp_path,

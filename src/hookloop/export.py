@@ -72,6 +72,13 @@ class _Checkpoint:
         directory = ckpt.directory or str(self.run_dir / "checkpoints")
         self.index_limit = int(ckpt.max_index_mb * (1 << 20))
         self.path = self._choose(directory, step, best)
+        self._reader = _CachedReader(self.path, index_limit=self.index_limit)
+        averaged_prefix = f"{HANDLERS}.{WeightEMA.state_key}."
+        if ema and not self._holds(averaged_prefix):
+            raise CheckpointError(
+                f"--ema: checkpoint {self.path} holds no moving average of the weights (no "
+                f"WeightEMA trained it): this run has no EMA weights ({run_dir})"
+            )
         try:
             problems, verified = verify_checkpoint(self.path, 0, 1, self.index_limit)
         except CheckpointIndexBoundError as e:
@@ -82,7 +89,6 @@ class _Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path} has no manifest in its {MARKER} marker to verify it by"
             )
-        self._reader = _CachedReader(self.path, index_limit=self.index_limit)
         index = self._reader.read_metadata().state_dict_metadata
 
         def tensors(prefix: str) -> dict[str, Any]:
@@ -94,12 +100,7 @@ class _Checkpoint:
 
         stored = tensors("model.")
         if ema:  # the averaged parameters in place of the trained ones; buffers as trained
-            averaged = tensors(f"{HANDLERS}.{WeightEMA.state_key}.")
-            if not averaged:
-                raise CheckpointError(
-                    f"--ema: checkpoint {self.path} holds no moving average of the weights (no "
-                    f"WeightEMA trained it): this run has no EMA weights ({run_dir})"
-                )
+            averaged = tensors(averaged_prefix)
             stored.update({k: averaged[k] for k in stored if k in averaged})
         split = bool(stored) and all(STAGE_PREFIX.match(k) for k in stored)
         #: plain name -> (the entry's key in the checkpoint, shape, dtype)
@@ -109,6 +110,15 @@ class _Checkpoint:
         }
         if len(self.entries) != len(stored):
             raise CheckpointError(f"checkpoint {self.path}: two pipeline stages hold a parameter of one name")
+
+    def _holds(self, prefix: str) -> bool:
+        """Whether the checkpoint's index names an entry under ``prefix`` (True when the index
+        cannot be read: the verification that follows says what is wrong)."""
+        try:
+            return any(k.startswith(prefix) for k in self._reader.read_metadata().state_dict_metadata)
+        except CheckpointError:
+            self._reader = _CachedReader(self.path, index_limit=self.index_limit)
+            return True
 
     def _choose(self, directory: str, step: int | None, best: bool) -> str:
         complete, _ = complete_checkpoints(directory)
