@@ -1,7 +1,7 @@
 """WeightEMA through the front door under DDP, FSDP2, tensor and pipeline parallelism (2 gloo ranks
-each, under torchrun): a run stopped and resumed holds the average of the uninterrupted run bitwise, validation
-publishes ``val_loss_ema`` on every rank, ``hookloop export --ema`` writes the average the ranks
-held, and an FSDP2 checkpoint's sharded average resumes in one process (resharded)."""
+each, under torchrun): a run stopped and resumed holds the average of the uninterrupted run
+bitwise, validation publishes ``val_loss_ema`` on every rank, ``hookloop export --ema`` writes the
+average the ranks held, and an FSDP2 checkpoint's sharded average resumes in one process."""
 
 from __future__ import annotations
 
