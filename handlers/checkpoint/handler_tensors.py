@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hookloop.engine import run_snapshot
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.handler import handler_state_key
 
@@ -31,38 +32,12 @@ logger = logging.getLogger("hookloop.handlers.checkpoint")
 HANDLERS = "handlers"
 
 
-def _owners(trainer: Any) -> dict[str, Any]:
-    """The attached handlers with tensor state, by state key."""
-    owners: dict[str, Any] = {}
-    for handler in trainer.handlers:
-        if not callable(getattr(handler, "tensor_state_dict", None)):
-            continue
-        key = handler_state_key(handler)
-        held = owners.get(key)
-        if held is not None:
-            raise CheckpointError(
-                f"state key {key!r} has tensor state of both {type(held).__name__} and "
-                f"{type(handler).__name__}: give one of them another state_key"
-            )
-        owners[key] = handler
-    return owners
-
-
-def _tensors(key: str, handler: Any) -> dict[str, torch.Tensor]:
-    state = handler.tensor_state_dict()
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise CheckpointError(
-            f"handler {key!r}: tensor_state_dict() must return a dict of name -> tensor, got "
-            f"{type(state).__name__}; keep other values in state_dict()"
-        )
-    return state
-
-
 def capture(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Every handler's tensor state by state key (the live tensors), for a save."""
-    return {key: _tensors(key, handler) for key, handler in _owners(trainer).items()}
+    try:
+        return run_snapshot.tensor_states(trainer)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot save: {e}") from None
 
 
 def targets(trainer: Any, stored: dict[str, Any], path: str, *, rollback: bool) -> dict[str, Any]:
@@ -71,15 +46,15 @@ def targets(trainer: Any, stored: dict[str, Any], path: str, *, rollback: bool) 
     rollback those with ``restore_on_rollback`` False are left alone). A tensor the checkpoint lacks
     or holds in another shape is a CheckpointError naming it, before anything loads."""
     out: dict[str, Any] = {}
-    for key, handler in _owners(trainer).items():
-        if rollback and getattr(handler, "restore_on_rollback", True) is False:
+    owners = {handler_state_key(h): h for h in trainer.handlers}
+    for key, state in capture(trainer).items():
+        if rollback and getattr(owners[key], "restore_on_rollback", True) is False:
             continue
         prefix = f"{HANDLERS}.{key}."
         saved = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
         if not saved:
             logger.warning("handler tensor state %r is not in the checkpoint %s; it starts fresh", key, path)
             continue
-        state = _tensors(key, handler)
         for name, tensor in state.items():
             size = getattr(saved.get(name), "size", None)
             if size is None or tuple(size) != tuple(tensor.shape):
@@ -93,10 +68,5 @@ def targets(trainer: Any, stored: dict[str, Any], path: str, *, rollback: bool) 
 
 
 def restore(trainer: Any, loaded: dict[str, Any]) -> None:
-    """Hand each handler that takes it (``load_tensor_state_dict``) the tensor state DCP loaded in
-    place for it."""
-    owners = _owners(trainer)
-    for key, state in loaded.items():
-        take = getattr(owners[key], "load_tensor_state_dict", None)
-        if callable(take):
-            take(state)
+    """Hand each handler the tensor state DCP loaded in place for it."""
+    run_snapshot.restore_tensor_states(trainer, loaded)
