@@ -175,8 +175,8 @@ class CheckpointWriter:
     ) -> None:
         """Start saving ``step`` (no save may be in flight): this rank's state JSON ``extra`` and
         the model, optimizer and ``handler_tensors`` (:mod:`.handler_tensors`) through DCP;
-        ``metrics`` go into the marker. ``extra`` None: the
-        state JSON comes later, through :meth:`write_state` (the save is not done before it)."""
+        ``metrics`` go into the marker. ``extra`` None: the state JSON comes later, through
+        :meth:`write_state` (the save is not done before it)."""
         name = step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session.id}")
         own_state = f"rank_{parallel.rank():05d}.json"
