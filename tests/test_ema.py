@@ -20,7 +20,7 @@ from hookloop.handlers.ema import WeightEMA
 from hookloop.handlers.sections.ema import EMAConfig
 from hookloop.models.gpt import cross_entropy_loss
 from tests.cadence import save_every, validate_every
-from tests.conftest import token_batches
+from tests.conftest import tiny_gpt, token_batches
 from tests.test_checkpoint import assert_bitwise, make_trainer, seed_all, shuffled_loader, snapshot, stop_at
 
 pytestmark = pytest.mark.usefixtures("deterministic")
@@ -42,8 +42,6 @@ def average(ema: WeightEMA) -> dict[str, torch.Tensor]:
 
 def plain_trainer(seed: int = 0):
     torch.manual_seed(seed)
-    from tests.conftest import tiny_gpt
-
     model = tiny_gpt(seed)
     return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cross_entropy_loss)
 
@@ -249,3 +247,44 @@ def test_the_section_composes_validates_by_field_and_builds_the_handler(tmp_path
             dp_size=1,
         )
     )
+
+
+def test_nan_vetoes_and_the_rollback_leave_the_average_as_the_good_steps_made_it(tmp_path):
+    """Steps 5 and 6 have a NaN loss: vetoed (they never enter the average), then, two in a row,
+    a rollback to the checkpoint of step 4, which restores the average saved with it."""
+    from hookloop.handlers.nan_detector import NaNDetector
+
+    ref: dict = {}
+
+    def loss_fn(out, y):
+        loss = cross_entropy_loss(out, y)
+        poisoned = ref["t"].state.step in (5, 6) and not ref["t"].state.rollbacks
+        return loss * float("nan") if poisoned else loss
+
+    model = tiny_gpt(0)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn)
+    ref["t"] = trainer
+    ema = WeightEMA(decay=0.7).attach(trainer)
+    AsyncCheckpointer(tmp_path).attach(trainer)
+    NaNDetector(max_consecutive=2, action="rollback").attach(trainer)
+    save_every(trainer, 4)
+    seen: dict = {}
+
+    @trainer.on(Events.STEP_END, priority=Priority.DECIDE - 900)
+    def _remember(engine):
+        if engine.state.step == 4 and "at_save" not in seen:
+            seen["at_save"] = average(ema)
+        if engine.state.step in (5, 6) and not engine.state.rollbacks:
+            seen.setdefault("vetoed", []).append(
+                all(torch.equal(a, b) for a, b in zip(average(ema).values(), seen["at_save"].values()))
+            )
+
+    @trainer.on(Events.ROLLBACK, priority=Priority.RESTORE - 1)
+    def _restored(engine):
+        seen["restored"] = average(ema)
+
+    state = trainer.run(token_batches(20), max_steps=8)
+    assert state.rollbacks == 1 and state.skipped_steps == 2
+    assert seen["vetoed"] == [True, True]  # the vetoed steps left the average as step 4 made it
+    assert_bitwise(seen["restored"], seen["at_save"])
+    assert all(torch.isfinite(v).all() for v in ema.average.values())
