@@ -288,3 +288,12 @@ def test_nan_vetoes_and_the_rollback_leave_the_average_as_the_good_steps_made_it
     assert seen["vetoed"] == [True, True]  # the vetoed steps left the average as step 4 made it
     assert_bitwise(seen["restored"], seen["at_save"])
     assert all(torch.isfinite(v).all() for v in ema.average.values())
+
+
+def test_one_average_per_trainer_and_suffixes_are_names():
+    trainer = plain_trainer()
+    WeightEMA().attach(trainer)
+    with pytest.raises(ValueError, match="suffix 'ema' are validated already"):
+        WeightEMA().attach(trainer)
+    with pytest.raises(ValueError, match="letters, digits and underscores"):
+        trainer.validator.add_weights("e-m-a", lambda: None)
