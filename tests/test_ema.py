@@ -297,3 +297,27 @@ def test_one_average_per_trainer_and_suffixes_are_names():
         WeightEMA().attach(trainer)
     with pytest.raises(ValueError, match="letters, digits and underscores"):
         trainer.validator.add_weights("e-m-a", lambda: None)
+
+
+def test_without_an_average_in_the_checkpoint_it_starts_from_the_loaded_weights(tmp_path):
+    first = plain_trainer()
+    AsyncCheckpointer(tmp_path / "a").attach(first)
+    first.run(token_batches(8), max_steps=2)  # no average in this checkpoint
+    for kind in ("resume", "finetune_from"):
+        trainer = plain_trainer(seed=3)
+        ema = WeightEMA().attach(trainer)
+        where = (
+            {"resume": tmp_path / "a"}
+            if kind == "resume"
+            else {"resume": None, "finetune_from": tmp_path / "a"}
+        )
+        AsyncCheckpointer(tmp_path / kind, **where).attach(trainer)
+        seen = {}
+        trainer.add_event_handler(
+            Events.TRAIN_START,
+            lambda e, seen=seen, ema=ema: seen.update(weights=weights(e), average=average(ema)),
+            priority=Priority.OBSERVE,
+        )
+        trainer.run(token_batches(8), max_steps=3)
+        assert_bitwise(seen["average"], seen["weights"])
+        assert_bitwise(seen["weights"], weights(first))
