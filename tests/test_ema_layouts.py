@@ -26,14 +26,14 @@ LAYOUTS = {
 }
 
 
-def _config(tmp_path, name: str, distributed: dict, stop: int | None) -> tuple:
+def _config(tmp_path, name: str, distributed: dict, stop: int | None, how: str = "StopAt") -> tuple:
     run_dir = tmp_path / name
     handlers = [
         {"target": "hookloop.handlers.ema:WeightEMA", "enabled": True, "decay": 0.8, "start_step": 1},
         {"target": f"{SCRIPT}:DumpAverage"},
     ]
     if stop is not None:
-        handlers.append({"target": f"{SCRIPT}:StopAt", "step": stop})
+        handlers.append({"target": f"{SCRIPT}:{how}", "step": stop})
     config = {
         "model": {"target": "hookloop.models.gpt:recipe", "n_layers": 2, "d_model": 32, "n_heads": 2},
         "train": {"seq_len": 16, "local_batch_size": 2, "seed": 0, "run_dir": str(run_dir)},
@@ -140,3 +140,20 @@ def test_stop_resume_validation_and_export_of_the_average(tmp_path, layout):
         for k, v in whole.items():
             torch.testing.assert_close(one["average"][k], v, rtol=1e-4, atol=1e-5)
         assert one["metrics"]["val_loss_ema"] == pytest.approx(ref["metrics"]["val_loss_ema"], rel=1e-4)
+
+
+def test_a_killed_one_process_run_resumes_to_the_uninterrupted_average(tmp_path):
+    """SIGKILL at the start of step 5 (the save of step 4 maybe still in flight), then the same
+    command again: the average of the uninterrupted run, bitwise."""
+    one = {"dp_mode": "none"}
+    straight, straight_dir = _config(tmp_path, "straight", one, None)
+    assert _train(straight, tmp_path, nproc=1).returncode == 0
+    killed, killed_dir = _config(tmp_path, "killed", one, 5, how="KillAt")
+    assert _train(killed, tmp_path, nproc=1).returncode == -9
+    again, _ = _config(tmp_path, "killed", one, None)
+    proc = _train(again, tmp_path, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    ref, got = _dumped(straight_dir)["average"], _dumped(killed_dir)["average"]
+    assert ref.keys() == got.keys()
+    assert [k for k in ref if not torch.equal(ref[k], got[k])] == []

@@ -1,5 +1,5 @@
-"""A ``handlers:`` entry for tests/test_ema_layouts.py: stop the run (resumable, with a save) after
-step ``step``, as a stop signal through the step scheduler would."""
+"""``handlers:`` entries for tests/test_ema_layouts.py: stop the run (resumable, with a save) at a
+step, as a stop signal through the step scheduler would; kill it there; dump the average."""
 
 from __future__ import annotations
 
@@ -17,6 +17,23 @@ class StopAt:
                 engine.control.request_stop("test stop", ExitCode.STOPPED)
 
         trainer.add_event_handler(Events.STEP_START, stop, priority=Priority.DECIDE)
+
+
+class KillAt:
+    """SIGKILL this process when step ``step`` starts (a crash: no save, no cleanup)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def attach(self, trainer) -> None:
+        import os
+        import signal
+
+        def kill(engine) -> None:
+            if engine.state.step == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_event_handler(Events.STEP_START, kill)
 
 
 class DumpAverage:
