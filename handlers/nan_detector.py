@@ -151,6 +151,9 @@ class NaNDetector(Handler):
         self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
         self._rollback_pending = False
         self._verdict: Any = False
+        #: This rank's own verdict on the latest step (a bool, or a 0-dim bool tensor not read to
+        #: the host), before the agreement: what a rerun's result is compared with.
+        self.verdict: Any = False
         self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
 
@@ -190,23 +193,28 @@ class NaNDetector(Handler):
             bad = not math.isfinite(loss) or (check_norm and not math.isfinite(norm))
         if self.spike_factor is not None and self._is_spike(state.loss):
             bad = True
-        self._verdict = bad
+        self._verdict = self.verdict = bad
 
     def _local_verdict(self) -> Any:
         verdict, self._verdict = self._verdict, False
         return verdict
 
-    def _reason(self, state: Any) -> str:
-        """Why this step is bad, read from the agreed values (only on a bad step)."""
-        loss, norm = state.loss, state.grad_norm
+    def judge(self, loss: float, grad_norm: float | None = None) -> str | None:
+        """Why a step with this loss and gradient norm (host numbers; None: not measured) is bad,
+        by the detector's rule, or None when it is good: what a rerun of a step is judged by."""
         if not math.isfinite(loss):
             return "non-finite loss"
-        if self.check_grad_norm and self.trainer.grad_scaler is None and not math.isfinite(norm):
+        check_norm = self.check_grad_norm and self.trainer.grad_scaler is None
+        if check_norm and grad_norm is not None and not math.isfinite(grad_norm):
             return "non-finite grad norm"
         if self._is_spike(loss):
             median = statistics.median(self._window)
             return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
-        return "bad on another rank"
+        return None
+
+    def _reason(self, state: Any) -> str:
+        """Why this step is bad, read from the agreed values (only on a bad step)."""
+        return self.judge(state.loss, state.grad_norm) or "bad on another rank"
 
     def _on_verdict(self, bad_ranks: float) -> None:
         """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""

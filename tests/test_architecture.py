@@ -68,7 +68,11 @@ IGNITE_PRIVATE = {
     "_do_broadcast",
 }
 # Handler modules other handler modules may import: a shared base and the composition of a run.
-SHARED_HANDLER_MODULES = {"hookloop.handlers.metric_logger", "hookloop.handlers.loggers"}
+SHARED_HANDLER_MODULES = {
+    "hookloop.handlers.metric_logger",
+    "hookloop.handlers.loggers",
+    "hookloop.handlers.sections",
+}
 # Modules held to the size bound: the checkpoint wing (the handler package and the checkpoint format
 # it reads and writes) and the file helpers.
 MAX_LINES = 450

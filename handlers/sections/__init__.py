@@ -1,0 +1,1 @@
+"""The config sections of the shipped handlers, importable without torch."""

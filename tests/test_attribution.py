@@ -1,0 +1,170 @@
+"""Rerun attribution, sample quarantine and the fault injector, in real runs.
+
+Two gloo ranks under DDP (and FSDP2): a transient NaN on one rank is named transient and nothing is
+quarantined; a bad sample is found bad on its rank and on the peer it is sent to, quarantined
+(``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run resumed on another
+number of ranks, whose steps then train exactly the samples of an uninterrupted run; a flipped
+exponent bit in one replica's weights names that rank as faulty.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hookloop.engine import Events, Trainer
+from hookloop.engine.data import (
+    MixtureDataset,
+    MixtureLoader,
+    MixtureSampler,
+    SampleTrace,
+    read_sample_traces,
+)
+from hookloop.handlers import HANDLER_ORDER, attach_handlers, load_run_config
+from hookloop.handlers.attribution import RerunAttribution
+from hookloop.handlers.fault_injection import FaultInjector
+from hookloop.handlers.run_config import compose_config
+from hookloop.handlers.sections.attribution import AttributionConfig
+from hookloop.handlers.sections.fault_injection import FaultInjectionConfig
+from tests.dist_utils import run_distributed
+
+Schema = compose_config(attribution=AttributionConfig, fault_injection=FaultInjectionConfig)
+ORDER = [*HANDLER_ORDER, RerunAttribution, FaultInjector]
+LOCAL_BATCH, GLOBAL_BATCH = 2, 8
+
+
+def mixture() -> MixtureDataset:
+    g = torch.Generator().manual_seed(3)
+    parts = {}
+    for name, n in (("a", 24), ("b", 16)):
+        x = torch.randn(n, 4, generator=g)
+        parts[name] = [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]
+    return MixtureDataset(parts)
+
+
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True):
+    """One run of a tiny MLP on the mixture; what it decided."""
+    from hookloop.engine.parallel import wrap_data_parallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if world > 1:
+        model = wrap_data_parallel(model, dp_mode)
+    cfg = load_run_config(
+        None,
+        [
+            f"train.run_dir={run_dir}",
+            f"train.local_batch_size={LOCAL_BATCH}",
+            f"step_scheduler.global_batch_size={GLOBAL_BATCH}",
+            f"step_scheduler.max_steps={steps}",
+            "step_scheduler.ckpt_every_steps=2",
+            f"checkpoint.directory={run_dir}/ckpt",
+            "checkpoint.mode=sync",
+            "nan.action=warn",
+            "logging.console=false",
+            "logging.jsonl=false",
+            f"attribution.enabled={str(attribution).lower()}",
+            *overrides,
+        ],
+        schema=Schema,
+        world_size=world,
+    )
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        torch.nn.functional.mse_loss,
+        prepare_batch=lambda mb, device: (mb[0], mb[1]),
+        hang_timeout_s=None,
+    )
+    loader = MixtureLoader(
+        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
+    )
+    if cfg.data.quarantine is not None:
+        from hookloop.engine.data.loader import read_quarantine
+
+        loader.quarantine(read_quarantine(cfg.data.quarantine))
+    handlers = attach_handlers(trainer, cfg, order=ORDER, dataloader=loader, dp_size=world, run_dir=run_dir)
+    SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
+    losses = []
+    trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+    state = trainer.run(loader)
+    attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
+    return {
+        "step": state.step,
+        "skipped": state.skipped_steps,
+        "losses": losses,
+        "state": attribution.state_dict() if attribution else None,
+        "quarantined": sorted(loader.quarantined),
+    }
+
+
+def _two_ranks(rank: int, world: int, tmp: str, cases: list) -> list:
+    from hookloop.engine import init_distributed
+
+    init_distributed()
+    return [run(f"{tmp}/{name}", overrides, rank=rank, world=world, **kw) for name, overrides, kw in cases]
+
+
+def verdicts(result) -> list[tuple]:
+    return [(v["step"], v["rank"], v["cause"]) for v in result["state"]["verdicts"]]
+
+
+def union(traces, step) -> set:
+    return {i for per_rank in traces.values() for i in per_rank.get(step, [])}
+
+
+def sample_at(step: int, rank: int, world: int = 2) -> str:
+    """The first sample rank ``rank`` of ``world`` trains at ``step``."""
+    sampler = MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world)
+    stream = iter(sampler)
+    per_step = GLOBAL_BATCH // world
+    index = [next(stream) for _ in range(per_step * step)][per_step * (step - 1)]
+    source, local = sampler.mixture.locate(index)
+    return f"{sampler.mixture.names[source]}:{local}"
+
+
+def test_transient_and_data_faults_on_two_ddp_ranks_are_told_apart_and_the_bad_sample_never_trains_again(
+    tmp_path,
+):
+    bad = sample_at(step=2, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=1",
+                 "fault_injection.step=3"]  # fmt: skip
+    cases = [
+        ("transient", transient, {}),
+        ("data", data, {"steps": 12}),
+        ("resumed", data, {"steps": 4}),  # then resumed on the same two ranks
+        ("resumed", data, {"steps": 12}),
+        ("elastic", data, {"steps": 4}),  # then resumed on one rank, below
+    ]
+    t, d, _, resumed, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)[0]
+
+    # transient: rank 1's NaN at step 3 does not come back when rank 1 reruns the step
+    assert verdicts(t) == [(3, 1, "transient")]
+    assert list(t["state"]["transients"].values()) == [1] and t["state"]["quarantined"] == []
+    assert t["skipped"] == 1 and t["step"] == 8 and not (tmp_path / "transient" / "quarantine.jsonl").exists()
+
+    # data: the sample is bad on rank 1 and on rank 0, which reran rank 1's microbatches: quarantined
+    assert verdicts(d) == [(2, 1, "data")] and d["skipped"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dataset"], r["ids"]) for r in rows] == [(2, bad.split(":")[0], [bad])]
+    traces = read_sample_traces(tmp_path / "data")
+    # 12 steps of 8 draw every sample of "a" (24) and "b" (16) more than once: the bad one only at step 2
+    assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
+    assert all(len(union(traces, s)) <= GLOBAL_BATCH for s in range(1, 13))
+
+    # resumed from the step-4 checkpoint on the same two ranks: the same steps, bitwise
+    assert resumed["quarantined"] == d["quarantined"] and resumed["step"] == 12
+    assert resumed["losses"] == d["losses"][4:]
+    again = read_sample_traces(tmp_path / "resumed")
+    assert all(again[r] == traces[r] for r in (0, 1))
+
+    # resumed on ONE rank (the same global batch): the quarantine comes back from the checkpoint and
+    # each step trains exactly the samples of the uninterrupted two-rank run
+    out = run(tmp_path / "elastic", data, steps=12)
+    assert out["quarantined"] == d["quarantined"] and out["step"] == 12
+    elastic = read_sample_traces(tmp_path / "elastic")
+    for s in range(5, 13):
+        assert set(elastic[0][s]) == union(traces, s)
+        assert bad not in elastic[0][s]
