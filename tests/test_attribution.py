@@ -10,10 +10,12 @@ exponent bit in one replica's weights names that rank as faulty.
 from __future__ import annotations
 
 import json
+import socket
 
+import pytest
 import torch
 
-from hookloop.engine import Events, Trainer
+from hookloop.engine import ConfigError, Events, Trainer, TrainingAborted
 from hookloop.engine.data import (
     MixtureDataset,
     MixtureLoader,
@@ -48,7 +50,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     if world > 1:
         model = wrap_data_parallel(model, dp_mode)
     cfg = load_run_config(
@@ -88,9 +90,15 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
     SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
-    state = trainer.run(loader)
+    aborted = None
+    try:
+        trainer.run(loader)
+    except TrainingAborted as e:
+        aborted = (str(e), int(e.exit_code))
+    state = trainer.state
     attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
     return {
+        "aborted": aborted,
         "step": state.step,
         "skipped": state.skipped_steps,
         "losses": losses,
@@ -168,3 +176,59 @@ def test_transient_and_data_faults_on_two_ddp_ranks_are_told_apart_and_the_bad_s
     for s in range(5, 13):
         assert set(elastic[0][s]) == union(traces, s)
         assert bad not in elastic[0][s]
+
+
+def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data_from_transient(tmp_path):
+    flip = [
+        "fault_injection.enabled=true",
+        "fault_injection.kind=corruption",
+        "fault_injection.rank=1",
+        "fault_injection.step=3",
+        "fault_injection.parameter=0.weight",
+        "attribution.max_reruns=2",
+    ]
+    bad = sample_at(step=2, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = [
+        "fault_injection.enabled=true",
+        "fault_injection.kind=transient",
+        "fault_injection.rank=0",
+        "fault_injection.step=2",
+    ]
+    cases = [
+        ("flip", flip, {"steps": 6}),
+        ("flip_stop", [*flip, "attribution.on_faulty_rank=stop"], {"steps": 6}),
+        ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),
+        ("fsdp_transient", transient, {"steps": 4, "dp_mode": "fsdp"}),
+    ]  # fmt: skip
+    r0, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    flipped, stopped, fsdp_data, fsdp_transient = r0
+
+    # rank 1's weights went bad at step 3: bad again on its rerun, good on rank 0's: a faulty rank,
+    # named with its host; two reruns in the run, the later bad steps only vetoed
+    assert verdicts(flipped) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")]
+    assert [f["host"] for f in flipped["state"]["faulty"]] == [socket.gethostname()] * 2
+    assert flipped["skipped"] == 4 and flipped["state"]["quarantined"] == []
+    message, code = stopped["aborted"]
+    assert code == 76 and f"rank 1 on {socket.gethostname()}" in message and "step 3" in message
+
+    # FSDP2: the same causes (a bad microbatch's samples are quarantined whole: no forward of one
+    # sample on one rank alone)
+    assert verdicts(fsdp_data) == [(2, 1, "data")]
+    assert bad in fsdp_data["state"]["quarantined"][0]["ids"]
+    assert verdicts(fsdp_transient) == [(2, 0, "transient")] and fsdp_transient["state"]["quarantined"] == []
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match="fault_injection.sample"):
+        FaultInjectionConfig(kind="data", sample="a5").validate()
+    with pytest.raises(ConfigError, match="fault_injection.bit"):
+        FaultInjectionConfig(bit=32).validate()
+    with pytest.raises(ConfigError, match="attribution.on_faulty_rank"):
+        AttributionConfig(on_faulty_rank="exclude").validate()
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="attribution: judges steps by the NaN detector"):
+        RerunAttribution().attach(trainer)
+    with pytest.raises(ConfigError, match="fault_injection.parameter"):
+        FaultInjector(kind="corruption", parameter="nope").attach(trainer)
