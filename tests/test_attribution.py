@@ -66,6 +66,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
             "nan.action=warn",
             "logging.console=false",
             "logging.jsonl=false",
+            "dataset_metrics.enabled=false",
             f"attribution.enabled={str(attribution).lower()}",
             *overrides,
         ],
@@ -86,7 +87,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         from hookloop.engine.data.loader import read_quarantine
 
         loader.quarantine(read_quarantine(cfg.data.quarantine))
-    handlers = attach_handlers(trainer, cfg, order=ORDER, dataloader=loader, dp_size=world, run_dir=run_dir)
+    handlers = attach_handlers(
+        trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world, run_dir=run_dir
+    )
     SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
@@ -232,3 +235,30 @@ def test_bad_settings_are_refused_by_name():
         RerunAttribution().attach(trainer)
     with pytest.raises(ConfigError, match="fault_injection.parameter"):
         FaultInjector(kind="corruption", parameter="nope").attach(trainer)
+
+
+def test_with_action_raise_the_step_is_attributed_first_and_a_new_run_skips_the_quarantine_file(tmp_path):
+    bad = sample_at(step=2, rank=0, world=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    first = run(tmp_path / "first", [*data, "nan.action=raise"], steps=6)
+    assert first["aborted"][1] == 76 and "step 2" in first["aborted"][0]
+    assert verdicts(first) == [(2, 0, "data")]  # one process: bad on its rerun, no peer to ask
+    quarantine = tmp_path / "first" / "quarantine.jsonl"
+    assert [json.loads(line)["ids"] for line in quarantine.read_text().splitlines()] == [[bad]]
+
+    # a new run with data.quarantine, under a phase curriculum that moves the mixture's weights
+    phases = [
+        "data.datasets={a: a.bin, b: b.bin}",  # the names the phases use (the data is built above)
+        "data.phases=[{start_step: 1, dataset_weights: {a: 3.0}}, {start_step: 7, dataset_weights: {b: 3.0}}]",
+    ]
+    plain = run(tmp_path / "plain", phases, steps=16, attribution=False)
+    skipped = run(tmp_path / "skipped", [*phases, f"data.quarantine={quarantine}"], steps=16, attribution=False)
+    drawn = read_sample_traces(tmp_path / "plain")[0]
+    trained = read_sample_traces(tmp_path / "skipped")[0]
+    assert sum(bad in ids for ids in drawn.values()) >= 2  # drawn in several epochs of its dataset
+    assert all(bad not in ids for ids in trained.values()) and skipped["step"] == 16
+    for step, ids in drawn.items():  # the same stream, without the quarantined sample
+        assert trained[step] == [i for i in ids if i != bad]
+    assert plain["skipped"] == skipped["skipped"] == 0
+    with pytest.raises(ConfigError, match="data.quarantine: .* is not a file"):
+        run(tmp_path / "missing", [f"data.quarantine={tmp_path}/nope.jsonl"], steps=2)
