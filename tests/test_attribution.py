@@ -88,8 +88,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
 
         loader.quarantine(read_quarantine(cfg.data.quarantine))
     handlers = attach_handlers(
-        trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world, run_dir=run_dir
-    )
+        trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world,
+        run_dir=run_dir,
+    )  # fmt: skip
     SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
@@ -249,10 +250,11 @@ def test_with_action_raise_the_step_is_attributed_first_and_a_new_run_skips_the_
     # a new run with data.quarantine, under a phase curriculum that moves the mixture's weights
     phases = [
         "data.datasets={a: a.bin, b: b.bin}",  # the names the phases use (the data is built above)
-        "data.phases=[{start_step: 1, dataset_weights: {a: 3.0}}, {start_step: 7, dataset_weights: {b: 3.0}}]",
+        "data.phases=[{start_step: 1, dataset_weights: {a: 3}}, {start_step: 7, dataset_weights: {b: 3}}]",
     ]
     plain = run(tmp_path / "plain", phases, steps=16, attribution=False)
-    skipped = run(tmp_path / "skipped", [*phases, f"data.quarantine={quarantine}"], steps=16, attribution=False)
+    skip = [*phases, f"data.quarantine={quarantine}"]
+    skipped = run(tmp_path / "skipped", skip, steps=16, attribution=False)
     drawn = read_sample_traces(tmp_path / "plain")[0]
     trained = read_sample_traces(tmp_path / "skipped")[0]
     assert sum(bad in ids for ids in drawn.values()) >= 2  # drawn in several epochs of its dataset
