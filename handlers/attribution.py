@@ -58,6 +58,7 @@ QUARANTINE_FILE = "quarantine.jsonl"
 class _Rerun(NamedTuple):
     reason: str | None  # why the rerun is bad by the detector's rule; None: good
     bad_microbatches: list[int]  # the microbatches whose own loss is bad
+    loss: float  # the rerun's mean microbatch loss
 
 
 class RerunAttribution(Handler):
@@ -89,7 +90,7 @@ class RerunAttribution(Handler):
         self.faulty: list[dict[str, Any]] = []  # {"step", "rank", "host", "reason"}
         self.quarantined: list[dict[str, Any]] = []  # the rows of quarantine.jsonl
         self.verdicts: list[dict[str, Any]] = []  # {"step", "rank", "host", "cause", "reason"}
-        self._rng: torch.Tensor | None = None
+        self._rng: Any = None  # the RNG state the step's forward started from
         self._local_loss: Any = None
         self.detector: Any = None  # the NaN detector: its verdict and its rule (judge)
         self.trace: SampleTrace | None = None
@@ -128,17 +129,17 @@ class RerunAttribution(Handler):
         return self.detector.verdict
 
     def _keep_rng(self) -> None:
-        self._rng = torch.get_rng_state()  # a few KB copied: the only cost on a good step
+        self._rng = _rng_state(self.trainer.device)  # a few KB copied: the only cost on a good step
 
     # ------------------------------------------------------------------ the reruns
-    def _rerun(self, microbatches: Sequence[Any], rng: torch.Tensor | None) -> _Rerun:
+    def _rerun(self, microbatches: Sequence[Any], rng: Any) -> _Rerun:
         """Forward and backward of ``microbatches`` from RNG state ``rng`` on this rank's weights,
         its gradients local (DDP: no sync; FSDP2: judged on the loss only), then dropped."""
         trainer, detector = self.trainer, self.detector
         body: StepBody = trainer.step_body
         ctx, model = trainer.step_context, trainer.model
         if rng is not None:
-            torch.set_rng_state(rng)
+            _set_rng_state(rng)
         trainer.optimizer.zero_grad(set_to_none=True)
         fsdp = hasattr(model, "set_requires_gradient_sync")
         n, losses = len(microbatches), []
@@ -156,7 +157,8 @@ class RerunAttribution(Handler):
         norm = float(norm) if isinstance(norm, torch.Tensor) else norm
         trainer.optimizer.zero_grad(set_to_none=True)
         bad = [i for i, loss in enumerate(losses) if detector.judge(loss) is not None]
-        return _Rerun(detector.judge(sum(losses) / max(n, 1), None if fsdp else norm), bad)
+        loss = sum(losses) / max(n, 1)
+        return _Rerun(detector.judge(loss, None if fsdp else norm), bad, loss)
 
     def _bad_samples(self, microbatches: Sequence[Any], bad_microbatches: list[int]) -> list[str]:
         """This rank's ids to quarantine: the samples of the bad microbatches whose own forward gives
@@ -191,7 +193,7 @@ class RerunAttribution(Handler):
         state = self.trainer.state
         world, me = parallel.world_size(), parallel.rank()
         microbatches = list(state.batch or ())
-        after_step = torch.get_rng_state()
+        after_step = _rng_state(self.trainer.device)
         own = self._rerun(microbatches, self._rng)
         loss = self._local_loss
         loss_bad = self.detector.judge(float(loss)) is not None
@@ -201,7 +203,7 @@ class RerunAttribution(Handler):
             sent = parallel.gather_objects((microbatches, self._rng))
             theirs = self._rerun(*sent[(me - 1) % world])
             peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
-        torch.set_rng_state(after_step)
+        _set_rng_state(after_step)
         # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
         # every rank) those whose rerun's own gradients are bad; else no rank can be named.
         suspects = [r for r, row in enumerate(rows) if row[0]] or [r for r, row in enumerate(rows) if row[1]]
@@ -279,6 +281,17 @@ class RerunAttribution(Handler):
         self.quarantined = list(state["quarantined"])
         self.verdicts = list(state["verdicts"])
         self._skip([sid for row in self.quarantined for sid in row["ids"]])
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state and, on a GPU, the device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
 
 
 def _slice(microbatch: Any, j: int, size: int) -> Any:

@@ -23,7 +23,7 @@ from hookloop.engine.data import (
     SampleTrace,
     read_sample_traces,
 )
-from hookloop.handlers import HANDLER_ORDER, attach_handlers, load_run_config
+from hookloop.handlers import HANDLER_ORDER, NaNDetector, attach_handlers, load_run_config
 from hookloop.handlers.attribution import RerunAttribution
 from hookloop.handlers.fault_injection import FaultInjector
 from hookloop.handlers.run_config import compose_config
@@ -264,3 +264,40 @@ def test_with_action_raise_the_step_is_attributed_first_and_a_new_run_skips_the_
     assert plain["skipped"] == skipped["skipped"] == 0
     with pytest.raises(ConfigError, match="data.quarantine: .* is not a file"):
         run(tmp_path / "missing", [f"data.quarantine={tmp_path}/nope.jsonl"], steps=2)
+
+
+def _dropout_run(attribution: bool, rerun_at: int | None = None) -> tuple[list, list, dict]:
+    """A dropout model, a transient NaN at step 3; optionally a rerun of step ``rerun_at`` compared
+    with the step itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.functional.mse_loss,
+                      grad_accum_steps=2, hang_timeout_s=None)  # fmt: skip
+    NaNDetector(action="warn").attach(trainer)
+    handler = RerunAttribution(quarantine=False).attach(trainer) if attribution else None
+    FaultInjector(kind="transient", step=3).attach(trainer)
+    losses, compared = [], []
+    trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=-900)
+    def rerun(engine):
+        if engine.state.step == rerun_at:  # the step's own loss, then a rerun of it (test only)
+            compared.append(
+                (float(engine.state.loss), handler._rerun(list(engine.state.batch), handler._rng).loss)
+            )
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(16)]
+    trainer.run(data, max_steps=8)
+    return losses, compared, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_rerun_draws_the_steps_random_numbers_and_leaves_the_run_as_without_it():
+    with_losses, _, with_params = _dropout_run(True)
+    without_losses, _, without_params = _dropout_run(False)
+    assert with_losses[2] != with_losses[2]  # step 3: the transient NaN, vetoed
+    assert with_losses[3:] == without_losses[3:]  # dropout draws after the rerun as without it
+    assert all(torch.equal(with_params[k], without_params[k]) for k in with_params)
+    _, compared, _ = _dropout_run(True, rerun_at=5)
+    ((step_loss, rerun_loss),) = compared
+    assert rerun_loss == step_loss  # the same dropout masks: the step's RNG state
