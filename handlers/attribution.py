@@ -6,7 +6,7 @@ before the optimizer. Then, on every rank together (nothing runs on a good step 
 step's RNG state)::
 
     rerun this rank's microbatches: same inputs, weights, RNG state    -> same-rank verdicts, gathered
-    if any rerun is bad and peer_rerun: send them to rank (r + 1) % W,
+    if any rerun is bad and peer_rerun: send them to rank (r + 1) % W (point to point),
         rerun the peer's microbatches with its RNG state                -> peer verdicts, gathered
     classify each rank r that was bad:
         good on its own rerun                  -> transient fault on r (counted, named with its host)
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted, parallel
 from hookloop.engine.batch import forward_and_loss
@@ -200,8 +201,7 @@ class RerunAttribution(Handler):
         rows = parallel.gather_objects((loss_bad, own.reason, socket.gethostname()))
         peer: list[str | None] | None = None
         if self.peer_rerun and world > 1 and any(reason for _, reason, _ in rows):
-            sent = parallel.gather_objects((microbatches, self._rng))
-            theirs = self._rerun(*sent[(me - 1) % world])
+            theirs = self._rerun(*_pass_to_next((microbatches, self._rng), me, world))
             peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
         _set_rng_state(after_step)
         # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
@@ -281,6 +281,18 @@ class RerunAttribution(Handler):
         self.quarantined = list(state["quarantined"])
         self.verdicts = list(state["verdicts"])
         self._skip([sid for row in self.quarantined for sid in row["ids"]])
+
+
+def _pass_to_next(obj: Any, me: int, world: int) -> Any:
+    """Send ``obj`` to rank ``me + 1`` and return rank ``me - 1``'s (around the ring); even ranks
+    send first, odd ranks receive first, so no two ranks wait on each other."""
+    received: list[Any] = [None]
+    for sending in (me % 2 == 0, me % 2 != 0):
+        if sending:
+            dist.send_object_list([obj], dst=(me + 1) % world)
+        else:
+            dist.recv_object_list(received, src=(me - 1) % world)
+    return received[0]
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

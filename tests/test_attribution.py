@@ -301,3 +301,15 @@ def test_a_rerun_draws_the_steps_random_numbers_and_leaves_the_run_as_without_it
     _, compared, _ = _dropout_run(True, rerun_at=5)
     ((step_loss, rerun_loss),) = compared
     assert rerun_loss == step_loss  # the same dropout masks: the step's RNG state
+
+
+def test_four_ranks_pass_a_bad_ranks_microbatches_around_the_ring(tmp_path):
+    bad = sample_at(step=2, rank=3, world=4)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=2",
+                 "fault_injection.step=3"]  # fmt: skip
+    cases = [("data", data, {"steps": 4}), ("transient", transient, {"steps": 4})]
+    results = run_distributed(_two_ranks, 4, str(tmp_path), cases, timeout=300)
+    assert all(verdicts(r[0]) == [(2, 3, "data")] for r in results)  # rank 0 reran rank 3's data
+    assert all(r[0]["state"]["quarantined"][0]["ids"] == [bad] for r in results)
+    assert all(verdicts(r[1]) == [(3, 2, "transient")] for r in results)
