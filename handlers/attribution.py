@@ -14,8 +14,9 @@ step's RNG state)::
         bad on its rerun, good on its peer's   -> faulty rank r (named with its host)
 
 The decision is made from gathered values, the same on every rank. The step stays vetoed (the
-detector's skip); the reruns leave no gradient and put the RNG back as the step left it, so the run
-goes on exactly as it would have without them. At most ``max_reruns`` bad steps are rerun in a run.
+detector's skip); the reruns leave no gradient and put the RNG and the model's buffers back as the
+step left them, so the run goes on exactly as it would have without them. At most ``max_reruns`` bad
+steps are rerun in a run.
 
 A data verdict quarantines the samples: the bad rank reruns the bad microbatches sample by sample
 (forward only) to find the samples whose loss is non-finite (all of the bad microbatches' samples
@@ -175,6 +176,7 @@ class RerunAttribution(Handler):
         found = []
         if alone:
             module = getattr(model, "module", model)  # DDP's module: no collective on this rank alone
+            module.eval()  # one sample: no batch statistics
             with torch.no_grad():
                 for i, j, sid in suspects:
                     sample = _slice(microbatches[i], j, len(ids[i]))
@@ -183,6 +185,7 @@ class RerunAttribution(Handler):
                         _, loss = forward_and_loss(module, inputs, targets, trainer.loss_fn)
                     if not torch.isfinite(loss).item():
                         found.append(sid)
+            module.train()
         return found or [sid for _, _, sid in suspects]
 
     # ------------------------------------------------------------------ the decision
@@ -194,7 +197,8 @@ class RerunAttribution(Handler):
         state = self.trainer.state
         world, me = parallel.world_size(), parallel.rank()
         microbatches = list(state.batch or ())
-        after_step = _rng_state(self.trainer.device)
+        after_step = _rng_state(self.trainer.device)  # put back, with the buffers, once decided
+        buffers = [b.detach().clone() for b in self.trainer.model.buffers()]
         own = self._rerun(microbatches, self._rng)
         loss = self._local_loss
         loss_bad = self.detector.judge(float(loss)) is not None
@@ -203,7 +207,6 @@ class RerunAttribution(Handler):
         if self.peer_rerun and world > 1 and any(reason for _, reason, _ in rows):
             theirs = self._rerun(*_pass_to_next((microbatches, self._rng), me, world))
             peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
-        _set_rng_state(after_step)
         # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
         # every rank) those whose rerun's own gradients are bad; else no rank can be named.
         suspects = [r for r, row in enumerate(rows) if row[0]] or [r for r, row in enumerate(rows) if row[1]]
@@ -231,6 +234,10 @@ class RerunAttribution(Handler):
             self._quarantine(
                 state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason
             )
+        _set_rng_state(after_step)
+        with torch.no_grad():  # batch statistics (BatchNorm) as the step left them
+            for buffer, saved in zip(self.trainer.model.buffers(), buffers):
+                buffer.copy_(saved)
         self._publish(state)
         faulty = [v for v in self.faulty if v["step"] == state.step]
         if faulty and self.on_faulty_rank == "stop":
