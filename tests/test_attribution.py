@@ -236,6 +236,11 @@ def test_bad_settings_are_refused_by_name():
         RerunAttribution().attach(trainer)
     with pytest.raises(ConfigError, match="fault_injection.parameter"):
         FaultInjector(kind="corruption", parameter="nope").attach(trainer)
+    NaNDetector(action="warn").attach(trainer)
+    RerunAttribution().attach(trainer)  # quarantine on, no sample trace: refused before the first step
+    with pytest.raises(ConfigError, match="attribution.quarantine: .* data.trace_samples=true"):
+        trainer.run([(torch.randn(2, 4), torch.randn(2, 1))], max_steps=1)
+    assert trainer.state.step == 0
 
 
 def test_with_action_raise_the_step_is_attributed_first_and_a_new_run_skips_the_quarantine_file(tmp_path):

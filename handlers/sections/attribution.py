@@ -14,9 +14,10 @@ FAULTY_RANK_ACTIONS = ("warn", "stop")
 @dataclass
 class AttributionConfig:
     """The ``attribution`` section: rerun a bad step to tell bad data from a bad rank (see
-    :class:`~hookloop.handlers.attribution.RerunAttribution`; needs the ``nan`` detector)."""
+    :class:`~hookloop.handlers.attribution.RerunAttribution`; needs the ``nan`` detector, and with
+    ``quarantine`` the sample trace, ``data.trace_samples``)."""
 
-    enabled: bool = True
+    enabled: bool = False  # on: also set data.trace_samples (it names the samples to quarantine)
     max_reruns: int = 10  # bad steps a run reruns at most; later bad steps are only vetoed
     peer_rerun: bool = True  # also rerun a reproducible step's microbatches on another rank
     quarantine: bool = True  # quarantine the samples of a step found bad on every rank
