@@ -320,3 +320,27 @@ def test_four_ranks_pass_a_bad_ranks_microbatches_around_the_ring(tmp_path):
     assert all(verdicts(r[0]) == [(2, 3, "data")] for r in results)  # rank 0 reran rank 3's data
     assert all(r[0]["state"]["quarantined"][0]["ids"] == [bad] for r in results)
     assert all(verdicts(r[1]) == [(3, 2, "transient")] for r in results)
+
+
+def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_path):
+    from hookloop.run_data import build_data
+    from hookloop.train import load_training_config
+
+    quarantine = tmp_path / "quarantine.jsonl"
+    quarantine.write_text(json.dumps({"step": 3, "dataset": "docs", "ids": ["docs:3", "docs:10"]}) + "\n")
+    overrides = [f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/data", "train.local_batch_size=4",
+                 "step_scheduler.max_steps=10", "step_scheduler.global_batch_size=4"]  # fmt: skip
+    cfg = load_training_config(None, [*overrides, f"data.quarantine={quarantine}"])
+    loader = build_data(cfg, 0, 1).train
+    mixture = loader.mixture_sampler.mixture
+    assert loader.quarantined == {mixture.global_index(0, 3), mixture.global_index(0, 10)}
+    loader.log_batches()
+    it = iter(loader)
+    batches = [next(it) for _ in range(len(mixture) // 4 + 1)]  # more than an epoch of the data
+    fetched = [i for batch in loader.take_returned() for i in batch]
+    assert len(set(fetched)) == len(mixture) - 2 and not loader.quarantined & set(fetched)
+    assert sum(len(b[0]) for b in batches) == len(fetched)  # each batch one sample shorter per id
+    del it
+    quarantine.write_text(json.dumps({"ids": ["docs:999999"]}) + "\n")
+    with pytest.raises(ConfigError, match="data.quarantine: names sample 'docs:999999'"):
+        build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
