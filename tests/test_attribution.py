@@ -328,8 +328,13 @@ def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_pa
 
     quarantine = tmp_path / "quarantine.jsonl"
     quarantine.write_text(json.dumps({"step": 3, "dataset": "docs", "ids": ["docs:3", "docs:10"]}) + "\n")
-    overrides = [f"train.run_dir={tmp_path}/run", f"data.cache_dir={tmp_path}/data", "train.local_batch_size=4",
-                 "step_scheduler.max_steps=10", "step_scheduler.global_batch_size=4"]  # fmt: skip
+    overrides = [
+        f"train.run_dir={tmp_path}/run",
+        f"data.cache_dir={tmp_path}/data",
+        "train.local_batch_size=4",
+        "step_scheduler.max_steps=10",
+        "step_scheduler.global_batch_size=4",
+    ]
     cfg = load_training_config(None, [*overrides, f"data.quarantine={quarantine}"])
     loader = build_data(cfg, 0, 1).train
     mixture = loader.mixture_sampler.mixture
