@@ -59,6 +59,9 @@ class FaultInjector(Handler):
         self.kind, self.rank, self.step, self.sample = kind, rank, step, sample
         self.parameter, self.bit = parameter, bit
         self.fired = False
+        #: What the corruption kind flipped: ``{"step", "rank", "parameter", "bit"}`` (None: nothing
+        #: yet), so a check that compares the replicas' weights can be held to it.
+        self.flipped: dict[str, Any] | None = None
         self._armed = False
 
     def attach(self, trainer: Trainer) -> FaultInjector:
@@ -124,6 +127,8 @@ class FaultInjector(Handler):
 
     def _flip(self, model: torch.nn.Module) -> None:
         param = self._target(model)
+        name = next(n for n, p in model.named_parameters() if p is param)
+        self.flipped = {"step": self.step, "rank": self.rank, "parameter": name, "bit": self.bit}
         local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
         with torch.no_grad():
             flat = local.detach().view(-1)
@@ -132,10 +137,11 @@ class FaultInjector(Handler):
             flat[:1] = bits.view(torch.float32).to(flat.dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"fired": self.fired}
+        return {"fired": self.fired, "flipped": self.flipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fired = bool(state["fired"])
+        self.flipped = state.get("flipped")
 
 
 def _poison_row(microbatch: Any, row: int, size: int) -> bool:

@@ -108,6 +108,8 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         "losses": losses,
         "state": attribution.state_dict() if attribution else None,
         "quarantined": sorted(loader.quarantined),
+        "flipped": next((h.flipped for h in handlers if isinstance(h, FaultInjector)), None),
+        "weights": [p.detach().double().sum().item() for p in model.parameters()],
     }
 
 
@@ -202,19 +204,26 @@ def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data
     cases = [
         ("flip", flip, {"steps": 6}),
         ("flip_stop", [*flip, "attribution.on_faulty_rank=stop"], {"steps": 6}),
+        ("flip_low", [*flip, "fault_injection.bit=0"], {"steps": 6}),
         ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),
         ("fsdp_transient", transient, {"steps": 4, "dp_mode": "fsdp"}),
     ]  # fmt: skip
-    r0, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
-    flipped, stopped, fsdp_data, fsdp_transient = r0
+    r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    flipped, stopped, low, fsdp_data, fsdp_transient = r0
 
     # rank 1's weights went bad at step 3: bad again on its rerun, good on rank 0's: a faulty rank,
     # named with its host; two reruns in the run, the later bad steps only vetoed
     assert verdicts(flipped) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")]
     assert [f["host"] for f in flipped["state"]["faulty"]] == [socket.gethostname()] * 2
     assert flipped["skipped"] == 4 and flipped["state"]["quarantined"] == []
+    assert flipped["flipped"] is None  # rank 0's injector flipped nothing
+    assert r1[0]["flipped"] == {"step": 3, "rank": 1, "parameter": "module.0.weight", "bit": 30}
     message, code = stopped["aborted"]
     assert code == 76 and f"rank 1 on {socket.gethostname()}" in message and "step 3" in message
+
+    # the lowest bit: every step finite, nothing to rerun, and the replicas' weights silently differ
+    assert low["skipped"] == 0 and low["state"]["verdicts"] == [] and low["step"] == 6
+    assert low["weights"][0] != r1[2]["weights"][0] and low["weights"][1:] == r1[2]["weights"][1:]
 
     # FSDP2: the same causes (a bad microbatch's samples are quarantined whole: no forward of one
     # sample on one rank alone)
