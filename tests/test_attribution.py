@@ -205,11 +205,12 @@ def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data
         ("flip", flip, {"steps": 6}),
         ("flip_stop", [*flip, "attribution.on_faulty_rank=stop"], {"steps": 6}),
         ("flip_low", [*flip, "fault_injection.bit=0"], {"steps": 6}),
+        ("flip_heal", [*flip, "nan.action=rollback", "nan.max_consecutive=2"], {"steps": 8}),
         ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),
         ("fsdp_transient", transient, {"steps": 4, "dp_mode": "fsdp"}),
     ]  # fmt: skip
     r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
-    flipped, stopped, low, fsdp_data, fsdp_transient = r0
+    flipped, stopped, low, healed, fsdp_data, fsdp_transient = r0
 
     # rank 1's weights went bad at step 3: bad again on its rerun, good on rank 0's: a faulty rank,
     # named with its host; two reruns in the run, the later bad steps only vetoed
@@ -224,6 +225,11 @@ def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data
     # the lowest bit: every step finite, nothing to rerun, and the replicas' weights silently differ
     assert low["skipped"] == 0 and low["state"]["verdicts"] == [] and low["step"] == 6
     assert low["weights"][0] != r1[2]["weights"][0] and low["weights"][1:] == r1[2]["weights"][1:]
+
+    # with the detector's rollback (the default action): two bad steps, the replica named, then the
+    # step-2 checkpoint restores every rank's weights and the run ends with the replicas equal again
+    assert verdicts(healed) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")] and healed["step"] == 8
+    assert healed["weights"] == r1[3]["weights"] and healed["losses"][-1] == healed["losses"][-1]
 
     # FSDP2: the same causes (a bad microbatch's samples are quarantined whole: no forward of one
     # sample on one rank alone)
