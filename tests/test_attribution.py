@@ -1,10 +1,13 @@
 """Rerun attribution, sample quarantine and the fault injector, in real runs.
 
-Two gloo ranks under DDP (and FSDP2): a transient NaN on one rank is named transient and nothing is
-quarantined; a bad sample is found bad on its rank and on the peer it is sent to, quarantined
-(``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run resumed on another
-number of ranks, whose steps then train exactly the samples of an uninterrupted run; a flipped
-exponent bit in one replica's weights names that rank as faulty.
+Two gloo ranks under DDP (and FSDP2), four in a ring: a transient NaN on one rank is named
+transient and nothing is quarantined; a bad sample is found bad on its rank and on the peer it is
+sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run
+resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
+flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
+asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. In one process:
+a rerun draws the step's random numbers and leaves the run as it is without one, ``action=raise``
+attributes before it stops, ``data.quarantine`` starts a run without the listed samples.
 """
 
 from __future__ import annotations
