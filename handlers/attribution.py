@@ -162,30 +162,36 @@ class RerunAttribution(Handler):
         loss = sum(losses) / max(n, 1)
         return _Rerun(detector.judge(loss, None if fsdp else norm), bad, loss)
 
-    def _bad_samples(self, microbatches: Sequence[Any], bad_microbatches: list[int]) -> list[str]:
-        """This rank's ids to quarantine: the samples of the bad microbatches whose own forward gives
-        a non-finite loss; all of those microbatches' samples when none does alone (or when the
-        model cannot be run sample by sample here: FSDP2, a body's own loss)."""
+    def _bad_samples(
+        self, microbatches: Sequence[Any], bad_microbatches: list[int], suspect: bool
+    ) -> list[str]:
+        """This rank's ids to quarantine (none unless ``suspect``): the samples of the ``bad``
+        microbatches whose own forward gives a non-finite loss; all of those microbatches' samples
+        when none does alone, or when a step body's own loss cannot be run on one sample. Under
+        FSDP2 every rank runs as many forwards as the rank with the most suspects (the collectives
+        of a forward), the others on a sample of their own whose loss is not looked at."""
         ids = self.trace.step_ids() if self.trace is not None else []
         picked = bad_microbatches or list(range(len(microbatches)))
-        suspects = [(i, j, sid) for i in picked if i < len(ids) for j, sid in enumerate(ids[i])]
-        trainer, model = self.trainer, self.trainer.model
-        alone = not hasattr(model, "set_requires_gradient_sync") and (
-            type(trainer.step_body).compute_loss is StepBody.compute_loss
+        suspects = (
+            [(i, j, sid) for i in picked if i < len(ids) for j, sid in enumerate(ids[i])] if suspect else []
         )
+        trainer, model = self.trainer, self.trainer.model
+        if type(trainer.step_body).compute_loss is not StepBody.compute_loss or not ids:
+            return [sid for _, _, sid in suspects]
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        rounds = max(parallel.gather_objects(len(suspects))) if fsdp else len(suspects)
+        module = model if fsdp else getattr(model, "module", model)  # DDP's: no collective alone
         found = []
-        if alone:
-            module = getattr(model, "module", model)  # DDP's module: no collective on this rank alone
-            module.eval()  # one sample: no batch statistics
-            with torch.no_grad():
-                for i, j, sid in suspects:
-                    sample = _slice(microbatches[i], j, len(ids[i]))
-                    inputs, targets = trainer.step_context.prepare(sample)
-                    with trainer.autocast():
-                        _, loss = forward_and_loss(module, inputs, targets, trainer.loss_fn)
-                    if not torch.isfinite(loss).item():
-                        found.append(sid)
-            module.train()
+        module.eval()  # one sample: no batch statistics
+        with torch.no_grad():
+            for k in range(rounds):
+                i, j, sid = suspects[k] if k < len(suspects) else (0, 0, None)
+                inputs, targets = trainer.step_context.prepare(_slice(microbatches[i], j, len(ids[i])))
+                with trainer.autocast():
+                    _, loss = forward_and_loss(module, inputs, targets, trainer.loss_fn)
+                if sid is not None and not torch.isfinite(loss).item():
+                    found.append(sid)
+        module.train()
         return found or [sid for _, _, sid in suspects]
 
     # ------------------------------------------------------------------ the decision
@@ -229,7 +235,7 @@ class RerunAttribution(Handler):
             )
             logger.warning("step %d: %s", state.step, _explain(cause, r, host, reason, peer is not None))
         if data_ranks and self.quarantine:
-            mine = self._bad_samples(microbatches, own.bad_microbatches) if me in data_ranks else []
+            mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
             reason = f"bad on rank and peer rerun: {rows[data_ranks[0]][1]}"
             self._quarantine(
                 state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason

@@ -234,10 +234,9 @@ def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data
     assert verdicts(healed) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")] and healed["step"] == 8
     assert healed["weights"] == r1[3]["weights"] and healed["losses"][-1] == healed["losses"][-1]
 
-    # FSDP2: the same causes (a bad microbatch's samples are quarantined whole: no forward of one
-    # sample on one rank alone)
+    # FSDP2: the same causes, and the same one bad sample (every rank runs the one-sample forwards)
     assert verdicts(fsdp_data) == [(2, 1, "data")]
-    assert bad in fsdp_data["state"]["quarantined"][0]["ids"]
+    assert fsdp_data["state"]["quarantined"][0]["ids"] == [bad]
     assert verdicts(fsdp_transient) == [(2, 0, "transient")] and fsdp_transient["state"]["quarantined"] == []
 
 
