@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     a, b = statistics.median(with_) * 1e3, statistics.median(without) * 1e3
     rerun = rerun_seconds(data, args.repeats) * 1e3
     work = good_step_work_seconds(data) * 1e3
-    print(f"attribution's own work on a good step {work * 1e3:.1f} us = {work / b:.5f} of a step")
     print(f"good steps: without attribution {b:.3f} ms/step, with {a:.3f} ms/step, ratio {ratio:.4f}")
+    print(f"attribution's own work on a good step {work * 1e3:.1f} us = {work / b:.5f} of a step")
     print(f"one rerun of a step's microbatches {rerun:.3f} ms = {rerun / b:.2f} x a step")
     result = {
         "benchmark": "rerun_attribution",
