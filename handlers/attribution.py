@@ -199,6 +199,8 @@ class RerunAttribution(Handler):
         """After the step's agreement, on every rank alike: rerun a bad step and classify it."""
         if not bad_ranks or self.reruns >= self.max_reruns:
             return
+        if not parallel.agree_any(bool(self.detector.verdict)):  # bad in another replica group only:
+            return  # that group reruns it
         self.reruns += 1
         state = self.trainer.state
         world, me = parallel.world_size(), parallel.rank()
