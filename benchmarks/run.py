@@ -41,6 +41,7 @@ BENCHMARKS = {
     "cli_latency": "cli_latency.py",
     "logging": "logging_overhead.py",
     "nan_detector": "nan_overhead.py",
+    "ema": "ema.py",
     "checkpoint": "checkpoint.py",
     "checkpoint_throughput": "checkpoint_throughput.py",
     "checkpoint_pickle": "checkpoint_pickle.py",

@@ -320,11 +320,11 @@ class PipelineSection:
 
 
 #: A validation metric's name (published as ``val_<name>``).
-_NAME = re.compile(r"[A-Za-z0-9_]+")
+METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 def check_metric_name(name: Any, field_: str) -> None:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not METRIC_NAME.fullmatch(name):
         raise ConfigError(
             field_, f"metric name {name!r}: use letters, digits and underscores (it is logged as val_<name>)"
         )

@@ -26,11 +26,13 @@ ones, and a user's own, follow one pattern::
 
 A handler is *stateful* when it has ``state_dict()`` and ``load_state_dict()``; the trainer's
 registry then puts it in every checkpoint under :attr:`Handler.state_key` (the class name unless
-the class sets another). The section's dataclass is the handler's field list: the default
-:meth:`Handler.from_config` passes its fields (:func:`section_settings`) to the constructor, and
-the constructor validates its arguments by building the section from them
-(:func:`checked_settings`). Handlers find each other through ``trainer.get_handler(Type)``, never by
-looking for attributes.
+the class sets another). Tensors at the model's scale (an average of the weights) go beside the
+model instead: ``tensor_state_dict()`` (name -> tensor or DTensor, the live tensors; see
+:mod:`engine.run_snapshot` and docs/writing_handlers.md). The section's dataclass is the
+handler's field list: the default :meth:`Handler.from_config` passes its fields
+(:func:`section_settings`) to the constructor, and the constructor validates its arguments by
+building the section from them (:func:`checked_settings`). Handlers find each other through
+``trainer.get_handler(Type)``, never by looking for attributes.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ import torch
 
 from hookloop.engine import rng
 from hookloop.engine.checkpoint_format.state_codec import decode, encode
+from hookloop.engine.handler import handler_state_key
 
-__all__ = ["EVENT_COUNTERS", "apply", "capture"]
+__all__ = ["EVENT_COUNTERS", "apply", "capture", "restore_tensor_states", "tensor_states"]
 
 logger = logging.getLogger("hookloop.handlers.checkpoint")
 
@@ -57,6 +58,48 @@ def capture(trainer: Any) -> dict[str, Any]:
         # What the run last reported, so a resumed run that trains no further step still says it.
         "last": {"loss": float(state.loss), "metrics": numeric(state.metrics)},
     }
+
+
+def tensor_states(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensor state of every attached handler that keeps one, by state key: what its
+    ``tensor_state_dict()`` returns (name -> tensor or DTensor, the live tensors). It travels beside
+    the model (the checkpointer's DCP save, a heal's payload), never in :func:`capture`'s JSON."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for handler in trainer.handlers:
+        if not callable(getattr(handler, "tensor_state_dict", None)):
+            continue
+        key = handler_state_key(handler)
+        if key in out:
+            raise ValueError(
+                f"state key {key!r} has tensor state of two handlers: give one of them another state_key"
+            )
+        state = handler.tensor_state_dict()
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise TypeError(
+                f"handler {key!r}: tensor_state_dict() must return a dict of name -> tensor, got "
+                f"{type(state).__name__}; keep other values in state_dict()"
+            )
+        out[key] = state
+    return out
+
+
+def restore_tensor_states(trainer: Any, states: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Put ``states`` (by state key, as :func:`tensor_states` gives them) back: each tensor copied
+    into the handler's live one (unless it is that one, as after DCP's load in place), then handed to
+    its ``load_tensor_state_dict`` when it has one."""
+    owners = {key: h for h in trainer.handlers if (key := handler_state_key(h)) in states}
+    live = tensor_states(trainer)
+    with torch.no_grad():
+        for key, state in states.items():
+            for name, tensor in state.items():
+                target = live[key][name]
+                if target is not tensor:
+                    target.copy_(tensor)
+            take = getattr(owners[key], "load_tensor_state_dict", None)
+            if callable(take):
+                take(state)
 
 
 def apply(

@@ -20,6 +20,8 @@ pipeline's stages), so validation knows no layout::
         metrics = body.share_metrics(metrics)           # a pipeline: the last stage's, on every stage
     val_loss = loss_total / samples, both summed over every rank
     state.metrics: val_loss, val_<name> (and whatever else is attached to the evaluator)
+    for each other set of weights (add_weights(suffix, weights), e.g. an average of them):
+        with weights(): the same again -> val_loss_<suffix>, val_<name>_<suffix>
     VALIDATION_END
 
 **Reduction over the data-parallel ranks only.** An ignite metric reduces its state in
@@ -48,7 +50,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +60,7 @@ from ignite.metrics import Metric
 
 from hookloop.engine import parallel
 from hookloop.engine.checks import check_int
-from hookloop.engine.config import ValidationConfig, check_metric_name, metric_target_and_args
+from hookloop.engine.config import METRIC_NAME, ValidationConfig, check_metric_name, metric_target_and_args
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.events import Events
 from hookloop.engine.ignite_adapter import ignite_world
@@ -147,6 +150,8 @@ class Validator:
         self._evaluator: Engine | None = None
         self._loss_total = torch.zeros((), dtype=torch.float64)
         self._samples = 0
+        #: suffix -> the weights validated beside the model's own (:meth:`add_weights`)
+        self._weights: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
 
     def configure(
         self,
@@ -196,6 +201,18 @@ class Validator:
             self._group = self._trainer.step_body.data_parallel_group(self._dp)
         return self._group
 
+    def add_weights(self, suffix: str, weights: Callable[[], AbstractContextManager[Any]]) -> None:
+        """Validate other weights too, at every validation: the same validation runs again inside
+        ``weights()``, a context manager in which the model holds them (and which puts the trained
+        ones back), and publishes ``val_loss_<suffix>`` and ``val_<name>_<suffix>`` beside
+        ``val_loss`` before VALIDATION_END (an average of the weights: ``suffix="ema"``). The
+        validation data is read once per set of weights: it must be re-iterable."""
+        if not isinstance(suffix, str) or not METRIC_NAME.fullmatch(suffix):
+            raise ValueError(f"suffix {suffix!r}: use letters, digits and underscores (val_loss_<suffix>)")
+        if suffix in self._weights:
+            raise ValueError(f"weights with the suffix {suffix!r} are validated already: give another suffix")
+        self._weights[suffix] = weights
+
     @torch.no_grad()
     def run(self) -> float:
         """One validation; returns ``val_loss`` (see :meth:`Trainer.validate`)."""
@@ -203,6 +220,22 @@ class Validator:
             raise RuntimeError("no validation data: call trainer.set_validation(data) first")
         trainer = self._trainer
         start = time.perf_counter()
+        val_loss, metrics = self._measure()
+        state = trainer.state
+        state.metrics.update(metrics)
+        state.metrics["val_loss"] = val_loss
+        for suffix, weights in self._weights.items():
+            with weights():
+                loss, more = self._measure()
+            state.metrics.update({f"{name}_{suffix}": value for name, value in more.items()})
+            state.metrics[f"val_loss_{suffix}"] = loss
+        state.times["validation"] = time.perf_counter() - start
+        trainer.fire(Events.VALIDATION_END)
+        return val_loss
+
+    def _measure(self) -> tuple[float, dict[str, Any]]:
+        """The validation loss and metrics of the model's weights as they are."""
+        trainer = self._trainer
         group = self.dp_group
         body = trainer.step_body
         model = trainer.model
@@ -222,13 +255,7 @@ class Validator:
             total = parallel.all_reduce_sum(total)
         if total[1] == 0:
             raise ValueError("validation data yielded no batches: pass non-empty data to set_validation")
-        val_loss = float(total[0] / total[1])
-        state = trainer.state
-        state.metrics.update(metrics)
-        state.metrics["val_loss"] = val_loss
-        state.times["validation"] = time.perf_counter() - start
-        trainer.fire(Events.VALIDATION_END)
-        return val_loss
+        return float(total[0] / total[1]), metrics
 
     def _run_evaluator(self, items: Iterator[EvalResult]) -> dict[str, Any]:
         """The evaluator over the body's items (one per microbatch: ``length`` of them, when the

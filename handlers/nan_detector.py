@@ -10,8 +10,9 @@ skipped step of its own, not a NaN.
 ``action``:
 
 - ``"warn"``: log and veto the step.
-- ``"raise"``: stop at the first bad step with :class:`~engine.TrainingAborted` (exit code
-  ``ExitCode.NAN_ABORT``), naming the step.
+- ``"raise"``: veto, and stop at the end of the first bad step (once its STEP_END handlers have
+  recorded it) with :class:`~engine.TrainingAborted` (exit code ``ExitCode.NAN_ABORT``), naming the
+  step.
 - ``"rollback"``: veto; after ``max_consecutive`` bad steps in a row, ask for a rollback
   (``control.request_rollback``, from the agreed verdict): the trainer fires ``Events.ROLLBACK`` at
   the end of that step, once every STEP_END handler has seen it (the whole STEP_END firing sees the
@@ -118,7 +119,11 @@ class NaNDetector(Handler):
         self._last_good_loss: Any = None  # the loss tensor of the last good step, read when asked
         self._window: collections.deque[float] = collections.deque(maxlen=spike_window)
         self._rollback_pending = False
+        self._abort: str | None = None  # action "raise": why the run stops at this step's end
         self._verdict: Any = False
+        #: This rank's own verdict on the latest step (a bool, or a 0-dim bool tensor not read to
+        #: the host), before the agreement: what a rerun's result is compared with.
+        self.verdict: Any = False
         self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
 
@@ -158,23 +163,28 @@ class NaNDetector(Handler):
             bad = not math.isfinite(loss) or (check_norm and not math.isfinite(norm))
         if self.spike_factor is not None and self._is_spike(state.loss):
             bad = True
-        self._verdict = bad
+        self._verdict = self.verdict = bad
 
     def _local_verdict(self) -> Any:
         verdict, self._verdict = self._verdict, False
         return verdict
 
-    def _reason(self, state: Any) -> str:
-        """Why this step is bad, read from the agreed values (only on a bad step)."""
-        loss, norm = state.loss, state.grad_norm
+    def judge(self, loss: float, grad_norm: float | None = None) -> str | None:
+        """Why a step with this loss and gradient norm (host numbers; None: not measured) is bad,
+        by the detector's rule, or None when it is good: what a rerun of a step is judged by."""
         if not math.isfinite(loss):
             return "non-finite loss"
-        if self.check_grad_norm and self.trainer.grad_scaler is None and not math.isfinite(norm):
+        check_norm = self.check_grad_norm and self.trainer.grad_scaler is None
+        if check_norm and grad_norm is not None and not math.isfinite(grad_norm):
             return "non-finite grad norm"
         if self._is_spike(loss):
             median = statistics.median(self._window)
             return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
-        return "bad on another rank"
+        return None
+
+    def _reason(self, state: Any) -> str:
+        """Why this step is bad, read from the agreed values (only on a bad step)."""
+        return self.judge(state.loss, state.grad_norm) or "bad on another rank"
 
     def _on_verdict(self, bad_ranks: float) -> None:
         """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
@@ -191,7 +201,7 @@ class NaNDetector(Handler):
             return
         reason = self._reason(state)
         control.request_skip()
-        if self.action == "rollback":  # the state may be poisoned: nothing saved until it is good
+        if self.action != "warn":  # the state may be poisoned: nothing saved until it is good
             policy.hold_saves(by=self.state_key)
         self.consecutive += 1
         self.total += 1
@@ -206,8 +216,8 @@ class NaNDetector(Handler):
             self.consecutive,
         )
         self._publish(state)
-        if self.action == "raise":
-            raise TrainingAborted(f"step {state.step}: {reason} (nan.action='raise')", ExitCode.NAN_ABORT)
+        if self.action == "raise":  # at STEP_END: the loggers record the step, a rerun attributes it
+            self._abort = f"step {state.step}: {reason} (nan.action='raise')"
         if self.action == "rollback" and self.consecutive >= self.max_consecutive:
             self._rollback_pending = True
 
@@ -221,7 +231,11 @@ class NaNDetector(Handler):
     def _maybe_roll_back(self, trainer: Trainer) -> None:
         """Late at STEP_END (every logger has recorded the bad step): give up, or ask the trainer
         for the rollback, which it carries out once every STEP_END handler of this step has seen
-        the bad step. ``_rollback_pending`` was set from the agreed verdict: every rank asks alike."""
+        the bad step. ``_rollback_pending`` was set from the agreed verdict: every rank asks alike.
+        With ``action="raise"`` the run stops here instead."""
+        if self._abort is not None:
+            message, self._abort = self._abort, None
+            raise TrainingAborted(message, ExitCode.NAN_ABORT)
         if not self._rollback_pending:
             return
         self._rollback_pending = False

@@ -87,7 +87,7 @@ def attach_handlers(
     """
     runtime = {**_from_run_config(cfg), "trainer": trainer, **runtime}
     built: list[tuple[str, Any]] = []
-    for cls in HANDLER_ORDER if order is None else order:
+    for cls in dict.fromkeys(HANDLER_ORDER if order is None else order):  # a class listed twice: once
         section = getattr(cls, "section", None)
         if not isinstance(section, str) or not hasattr(cfg, section):
             raise ConfigError(

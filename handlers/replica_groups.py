@@ -28,12 +28,12 @@ Every decision the engine agrees on (skip, stop and its exit code, save, validat
 the live groups, so all of them take it at the same step. Healing (every group but one of a fresh
 start too): the recovering group receives the model and optimizer (by value, over torchft's HTTP
 transport: a pickle from a peer of the same job), the run's snapshot (:mod:`engine.run_snapshot`:
-what a checkpoint holds), a stop the peer decided, and the peer's :func:`shared_settings`: one
-that differs from this group's refuses it by name before anything is applied (exit 2; groups that
-join without a heal compare theirs at the quorum). torchft's own step (the count of committed
-steps) travels in checkpoints as the state ``replica_groups``, so after a whole-job restart the
-group that resumed the newest checkpoint is the one the others heal from. No lighthouse or no
-quorum in time ends the group with 77 in one line.
+what a checkpoint holds, handlers' tensor state included), a stop the peer decided, and the peer's
+:func:`shared_settings`: one that differs from this group's refuses it by name before anything is
+applied (exit 2; groups that join without a heal compare theirs at the quorum). torchft's own
+step (the count of committed steps) travels in checkpoints as the state ``replica_groups``, so
+after a whole-job restart the group that resumed the newest checkpoint is the one the others heal
+from. No lighthouse or no quorum in time ends the group with 77 in one line.
 
 torchft is imported when the first run starts, never by importing this module, through its one
 adapter (:mod:`engine.fault_tolerance`: the version check and torchft's private attributes).
@@ -376,6 +376,7 @@ class ReplicaGroups(AgreementTransport):
             "model": model,
             "optim": optim,
             "snapshot": run_snapshot.capture(trainer),
+            "tensors": run_snapshot.tensor_states(trainer),  # handlers' state at the model's scale
             "stop": {"stop": decided.stop, "exit_code": int(decided.exit_code), "reason": reason},
         }
 
@@ -402,6 +403,7 @@ class ReplicaGroups(AgreementTransport):
             keep_data_position=snapshot.get("data") == run_snapshot.capture(trainer)["data"],
             skip_handlers=(STATE_KEY,),
         )
+        run_snapshot.restore_tensor_states(trainer, payload.get("tensors") or {})
         self._healed = {
             "group": payload.get("group"),
             "stop": payload.get("stop") or {},

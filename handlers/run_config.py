@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import keyword
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
@@ -279,7 +280,8 @@ def compose_config(base: type = RunConfig, name: str | None = None, **sections: 
     A composed section loads from YAML and dotted overrides (``my_hook.every=5``) like a shipped
     one, and is validated with the whole config: its ``validate(prefix)`` (required) with the
     section name as prefix, then, if it defines one, its ``cross_check(cfg, prefix)`` hook, which
-    sees the whole validated config for rules that relate it to other sections.
+    sees the whole validated config for rules that relate it to other sections. A section ``base``
+    already has, with the same dataclass, is left as it is (``base`` itself when none is new).
     """
     if not (isinstance(base, type) and dataclasses.is_dataclass(base)):
         raise TypeError(f"base must be a run config dataclass such as RunConfig, got {base!r}")
@@ -287,11 +289,13 @@ def compose_config(base: type = RunConfig, name: str | None = None, **sections: 
         raise TypeError(
             "compose_config needs at least one section, e.g. compose_config(my_hook=MyHookConfig)"
         )
-    taken = {f.name for f in dataclasses.fields(base)}
+    taken = typing.get_type_hints(base)
     new_fields = []
     for section, schema in sections.items():
         if not section.isidentifier() or keyword.iskeyword(section):
             raise ValueError(f"section name {section!r} must be a Python identifier (it is a YAML key)")
+        if taken.get(section) is schema:  # already there (a handler's section shipped since): nothing to add
+            continue
         if section in taken:
             raise ValueError(f"section {section!r} is already in {base.__name__}; give yours another name")
         if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
@@ -304,6 +308,8 @@ def compose_config(base: type = RunConfig, name: str | None = None, **sections: 
                 "its rules"
             )
         new_fields.append((section, schema, field(default_factory=schema)))
+    if not new_fields:
+        return base
     cls_name = name or base.__name__ + "".join(s.title().replace("_", "") for s in sections)
     composed = dataclasses.make_dataclass(cls_name, new_fields, bases=(base,))
     composed.__doc__ = f"{base.__name__} plus the sections {', '.join(sections)}."

@@ -4,8 +4,11 @@ Generated from the handlers' declarations by `python -m hookloop.handlers.declar
 to move a line of HANDLERS to change where that handler attaches."""
 
 from hookloop.engine.data.config import DataConfig
+from hookloop.handlers.sections.attribution import AttributionConfig
 from hookloop.handlers.sections.checkpoint import CheckpointConfig
 from hookloop.handlers.sections.dataset_metrics import DatasetMetricsConfig
+from hookloop.handlers.sections.ema import EMAConfig
+from hookloop.handlers.sections.fault_injection import FaultInjectionConfig
 from hookloop.handlers.sections.health import HealthConfig
 from hookloop.handlers.sections.logging import LoggingConfig
 from hookloop.handlers.sections.metrics import MetricsConfig
@@ -28,6 +31,9 @@ SECTIONS: dict[str, type] = {
     "profiling": ProfilingConfig,
     "health": HealthConfig,
     "straggler": StragglerConfig,
+    "ema": EMAConfig,
+    "attribution": AttributionConfig,
+    "fault_injection": FaultInjectionConfig,
 }
 
 #: each shipped handler class (module:class) -> its section, in attach order (handlers.order)
@@ -45,4 +51,7 @@ HANDLERS: dict[str, str] = {
     "hookloop.handlers.profiler:ProfilerWindow": "profiling",
     "hookloop.handlers.health_check:HealthCheck": "health",
     "hookloop.handlers.straggler:StragglerDetector": "straggler",
+    "hookloop.handlers.ema:WeightEMA": "ema",
+    "hookloop.handlers.attribution:RerunAttribution": "attribution",
+    "hookloop.handlers.fault_injection:FaultInjector": "fault_injection",
 }

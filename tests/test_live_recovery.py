@@ -65,6 +65,8 @@ fault_tolerance:
   num_replica_groups: 2
   timeout_s: 10
   quorum_timeout_s: 60
+handlers:
+  - {target: "hookloop.handlers.ema:WeightEMA", enabled: true, decay: 0.9}
 """
 )
 PER_GROUP = 4  # samples a group trains on per step

@@ -6,6 +6,7 @@ here: :meth:`DataConfig.validate` and the phase curriculum handler's constructor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -135,6 +136,9 @@ class DataConfig:
     #: write ``samples-rank<R>.jsonl`` into the run directory: per optimizer step, the ids
     #: (``"<dataset>:<index>"``) of the samples data-parallel rank R trained on (docs/data.md)
     trace_samples: bool = False
+    #: a ``quarantine.jsonl`` (as a run writes it, docs/nan_detector.md): a new run never trains on
+    #: its samples
+    quarantine: Optional[str] = None
 
     def validate(self, prefix: str = "data") -> None:
         p = prefix
@@ -170,6 +174,11 @@ class DataConfig:
         check_int(f"{p}.val_samples", self.val_samples, low=0)
         check_int(f"{p}.num_workers", self.num_workers, low=0)
         check_bool(f"{p}.trace_samples", self.trace_samples)
+        check_str(f"{p}.quarantine", self.quarantine, allow_none=True, what="a quarantine.jsonl file path")
+        if self.quarantine is not None and not os.path.isfile(self.quarantine):
+            raise ConfigError(
+                f"{p}.quarantine", f"{self.quarantine} is not a file; name a run's quarantine.jsonl"
+            )
 
     def prepare_batch(self, recipe: Any = None) -> Any:
         """The trainer's ``prepare_batch`` for ``inputs`` / ``targets``, else for the ``recipe``'s

@@ -8,18 +8,29 @@ position right after step ``k``'s data, whatever the workers prefetched. A new i
 ``run()``, a rollback) first gives the prefetched-but-unused indices back to the sampler, so no
 sample is lost between runs. With a trainer, every ``grad_accum_steps`` batches are one step, so the
 position after step ``k`` is ``k * grad_accum_steps * batch_size * world_size`` draws past the start.
+
+Quarantine: :meth:`MixtureLoader.quarantine` names global indices never to be trained on again (bad
+samples). Each batch of ``batch_size`` draws comes back without them, one sample shorter per
+quarantined index, so the stream, the position and every other rank's batches stay exactly where
+they were, on any number of ranks. A batch whose every sample is quarantined is left out and this
+rank reads its next batch instead (counted in the position; the only case where a quarantine moves a
+rank's data: use batches of more than one sample).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import collections
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from hookloop.engine.data.sampler import MixtureSampler
+from hookloop.engine.errors import ConfigError
 
-__all__ = ["MixtureLoader"]
+__all__ = ["MixtureLoader", "read_quarantine"]
 
 _SAME_POSITION_KEYS = ("format", "version", "seed", "draws", "sources")
 
@@ -37,11 +48,33 @@ class MixtureLoader(DataLoader):
         for name in ("sampler", "batch_sampler", "shuffle", "dataset"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: MixtureLoader sets it from the MixtureSampler; leave it out")
+        #: Global indices never fetched again (:meth:`quarantine`).
+        self.quarantined: set[int] = set()
+        self._spans: collections.deque[tuple[int, list[int]]] = collections.deque()  # (batches, kept)
         super().__init__(sampler.mixture, batch_size=batch_size, sampler=sampler, **kwargs)
         self.mixture_sampler = sampler
         self._position: int | None = None  # global draws after the last batch returned
         self._loads = sampler._loads
         self._returned: list[list[int]] | None = None  # indices of the batches returned, while logging
+
+    def quarantine(self, ids: Iterable[str]) -> None:
+        """Never fetch these samples again (ids ``"<dataset>:<index>"``, as the sample trace writes
+        them), from the next batch not yet drawn (batches prefetched by workers keep theirs); a
+        ``ConfigError`` names an id the mixture does not hold."""
+        mixture = self.mixture_sampler.mixture
+        for sid in ids:
+            name, _, index = str(sid).rpartition(":")
+            source = mixture.names.index(name) if name in mixture.names else -1
+            if source < 0 or not index.isdigit() or int(index) >= mixture.lengths[source]:
+                raise ConfigError(
+                    "data.quarantine", f"names sample {sid!r}, which the training data does not hold"
+                )
+            self.quarantined.add(mixture.global_index(source, int(index)))
+
+    @property
+    def _index_sampler(self) -> Any:
+        # torch's DataLoader draws each batch's indices from here: its batches without quarantined ones
+        return _KeptBatches(self.batch_sampler, self.quarantined, self._spans)
 
     @property
     def position(self) -> int:
@@ -67,13 +100,16 @@ class MixtureLoader(DataLoader):
         logging = self._returned is not None
         if logging:
             sampler.take_logged()  # whatever an earlier iterator read ahead is back in the stream
+        self._spans.clear()
         iterator = super().__iter__()
         try:
             for batch in iterator:
                 self._sync()
-                self._position += step
-                if logging:  # batches come back in the order their indices were drawn
-                    self._returned.append(sampler.take_logged(self.batch_size))
+                span, kept = self._spans.popleft()  # batches come back in the order they were drawn
+                self._position += step * span
+                if logging:
+                    sampler.take_logged(self.batch_size * span)
+                    self._returned.append(kept)
                 yield batch
         finally:
             del iterator  # shut the workers down now, not at garbage collection
@@ -104,3 +140,41 @@ class MixtureLoader(DataLoader):
         if any(current.get(k) != state_dict.get(k) for k in _SAME_POSITION_KEYS):
             self.mixture_sampler.load_state_dict(state_dict)
         self._sync()
+
+
+class _KeptBatches:
+    """``batches`` (lists of indices) without the ``quarantined`` ones; a batch left empty is skipped,
+    and ``spans`` records, per batch given out, how many drawn batches it stands for and its indices."""
+
+    def __init__(self, batches: Iterable[list[int]], quarantined: set[int], spans: collections.deque) -> None:
+        self.batches, self.quarantined, self.spans = batches, quarantined, spans
+
+    def __iter__(self) -> Iterator[list[int]]:
+        span = 0
+        for batch in self.batches:
+            span += 1
+            kept = [i for i in batch if i not in self.quarantined] if self.quarantined else batch
+            if kept:
+                self.spans.append((span, list(kept)))
+                span = 0
+                yield kept
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+
+def read_quarantine(path: str | os.PathLike) -> list[str]:
+    """The sample ids of a ``quarantine.jsonl`` (``data.quarantine``: rows ``{..., "ids": [...]}``,
+    as a run writes it); a line that is not such a row is a ``ConfigError`` naming it."""
+    ids = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                ids.extend(str(i) for i in json.loads(line)["ids"])
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    "data.quarantine", f'{path} line {number} is not a row {{..., "ids": [...]}}'
+                ) from None
+    return ids

@@ -112,20 +112,18 @@ class SampleTrace:
         self.rank, self.world_size, self.write = int(rank), int(world_size), bool(write)
         self.path = self.run_dir / f"samples-rank{rank}.jsonl"
         self._take, self.mixture = self._source(data)
-        self._pending: list[int] = []
+        self._pending: list[list[int]] = []  # the step's indices, by batch
         self.trainer: Any = None
 
     @staticmethod
-    def _source(data: Any) -> tuple[Callable[[], list[int]], MixtureDataset]:
+    def _source(data: Any) -> tuple[Callable[[], list[list[int]]], MixtureDataset]:
         if isinstance(data, MixtureLoader):
             data.log_batches()
-            return (
-                lambda: [i for batch in data.take_returned() for i in batch]
-            ), data.mixture_sampler.mixture
+            return data.take_returned, data.mixture_sampler.mixture
         sampler = getattr(getattr(data, "batch_sampler", None), "sampler", None)
         if isinstance(sampler, MixtureSampler) and getattr(data, "num_workers", None) == 0:
             sampler.log_indices()
-            return sampler.take_logged, sampler.mixture
+            return lambda: [sampler.take_logged()], sampler.mixture
         raise ConfigError(
             "data.trace_samples",
             f"needs a MixtureLoader or a DataLoader with num_workers=0 over a MixtureSampler, got "
@@ -141,8 +139,20 @@ class SampleTrace:
             out.append(f"{names[source]}:{local}")
         return out
 
+    def step_ids(self) -> list[list[str]]:
+        """The ids of each microbatch of the current step on this rank (from STEP_START to STEP_END):
+        what a handler that judges the step's samples reads."""
+        batches = [b for b in self._pending if b]
+        n = len(self.trainer.state.batch or ())
+        if len(batches) != n and n:  # a plain DataLoader's indices come as one list: split evenly
+            flat = [i for b in batches for i in b]
+            size = len(flat) // n
+            batches = [flat[k * size : (k + 1) * size] for k in range(n)]
+        return [self.ids(b) for b in batches]
+
     def attach(self, trainer: Any) -> SampleTrace:
         self.trainer = trainer
+        trainer.register_handler(self)  # found by trainer.get_handler(SampleTrace); holds no state
         # Where a handler that moves the mixture's phase runs too: after the restore (RESTORE), at the
         # start of OBSERVE on TRAIN_START and a little later on each step, late on ROLLBACK.
         trainer.add_event_handler(Events.TRAIN_START, self._on_train_start, priority=Priority.OBSERVE)
@@ -173,7 +183,7 @@ class SampleTrace:
         self._pending = self._take()
 
     def _on_step_end(self) -> None:
-        ids, self._pending = self.ids(self._pending), []
+        ids, self._pending = self.ids([i for b in self._pending for i in b]), []
         if self.write:
             row = {"step": int(self.trainer.state.step), "ids": ids}
             live = getattr(self.trainer.agreement.transport, "live", None)

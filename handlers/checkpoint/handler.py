@@ -18,6 +18,7 @@ from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import nothing_left_to_train
 from hookloop.engine.files import check_writable_dir
 from hookloop.engine.handler import Handler, checked_settings, section_settings
+from hookloop.handlers.checkpoint import handler_tensors
 from hookloop.handlers.checkpoint.rank_state import RankState
 from hookloop.handlers.checkpoint.reader import CheckpointReader, resolve_checkpoint_setting
 from hookloop.handlers.checkpoint.resume_settings import Recorded, ResumeSettings
@@ -398,7 +399,8 @@ class AsyncCheckpointer(Handler):
         extra = self._capture(step) if capture else None
         state = self.trainer.state
         metrics = self._store.ranking_metric(state.metrics, state.iteration)
-        self._writer.start(step, self.trainer.model, self.trainer.optimizer, extra, metrics)
+        tensors = handler_tensors.capture(self.trainer)
+        self._writer.start(step, self.trainer.model, self.trainer.optimizer, extra, metrics, tensors)
         self.last_saved_step = step
         if capture and self.mode == AsyncMode.SYNC:
             self._finish(wait=False)

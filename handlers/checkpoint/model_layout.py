@@ -49,6 +49,8 @@ def under_names(state_dict: dict[str, Any], names: dict[str, str]) -> dict[str, 
     out = {"model": {names[k]: v for k, v in state_dict["model"].items()}}
     if "optim" in state_dict:
         out["optim"] = {_renamed_optim_key(k, names): v for k, v in state_dict["optim"].items()}
+    if "handlers" in state_dict:  # handler tensor state (handler_tensors.HANDLERS) keeps its names
+        out["handlers"] = state_dict["handlers"]
     return out
 
 

@@ -1,6 +1,7 @@
 """What a checkpoint holds per rank beside DCP's model and optimizer: the trainer's counters, the
 LR scheduler, every stateful handler's state, the data position and the RNG states, as one JSON
-file (``rank_NNNNN.json``); and putting all of it back into a running trainer (resume, rollback)."""
+file (``rank_NNNNN.json``); and putting all of it back into a running trainer (resume, rollback),
+handler tensor state (:mod:`.handler_tensors`, through DCP) included."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from hookloop.engine.checkpoint_format.directory import parse_step
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointLayoutError
 from hookloop.engine.checkpoint_format.state_codec import decode
 from hookloop.engine.errors import ConfigError
+from hookloop.handlers.checkpoint import handler_tensors
 from hookloop.handlers.checkpoint.dcp_calls import STATE_DICT_OPTIONS, last_line
 from hookloop.handlers.checkpoint.rank_file import FORMAT, VERSION, rank_file, read_rank_file
 from hookloop.handlers.checkpoint.reader import CheckpointReader
@@ -117,13 +119,17 @@ class RankState:
     def _restore(self, path: str, *, rollback: bool, keep_data_position: bool) -> int:
         trainer = self.trainer
         extra, plan = self._plan(path, rollback=rollback)
+
+        def tensors(stored: dict[str, Any]) -> dict[str, Any]:
+            return handler_tensors.targets(trainer, stored, path, rollback=rollback)
+
         try:
             if self.load_optimizer:
                 model_sd, optim_sd = get_state_dict(
                     trainer.model, trainer.optimizer, options=STATE_DICT_OPTIONS
                 )
                 state_dict = {"model": model_sd, "optim": optim_sd}
-                self._reader.load(path, state_dict)
+                self._reader.load(path, state_dict, handlers=tensors)
                 set_state_dict(
                     trainer.model,
                     trainer.optimizer,
@@ -133,10 +139,11 @@ class RankState:
                 )
             else:
                 state_dict = {"model": get_model_state_dict(trainer.model)}
-                self._reader.load(path, state_dict)
+                self._reader.load(path, state_dict, handlers=tensors)
                 set_model_state_dict(trainer.model, state_dict["model"])
         except CheckpointLayoutError as e:  # named by the model setting that changed, if one did
             raise plan.layout_error(e) from None
+        handler_tensors.restore(trainer, state_dict.get(handler_tensors.HANDLERS, {}))
         lrs = run_snapshot.apply(  # this run's hyperparameters and schedule honoured after the scheduler
             trainer,
             extra,

@@ -25,6 +25,7 @@ from hookloop.engine.checkpoint_format.errors import (
 from hookloop.engine.checkpoint_format.safe_read import SafeLoadPlanner, SafeReader, verify_checkpoint
 from hookloop.handlers.checkpoint import optim_layout
 from hookloop.handlers.checkpoint.dcp_calls import last_line, quiet_single_process
+from hookloop.handlers.checkpoint.handler_tensors import HANDLERS
 from hookloop.handlers.checkpoint.model_layout import (
     STAGE_PREFIX,
     back_to_names,
@@ -221,9 +222,20 @@ class CheckpointReader:
         error.difference = difference
         raise error
 
-    def load(self, path: str, state_dict: dict[str, Any], field: str = "checkpoint.resume") -> None:
+    def load(
+        self,
+        path: str,
+        state_dict: dict[str, Any],
+        field: str = "checkpoint.resume",
+        handlers: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        """Load ``path`` into ``state_dict`` (``model``, ``optim``) in place, after the layout
+        check. ``handlers``: given the checkpoint's index entries, the handler tensor state to load
+        (:func:`.handler_tensors.targets`), put into ``state_dict[HANDLERS]`` and filled too."""
         index = SafeReader(path, index_limit=self.index_limit).read_metadata()
         names = self._check_compatible(path, index, state_dict, field)
+        if handlers is not None and (tensors := handlers(index.state_dict_metadata)):
+            state_dict[HANDLERS] = tensors
         target = state_dict if names is None else under_names(state_dict, names)
         # the optimizer's settings as the checkpoint holds them: per group or per parameter
         stored = index.state_dict_metadata

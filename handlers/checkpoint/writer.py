@@ -36,6 +36,7 @@ from hookloop.handlers.checkpoint.dcp_calls import (
     reraise_interrupt,
     trained_entries,
 )
+from hookloop.handlers.checkpoint.handler_tensors import HANDLERS
 from hookloop.handlers.checkpoint.host_copy import HostCopy, stage_then_save
 from hookloop.handlers.checkpoint.rank_file import MAX_BYTES
 from hookloop.handlers.checkpoint.session import CheckpointSession
@@ -111,7 +112,7 @@ def write_rank_file(partial: str, name: str, extra: dict[str, Any]) -> dict[str,
         raise CheckpointError(
             f"the state of rank {parallel.rank()} takes {len(data)} bytes, more than the "
             f"{MAX_BYTES} a resume reads: a handler's state_dict() holds too much (keep large tensors "
-            "in the model or the optimizer)"
+            "in the model, or in the handler's tensor_state_dict(), which goes through DCP)"
         )
     size, crc = write_durable(os.path.join(partial, name), data)
     return {name: manifest_entry(size, crc, parallel.rank())}
@@ -170,10 +171,12 @@ class CheckpointWriter:
         optimizer: Any,
         extra: dict[str, Any] | None,
         metrics: dict[str, float],
+        handler_tensors: dict[str, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """Start saving ``step`` (no save may be in flight): this rank's state JSON ``extra`` and
-        the model and optimizer through DCP; ``metrics`` go into the marker. ``extra`` None: the
-        state JSON comes later, through :meth:`write_state` (the save is not done before it)."""
+        the model, optimizer and ``handler_tensors`` (:mod:`.handler_tensors`) through DCP;
+        ``metrics`` go into the marker. ``extra`` None: the state JSON comes later, through
+        :meth:`write_state` (the save is not done before it)."""
         name = step_dir_name(step)
         partial = os.path.join(self.directory, f"{name}.partial-{self._session.id}")
         own_state = f"rank_{parallel.rank():05d}.json"
@@ -198,6 +201,8 @@ class CheckpointWriter:
         if self.mode is AsyncMode.ASYNC:  # staged later, while the next forward may change buffers
             model_sd = copy_buffers(model_sd, model)
         state_dict = {"model": model_sd, "optim": optim_sd}
+        if handler_tensors:
+            state_dict[HANDLERS] = handler_tensors
         # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
         reuse = os.path.join(self.directory, REUSE)  # a pruned checkpoint's files, written over
         writer = RecordingWriter(partial, parallel.rank(), checked=checked, reuse=reuse)

@@ -4,7 +4,8 @@
 
     hookloop export RUN_DIR [--step N | --best] [--ema] --out DIR
 
-writes the model weights of one verified checkpoint of ``RUN_DIR`` (its newest by default) as
+writes the model weights (``--ema``: their moving average, kept by :mod:`hookloop.handlers.ema`) of
+one verified checkpoint of ``RUN_DIR`` (its newest by default) as
 ``DIR/model.safetensors`` under the plain model's parameter names, whatever layout trained it (one
 process, DDP, FSDP2, tensor or pipeline parallel, or a mix: DTensor shards are joined, pipeline
 stages' names mapped back), with the run's ``config.yaml`` beside it. For a Hugging Face model
@@ -51,8 +52,12 @@ _DTYPES = {
 class _Checkpoint:
     """One verified checkpoint of a run, its model entries by the plain model's names."""
 
-    def __init__(self, run_dir: str | os.PathLike, step: int | None = None, best: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike, step: int | None = None, best: bool = False, ema: bool = False
+    ) -> None:
+        from hookloop.handlers.checkpoint.handler_tensors import HANDLERS
         from hookloop.handlers.checkpoint.model_layout import STAGE_PREFIX
+        from hookloop.handlers.ema import WeightEMA
         from hookloop.training_config import load_training_config
 
         self.run_dir = Path(run_dir)
@@ -67,6 +72,13 @@ class _Checkpoint:
         directory = ckpt.directory or str(self.run_dir / "checkpoints")
         self.index_limit = int(ckpt.max_index_mb * (1 << 20))
         self.path = self._choose(directory, step, best)
+        self._reader = _CachedReader(self.path, index_limit=self.index_limit)
+        averaged_prefix = f"{HANDLERS}.{WeightEMA.state_key}."
+        if ema and not self._holds(averaged_prefix):
+            raise CheckpointError(
+                f"--ema: checkpoint {self.path} holds no moving average of the weights (no "
+                f"WeightEMA trained it): this run has no EMA weights ({run_dir})"
+            )
         try:
             problems, verified = verify_checkpoint(self.path, 0, 1, self.index_limit)
         except CheckpointIndexBoundError as e:
@@ -77,20 +89,36 @@ class _Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path} has no manifest in its {MARKER} marker to verify it by"
             )
-        self._reader = _CachedReader(self.path, index_limit=self.index_limit)
-        stored = {
-            k.removeprefix("model."): v
-            for k, v in self._reader.read_metadata().state_dict_metadata.items()
-            if k.startswith("model.") and hasattr(v, "chunks")  # tensors, not byte entries
-        }
+        index = self._reader.read_metadata().state_dict_metadata
+
+        def tensors(prefix: str) -> dict[str, Any]:
+            return {
+                k.removeprefix(prefix): (k, v)
+                for k, v in index.items()
+                if k.startswith(prefix) and hasattr(v, "chunks")  # tensors, not byte entries
+            }
+
+        stored = tensors("model.")
+        if ema:  # the averaged parameters in place of the trained ones; buffers as trained
+            averaged = tensors(averaged_prefix)
+            stored.update({k: averaged[k] for k in stored if k in averaged})
         split = bool(stored) and all(STAGE_PREFIX.match(k) for k in stored)
-        #: plain name -> (name in the checkpoint, shape, dtype)
+        #: plain name -> (the entry's key in the checkpoint, shape, dtype)
         self.entries = {
-            (STAGE_PREFIX.sub("", k) if split else k): (k, tuple(v.size), v.properties.dtype)
-            for k, v in sorted(stored.items())
+            (STAGE_PREFIX.sub("", k) if split else k): (key, tuple(v.size), v.properties.dtype)
+            for k, (key, v) in sorted(stored.items())
         }
         if len(self.entries) != len(stored):
             raise CheckpointError(f"checkpoint {self.path}: two pipeline stages hold a parameter of one name")
+
+    def _holds(self, prefix: str) -> bool:
+        """Whether the checkpoint's index names an entry under ``prefix`` (True when the index
+        cannot be read: the verification that follows says what is wrong)."""
+        try:
+            return any(k.startswith(prefix) for k in self._reader.read_metadata().state_dict_metadata)
+        except CheckpointError:
+            self._reader = _CachedReader(self.path, index_limit=self.index_limit)
+            return True
 
     def _choose(self, directory: str, step: int | None, best: bool) -> str:
         complete, _ = complete_checkpoints(directory)
@@ -137,7 +165,7 @@ class _Checkpoint:
 
         from hookloop.handlers.checkpoint.dcp_calls import last_line, quiet_single_process
 
-        target = {"model": {self.entries[k][0]: t for k, t in tensors.items()}}
+        target = {self.entries[k][0]: t for k, t in tensors.items()}  # by their flat keys
         with quiet_single_process():
             try:
                 load(target, storage_reader=self._reader, planner=SafeLoadPlanner(), no_dist=True)
@@ -158,11 +186,12 @@ class _CachedReader(SafeReader):
         return self._metadata
 
 
-def load_model(run_dir: str | os.PathLike, step: int | None = None) -> torch.nn.Module:
+def load_model(run_dir: str | os.PathLike, step: int | None = None, ema: bool = False) -> torch.nn.Module:
     """The model of run ``run_dir``, built from its ``config.yaml`` as ``hookloop train`` builds it
     (one process, no process group) with the weights of its checkpoint at ``step`` (None: the
-    newest), verified first. Raises CheckpointError (damaged, missing) or ConfigError."""
-    checkpoint = _Checkpoint(run_dir, step)
+    newest), verified first; ``ema``: the moving average of the weights (:mod:`hookloop.handlers.ema`).
+    Raises CheckpointError (damaged, missing, no average) or ConfigError."""
+    checkpoint = _Checkpoint(run_dir, step, ema=ema)
     model = checkpoint.build()
     state = model.state_dict()
     checkpoint.read(state)
@@ -171,11 +200,16 @@ def load_model(run_dir: str | os.PathLike, step: int | None = None) -> torch.nn.
 
 
 def export(
-    run_dir: str | os.PathLike, out: str | os.PathLike, step: int | None = None, best: bool = False
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    step: int | None = None,
+    best: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Write ``out/model.safetensors`` and ``out/config.yaml`` (plus ``config.json`` for a Hugging
-    Face model) from a checkpoint of ``run_dir``; returns the safetensors file."""
-    checkpoint = _Checkpoint(run_dir, step, best)
+    Face model) from a checkpoint of ``run_dir``; returns the safetensors file. ``ema``: the
+    moving average of the weights instead of the trained ones."""
+    checkpoint = _Checkpoint(run_dir, step, best, ema)
     shape = checkpoint.build("meta")  # names and shapes checked; no memory
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,9 +280,7 @@ def main(argv: list[str] | None = None, prog: str = "hookloop export") -> int:
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
     args = parser.parse_args(argv)
     try:
-        if args.ema:
-            raise CheckpointError(f"--ema: this run has no EMA weights ({args.run_dir})")
-        written = export(args.run_dir, args.out, args.step, args.best)
+        written = export(args.run_dir, args.out, args.step, args.best, args.ema)
     except (CheckpointError, ConfigError, OSError) as e:  # OSError: where --out cannot be written
         print(f"export error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from hookloop.engine.data import (
     stdlib_docs_text,
     stdlib_source_files,
 )
+from hookloop.engine.data.loader import read_quarantine
 from hookloop.engine.errors import ConfigError
 from hookloop.engine.targets import accepted_names, bind_arguments, resolve_target
 
@@ -220,6 +221,8 @@ def build_data(
         num_workers=cfg.data.num_workers if num_workers is None else num_workers,
         collate_fn=collate_fn,
     )
+    if cfg.data.quarantine is not None:  # samples an earlier run found bad: never fetched
+        train.quarantine(read_quarantine(cfg.data.quarantine))
     val = None
     if val_parts and cfg.data.val_samples:
         val_set = MixtureDataset(val_parts, tag_source=tag)

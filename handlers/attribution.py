@@ -1,0 +1,346 @@
+"""RerunAttribution: rerun a bad step to tell a bad sample from a bad rank.
+
+When the :class:`~hookloop.handlers.NaNDetector` finds a step bad (a non-finite loss or gradient
+norm, or a loss spike by its rule) on some rank, every rank knows it from the step's agreement,
+before the optimizer. Then, on every rank together (nothing runs on a good step but keeping the
+step's RNG state)::
+
+    rerun this rank's microbatches: same inputs, weights, RNG state    -> same-rank verdicts, gathered
+    if any rerun is bad and peer_rerun: send them to rank (r + 1) % W (point to point),
+        rerun the peer's microbatches with its RNG state                -> peer verdicts, gathered
+    classify each rank r that was bad:
+        good on its own rerun                  -> transient fault on r (counted, named with its host)
+        bad on its rerun and on its peer's     -> data or numerics: its bad samples are quarantined
+        bad on its rerun, good on its peer's   -> faulty rank r (named with its host)
+
+The decision is made from gathered values, the same on every rank. The step stays vetoed (the
+detector's skip); the reruns leave no gradient and put the RNG and the model's buffers back as the
+step left them, so the run goes on exactly as it would have without them. At most ``max_reruns`` bad
+steps are rerun in a run.
+
+A data verdict quarantines the samples: the bad rank reruns the bad microbatches sample by sample
+(forward only) to find the samples whose loss is non-finite (all of the bad microbatches' samples
+when none alone is, a spike), writes them to ``run_dir/quarantine.jsonl`` (rank 0; one line per step
+and dataset: ``{"step", "dataset", "ids", "reason"}``), and every rank's training loader stops
+fetching them (:meth:`engine.data.MixtureLoader.quarantine`). The handler's checkpoint state holds the
+quarantine, so a resumed run, on any number of data-parallel ranks, never trains on them again;
+``data.quarantine=FILE`` starts a new run that skips a file's samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer, TrainingAborted, parallel
+from hookloop.engine.batch import forward_and_loss
+from hookloop.engine.data import MixtureLoader, SampleTrace
+from hookloop.engine.events import Priority
+from hookloop.engine.handler import Handler, checked_settings
+from hookloop.engine.step_body import LocalStepBody, StepBody
+from hookloop.handlers.sections.attribution import AttributionConfig
+
+__all__ = ["AttributionConfig", "RerunAttribution"]
+
+logger = logging.getLogger(__name__)
+
+#: STEP_START: keep the RNG state the step's forward starts from (before anything draws from it).
+KEEP_RNG = Priority.CLOCK + 800
+QUARANTINE_FILE = "quarantine.jsonl"
+
+
+class _Rerun(NamedTuple):
+    reason: str | None  # why the rerun is bad by the detector's rule; None: good
+    bad_microbatches: list[int]  # the microbatches whose own loss is bad
+    loss: float  # the rerun's mean microbatch loss
+
+
+class RerunAttribution(Handler):
+    """Rerun a bad step on its rank and on a peer; name the cause; quarantine bad samples."""
+
+    state_key = "attribution"
+    restore_on_rollback = False
+    asks_after_agreement = False
+    Config = AttributionConfig
+    section = "attribution"
+    doc = "docs/nan_detector.md"  # its page (a shipped handler: handlers/declarations.py)
+
+    def __init__(
+        self,
+        *,
+        max_reruns: int = 10,
+        peer_rerun: bool = True,
+        quarantine: bool = True,
+        on_faulty_rank: str = "warn",
+        run_dir: str | Path | None = None,
+        dataloader: Any = None,
+    ) -> None:
+        checked_settings(AttributionConfig, locals(), "attribution")
+        self.max_reruns, self.peer_rerun, self.quarantine = max_reruns, peer_rerun, quarantine
+        self.on_faulty_rank = on_faulty_rank
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.loader = dataloader if isinstance(dataloader, MixtureLoader) else None
+        self.reruns = 0
+        self.transients: dict[str, int] = {}  # "rank <r> (<host>)" -> transient faults seen
+        self.faulty: list[dict[str, Any]] = []  # {"step", "rank", "host", "reason"}
+        self.quarantined: list[dict[str, Any]] = []  # the rows of quarantine.jsonl
+        self.verdicts: list[dict[str, Any]] = []  # {"step", "rank", "host", "cause", "reason"}
+        self._rng: Any = None  # the RNG state the step's forward started from
+        self._local_loss: Any = None
+        self.detector: Any = None  # the NaN detector: its verdict and its rule (judge)
+        self.trace: SampleTrace | None = None
+
+    def attach(self, trainer: Trainer) -> RerunAttribution:
+        self.detector = trainer.get_handler("nan_detector")
+        if self.detector is None:
+            raise ConfigError(
+                "attribution",
+                "judges steps by the NaN detector's rule: attach a NaNDetector first (nan.enabled)",
+            )
+        if trainer.tp_mesh is not None or not isinstance(trainer.step_body, LocalStepBody):
+            raise ConfigError(
+                "attribution",
+                "reruns a step of a model held whole on each rank (plain, DDP or FSDP2); not with tensor "
+                "or pipeline parallelism or a step body of another class: set attribution.enabled=false",
+            )
+        trainer.add_event_handler(Events.STEP_START, self._keep_rng, priority=KEEP_RNG)
+        trainer.add_event_handler(Events.TRAIN_START, self._find_trace, priority=Priority.OBSERVE - 500)
+        trainer.agreement.add("attribution.bad", self._fill, self._on_verdict)
+        return super().attach(trainer)
+
+    def _find_trace(self) -> None:
+        """The sample trace names the step's samples (attached after the shipped handlers)."""
+        self.trace = self.trainer.get_handler(SampleTrace)
+        if self.quarantine and (self.trace is None or self.loader is None):
+            raise ConfigError(
+                "attribution.quarantine",
+                "names the bad samples from the sample trace of a MixtureLoader: set data.trace_samples=true "
+                "(or attribution.quarantine=false)",
+            )
+
+    def _fill(self) -> Any:
+        """This rank's verdict for the agreement; its own loss kept (not read) for a rerun's judge."""
+        self._local_loss = self.trainer.state.peek("loss")
+        return self.detector.verdict
+
+    def _keep_rng(self) -> None:
+        self._rng = _rng_state(self.trainer.device)  # a few KB copied: the only cost on a good step
+
+    # ------------------------------------------------------------------ the reruns
+    def _rerun(self, microbatches: Sequence[Any], rng: Any) -> _Rerun:
+        """Forward and backward of ``microbatches`` from RNG state ``rng`` on this rank's weights,
+        its gradients local (DDP: no sync; FSDP2: judged on the loss only), then dropped."""
+        trainer, detector = self.trainer, self.detector
+        body: StepBody = trainer.step_body
+        ctx, model = trainer.step_context, trainer.model
+        if rng is not None:
+            _set_rng_state(rng)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        n, losses = len(microbatches), []
+        with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+            for i, microbatch in enumerate(microbatches):
+                inputs, targets = ctx.prepare(microbatch)
+                if fsdp:  # every rank reruns together: the collectives of a normal step
+                    model.set_requires_gradient_sync(i == n - 1)
+                with ctx.loss_context():
+                    with ctx.autocast():
+                        _, loss = body.compute_loss(inputs, targets, ctx)
+                    (loss / n).backward()
+                losses.append(float(loss.detach()))
+        norm = body.grad_norm()
+        norm = float(norm) if isinstance(norm, torch.Tensor) else norm
+        trainer.optimizer.zero_grad(set_to_none=True)
+        bad = [i for i, loss in enumerate(losses) if detector.judge(loss) is not None]
+        loss = sum(losses) / max(n, 1)
+        return _Rerun(detector.judge(loss, None if fsdp else norm), bad, loss)
+
+    def _bad_samples(
+        self, microbatches: Sequence[Any], bad_microbatches: list[int], suspect: bool
+    ) -> list[str]:
+        """This rank's ids to quarantine (none unless ``suspect``): the samples of the ``bad``
+        microbatches whose own forward gives a non-finite loss; all of those microbatches' samples
+        when none does alone, or when a step body's own loss cannot be run on one sample. Under
+        FSDP2 every rank runs as many forwards as the rank with the most suspects (the collectives
+        of a forward), the others on a sample of their own whose loss is not looked at."""
+        ids = self.trace.step_ids() if self.trace is not None else []
+        picked = bad_microbatches or list(range(len(microbatches)))
+        suspects = (
+            [(i, j, sid) for i in picked if i < len(ids) for j, sid in enumerate(ids[i])] if suspect else []
+        )
+        trainer, model = self.trainer, self.trainer.model
+        if type(trainer.step_body).compute_loss is not StepBody.compute_loss or not ids:
+            return [sid for _, _, sid in suspects]
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        rounds = max(parallel.gather_objects(len(suspects))) if fsdp else len(suspects)
+        module = model if fsdp else getattr(model, "module", model)  # DDP's: no collective alone
+        found = []
+        module.eval()  # one sample: no batch statistics
+        with torch.no_grad():
+            for k in range(rounds):
+                i, j, sid = suspects[k] if k < len(suspects) else (0, 0, None)
+                inputs, targets = trainer.step_context.prepare(_slice(microbatches[i], j, len(ids[i])))
+                with trainer.autocast():
+                    _, loss = forward_and_loss(module, inputs, targets, trainer.loss_fn)
+                if sid is not None and not torch.isfinite(loss).item():
+                    found.append(sid)
+        module.train()
+        return found or [sid for _, _, sid in suspects]
+
+    # ------------------------------------------------------------------ the decision
+    def _on_verdict(self, bad_ranks: float) -> None:
+        """After the step's agreement, on every rank alike: rerun a bad step and classify it."""
+        if not bad_ranks or self.reruns >= self.max_reruns:
+            return
+        if not parallel.agree_any(bool(self.detector.verdict)):  # bad in another replica group only:
+            return  # that group reruns it
+        self.reruns += 1
+        state = self.trainer.state
+        world, me = parallel.world_size(), parallel.rank()
+        microbatches = list(state.batch or ())
+        after_step = _rng_state(self.trainer.device)  # put back, with the buffers, once decided
+        buffers = [b.detach().clone() for b in self.trainer.model.buffers()]
+        own = self._rerun(microbatches, self._rng)
+        loss = self._local_loss
+        loss_bad = self.detector.judge(float(loss)) is not None
+        rows = parallel.gather_objects((loss_bad, own.reason, socket.gethostname()))
+        peer: list[str | None] | None = None
+        if self.peer_rerun and world > 1 and any(reason for _, reason, _ in rows):
+            theirs = self._rerun(*_pass_to_next((microbatches, self._rng), me, world))
+            peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
+        # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
+        # every rank) those whose rerun's own gradients are bad; else no rank can be named.
+        suspects = [r for r, row in enumerate(rows) if row[0]] or [r for r, row in enumerate(rows) if row[1]]
+        data_ranks = []
+        for r in suspects or [None]:
+            host = rows[r][2] if r is not None else "unknown host"
+            reason = rows[r][1] if r is not None else None
+            if reason is None:
+                cause = "transient"
+                key = f"rank {r} ({host})" if r is not None else "unknown rank"
+                self.transients[key] = self.transients.get(key, 0) + 1
+            elif peer is None or peer[(r + 1) % world] is not None:
+                cause = "data"
+                data_ranks.append(r)
+            else:
+                cause = "faulty_rank"
+                self.faulty.append({"step": state.step, "rank": r, "host": host, "reason": reason})
+            self.verdicts.append(
+                {"step": state.step, "rank": r, "host": host, "cause": cause, "reason": reason}
+            )
+            logger.warning("step %d: %s", state.step, _explain(cause, r, host, reason, peer is not None))
+        if data_ranks and self.quarantine:
+            mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
+            reason = f"bad on rank and peer rerun: {rows[data_ranks[0]][1]}"
+            self._quarantine(
+                state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason
+            )
+        _set_rng_state(after_step)
+        with torch.no_grad():  # batch statistics (BatchNorm) as the step left them
+            for buffer, saved in zip(self.trainer.model.buffers(), buffers):
+                buffer.copy_(saved)
+        self._publish(state)
+        faulty = [v for v in self.faulty if v["step"] == state.step]
+        if faulty and self.on_faulty_rank == "stop":
+            names = ", ".join(f"rank {v['rank']} on {v['host']}" for v in faulty)
+            raise TrainingAborted(
+                f"step {state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
+                ExitCode.NAN_ABORT,
+            )
+
+    def _quarantine(self, step: int, ids: list[str], reason: str) -> None:
+        """Record ``ids`` (every rank alike), write them (rank 0) and stop fetching them."""
+        by_dataset: dict[str, list[str]] = {}
+        for sid in ids:
+            by_dataset.setdefault(sid.rpartition(":")[0], []).append(sid)
+        rows = [{"step": step, "dataset": d, "ids": v, "reason": reason} for d, v in by_dataset.items()]
+        self.quarantined.extend(rows)
+        self._skip(ids)
+        if self.run_dir is not None and parallel.rank() == 0 and rows:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / QUARANTINE_FILE, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        logger.warning("step %d: quarantined %d sample(s): %s", step, len(ids), ", ".join(ids))
+
+    def _skip(self, ids: list[str]) -> None:
+        if self.loader is not None:
+            self.loader.quarantine(ids)
+
+    def _publish(self, state: Any) -> None:
+        state.metrics["attribution/reruns"] = self.reruns
+        state.metrics["attribution/transients"] = sum(self.transients.values())
+        state.metrics["attribution/faulty_ranks"] = len(self.faulty)
+        state.metrics["attribution/quarantined"] = sum(len(row["ids"]) for row in self.quarantined)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "reruns": self.reruns,
+            "transients": dict(self.transients),
+            "faulty": list(self.faulty),
+            "quarantined": list(self.quarantined),
+            "verdicts": list(self.verdicts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reruns = int(state["reruns"])
+        self.transients = dict(state["transients"])
+        self.faulty = list(state["faulty"])
+        self.quarantined = list(state["quarantined"])
+        self.verdicts = list(state["verdicts"])
+        self._skip([sid for row in self.quarantined for sid in row["ids"]])
+
+
+def _pass_to_next(obj: Any, me: int, world: int) -> Any:
+    """Send ``obj`` to rank ``me + 1`` and return rank ``me - 1``'s (around the ring); even ranks
+    send first, odd ranks receive first, so no two ranks wait on each other."""
+    received: list[Any] = [None]
+    for sending in (me % 2 == 0, me % 2 != 0):
+        if sending:
+            dist.send_object_list([obj], dst=(me + 1) % world)
+        else:
+            dist.recv_object_list(received, src=(me - 1) % world)
+    return received[0]
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state and, on a GPU, the device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _slice(microbatch: Any, j: int, size: int) -> Any:
+    """Sample ``j`` of a collated microbatch of ``size`` samples (tensors cut along their first
+    dimension; anything else kept)."""
+    if isinstance(microbatch, torch.Tensor):
+        return microbatch[j : j + 1] if microbatch.dim() and microbatch.shape[0] == size else microbatch
+    if isinstance(microbatch, tuple | list):
+        return type(microbatch)(_slice(x, j, size) for x in microbatch)
+    if isinstance(microbatch, dict):
+        return {k: _slice(v, j, size) for k, v in microbatch.items()}
+    return microbatch
+
+
+def _explain(cause: str, rank: int, host: str, reason: str | None, peer: bool) -> str:
+    if cause == "transient":
+        return f"rank {rank} ({host}) was bad and its rerun is good: a transient fault on that rank, counted"
+    if cause == "faulty_rank":
+        return (
+            f"rank {rank} ({host}) is bad ({reason}) again on its rerun, and its data is good on another "
+            f"rank: rank {rank} computes wrong; leave its node out"
+        )
+    where = "on its rerun and on another rank" if peer else "on its rerun"
+    return f"rank {rank} ({host}) is bad ({reason}) {where}: the data or the numerics; samples quarantined"

@@ -1,0 +1,368 @@
+"""Rerun attribution, sample quarantine and the fault injector, in real runs.
+
+Two gloo ranks under DDP (and FSDP2), four in a ring: a transient NaN on one rank is named
+transient and nothing is quarantined; a bad sample is found bad on its rank and on the peer it is
+sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run
+resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
+flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
+asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. In one process:
+a rerun draws the step's random numbers and leaves the run as it is without one, ``action=raise``
+attributes before it stops, ``data.quarantine`` starts a run without the listed samples.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from hookloop.engine import ConfigError, Events, Trainer, TrainingAborted
+from hookloop.engine.data import (
+    MixtureDataset,
+    MixtureLoader,
+    MixtureSampler,
+    SampleTrace,
+    read_sample_traces,
+)
+from hookloop.handlers import HANDLER_ORDER, NaNDetector, attach_handlers, load_run_config
+from hookloop.handlers.attribution import RerunAttribution
+from hookloop.handlers.fault_injection import FaultInjector
+from hookloop.handlers.run_config import compose_config
+from hookloop.handlers.sections.attribution import AttributionConfig
+from hookloop.handlers.sections.fault_injection import FaultInjectionConfig
+from tests.dist_utils import run_distributed
+
+Schema = compose_config(attribution=AttributionConfig, fault_injection=FaultInjectionConfig)
+ORDER = [*HANDLER_ORDER, RerunAttribution, FaultInjector]
+LOCAL_BATCH, GLOBAL_BATCH = 2, 8
+
+
+def mixture() -> MixtureDataset:
+    g = torch.Generator().manual_seed(3)
+    parts = {}
+    for name, n in (("a", 24), ("b", 16)):
+        x = torch.randn(n, 4, generator=g)
+        parts[name] = [(x[i], x[i].sum(0, keepdim=True)) for i in range(n)]
+    return MixtureDataset(parts)
+
+
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True):
+    """One run of a tiny MLP on the mixture; what it decided."""
+    from hookloop.engine.parallel import wrap_data_parallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    if world > 1:
+        model = wrap_data_parallel(model, dp_mode)
+    cfg = load_run_config(
+        None,
+        [
+            f"train.run_dir={run_dir}",
+            f"train.local_batch_size={LOCAL_BATCH}",
+            f"step_scheduler.global_batch_size={GLOBAL_BATCH}",
+            f"step_scheduler.max_steps={steps}",
+            "step_scheduler.ckpt_every_steps=2",
+            f"checkpoint.directory={run_dir}/ckpt",
+            "checkpoint.mode=sync",
+            "nan.action=warn",
+            "logging.console=false",
+            "logging.jsonl=false",
+            "dataset_metrics.enabled=false",
+            f"attribution.enabled={str(attribution).lower()}",
+            *overrides,
+        ],
+        schema=Schema,
+        world_size=world,
+    )
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        torch.nn.functional.mse_loss,
+        prepare_batch=lambda mb, device: (mb[0], mb[1]),
+        hang_timeout_s=None,
+    )
+    loader = MixtureLoader(
+        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
+    )
+    if cfg.data.quarantine is not None:
+        from hookloop.engine.data.loader import read_quarantine
+
+        loader.quarantine(read_quarantine(cfg.data.quarantine))
+    handlers = attach_handlers(
+        trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world,
+        run_dir=run_dir,
+    )  # fmt: skip
+    SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
+    losses = []
+    trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+    aborted = None
+    try:
+        trainer.run(loader)
+    except TrainingAborted as e:
+        aborted = (str(e), int(e.exit_code))
+    state = trainer.state
+    attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
+    return {
+        "aborted": aborted,
+        "step": state.step,
+        "skipped": state.skipped_steps,
+        "losses": losses,
+        "state": attribution.state_dict() if attribution else None,
+        "quarantined": sorted(loader.quarantined),
+        "flipped": next((h.flipped for h in handlers if isinstance(h, FaultInjector)), None),
+        "weights": [p.detach().double().sum().item() for p in model.parameters()],
+    }
+
+
+def _two_ranks(rank: int, world: int, tmp: str, cases: list) -> list:
+    from hookloop.engine import init_distributed
+
+    init_distributed()
+    return [run(f"{tmp}/{name}", overrides, rank=rank, world=world, **kw) for name, overrides, kw in cases]
+
+
+def verdicts(result) -> list[tuple]:
+    return [(v["step"], v["rank"], v["cause"]) for v in result["state"]["verdicts"]]
+
+
+def union(traces, step) -> set:
+    return {i for per_rank in traces.values() for i in per_rank.get(step, [])}
+
+
+def sample_at(step: int, rank: int, world: int = 2) -> str:
+    """The first sample rank ``rank`` of ``world`` trains at ``step``."""
+    sampler = MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world)
+    stream = iter(sampler)
+    per_step = GLOBAL_BATCH // world
+    index = [next(stream) for _ in range(per_step * step)][per_step * (step - 1)]
+    source, local = sampler.mixture.locate(index)
+    return f"{sampler.mixture.names[source]}:{local}"
+
+
+def test_transient_and_data_faults_on_two_ddp_ranks_are_told_apart_and_the_bad_sample_never_trains_again(
+    tmp_path,
+):
+    bad = sample_at(step=2, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=1",
+                 "fault_injection.step=3"]  # fmt: skip
+    cases = [
+        ("transient", transient, {}),
+        ("data", data, {"steps": 12}),
+        ("resumed", data, {"steps": 4}),  # then resumed on the same two ranks
+        ("resumed", data, {"steps": 12}),
+        ("elastic", data, {"steps": 4}),  # then resumed on one rank, below
+    ]
+    t, d, _, resumed, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)[0]
+
+    # transient: rank 1's NaN at step 3 does not come back when rank 1 reruns the step
+    assert verdicts(t) == [(3, 1, "transient")]
+    assert list(t["state"]["transients"].values()) == [1] and t["state"]["quarantined"] == []
+    assert t["skipped"] == 1 and t["step"] == 8 and not (tmp_path / "transient" / "quarantine.jsonl").exists()
+
+    # data: the sample is bad on rank 1 and on rank 0, which reran rank 1's microbatches: quarantined
+    assert verdicts(d) == [(2, 1, "data")] and d["skipped"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dataset"], r["ids"]) for r in rows] == [(2, bad.split(":")[0], [bad])]
+    traces = read_sample_traces(tmp_path / "data")
+    # 12 steps of 8 draw every sample of "a" (24) and "b" (16) more than once: the bad one only at step 2
+    assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
+    assert all(len(union(traces, s)) <= GLOBAL_BATCH for s in range(1, 13))
+
+    # resumed from the step-4 checkpoint on the same two ranks: the same steps, bitwise
+    assert resumed["quarantined"] == d["quarantined"] and resumed["step"] == 12
+    assert resumed["losses"] == d["losses"][4:]
+    again = read_sample_traces(tmp_path / "resumed")
+    assert all(again[r] == traces[r] for r in (0, 1))
+
+    # resumed on ONE rank (the same global batch): the quarantine comes back from the checkpoint and
+    # each step trains exactly the samples of the uninterrupted two-rank run
+    out = run(tmp_path / "elastic", data, steps=12)
+    assert out["quarantined"] == d["quarantined"] and out["step"] == 12
+    elastic = read_sample_traces(tmp_path / "elastic")
+    for s in range(5, 13):
+        assert set(elastic[0][s]) == union(traces, s)
+        assert bad not in elastic[0][s]
+
+
+def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data_from_transient(tmp_path):
+    flip = [
+        "fault_injection.enabled=true",
+        "fault_injection.kind=corruption",
+        "fault_injection.rank=1",
+        "fault_injection.step=3",
+        "fault_injection.parameter=0.weight",
+        "attribution.max_reruns=2",
+    ]
+    bad = sample_at(step=2, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = [
+        "fault_injection.enabled=true",
+        "fault_injection.kind=transient",
+        "fault_injection.rank=0",
+        "fault_injection.step=2",
+    ]
+    cases = [
+        ("flip", flip, {"steps": 6}),
+        ("flip_stop", [*flip, "attribution.on_faulty_rank=stop"], {"steps": 6}),
+        ("flip_low", [*flip, "fault_injection.bit=0"], {"steps": 6}),
+        ("flip_heal", [*flip, "nan.action=rollback", "nan.max_consecutive=2"], {"steps": 8}),
+        ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),
+        ("fsdp_transient", transient, {"steps": 4, "dp_mode": "fsdp"}),
+    ]  # fmt: skip
+    r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    flipped, stopped, low, healed, fsdp_data, fsdp_transient = r0
+
+    # rank 1's weights went bad at step 3: bad again on its rerun, good on rank 0's: a faulty rank,
+    # named with its host; two reruns in the run, the later bad steps only vetoed
+    assert verdicts(flipped) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")]
+    assert [f["host"] for f in flipped["state"]["faulty"]] == [socket.gethostname()] * 2
+    assert flipped["skipped"] == 4 and flipped["state"]["quarantined"] == []
+    assert flipped["flipped"] is None  # rank 0's injector flipped nothing
+    assert r1[0]["flipped"] == {"step": 3, "rank": 1, "parameter": "module.0.weight", "bit": 30}
+    message, code = stopped["aborted"]
+    assert code == 76 and f"rank 1 on {socket.gethostname()}" in message and "step 3" in message
+
+    # the lowest bit: every step finite, nothing to rerun, and the replicas' weights silently differ
+    assert low["skipped"] == 0 and low["state"]["verdicts"] == [] and low["step"] == 6
+    assert low["weights"][0] != r1[2]["weights"][0] and low["weights"][1:] == r1[2]["weights"][1:]
+
+    # with the detector's rollback (the default action): two bad steps, the replica named, then the
+    # step-2 checkpoint restores every rank's weights and the run ends with the replicas equal again
+    assert verdicts(healed) == [(3, 1, "faulty_rank"), (4, 1, "faulty_rank")] and healed["step"] == 8
+    assert healed["weights"] == r1[3]["weights"] and healed["losses"][-1] == healed["losses"][-1]
+
+    # FSDP2: the same causes, and the same one bad sample (every rank runs the one-sample forwards)
+    assert verdicts(fsdp_data) == [(2, 1, "data")]
+    assert fsdp_data["state"]["quarantined"][0]["ids"] == [bad]
+    assert verdicts(fsdp_transient) == [(2, 0, "transient")] and fsdp_transient["state"]["quarantined"] == []
+
+
+def test_bad_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match="fault_injection.sample"):
+        FaultInjectionConfig(kind="data", sample="a5").validate()
+    with pytest.raises(ConfigError, match="fault_injection.bit"):
+        FaultInjectionConfig(bit=32).validate()
+    with pytest.raises(ConfigError, match="attribution.on_faulty_rank"):
+        AttributionConfig(on_faulty_rank="exclude").validate()
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="attribution: judges steps by the NaN detector"):
+        RerunAttribution().attach(trainer)
+    with pytest.raises(ConfigError, match="fault_injection.parameter"):
+        FaultInjector(kind="corruption", parameter="nope").attach(trainer)
+    NaNDetector(action="warn").attach(trainer)
+    RerunAttribution().attach(trainer)  # quarantine on, no sample trace: refused before the first step
+    with pytest.raises(ConfigError, match="attribution.quarantine: .* data.trace_samples=true"):
+        trainer.run([(torch.randn(2, 4), torch.randn(2, 1))], max_steps=1)
+    assert trainer.state.step == 0
+
+
+def test_with_action_raise_the_step_is_attributed_first_and_a_new_run_skips_the_quarantine_file(tmp_path):
+    bad = sample_at(step=2, rank=0, world=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    first = run(tmp_path / "first", [*data, "nan.action=raise"], steps=6)
+    assert first["aborted"][1] == 76 and "step 2" in first["aborted"][0]
+    assert verdicts(first) == [(2, 0, "data")]  # one process: bad on its rerun, no peer to ask
+    quarantine = tmp_path / "first" / "quarantine.jsonl"
+    assert [json.loads(line)["ids"] for line in quarantine.read_text().splitlines()] == [[bad]]
+
+    # a new run with data.quarantine, under a phase curriculum that moves the mixture's weights
+    phases = [
+        "data.datasets={a: a.bin, b: b.bin}",  # the names the phases use (the data is built above)
+        "data.phases=[{start_step: 1, dataset_weights: {a: 3}}, {start_step: 7, dataset_weights: {b: 3}}]",
+    ]
+    plain = run(tmp_path / "plain", phases, steps=16, attribution=False)
+    skip = [*phases, f"data.quarantine={quarantine}"]
+    skipped = run(tmp_path / "skipped", skip, steps=16, attribution=False)
+    drawn = read_sample_traces(tmp_path / "plain")[0]
+    trained = read_sample_traces(tmp_path / "skipped")[0]
+    assert sum(bad in ids for ids in drawn.values()) >= 2  # drawn in several epochs of its dataset
+    assert all(bad not in ids for ids in trained.values()) and skipped["step"] == 16
+    for step, ids in drawn.items():  # the same stream, without the quarantined sample
+        assert trained[step] == [i for i in ids if i != bad]
+    assert plain["skipped"] == skipped["skipped"] == 0
+    with pytest.raises(ConfigError, match="data.quarantine: .* is not a file"):
+        run(tmp_path / "missing", [f"data.quarantine={tmp_path}/nope.jsonl"], steps=2)
+
+
+def _dropout_run(attribution: bool, rerun_at: int | None = None) -> tuple[list, list, dict]:
+    """A model with dropout and batch statistics, a transient NaN at step 3; optionally a rerun of
+    step ``rerun_at`` compared with the step itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), torch.nn.functional.mse_loss,
+                      grad_accum_steps=2, hang_timeout_s=None)  # fmt: skip
+    NaNDetector(action="warn").attach(trainer)
+    handler = RerunAttribution(quarantine=False).attach(trainer) if attribution else None
+    FaultInjector(kind="transient", step=3).attach(trainer)
+    losses, compared = [], []
+    trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=-900)
+    def rerun(engine):
+        if engine.state.step == rerun_at:  # the step's own loss, then a rerun of it (test only)
+            compared.append(
+                (float(engine.state.loss), handler._rerun(list(engine.state.batch), handler._rng).loss)
+            )
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(16)]
+    trainer.run(data, max_steps=8)
+    return losses, compared, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_rerun_draws_the_steps_random_numbers_and_leaves_the_run_as_without_it():
+    with_losses, _, with_params = _dropout_run(True)
+    without_losses, _, without_params = _dropout_run(False)
+    assert with_losses[2] != with_losses[2]  # step 3: the transient NaN, vetoed
+    assert with_losses[3:] == without_losses[3:]  # dropout draws after the rerun as without it
+    assert all(torch.equal(with_params[k], without_params[k]) for k in with_params)
+    _, compared, _ = _dropout_run(True, rerun_at=5)
+    ((step_loss, rerun_loss),) = compared
+    assert rerun_loss == pytest.approx(step_loss, rel=1e-6)  # the same dropout masks: the step's RNG
+
+
+def test_four_ranks_pass_a_bad_ranks_microbatches_around_the_ring(tmp_path):
+    bad = sample_at(step=2, rank=3, world=4)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=2",
+                 "fault_injection.step=3"]  # fmt: skip
+    cases = [("data", data, {"steps": 4}), ("transient", transient, {"steps": 4})]
+    results = run_distributed(_two_ranks, 4, str(tmp_path), cases, timeout=300)
+    assert all(verdicts(r[0]) == [(2, 3, "data")] for r in results)  # rank 0 reran rank 3's data
+    assert all(r[0]["state"]["quarantined"][0]["ids"] == [bad] for r in results)
+    assert all(verdicts(r[1]) == [(3, 2, "transient")] for r in results)
+
+
+def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_path):
+    from hookloop.run_data import build_data
+    from hookloop.train import load_training_config
+
+    quarantine = tmp_path / "quarantine.jsonl"
+    quarantine.write_text(json.dumps({"step": 3, "dataset": "docs", "ids": ["docs:3", "docs:10"]}) + "\n")
+    overrides = [
+        f"train.run_dir={tmp_path}/run",
+        f"data.cache_dir={tmp_path}/data",
+        "train.local_batch_size=4",
+        "step_scheduler.max_steps=10",
+        "step_scheduler.global_batch_size=4",
+    ]
+    cfg = load_training_config(None, [*overrides, f"data.quarantine={quarantine}"])
+    loader = build_data(cfg, 0, 1).train
+    mixture = loader.mixture_sampler.mixture
+    assert loader.quarantined == {mixture.global_index(0, 3), mixture.global_index(0, 10)}
+    loader.log_batches()
+    it = iter(loader)
+    batches = [next(it) for _ in range(len(mixture) // 4 + 1)]  # more than an epoch of the data
+    fetched = [i for batch in loader.take_returned() for i in batch]
+    assert len(set(fetched)) == len(mixture) - 2 and not loader.quarantined & set(fetched)
+    assert sum(len(b[0]) for b in batches) == len(fetched)  # each batch one sample shorter per id
+    del it
+    quarantine.write_text(json.dumps({"ids": ["docs:999999"]}) + "\n")
+    with pytest.raises(ConfigError, match="data.quarantine: names sample 'docs:999999'"):
+        build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
