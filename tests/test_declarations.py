@@ -71,3 +71,15 @@ def test_a_section_says_the_metrics_it_produces_for_checkpoint_metric():
     assert {"val_loss", "val_loss_shadow", "loss_avg", "loss", "grad_norm"} <= cfg.produced_metrics()
     off = ["metrics.enabled=false", "step_scheduler.enabled=false", "lr.decay_style=constant"]
     assert load_run_config(None, off, world_size=1).produced_metrics() == {"loss/docs"}  # dataset_metrics
+
+
+def test_composing_a_section_that_ships_since_changes_nothing():
+    """A handler's tests written before it shipped (``compose_config(<section>=<Config>)``) keep
+    working once it does; another dataclass under a shipped section's name is refused."""
+    from hookloop.handlers import NaNConfig
+
+    assert compose_config(nan=NaNConfig) is RunConfig
+    both = compose_config(nan=NaNConfig, shadow=ShadowConfig)
+    assert [f.name for f in dataclasses.fields(both)][-1] == "shadow"
+    with pytest.raises(ValueError, match="section 'nan' is already in RunConfig"):
+        compose_config(nan=ShadowConfig)
