@@ -32,8 +32,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hookloop.engine import parallel
-from hookloop.engine.agreement import N_EXIT_VOTES, agreed_exit_code, exit_code_votes, sum_over_ranks
+from hookloop.engine.agreement import (
+    N_EXIT_VOTES,
+    STEP_VALUES,
+    agreed_exit_code,
+    exit_code_votes,
+    sum_over_ranks,
+)
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.control import merge_rollbacks
 from hookloop.engine.errors import ConfigError
@@ -93,13 +101,14 @@ class StepDecisions:
             *(slot.fill() for slot in slots),
         ]
         if not transport.spans_processes:
-            agreed = sum_over_ranks(decisions, force_read=True)
-        else:
+            agreed = sum_over_ranks(decisions)
+        else:  # the loss, norm and tokens come back unread when they are tensors (engine.agreement)
             agreed = transport.agree_step([loss, norm, tokens, *decisions])
             ranks = transport.ranks_summed
             state.loss, state.grad_norm = agreed[0] / ranks, agreed[1] / ranks
-            state.step_tokens = int(agreed[2])
-            agreed = agreed[3:]
+            tokens = agreed[2]
+            state.step_tokens = tokens.to(torch.int64) if isinstance(tokens, torch.Tensor) else int(tokens)
+            agreed = agreed[STEP_VALUES:]
         samples, overflow_votes, skip, stop, checkpoint, validate, late = agreed[:7]
         votes, slot_values = agreed[7 : 7 + N_EXIT_VOTES], agreed[7 + N_EXIT_VOTES :]
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
