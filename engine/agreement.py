@@ -146,8 +146,9 @@ def sum_over_ranks(
 
     ``across``: a further sum over other groups of ranks, applied in place to one packed vector
     after the sum over this group (an :class:`AgreementTransport` reaching further, e.g. the replica
-    groups of a fault-tolerant run); everything is then read, as with ``force_read``. One process
-    and nothing across: nothing is communicated; tensors after the first ``keep`` are read."""
+    groups of a fault-tolerant run); everything is then read, as with ``force_read``. Where a tensor
+    after the first ``keep`` is read, the first ``keep`` come along in the same transfer. One process
+    and nothing across: nothing is communicated, and tensors are read as with several."""
     keep = 0 if force_read else keep
     if across is not None:
         device = parallel.collective_device()
@@ -156,13 +157,13 @@ def sum_over_ranks(
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         across(packed)
         return packed.tolist()
-    out = list(values)
     read = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and i >= keep]
+    if read:  # the device is read anyway: the kept values come along in the same transfer
+        keep = 0
+        read = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     if parallel.world_size() == 1:
-        if read:
-            for i, v in zip(read, pack([values[i] for i in read], torch.device("cpu")).tolist()):
-                out[i] = v
-        return out
+        return read_now(values) if read else list(values)
+    out = list(values)
     host_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
     kept = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and i < keep]
     tensor_at = read + kept
@@ -187,6 +188,18 @@ def sum_over_ranks(
         out[i] = v
     for j, i in enumerate(kept):
         out[i] = tensors[len(read) + j]
+    return out
+
+
+def read_now(values: Sequence[Value]) -> list[Value]:
+    """``values`` with every tensor among them read to a float, in one transfer."""
+    out = list(values)
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if len(at) == 1:
+        out[at[0]] = float(values[at[0]].item())
+    elif at:
+        for i, v in zip(at, pack([values[i] for i in at], torch.device("cpu")).tolist()):
+            out[i] = v
     return out
 
 

@@ -40,6 +40,7 @@ from hookloop.engine.agreement import (
     STEP_VALUES,
     agreed_exit_code,
     exit_code_votes,
+    read_now,
     sum_over_ranks,
 )
 from hookloop.engine.checkpoint_format.errors import CheckpointError
@@ -104,11 +105,13 @@ class StepDecisions:
             agreed = sum_over_ranks(decisions)
         else:  # the loss, norm and tokens come back unread when they are tensors (engine.agreement)
             agreed = transport.agree_step([loss, norm, tokens, *decisions])
+            step_values, agreed = agreed[:STEP_VALUES], agreed[STEP_VALUES:]
+            if any(v > 0 for v in agreed[1:7]):  # a step that decides reads its values too
+                step_values = read_now(step_values)
             ranks = transport.ranks_summed
-            state.loss, state.grad_norm = agreed[0] / ranks, agreed[1] / ranks
-            tokens = agreed[2]
+            state.loss, state.grad_norm = step_values[0] / ranks, step_values[1] / ranks
+            tokens = step_values[2]
             state.step_tokens = tokens.to(torch.int64) if isinstance(tokens, torch.Tensor) else int(tokens)
-            agreed = agreed[STEP_VALUES:]
         samples, overflow_votes, skip, stop, checkpoint, validate, late = agreed[:7]
         votes, slot_values = agreed[7 : 7 + N_EXIT_VOTES], agreed[7 + N_EXIT_VOTES :]
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")
