@@ -21,6 +21,12 @@ steps, saving every ``--every`` steps, and reports
 Also timed once per mode: verifying the newest checkpoint against its manifest, the work a resume or
 rollback adds before loading.
 
+``--phases`` instead measures where a save's time goes (:class:`PhaseTimer`): the state dict, the
+staging copy, DCP's planning, serialization, the writes, the CRC-32 checksums, the fsyncs, the
+metadata and publishing, per save, in all threads and on the training thread, for the tiny Llama of
+``checkpoint_throughput.py`` and the 200 MB state, ``sync`` and ``async``, alone and beside a
+competing torch job (``benchmarks/threads.py``).
+
 ``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
 
 Training uses one intra-op thread by default (``--threads``): on this 2-core machine two OpenMP
@@ -154,6 +160,8 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
 # ------------------------------------------------------------------------------ where a save's time goes
 #: (phase, module, attribute): the functions timed for each phase of a save (wall time, per thread).
 PHASE_FUNCTIONS = (
+    ("state dict", "hookloop.handlers.checkpoint.writer", "get_state_dict"),
+    ("state dict", "hookloop.handlers.checkpoint.optim_layout", "compact"),
     ("staging copy", "hookloop.handlers.checkpoint.host_copy", "HostCopy.freeze"),
     ("staging copy", "torch.distributed.checkpoint.staging", "DefaultStager.stage"),
     ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.set_up_planner"),
@@ -167,6 +175,7 @@ PHASE_FUNCTIONS = (
     ("publishing", "hookloop.handlers.checkpoint.store", "CheckpointStore.publish"),
 )
 PHASES = (
+    "state dict",
     "staging copy",
     "planning",
     "serialization",
@@ -311,7 +320,11 @@ def phases(kind: str, mode: str, saves: int, directory: str, shared: bool) -> di
 
 def print_phases(rows: dict[tuple[str, str, str], dict[str, Any]]) -> None:
     head = "".join(f"{p[:13]:>14s}" for p in PHASES)
-    print(f"\nwhere a save's time goes, ms per save (training thread's share in brackets)\n{'':34s}{head}")
+    print(
+        "\nwhere a save's time goes, ms per save (training thread's share in brackets); durable: from "
+        f"the save's start until its files are fsynced (median); +job: beside a competing torch job\n"
+        f"{'':34s}{head}{'durable':>9s}"
+    )
     for (kind, mode, where), row in rows.items():
         cells = "".join(
             f"{row['phases'][p] * 1e3:>8.0f} ({row['training'][p] * 1e3:>3.0f})"
@@ -319,7 +332,8 @@ def print_phases(rows: dict[tuple[str, str, str], dict[str, Any]]) -> None:
             else f"{row['phases'][p] * 1e3:>14.0f}"
             for p in PHASES
         )
-        print(f"{kind:>6s} {mode:<6s} {where:<7s} {row['mb']:6.0f} MB {cells}")
+        durable = "-" if mode == "sync" else f"{row['durable'] * 1e3:.0f} ms"  # sync: the phases' sum
+        print(f"{kind:>6s} {mode:<6s} {where:<7s} {row['mb']:6.0f} MB {cells}{durable:>9s}")
 
 
 def cpu_model() -> str:
@@ -356,11 +370,11 @@ def main() -> None:
         rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
         with tempfile.TemporaryDirectory(prefix="hookloop-ckpt-phases-", dir=args.dir) as root:
-            for where in ("quiet", "shared"):
+            for where in ("alone", "+job"):
                 for kind in ("llama", "200MB"):
                     for mode in ("sync", "async"):
                         directory = os.path.join(root, f"{kind}-{mode}-{where}")
-                        rows[(kind, mode, where)] = phases(kind, mode, saves, directory, where == "shared")
+                        rows[(kind, mode, where)] = phases(kind, mode, saves, directory, where == "+job")
         print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
         print_phases(rows)
         return
