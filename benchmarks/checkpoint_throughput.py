@@ -13,11 +13,13 @@ own way:
   files), when ``transformers`` is installed,
 * Lightning (``ModelCheckpoint(every_n_train_steps=10)``, ``torch.save`` of the whole state), when
   ``lightning`` is installed,
-* hookloop's Trainer with StepScheduler (``ckpt_every_steps=10``), NaNDetector, MetricsTracker and a
-  JSONL logger, without a checkpointer and with an AsyncCheckpointer in each mode (``async`` is the
-  default).
+* hookloop's Trainer with the default handler set ``hookloop train`` attaches (step scheduler with
+  ``ckpt_every_steps=10``, checkpointer, NaN detector, metrics, JSONL and console loggers, logging
+  every 10 steps), the checkpointer in each mode (``async`` is the default); without saves it saves
+  only the initial state (before the timed steps) and the last step (after them).
 
-Reported per contender: the median step without saves, the 40 steps' time without and with saves,
+Reported per contender: the median step without saves and its ratio to the hand loop's in the same
+round ("/ hand": the engine's and handlers' cost per step), the 40 steps' time without and with saves,
 "kept" (no-save time / with-save time, taken within one round, median over rounds), and "after"
 (the median step from the second step after each save to the next save, over the median step of
 the same contender's run without saves: 1.0 means steps are back to normal one step after a save)
@@ -31,8 +33,9 @@ environment ``hookloop train`` sets (``hookloop.threads``: passive waits unless 
 a policy). The one-process part runs a second time beside a competing torch job (a process
 multiplying matrices with torch's defaults, ``benchmarks/threads.py``), as on a shared machine:
 "share kept" is the contender's quiet time over its time there, saves included (two equal jobs
-sharing fairly keep 0.5; the target for hookloop's default is 0.35). ``--quick`` runs the hand loop
-and hookloop's default mode only, one round, quiet only (``--shared`` adds the shared part).
+sharing fairly keep 0.5; the target for hookloop's default is 0.35). ``--quick`` runs the hand loop,
+HF Trainer (and Lightning) when installed and hookloop's default mode only, one round, quiet only
+(``--shared`` adds the shared part).
 
 Then the durable-save cost of each mode against the disk's own write bandwidth, measured in the same
 run: the bandwidth is the median of writing a file of the checkpoint's size and fsyncing it (the
@@ -750,8 +753,6 @@ def main(argv: list[str] | None = None) -> None:
             if distributed is not None:
                 ranks = summarize(distributed)
                 print_rows("torchrun, 2 processes (DDP, gloo), 1 thread each", ranks, args.timed, args.every)
-                if args.quick:
-                    print("  (--quick: HF Trainer and Lightning run in the one-process part only)")
         sizes = ("1024",) if args.quick else ("llama", "2048")  # --quick: it must finish on a loaded machine
         began = time.perf_counter()
         costs = {

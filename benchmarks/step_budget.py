@@ -735,8 +735,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": {str(world): merged for world, merged in results.items()},
         "figures": figures,
         "notes": (
-            "Host syncs (scalar reads, device-to-host copies) and Python-level collectives per step "
-            "on steps with no logging, validation or checkpoint; DDP's gradient buckets are not counted."
+            "Host syncs (scalar reads, device-to-host copies), reads of step tensors to the host and "
+            "Python-level collectives per step on steps with no logging, validation or checkpoint; "
+            "DDP's gradient buckets are not counted."
         ),
     }
     write_result(args.json, result)
