@@ -18,7 +18,8 @@ tensors are never read unless asked for). The loss, gradient norm and token coun
 they live and stay there until something reads them (a logger on its log step); host numbers (the
 requests, counts, votes) travel in a host tensor, so a step in which no slot gives a tensor reads
 nothing from the device (:func:`sum_over_ranks`). A slot that gives a tensor is read in the same
-step, one transfer for all of them: that is the step deciding on a device value.
+step, one transfer for all of them: that is the step deciding on a device value; a step that
+decides anything reads the sums with its decisions (:mod:`engine.step_decisions`).
 
 Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
 Lightning's ``Strategy.reduce_boolean_decision``): :class:`AgreementTransport` is the plain process
