@@ -21,6 +21,12 @@ steps, saving every ``--every`` steps, and reports
 Also timed once per mode: verifying the newest checkpoint against its manifest, the work a resume or
 rollback adds before loading.
 
+``--phases`` instead measures where a save's time goes (:class:`PhaseTimer`): the state dict, the
+staging copy, DCP's planning, serialization, the writes, the CRC-32 checksums, the fsyncs, the
+metadata and publishing, per save, in all threads and on the training thread, for the tiny Llama of
+``checkpoint_throughput.py`` and the 200 MB state, ``sync`` and ``async``, alone and beside a
+competing torch job (``benchmarks/threads.py``).
+
 ``--quick`` uses 4 x Linear(1024, 1024) (about 50 MB) and fewer steps (well under a minute).
 
 Training uses one intra-op thread by default (``--threads``): on this 2-core machine two OpenMP
@@ -35,6 +41,7 @@ throughput with torch's default thread count, as users run, beside HF Trainer an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -43,6 +50,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,6 +157,185 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
     }
 
 
+# ------------------------------------------------------------------------------ where a save's time goes
+#: (phase, module, attribute): the functions timed for each phase of a save (wall time, per thread).
+PHASE_FUNCTIONS = (
+    ("state dict", "hookloop.handlers.checkpoint.writer", "get_state_dict"),
+    ("state dict", "hookloop.handlers.checkpoint.optim_layout", "compact"),
+    ("staging copy", "hookloop.handlers.checkpoint.host_copy", "HostCopy.freeze"),
+    ("staging copy", "torch.distributed.checkpoint.staging", "DefaultStager.stage"),
+    ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.set_up_planner"),
+    ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.create_local_plan"),
+    ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.create_global_plan"),
+    ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.finish_plan"),
+    ("serialization + writes", "torch.distributed.checkpoint.filesystem", "_write_item"),
+    ("writes", "hookloop.engine.checkpoint_format.durable_files", "_write_all"),
+    ("fsyncs", "hookloop.engine.checkpoint_format.durable_files", "fsync_fd"),
+    ("metadata", "hookloop.engine.checkpoint_format.manifest", "RecordingWriter.finish"),
+    ("publishing", "hookloop.handlers.checkpoint.store", "CheckpointStore.publish"),
+)
+PHASES = (
+    "state dict",
+    "staging copy",
+    "planning",
+    "serialization",
+    "writes",
+    "checksums",
+    "fsyncs",
+    "metadata",
+    "publishing",
+)
+
+
+class PhaseTimer:
+    """Wall time spent in each phase of the saves made while entered (:data:`PHASE_FUNCTIONS`
+    wrapped in place; an inner call of the same phase counts once), split by thread: the training
+    thread's share is what training waits for directly. ``serialization`` is the time in DCP's
+    ``_write_item`` less the writes inside it; ``checksums`` the CRC-32s' own time (on a helper
+    thread beside the writes, see ``durable_files``) from the writers' timings."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.training: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._raw: dict[str, float] = {}
+        self._main = threading.get_ident()
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, phase: str, fn: Any) -> Any:
+        import functools
+        import threading
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            inside = getattr(self._depth, phase, 0)
+            setattr(self._depth, phase, inside + 1)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self._depth, phase, inside)
+                if not inside:
+                    spent = time.perf_counter() - start
+                    with self._lock:
+                        self._raw[phase] = self._raw.get(phase, 0.0) + spent
+                        if threading.get_ident() == self._main:
+                            key = f"{phase}@training"
+                            self._raw[key] = self._raw.get(key, 0.0) + spent
+
+        return timed
+
+    def __enter__(self) -> PhaseTimer:
+        import importlib
+
+        for phase, module_name, attr in PHASE_FUNCTIONS:
+            owner: Any = importlib.import_module(module_name)
+            *path, name = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self._patched.append((owner, name, original))
+            setattr(owner, name, self._wrap(phase, original))
+        self._writers = len(WRITERS)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        while self._patched:
+            owner, name, original = self._patched.pop()
+            setattr(owner, name, original)
+        raw = self._raw
+        for where, out in (("", self.total), ("@training", self.training)):
+            for phase in PHASES:
+                out[phase] = raw.get(phase + where, 0.0)
+            out["serialization"] = max(
+                raw.get("serialization + writes" + where, 0.0) - raw.get("writes" + where, 0.0), 0.0
+            )
+            out["writes"] = raw.get("writes" + where, 0.0)
+        self.total["checksums"] = sum(w.timings["checksum"] for w in WRITERS[self._writers :])
+
+
+def build_llama() -> tuple[Trainer, list]:
+    """The tiny Llama of ``checkpoint_throughput.py`` (from a config, AdamW), and its microbatches."""
+    from checkpoint_throughput import llama, microbatches
+
+    model = llama()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), None)
+    return trainer, microbatches(16)
+
+
+def phases(kind: str, mode: str, saves: int, directory: str, shared: bool) -> dict[str, Any]:
+    """``saves`` saves of ``kind`` ("llama" or "200MB") in ``mode``, 5 steps apart, after 2 untimed
+    ones; the phases' time per save (all threads, and the training thread's share), the time
+    the durable time per save."""
+    from threads import Competitor
+
+    if kind == "llama":
+        trainer, data = build_llama()
+    else:
+        trainer = build(2048)
+        data = [(torch.randn(8, 2048), torch.randn(8, 2048)) for _ in range(16)]
+    checkpointer = AsyncCheckpointer(directory, mode=mode, keep_last=2, resume=None)
+    checkpointer.attach(trainer)
+    every = 5
+
+    @trainer.on(Events.STEP_START)
+    def _save_cadence() -> None:
+        if fires(every, trainer.state.step):
+            trainer.control.request_save(f"every {every} steps")
+
+    warm = 2 * every
+    trainer.run(data, max_steps=warm)
+    checkpointer.wait()
+    with contextlib.ExitStack() as stack:
+        if shared:
+            stack.enter_context(Competitor())
+        timer = stack.enter_context(PhaseTimer())
+        start = time.perf_counter()
+        durable: list[float] = []
+
+        @trainer.on(Events.STEP_END, priority=-100)
+        def _durable(engine: Trainer) -> None:
+            save = checkpointer._writer.inflight
+            if checkpointer.last_saved_step == engine.state.step and save is not None:
+                begun = time.perf_counter()
+                save.done.add_done_callback(lambda _f: durable.append(time.perf_counter() - begun))
+
+        trainer.run(data, max_steps=warm + saves * every)
+        checkpointer.wait()
+        elapsed = time.perf_counter() - start
+    checkpointer.close()
+    return {
+        "phases": {k: v / saves for k, v in timer.total.items()},
+        "training": {k: v / saves for k, v in timer.training.items()},
+        "durable": statistics.median(durable) if durable else float("nan"),
+        "per_save_s": elapsed / saves,
+        "mb": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(directory) for f in fs)
+        / 1e6
+        / 2,  # keep_last=2
+    }
+
+
+def print_phases(rows: dict[tuple[str, str, str], dict[str, Any]]) -> None:
+    head = "".join(f"{p[:13]:>14s}" for p in PHASES)
+    print(
+        "\nwhere a save's time goes, ms per save (training thread's share in brackets); durable: from "
+        f"the save's start until its files are fsynced (median); +job: beside a competing torch job\n"
+        f"{'':34s}{head}{'durable':>9s}"
+    )
+    for (kind, mode, where), row in rows.items():
+        cells = "".join(
+            f"{row['phases'][p] * 1e3:>8.0f} ({row['training'][p] * 1e3:>3.0f})"
+            if p != "checksums"
+            else f"{row['phases'][p] * 1e3:>14.0f}"
+            for p in PHASES
+        )
+        durable = "-" if mode == "sync" else f"{row['durable'] * 1e3:.0f} ms"  # sync: the phases' sum
+        print(f"{kind:>6s} {mode:<6s} {where:<7s} {row['mb']:6.0f} MB {cells}{durable:>9s}")
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -169,7 +356,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3, --quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
     parser.add_argument("--json", type=Path, help="also write the figures here (benchmarks/run.py format)")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="only where a save's time goes, per phase: the tiny Llama and 200 MB, sync and async, "
+        "quiet and beside a competing torch job",
+    )
     args = parser.parse_args()
+    if args.phases:
+        torch.set_num_threads(args.threads)
+        _keep_writers()
+        saves = 2 if args.quick else 4
+        rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+        print("# load average before: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+        with tempfile.TemporaryDirectory(prefix="hookloop-ckpt-phases-", dir=args.dir) as root:
+            for where in ("alone", "+job"):
+                for kind in ("llama", "200MB"):
+                    for mode in ("sync", "async"):
+                        directory = os.path.join(root, f"{kind}-{mode}-{where}")
+                        rows[(kind, mode, where)] = phases(kind, mode, saves, directory, where == "+job")
+        print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
+        print_phases(rows)
+        return
     width = 1024 if args.quick else 2048
     steps = args.steps or (20 if args.quick else 60)
     every = args.every or (5 if args.quick else 10)

@@ -9,7 +9,11 @@ counts both on steps that do no logging, validation or checkpointing:
   ``_copy_from`` from a non-CPU device into CPU memory) and ops whose output size depends on device
   data (``nonzero``, ``masked_select``, ``unique`` on a non-CPU device). On this CPU machine the
   last two never occur; on a GPU they are syncs too. ``tensor.tolist()`` on a CPU tensor
-  dispatches nothing (it reads host memory) and is not counted.
+  dispatches nothing (it reads host memory) and is not counted here.
+* :class:`HostReadCounter` -- a ``TorchFunctionMode`` counting the reads of step tensors to Python
+  that this repository's code makes (``.tolist()``, ``.item()``, ``float(t)``, ``bool(t)``,
+  ``.cpu()``, ``.numpy()`` ...), also of CPU tensors: each would be a device-to-host wait on a GPU.
+  Tensors built from host numbers (the agreement's requests and votes) are not step tensors.
 * :class:`CollectiveCounter` -- wraps the collective functions of ``torch.distributed`` wherever a
   loaded module holds them (``dist.all_reduce`` as well as a ``from torch.distributed import
   all_reduce`` done earlier); a collective that calls another (``all_gather_object`` ->
@@ -42,12 +46,14 @@ import tempfile
 import threading
 import time
 import types
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,7 +63,7 @@ from benchmarks.workload import ACCUM, BATCH, tiny_gpt, token_microbatches, writ
 
 aten = torch.ops.aten
 REPO = Path(__file__).resolve().parents[1]
-_COUNTER_FRAMES = {"__torch_dispatch__", "counted"}
+_COUNTER_FRAMES = {"__torch_dispatch__", "__torch_function__", "counted"}
 
 
 def call_site() -> str:
@@ -144,6 +150,101 @@ class SyncCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+# ----------------------------------------------------------------------------- host read counter
+
+#: Tensor methods that hand a tensor's values to Python: on a GPU each one waits for the device.
+_READS = {
+    "tolist",
+    "item",
+    "numpy",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__index__",
+    "__format__",
+    "__array__",
+}
+#: Factories whose result holds host numbers only when given no tensor.
+_FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange"}
+
+
+def _tensors(args: Any) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
+def _to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """``tensor.cpu()`` / ``tensor.to("cpu")``: a copy to host memory. ``tensor.to(device)`` with a
+    ``torch.device`` is how batches go to the compute device (on this machine also the CPU) and is
+    not counted; on a GPU :class:`SyncCounter` sees a real device-to-host ``_to_copy``."""
+    if name == "cpu":
+        return True
+    target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, str)), None))
+    return name == "to" and target == "cpu"
+
+
+class HostReadCounter(TorchFunctionMode):
+    """Counts reads of a step's tensors to Python (``.tolist()``, ``.item()``, ``float(t)``,
+    ``bool(t)``, ``.cpu()``, ``.to("cpu")``, ``.numpy()`` ...) made by this repository's code while
+    entered: on a GPU each is a device-to-host wait; on this CPU machine
+    :class:`SyncCounter` cannot see ``.tolist()`` or ``.cpu()`` of a CPU tensor, this can.
+
+    Not counted: reads made inside torch itself (AdamW's per-parameter step counters live on the host
+    even on a GPU; :class:`SyncCounter` counts those), and reads of *host tensors*: tensors built
+    from Python numbers in the window (``torch.tensor([...])``) and everything computed only from
+    such tensors (a collective keeps a host tensor a host tensor; writing a step tensor into it makes
+    it a step tensor: into a view of it, that view, so a buffer whose first half holds host numbers
+    and second half a step's sums reads its first half for free, as the agreement's does with gloo;
+    on a GPU the two halves are separate tensors). A function mode is thread-local: the entering
+    thread's calls are seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()  # where they come from (see call_site)
+        self._host: dict[int, weakref.ref] = {}  # host tensors by id (a tensor's == is elementwise)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inputs = list(_tensors([*args, *kwargs.values()]))
+        host_inputs = all(self._is_host(t) for t in inputs)
+        if (name in _READS or _to_host(name, args, kwargs)) and inputs and not host_inputs:
+            caller = sys._getframe(1).f_code.co_filename
+            if _inside_repository(caller):
+                self.counts[f"{name}()"] += 1
+                self.sites[call_site()] += 1
+        out = func(*args, **kwargs)
+        if not host_inputs and _writes_first(name) and isinstance(args[0], torch.Tensor):
+            self._host.pop(id(args[0]), None)  # a step tensor written into a host tensor: a step tensor
+        elif host_inputs and isinstance(out, torch.Tensor) and (inputs or name in _FACTORIES):
+            self._host[id(out)] = weakref.ref(out)
+        return out
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _writes_first(name: str) -> bool:
+    """Whether the method ``name`` writes into its tensor (``add_``, ``copy_``, ``t[i] = x``)."""
+    if name.startswith("__"):
+        return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__")
+    return name.endswith("_")
+
+
+def _inside_repository(filename: str) -> bool:
+    path = _source(filename)
+    return path.startswith(str(REPO) + os.sep) and "site-packages" not in path
 
 
 # ----------------------------------------------------------------------------- collective counter
@@ -278,6 +379,7 @@ class _Window:
         self._stack = contextlib.ExitStack() if count else None
         self.syncs: SyncCounter | None = None
         self.collectives: CollectiveCounter | None = None
+        self.reads: HostReadCounter | None = None
 
     def trainer_step_end(self, engine: Any) -> None:
         self.step_end(engine.state.iteration)
@@ -291,6 +393,7 @@ class _Window:
             return
         if step == self.first - 1:
             self.syncs, self.collectives = self._stack.enter_context(counting())
+            self.reads = self._stack.enter_context(HostReadCounter())
         elif step == self.last:
             self._stack.close()
 
@@ -304,6 +407,9 @@ class _Window:
             out["collectives"] = {k: v / steps for k, v in self.collectives.counts.items()}
             out["sync_sites"] = {k: v / steps for k, v in self.syncs.sites.items()}
             out["collective_sites"] = {k: v / steps for k, v in self.collectives.sites.items()}
+        if self.reads is not None:
+            out["reads"] = {k: v / steps for k, v in self.reads.counts.items()}
+            out["read_sites"] = {k: v / steps for k, v in self.reads.sites.items()}
         return out
 
 
@@ -452,7 +558,7 @@ def measure_rank(
     return out
 
 
-_COUNTED = ("syncs", "collectives", "sync_sites", "collective_sites")
+_COUNTED = ("syncs", "collectives", "reads", "sync_sites", "collective_sites", "read_sites")
 
 
 def merge_ranks(per_rank: list[dict]) -> dict:
@@ -464,7 +570,7 @@ def merge_ranks(per_rank: list[dict]) -> dict:
         for key in _COUNTED:
             names = sorted({n for r in per_rank for n in r[config][key]})
             entry[key] = {n: max(r[config][key].get(n, 0.0) for r in per_rank) for n in names}
-            if key in ("syncs", "collectives"):
+            if key in ("syncs", "collectives", "reads"):
                 entry[f"{key}_per_step"] = max(sum(r[config][key].values()) for r in per_rank)
         rounds = zip(*(r[config]["step_ms"] for r in per_rank))
         entry["step_ms"] = [max(times) for times in rounds]
@@ -503,7 +609,7 @@ def report(results: dict[int, dict]) -> tuple[list[str], list[dict]]:
     """The printed tables and the figures for ``benchmarks/run.py``."""
     lines = [
         f"{'configuration':74s} {'ranks':>5s} {'syncs/step':>10s} {'extra':>6s} "
-        f"{'collectives/step':>16s} {'step ms':>8s} {'ratio':>6s}"
+        f"{'collectives/step':>16s} {'reads/step':>10s} {'step ms':>8s} {'ratio':>6s}"
     ]
     figures: list[dict] = []
     for world, merged in results.items():
@@ -515,6 +621,7 @@ def report(results: dict[int, dict]) -> tuple[list[str], list[dict]]:
                 f"{CONFIGS[config]:74s} {world:5d} {entry['syncs_per_step']:10.2f} "
                 f"{entry['extra_syncs_per_step']:+6.2f} "
                 f"{entry['collectives_per_step'] if world > 1 else 0:16.2f} "
+                f"{entry['reads_per_step']:10.2f} "
                 f"{'-' if step_ms is None else f'{step_ms:.2f}':>8s} "
                 f"{'-' if ratio is None else f'{ratio:.3f}':>6s}"
             )
@@ -534,6 +641,18 @@ def report(results: dict[int, dict]) -> tuple[list[str], list[dict]]:
                     "unit": "",
                 }
             )
+            if config == "bare":
+                figures.append(
+                    {
+                        "figure": f"reads of step tensors to the host per step, {label}",
+                        "hookloop": entry["reads_per_step"],
+                        "reference": hand["reads_per_step"],
+                        "ratio": None,
+                        "target": "0",
+                        "met": entry["reads_per_step"] == 0,
+                        "unit": "",
+                    }
+                )
             if world > 1:
                 figures.append(
                     {
@@ -562,8 +681,10 @@ def report(results: dict[int, dict]) -> tuple[list[str], list[dict]]:
         for key, title in (
             ("syncs", "host syncs"),
             ("collectives", "collectives"),
+            ("reads", "reads of step tensors to the host"),
             ("sync_sites", "host syncs"),
             ("collective_sites", "collectives"),
+            ("read_sites", "reads of step tensors to the host"),
         ):
             by = "where" if key.endswith("sites") else "kind"
             if key.startswith("collective") and world == 1:
@@ -614,8 +735,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": {str(world): merged for world, merged in results.items()},
         "figures": figures,
         "notes": (
-            "Host syncs (scalar reads, device-to-host copies) and Python-level collectives per step "
-            "on steps with no logging, validation or checkpoint; DDP's gradient buckets are not counted."
+            "Host syncs (scalar reads, device-to-host copies), reads of step tensors to the host and "
+            "Python-level collectives per step on steps with no logging, validation or checkpoint; "
+            "DDP's gradient buckets are not counted."
         ),
     }
     write_result(args.json, result)

@@ -14,8 +14,12 @@ values replace the requests (``trainer.control.decided``). Handlers add their ow
 ``fill()`` gives this rank's value (a bool, a number or a 0-dim tensor) just before the reduction;
 ``on_agreed`` receives the **sum over ranks**, the same on every rank, so what it requests is agreed
 by construction and takes effect in this step. With one process nothing is communicated (its
-tensors are never read unless asked for). The values are packed into one float64 vector on the
-collective device and read back in one transfer: on a GPU, the step's only device-to-host copy.
+tensors are never read unless asked for). The loss, gradient norm and token count are summed where
+they live and stay there until something reads them (a logger on its log step); host numbers (the
+requests, counts, votes) travel in a host tensor, so a step in which no slot gives a tensor reads
+nothing from the device (:func:`sum_over_ranks`). A slot that gives a tensor is read in the same
+step, one transfer for all of them: that is the step deciding on a device value; a step that
+decides anything reads the sums with its decisions (:mod:`engine.step_decisions`).
 
 Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
 Lightning's ``Strategy.reduce_boolean_decision``): :class:`AgreementTransport` is the plain process
@@ -24,8 +28,10 @@ group; the replica groups of a fault-tolerant run extend it across the live grou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,9 @@ __all__ = [
 ]
 
 Value = bool | int | float | torch.Tensor
+#: The step's agreement leads with the loss, the gradient norm and the token count: summed where
+#: they live and read only by whoever reads them (``state.loss``, a logger on its log step).
+STEP_VALUES = 3
 
 
 @dataclass
@@ -75,10 +84,13 @@ class AgreementTransport:
         return parallel.world_size()
 
     def agree_step(self, values: Sequence[Value]) -> list[Value]:
-        """The step's values (and the late agreement's, :meth:`agree_late`) summed over its ranks."""
-        return sum_over_ranks(values)
+        """The step's values summed over its ranks: the first :data:`STEP_VALUES` (loss, gradient
+        norm, tokens) stay on the device, unread (:func:`sum_over_ranks`), the decisions are read."""
+        return sum_over_ranks(values, keep=STEP_VALUES)
 
-    agree_late = agree_step
+    def agree_late(self, values: Sequence[Value]) -> list[Value]:
+        """The late agreement's values (host numbers) summed over its ranks."""
+        return sum_over_ranks(values)
 
     def step_boundary(self) -> bool:
         """The step's very end: True when every rank stops now (from values every rank shares)."""
@@ -118,26 +130,89 @@ class StepAgreement:
 
 
 def sum_over_ranks(
-    values: Sequence[Value], *, force_read: bool = False, across: Callable[[torch.Tensor], None] | None = None
+    values: Sequence[Value],
+    *,
+    keep: int = 0,
+    force_read: bool = False,
+    across: Callable[[torch.Tensor], None] | None = None,
 ) -> list[Value]:
-    """``values`` summed over every rank with one all-reduce, read back to the host (floats).
+    """``values`` summed over every rank in one all-reduce (two on a GPU): host numbers come back as floats,
+    tensors as floats too (read in one transfer), except the first ``keep`` values, which stay
+    tensors, unread, when they are tensors (their sums, on the collective device).
 
-    ``across``: a further sum over other groups of ranks, applied in place to the packed vector
-    after the sum over this group (an :class:`AgreementTransport` reaching further, e.g. the
-    replica groups of a fault-tolerant run). One process and nothing across: returned as they are (tensors
-    stay tensors) unless ``force_read``, which reads the tensors among them to floats in one
-    transfer."""
-    if parallel.world_size() == 1 and across is None:
-        if not force_read or not any(isinstance(v, torch.Tensor) for v in values):
-            return list(values)
-        return pack(values, torch.device("cpu")).tolist()
-    device = parallel.collective_device()
-    packed = pack(values, device)
-    if parallel.world_size() > 1:
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    Host numbers travel in a host tensor (through a CPU process group when the collective device is
+    a GPU), so reading them never waits for the device; tensors are summed where they live
+    (with gloo, on the host, both share one buffer and one all-reduce). A step whose values are host
+    numbers plus ``keep`` tensors reads nothing from the device.
+
+    ``across``: a further sum over other groups of ranks, applied in place to one packed vector
+    after the sum over this group (an :class:`AgreementTransport` reaching further, e.g. the replica
+    groups of a fault-tolerant run); everything is then read, as with ``force_read``. Where a tensor
+    after the first ``keep`` is read, the first ``keep`` come along in the same transfer. One process
+    and nothing across: nothing is communicated, and tensors are read as with several."""
+    keep = 0 if force_read else keep
     if across is not None:
+        device = parallel.collective_device()
+        packed = pack(values, device)
+        if parallel.world_size() > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         across(packed)
-    return packed.tolist()
+        return packed.tolist()
+    read = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and i >= keep]
+    if read:  # the device is read anyway: the kept values come along in the same transfer
+        keep = 0
+        read = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if parallel.world_size() == 1:
+        return read_now(values) if read else list(values)
+    out = list(values)
+    host_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    kept = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and i < keep]
+    tensor_at = read + kept
+    host_values = torch.tensor([float(values[i]) for i in host_at], dtype=torch.float64)
+    device = parallel.collective_device()
+    if device.type == "cpu":  # gloo: one buffer, one all-reduce; the host numbers a view of it
+        buffer = torch.empty(len(host_at) + len(tensor_at), dtype=torch.float64)
+        host, tensors = buffer[: len(host_at)], buffer[len(host_at) :]
+        host.copy_(host_values)
+        if tensor_at:
+            tensors.copy_(pack([values[i] for i in tensor_at], device))
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    else:  # a GPU: the host numbers through a CPU group, the tensors on the device
+        host = host_values
+        tensors = pack([values[i] for i in tensor_at], device)
+        if tensor_at:
+            dist.all_reduce(tensors, op=dist.ReduceOp.SUM)
+        dist.all_reduce(host, op=dist.ReduceOp.SUM, group=_host_group())
+    for i, v in zip(host_at, host.tolist()):
+        out[i] = v
+    for i, v in zip(read, tensors[: len(read)].tolist() if read else []):
+        out[i] = v
+    for j, i in enumerate(kept):
+        out[i] = tensors[len(read) + j]
+    return out
+
+
+def read_now(values: Sequence[Value]) -> list[Value]:
+    """``values`` with every tensor among them read to a float, in one transfer."""
+    out = list(values)
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if len(at) == 1:
+        out[at[0]] = float(values[at[0]].item())
+    elif at:
+        for i, v in zip(at, pack([values[i] for i in at], torch.device("cpu")).tolist()):
+            out[i] = v
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_group(world: Any) -> Any:
+    return dist.new_group(backend="gloo")
+
+
+def _host_group() -> Any:
+    """A gloo group over every rank, for host numbers when the default group is a GPU's (made on
+    every rank at their first agreement, in step)."""
+    return _cpu_group(dist.group.WORLD)
 
 
 def pack(values: Sequence[Value], device: torch.device) -> torch.Tensor:

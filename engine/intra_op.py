@@ -14,6 +14,12 @@ small model), and every later training step took 1.5-2.5 times as long on 2 core
 never starts a team. Only this thread's OpenMP setting changes: ``torch.set_num_threads(1)`` would
 also overwrite the process-wide value later threads start with, resize the XNNPACK thread pool every
 thread shares and clear oneDNN's cache.
+
+It also gives the thread the lowest CPU priority (Linux: the thread's own nice value,
+:data:`BACKGROUND_NICE`; the helper threads it starts inherit it): a save's serialization, checksums
+and writes then take the cores only when training leaves them idle (waiting on a collective, on data,
+on a device), instead of taking turns with training's threads. The save is as durable as before; it
+takes longer only while training keeps every core busy.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import ctypes
 import glob
 import logging
 import os
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -70,12 +78,18 @@ def prepare() -> None:
         logger.debug("no OpenMP runtime found: %s", e)
 
 
+#: The nice value of threads working beside training (19: the lowest priority).
+BACKGROUND_NICE = 19
+
+
 def use_one_intra_op_thread() -> bool:
-    """Run the calling thread's torch ops on this thread alone (for threads working beside training).
+    """Run the calling thread's torch ops on this thread alone, at the lowest CPU priority (for
+    threads working beside training; see the module docstring).
 
     Returns whether the thread now has one intra-op thread. Never raises: a thread pool's initializer
     that raised would break the pool, and a thread that keeps torch's count still works, only slower
     for the others."""
+    _lower_priority()
     try:
         setter = _omp_set_num_threads()
         if not setter:
@@ -88,3 +102,14 @@ def use_one_intra_op_thread() -> bool:
     except Exception as e:  # noqa: BLE001 - see the docstring
         logger.debug("could not limit this thread to one intra-op thread: %s", e)
         return False
+
+
+def _lower_priority() -> None:
+    """The calling thread's nice value to :data:`BACKGROUND_NICE` (Linux threads have their own)."""
+    if not sys.platform.startswith("linux"):  # elsewhere a process has one nice value for all threads
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+    except OSError as e:
+        logger.debug("could not lower this thread's priority: %s", e)

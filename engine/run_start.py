@@ -73,9 +73,7 @@ class RunStart:
     def _vote(self, error: BaseException | None) -> bool:
         self._starting = False
         code = exit_code_of(error) if error is not None else 0
-        votes = sum_over_ranks(
-            [self._control.stop, error is not None, *exit_code_votes(code)], force_read=True
-        )
+        votes = sum_over_ranks([self._control.stop, error is not None, *exit_code_votes(code)])
         if votes[1] == 0:
             self.started = True
             return votes[0] > 0

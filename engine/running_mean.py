@@ -72,10 +72,14 @@ class RunningMean:
         """The mean, as a float when every value is one, else as a 0-dim tensor (nothing read)."""
         if not self._unread:
             return self.mean
-        values = list(self._values)
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+        tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
+        floats = [v for v in self._values if not isinstance(v, torch.Tensor)]  # finite ones only
+        stacked = torch.stack(tensors).to(torch.float64)  # a few ops, whatever the window
         finite = torch.isfinite(stacked)
-        return torch.where(finite, stacked, 0.0).sum() / finite.sum()
+        total = torch.where(finite, stacked, 0.0).sum()
+        if floats:
+            return (total + math.fsum(floats)) / (finite.sum() + len(floats))
+        return total / finite.sum()
 
     @property
     def mean(self) -> float:

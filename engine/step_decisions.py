@@ -8,7 +8,9 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         state.loss, grad_norm, step_tokens          values summed over ranks, the token and sample
         tokens_seen, samples_seen                   counts, and every vote: skip, stop (with its
         control.skip / save / validate / stop       exit code), save, validate, the slots' values
-        agreed, control.decided recorded            (on_agreed), whether anything may still ask late
+        agreed, control.decided recorded            (on_agreed), whether anything may still ask late;
+                                                    the summed loss, norm and tokens stay on the
+                                                    device unless the step decides something
     ... optimizer, fire(STEP_END)
         decided.validate: trainer.validate()        at Priority.VALIDATION, on every rank
     end_step() -> stop                              the trainer's last STEP_END handler:
@@ -32,8 +34,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hookloop.engine import parallel
-from hookloop.engine.agreement import N_EXIT_VOTES, agreed_exit_code, exit_code_votes, sum_over_ranks
+from hookloop.engine.agreement import (
+    N_EXIT_VOTES,
+    STEP_VALUES,
+    agreed_exit_code,
+    exit_code_votes,
+    read_now,
+    sum_over_ranks,
+)
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.control import merge_rollbacks
 from hookloop.engine.errors import ConfigError
@@ -93,13 +104,16 @@ class StepDecisions:
             *(slot.fill() for slot in slots),
         ]
         if not transport.spans_processes:
-            agreed = sum_over_ranks(decisions, force_read=True)
-        else:
+            agreed = sum_over_ranks(decisions)
+        else:  # the loss, norm and tokens come back unread when they are tensors (engine.agreement)
             agreed = transport.agree_step([loss, norm, tokens, *decisions])
+            step_values, agreed = agreed[:STEP_VALUES], agreed[STEP_VALUES:]
+            if any(v > 0 for v in agreed[1:7]):  # a step that decides reads its values too
+                step_values = read_now(step_values)
             ranks = transport.ranks_summed
-            state.loss, state.grad_norm = agreed[0] / ranks, agreed[1] / ranks
-            state.step_tokens = int(agreed[2])
-            agreed = agreed[3:]
+            state.loss, state.grad_norm = step_values[0] / ranks, step_values[1] / ranks
+            tokens = step_values[2]
+            state.step_tokens = tokens.to(torch.int64) if isinstance(tokens, torch.Tensor) else int(tokens)
         samples, overflow_votes, skip, stop, checkpoint, validate, late = agreed[:7]
         votes, slot_values = agreed[7 : 7 + N_EXIT_VOTES], agreed[7 + N_EXIT_VOTES :]
         state.tokens_seen = state.peek("tokens_seen") + state.peek("step_tokens")

@@ -48,6 +48,28 @@ def test_exit_code_votes_pick_the_largest_code_any_rank_asked_for():
     assert agreed_exit_code([a + b for a, b in zip(exit_code_votes(42), exit_code_votes(77))]) == 77
 
 
+def test_on_a_gpu_the_host_numbers_take_a_cpu_group_and_the_step_values_stay_on_the_device(monkeypatch):
+    # No GPU here: the meta device stands in for it (reading a meta tensor raises), and the two
+    # all-reduces are recorded instead of run (two ranks that voted alike: the sums are the values).
+    from hookloop.engine import agreement, parallel
+
+    reduced: list[tuple[str, object]] = []
+    cpu_group = object()
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(parallel, "collective_device", lambda group=None: torch.device("meta"))
+    monkeypatch.setattr(agreement, "_host_group", lambda: cpu_group)
+    monkeypatch.setattr(
+        agreement.dist, "all_reduce", lambda t, op=None, group=None: reduced.append((t.device.type, group))
+    )
+    loss, norm = torch.ones((), device="meta"), torch.ones((), device="meta")
+    out = agreement.sum_over_ranks([loss, norm, 5, True, 0.5], keep=2)
+    assert out[2:] == [5.0, 1.0, 0.5]  # the host numbers, read from host memory
+    assert all(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in out[:2])  # unread
+    assert reduced == [("meta", None), ("cpu", cpu_group)]
+    with pytest.raises(NotImplementedError):  # a tensor after ``keep`` is read: on a GPU, the step waits
+        agreement.sum_over_ranks([loss, torch.ones((), device="meta"), 1], keep=1)
+
+
 def test_pack_mixes_host_numbers_and_tensors_in_place_without_reading():
     t = torch.tensor(2.5)
     counted = []

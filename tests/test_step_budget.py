@@ -12,6 +12,7 @@ from torch.distributed import all_reduce as all_reduce_by_name  # bound before a
 from benchmarks.step_budget import (
     BUDGETS,
     CollectiveCounter,
+    HostReadCounter,
     SyncCounter,
     counting,
     measure_rank,
@@ -63,6 +64,26 @@ def test_sync_counter_counts_device_to_host_copies():
         "device-to-host copy (copy_)": 1,
         "data-dependent size (nonzero)": 1,
     }
+
+
+def test_host_read_counter_counts_reads_of_step_tensors_not_of_host_numbers():
+    step = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()  # a step tensor: on a GPU it lives there
+    with HostReadCounter() as reads:
+        votes = torch.tensor([1.0, 0.0], dtype=torch.float64)  # host numbers in a tensor
+        (votes * 2).tolist()
+        bool(votes[0] > 0)
+        step.detach().cpu()
+        step.to("cpu")
+        float(step.detach())
+        [step.detach() * 2][0].tolist()
+        votes[1] = step.detach()  # a step tensor written into it: reading it now waits
+        votes.tolist()
+        torch.ones(1).add_(1).item()  # made from host numbers
+    assert reads.counts == {"cpu()": 1, "to()": 1, "__float__()": 1, "tolist()": 2}, reads.counts
+    assert all(site.startswith("tests/test_step_budget.py:") for site in reads.sites), reads.sites
+    with HostReadCounter() as reads:
+        torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1).step()  # reads inside torch
+    assert reads.total == 0, reads.counts
 
 
 def _collective_checks(rank: int, world: int) -> dict:
@@ -172,3 +193,17 @@ def test_the_default_handlers_keep_the_one_all_reduce_of_the_step(budget):
     for config in ("bare", "handlers"):
         entry = budget["merged"][config]
         assert entry["collectives_per_step"] == 1, (config, entry["collective_sites"])
+
+
+def test_bare_trainer_reads_no_step_tensor_on_a_step_that_neither_logs_nor_decides(budget, tmp_path):
+    # 2 ranks: the loss, norm and token sums stay on the device; the requests travel as host numbers.
+    entry = budget["merged"]["bare"]
+    assert entry["reads_per_step"] == 0, entry["read_sites"]
+    one = measure_rank(0, 1, ["bare"], WARMUP, STEPS, 0, str(tmp_path))["bare"]
+    assert one["reads"] == {}, one["read_sites"]
+
+
+def test_trainer_with_four_handlers_reads_once_to_decide_on_the_nan_check(budget):
+    # The NaN detector's verdict is a tensor the step decides on: read in one transfer, nothing else.
+    entry = budget["merged"]["handlers"]
+    assert entry["reads_per_step"] <= 1, entry["read_sites"]
