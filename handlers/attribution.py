@@ -6,12 +6,16 @@ before the optimizer. Then, on every rank together (nothing runs on a good step 
 step's RNG state)::
 
     rerun this rank's microbatches: same inputs, weights, RNG state    -> same-rank verdicts, gathered
-    if any rerun is bad and peer_rerun: send them to rank (r + 1) % W (point to point),
+    if any rerun is bad and peer_rerun: send them to the next replica (point to point),
         rerun the peer's microbatches with its RNG state                -> peer verdicts, gathered
-    classify each rank r that was bad:
+    classify each replica r that was bad:
         good on its own rerun                  -> transient fault on r (counted, named with its host)
         bad on its rerun and on its peer's     -> data or numerics: its bad samples are quarantined
         bad on its rerun, good on its peer's   -> faulty rank r (named with its host)
+
+A replica is one rank, or under tensor parallelism the tensor-parallel group that computes its step
+together: the group reruns together, and each of its ranks sends to the next replica's rank of the
+same tensor-parallel coordinate. Pipeline parallelism is refused by name.
 
 The decision is made from gathered values, the same on every rank. The step stays vetoed (the
 detector's skip); the reruns leave no gradient and put the RNG and the model's buffers back as the
@@ -96,6 +100,7 @@ class RerunAttribution(Handler):
         self._local_loss: Any = None
         self.detector: Any = None  # the NaN detector: its verdict and its rule (judge)
         self.trace: SampleTrace | None = None
+        self._replica_ranks: list[tuple[int, ...]] | None = None
 
     def attach(self, trainer: Trainer) -> RerunAttribution:
         self.detector = trainer.get_handler("nan_detector")
@@ -104,11 +109,12 @@ class RerunAttribution(Handler):
                 "attribution",
                 "judges steps by the NaN detector's rule: attach a NaNDetector first (nan.enabled)",
             )
-        if trainer.tp_mesh is not None or not isinstance(trainer.step_body, LocalStepBody):
+        if not isinstance(trainer.step_body, LocalStepBody):
             raise ConfigError(
                 "attribution",
-                "reruns a step of a model held whole on each rank (plain, DDP or FSDP2); not with tensor "
-                "or pipeline parallelism or a step body of another class: set attribution.enabled=false",
+                "reruns a step of a model held whole on each rank or split by tensor parallelism (plain, "
+                "DDP, FSDP2, TP); not with pipeline parallelism or a step body of another class: set "
+                "attribution.enabled=false",
             )
         trainer.add_event_handler(Events.STEP_START, self._keep_rng, priority=KEEP_RNG)
         trainer.add_event_handler(Events.TRAIN_START, self._find_trace, priority=Priority.OBSERVE - 500)
@@ -203,7 +209,7 @@ class RerunAttribution(Handler):
             return  # that group reruns it
         self.reruns += 1
         state = self.trainer.state
-        world, me = parallel.world_size(), parallel.rank()
+        me, replicas = parallel.rank(), self._replicas()
         microbatches = list(state.batch or ())
         after_step = _rng_state(self.trainer.device)  # put back, with the buffers, once decided
         buffers = [b.detach().clone() for b in self.trainer.model.buffers()]
@@ -212,33 +218,40 @@ class RerunAttribution(Handler):
         loss_bad = self.detector.judge(float(loss)) is not None
         rows = parallel.gather_objects((loss_bad, own.reason, socket.gethostname()))
         peer: list[str | None] | None = None
-        if self.peer_rerun and world > 1 and any(reason for _, reason, _ in rows):
-            theirs = self._rerun(*_pass_to_next((microbatches, self._rng), me, world))
-            peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
-        # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
-        # every rank) those whose rerun's own gradients are bad; else no rank can be named.
-        suspects = [r for r, row in enumerate(rows) if row[0]] or [r for r, row in enumerate(rows) if row[1]]
-        data_ranks = []
-        for r in suspects or [None]:
-            host = rows[r][2] if r is not None else "unknown host"
-            reason = rows[r][1] if r is not None else None
+        if self.peer_rerun and len(replicas) > 1 and any(reason for _, reason, _ in rows):
+            i = next(k for k, ranks in enumerate(replicas) if me in ranks)
+            t, n = replicas[i].index(me), len(replicas)  # the same tensor-parallel coordinate
+            sent = (microbatches, self._rng), replicas[(i + 1) % n][t], replicas[(i - 1) % n][t]
+            theirs = self._rerun(*_pass_on(*sent, send_first=i % 2 == 0))
+            peer = parallel.gather_objects(theirs.reason)  # peer[p]: the previous replica's data on p
+        # Which replicas went bad: those with a rank whose own loss did; else (a gradient that went
+        # bad, reduced over every rank) those whose rerun's own gradients are bad; else none is named.
+        suspects = [k for k, ranks in enumerate(replicas) if any(rows[r][0] for r in ranks)] or [
+            k for k, ranks in enumerate(replicas) if any(rows[r][1] for r in ranks)
+        ]
+        data_ranks: list[int] = []
+        for k in suspects or [None]:
+            ranks = list(replicas[k]) if k is not None else []
+            told = [r for r in ranks if rows[r][0]]  # the ranks whose own loss went bad
+            rank = ranks[0] if len(ranks) == 1 else told[0] if len(told) == 1 < len(ranks) else None
+            host = ", ".join(sorted({rows[r][2] for r in ([rank] if rank is not None else ranks)}))
+            reason = next((rows[r][1] for r in ranks if rows[r][1]), None)
+            who = _who(rank, ranks, host or "unknown host")
+            verdict = {"step": state.step, "rank": rank, "ranks": ranks, "host": host, "reason": reason}
             if reason is None:
                 cause = "transient"
-                key = f"rank {r} ({host})" if r is not None else "unknown rank"
-                self.transients[key] = self.transients.get(key, 0) + 1
-            elif peer is None or peer[(r + 1) % world] is not None:
+                self.transients[who] = self.transients.get(who, 0) + 1
+            elif peer is None or any(peer[p] for p in replicas[(k + 1) % len(replicas)]):
                 cause = "data"
-                data_ranks.append(r)
+                data_ranks.extend(ranks)
             else:
                 cause = "faulty_rank"
-                self.faulty.append({"step": state.step, "rank": r, "host": host, "reason": reason})
-            self.verdicts.append(
-                {"step": state.step, "rank": r, "host": host, "cause": cause, "reason": reason}
-            )
-            logger.warning("step %d: %s", state.step, _explain(cause, r, host, reason, peer is not None))
+                self.faulty.append(dict(verdict))
+            self.verdicts.append({**verdict, "cause": cause})
+            logger.warning("step %d: %s", state.step, _explain(cause, who, reason, peer is not None))
         if data_ranks and self.quarantine:
             mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
-            reason = f"bad on rank and peer rerun: {rows[data_ranks[0]][1]}"
+            reason = f"bad on rank and peer rerun: {next(rows[r][1] for r in data_ranks if rows[r][1])}"
             self._quarantine(
                 state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason
             )
@@ -249,11 +262,22 @@ class RerunAttribution(Handler):
         self._publish(state)
         faulty = [v for v in self.faulty if v["step"] == state.step]
         if faulty and self.on_faulty_rank == "stop":
-            names = ", ".join(f"rank {v['rank']} on {v['host']}" for v in faulty)
+            names = ", ".join(f"{_ranks(v)} on {v['host']}" for v in faulty)
             raise TrainingAborted(
                 f"step {state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
                 ExitCode.NAN_ABORT,
             )
+
+    def _replicas(self) -> list[tuple[int, ...]]:
+        """The ranks of each data-parallel replica, in order: one rank each, or under tensor
+        parallelism the group of ranks that computes a replica's step together (found once)."""
+        if self._replica_ranks is None:
+            tp = self.trainer.tp_mesh
+            mine = (parallel.rank(),)
+            if tp is not None and tp.size() > 1:
+                mine = tuple(dist.get_process_group_ranks(tp.get_group()))
+            self._replica_ranks = sorted(set(parallel.gather_objects(mine)))
+        return self._replica_ranks
 
     def _quarantine(self, step: int, ids: list[str], reason: str) -> None:
         """Record ``ids`` (every rank alike), write them (rank 0) and stop fetching them."""
@@ -298,15 +322,15 @@ class RerunAttribution(Handler):
         self._skip([sid for row in self.quarantined for sid in row["ids"]])
 
 
-def _pass_to_next(obj: Any, me: int, world: int) -> Any:
-    """Send ``obj`` to rank ``me + 1`` and return rank ``me - 1``'s (around the ring); even ranks
-    send first, odd ranks receive first, so no two ranks wait on each other."""
+def _pass_on(obj: Any, dst: int, src: int, *, send_first: bool) -> Any:
+    """Send ``obj`` to rank ``dst`` and return rank ``src``'s (around a ring of replicas); every
+    other replica sends first, so no two ranks wait on each other."""
     received: list[Any] = [None]
-    for sending in (me % 2 == 0, me % 2 != 0):
+    for sending in (send_first, not send_first):
         if sending:
-            dist.send_object_list([obj], dst=(me + 1) % world)
+            dist.send_object_list([obj], dst=dst)
         else:
-            dist.recv_object_list(received, src=(me - 1) % world)
+            dist.recv_object_list(received, src=src)
     return received[0]
 
 
@@ -333,13 +357,31 @@ def _slice(microbatch: Any, j: int, size: int) -> Any:
     return microbatch
 
 
-def _explain(cause: str, rank: int, host: str, reason: str | None, peer: bool) -> str:
+def _ranks(verdict: dict[str, Any]) -> str:
+    ranks = verdict.get("ranks") or [verdict["rank"]]
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _who(rank: int | None, ranks: list[int], host: str) -> str:
+    """A bad replica as the operator reads it: its rank, or its tensor-parallel group's ranks (the
+    one whose own loss went bad when only one did)."""
+    if not ranks:
+        return "unknown rank"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} ({host})"
+    group = "ranks " + ", ".join(map(str, ranks))
+    if rank is not None:
+        return f"rank {rank} ({host}) of the tensor-parallel group of {group}"
+    return f"{group} ({host}), one tensor-parallel group: which of its ranks cannot be told"
+
+
+def _explain(cause: str, who: str, reason: str | None, peer: bool) -> str:
     if cause == "transient":
-        return f"rank {rank} ({host}) was bad and its rerun is good: a transient fault on that rank, counted"
+        return f"{who} was bad and its rerun is good: a transient fault, counted"
     if cause == "faulty_rank":
         return (
-            f"rank {rank} ({host}) is bad ({reason}) again on its rerun, and its data is good on another "
-            f"rank: rank {rank} computes wrong; leave its node out"
+            f"{who} is bad ({reason}) again on its rerun, and its data is good on another replica: it "
+            "computes wrong; leave its node out"
         )
-    where = "on its rerun and on another rank" if peer else "on its rerun"
-    return f"rank {rank} ({host}) is bad ({reason}) {where}: the data or the numerics; samples quarantined"
+    where = "on its rerun and on another replica" if peer else "on its rerun"
+    return f"{who} is bad ({reason}) {where}: the data or the numerics; samples quarantined"

@@ -48,14 +48,23 @@ def mixture() -> MixtureDataset:
     return MixtureDataset(parts)
 
 
-def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True):
-    """One run of a tiny MLP on the mixture; what it decided."""
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None):
+    """One run of a tiny MLP on the mixture; what it decided. ``info``: a ``dp x tp`` layout
+    (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    tp = info.dim_size("tp") if info is not None else 1
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from hookloop.engine.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, info.mesh_dim("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    rank, world, tp_rank = rank // tp, world // tp, rank % tp  # the data-parallel rank and size
     if world > 1:
-        model = wrap_data_parallel(model, dp_mode)
+        model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp") if info is not None else None)
     cfg = load_run_config(
         None,
         [
@@ -94,7 +103,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world,
         run_dir=run_dir,
     )  # fmt: skip
-    SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
+    SampleTrace(run_dir, loader, rank=rank, world_size=world, write=tp_rank == 0).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
     aborted = None
@@ -112,7 +121,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         "state": attribution.state_dict() if attribution else None,
         "quarantined": sorted(loader.quarantined),
         "flipped": next((h.flipped for h in handlers if isinstance(h, FaultInjector)), None),
-        "weights": [p.detach().double().sum().item() for p in model.parameters()],
+        "weights": [getattr(p, "_local_tensor", p).double().sum().item() for p in model.parameters()],
     }
 
 
@@ -121,6 +130,13 @@ def _two_ranks(rank: int, world: int, tmp: str, cases: list) -> list:
 
     init_distributed()
     return [run(f"{tmp}/{name}", overrides, rank=rank, world=world, **kw) for name, overrides, kw in cases]
+
+
+def _dp2_tp2(rank: int, world: int, tmp: str, cases: list) -> list:
+    from hookloop.engine import init_distributed
+
+    info = init_distributed("gloo", tp_size=2)
+    return [run(f"{tmp}/{name}", o, rank=rank, world=world, info=info, **kw) for name, o, kw in cases]
 
 
 def verdicts(result) -> list[tuple]:
@@ -366,3 +382,48 @@ def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_pa
     quarantine.write_text(json.dumps({"ids": ["docs:999999"]}) + "\n")
     with pytest.raises(ConfigError, match="data.quarantine: names sample 'docs:999999'"):
         build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
+
+
+def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is_the_other_replica(tmp_path):
+    bad = sample_at(step=2, rank=1)  # data-parallel rank 1: global ranks 2 and 3
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=3",
+                 "fault_injection.step=3"]  # fmt: skip
+    flip = ["fault_injection.enabled=true", "fault_injection.kind=corruption", "fault_injection.rank=1",
+            "fault_injection.step=3", "fault_injection.parameter=0.weight", "attribution.max_reruns=1",
+            "attribution.on_faulty_rank=stop"]  # fmt: skip
+    cases = [
+        ("transient", transient, {"steps": 5}),
+        ("data", data, {"steps": 12}),
+        ("resumed", data, {"steps": 4}),  # then resumed on the same layout
+        ("resumed", data, {"steps": 12}),
+        ("flip", flip, {"steps": 5}),
+    ]
+    results = run_distributed(_dp2_tp2, 4, str(tmp_path), cases, timeout=400)
+    host = socket.gethostname()
+    for t, d, _, resumed, flipped in results:  # every rank decided the same
+        # rank 3's NaN output (its own loss only): its replica reruns the step good, rank 3 named
+        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in t["state"]["verdicts"]] == [
+            (3, 3, [2, 3], "transient")
+        ]
+        assert t["state"]["transients"] == {f"rank 3 ({host}) of the tensor-parallel group of ranks 2, 3": 1}
+        assert t["state"]["quarantined"] == [] and t["skipped"] == 1 and t["step"] == 5
+
+        # the bad sample: bad on replica 1 (ranks 2, 3) and on replica 0, which reran its microbatches
+        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in d["state"]["verdicts"]] == [
+            (2, None, [2, 3], "data")
+        ]
+        assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]] and d["skipped"] == 1
+        assert resumed["quarantined"] == d["quarantined"] and resumed["losses"] == d["losses"][4:]
+
+        # one tensor-parallel rank's shard flipped: its replica is bad again on its rerun, good on the
+        # other replica's; both its ranks named (which one cannot be told), and the run stops with 76
+        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in flipped["state"]["verdicts"]] == [
+            (3, None, [0, 1], "faulty_rank")
+        ]
+        message, code = flipped["aborted"]
+        assert code == 76 and f"ranks 0, 1 on {host}" in message
+    traces = read_sample_traces(tmp_path / "data")
+    assert sorted(traces) == [0, 1]  # one file per replica
+    assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
+    assert read_sample_traces(tmp_path / "resumed") == traces
