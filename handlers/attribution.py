@@ -49,6 +49,7 @@ from hookloop.engine.batch import forward_and_loss
 from hookloop.engine.data import MixtureLoader, SampleTrace
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
+from hookloop.engine.record_file import cut_to_step
 from hookloop.engine.step_body import LocalStepBody, StepBody
 from hookloop.handlers.sections.attribution import AttributionConfig
 
@@ -118,6 +119,7 @@ class RerunAttribution(Handler):
             )
         trainer.add_event_handler(Events.STEP_START, self._keep_rng, priority=KEEP_RNG)
         trainer.add_event_handler(Events.TRAIN_START, self._find_trace, priority=Priority.OBSERVE - 500)
+        trainer.add_event_handler(Events.RUN_STARTED, self._cut_file, priority=Priority.OBSERVE)
         trainer.agreement.add("attribution.bad", self._fill, self._on_verdict)
         return super().attach(trainer)
 
@@ -130,6 +132,13 @@ class RerunAttribution(Handler):
                 "names the bad samples from the sample trace of a MixtureLoader: set data.trace_samples=true "
                 "(or attribution.quarantine=false)",
             )
+
+    def _cut_file(self) -> None:
+        """``quarantine.jsonl`` back to the rows of the quarantine the run resumed with (steps up to
+        the one it starts from, as the checkpoint holds them): a row a killed run wrote after its
+        last checkpoint is written again when the resumed run finds that step bad again, once."""
+        if self.run_dir is not None and parallel.rank() == 0:
+            cut_to_step(self.run_dir / QUARANTINE_FILE, self.trainer.state.step)
 
     def _fill(self) -> Any:
         """This rank's verdict for the agreement; its own loss kept (not read) for a rerun's judge."""

@@ -48,9 +48,16 @@ def mixture() -> MixtureDataset:
     return MixtureDataset(parts)
 
 
-def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None):
+class Killed(Exception):
+    """The run killed at a step (``crash_after``): no save at the end."""
+
+
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None,
+        crash_after=None):  # fmt: skip
     """One run of a tiny MLP on the mixture; what it decided. ``info``: a ``dp x tp`` layout
-    (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``."""
+    (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``;
+    ``crash_after``: the run raises after that many steps ended (a step redone after a rollback
+    counts again), without a save."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
@@ -106,11 +113,19 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
     SampleTrace(run_dir, loader, rank=rank, world_size=world, write=tp_rank == 0).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+
+    @trainer.on(Events.STEP_END)
+    def kill(engine):
+        if len(losses) == crash_after:
+            raise Killed(f"killed after step {engine.state.step}")
+
     aborted = None
     try:
         trainer.run(loader)
     except TrainingAborted as e:
         aborted = (str(e), int(e.exit_code))
+    except Killed as e:
+        aborted = (str(e), None)
     state = trainer.state
     attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
     return {
@@ -427,3 +442,55 @@ def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is
     assert sorted(traces) == [0, 1]  # one file per replica
     assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
     assert read_sample_traces(tmp_path / "resumed") == traces
+
+
+#: The handlers ``hookloop train`` attaches by default, as the examples run: async saves, the
+#: detector's rollback (here at the first bad step), metrics and the console and JSONL loggers.
+EXAMPLE_HANDLERS = [
+    "checkpoint.mode=async",
+    "nan.action=rollback",
+    "nan.max_consecutive=1",
+    "logging.console=true",
+    "logging.jsonl=true",
+    "logging.log_interval=1",
+]
+
+
+def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_is_quarantined_once(tmp_path):
+    bad = sample_at(step=3, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}",
+            *EXAMPLE_HANDLERS]  # fmt: skip
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=1",
+                 "fault_injection.step=3", "step_scheduler.ckpt_every_steps=1",
+                 *EXAMPLE_HANDLERS]  # fmt: skip
+    cases = [
+        ("data", data, {"steps": 8}),
+        # killed after step 3 was redone past the rollback (before the step-4 save): resumed from step 2
+        ("killed", data, {"steps": 8, "crash_after": 4}),
+        ("killed", data, {"steps": 8}),
+        ("transient", transient, {"steps": 6}),  # an async save at every step, staged around the rerun
+        ("transient_resumed", transient, {"steps": 4}),
+        ("transient_resumed", transient, {"steps": 6}),
+    ]
+    results = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    d, killed, resumed, t, _, t_resumed = results[0]
+
+    # step 3 is bad: attributed to the sample, quarantined, then rolled back to step 2 and trained
+    # past the bad data; the quarantine outlives the rollback
+    assert verdicts(d) == [(3, 1, "data")] and d["step"] == 8 and d["quarantined"] == killed["quarantined"]
+    assert len(d["losses"]) == 9 and d["losses"][2] != d["losses"][2]  # step 3 twice: vetoed, redone
+    traces = read_sample_traces(tmp_path / "data")
+    assert all(bad not in ids for per_rank in traces.values() for ids in per_rank.values())
+
+    # killed before any checkpoint held the quarantine: the resumed run finds step 3 bad again and
+    # goes on exactly as the uninterrupted run, and the file names the sample once
+    assert killed["aborted"] == ("killed after step 3", None) and resumed["step"] == 8
+    assert resumed["losses"][1:] == d["losses"][3:] and resumed["quarantined"] == d["quarantined"]
+    assert verdicts(resumed) == verdicts(d) and read_sample_traces(tmp_path / "killed") == traces
+    for run_dir in ("data", "killed"):
+        rows = (tmp_path / run_dir / "quarantine.jsonl").read_text().splitlines()
+        assert [json.loads(row)["ids"] for row in rows] == [[bad]], run_dir
+
+    # a transient fault with a save in flight at every step: counted, rolled back, resumed exactly
+    assert verdicts(t) == [(3, 1, "transient")] and t["step"] == 6 and t["state"]["quarantined"] == []
+    assert t_resumed["losses"] == t["losses"][-2:] and t_resumed["weights"] == t["weights"]
