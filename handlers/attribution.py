@@ -15,7 +15,9 @@ step's RNG state)::
 
 A replica is one rank, or under tensor parallelism the tensor-parallel group that computes its step
 together: the group reruns together, and each of its ranks sends to the next replica's rank of the
-same tensor-parallel coordinate. Pipeline parallelism is refused by name.
+same tensor-parallel coordinate. Pipeline parallelism is refused by name. With replica groups the
+verdicts and quarantine of every group are recorded in every group (the agreement's transport,
+``across_groups``), and a group of one replica sends its microbatches to the next group to rerun.
 
 The decision is made from gathered values, the same on every rank. The step stays vetoed (the
 detector's skip); the reruns leave no gradient and put the RNG and the model's buffers back as the
@@ -211,28 +213,58 @@ class RerunAttribution(Handler):
 
     # ------------------------------------------------------------------ the decision
     def _on_verdict(self, bad_ranks: float) -> None:
-        """After the step's agreement, on every rank alike: rerun a bad step and classify it."""
+        """After the step's agreement, on every rank of every replica group alike: rerun a bad step
+        where it went bad, classify it, and record every group's verdicts in every group."""
         if not bad_ranks or self.reruns >= self.max_reruns:
             return
-        if not parallel.agree_any(bool(self.detector.verdict)):  # bad in another replica group only:
-            return  # that group reruns it
         self.reruns += 1
-        state = self.trainer.state
+        trainer = self.trainer
+        after_step = _rng_state(trainer.device)  # put back, with the buffers, once decided
+        buffers = [b.detach().clone() for b in trainer.model.buffers()]
+        here = parallel.agree_any(bool(self.detector.verdict))  # False: bad in another replica group only
+        found = trainer.agreement.transport.across_groups(self._attribute(trainer.state, here))
+        # A group that names no rank (its gradients went bad in the average over the groups) says
+        # nothing when another group names one.
+        named = any(v["ranks"] for records in found.values() for v in records["verdicts"])
+        for group, records in sorted(found.items()):
+            if named:
+                records = {**records, "verdicts": [v for v in records["verdicts"] if v["ranks"]]}
+            self._record(records, group if len(found) > 1 else None)
+        _set_rng_state(after_step)
+        with torch.no_grad():  # batch statistics (BatchNorm) as the step left them
+            for buffer, saved in zip(trainer.model.buffers(), buffers):
+                buffer.copy_(saved)
+        self._publish(trainer.state)
+        faulty = [v for v in self.faulty if v["step"] == trainer.state.step]
+        if faulty and self.on_faulty_rank == "stop":
+            names = ", ".join(f"{_ranks(v)} on {v['host']}" for v in faulty)
+            raise TrainingAborted(
+                f"step {trainer.state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
+                ExitCode.NAN_ABORT,
+            )
+
+    def _attribute(self, state: Any, here: bool) -> dict[str, list]:
+        """This replica group's verdicts on the step (none unless ``here``, it went bad here) and
+        the rows it quarantines; a group of one replica has the next live group rerun its data."""
         me, replicas = parallel.rank(), self._replicas()
         microbatches = list(state.batch or ())
-        after_step = _rng_state(self.trainer.device)  # put back, with the buffers, once decided
-        buffers = [b.detach().clone() for b in self.trainer.model.buffers()]
-        own = self._rerun(microbatches, self._rng)
-        loss = self._local_loss
-        loss_bad = self.detector.judge(float(loss)) is not None
-        rows = parallel.gather_objects((loss_bad, own.reason, socket.gethostname()))
+        own = self._rerun(microbatches, self._rng) if here else None
+        loss_bad = here and self.detector.judge(float(self._local_loss)) is not None
+        rows = parallel.gather_objects((loss_bad, own.reason if own else None, socket.gethostname()))
+        wanted = self.peer_rerun and here and any(reason for _, reason, _ in rows)
         peer: list[str | None] | None = None
-        if self.peer_rerun and len(replicas) > 1 and any(reason for _, reason, _ in rows):
-            i = next(k for k, ranks in enumerate(replicas) if me in ranks)
-            t, n = replicas[i].index(me), len(replicas)  # the same tensor-parallel coordinate
-            sent = (microbatches, self._rng), replicas[(i + 1) % n][t], replicas[(i - 1) % n][t]
-            theirs = self._rerun(*_pass_on(*sent, send_first=i % 2 == 0))
-            peer = parallel.gather_objects(theirs.reason)  # peer[p]: the previous replica's data on p
+        if len(replicas) > 1:
+            if wanted:
+                i = next(k for k, ranks in enumerate(replicas) if me in ranks)
+                t, n = replicas[i].index(me), len(replicas)  # the same tensor-parallel coordinate
+                sent = (microbatches, self._rng), replicas[(i + 1) % n][t], replicas[(i - 1) % n][t]
+                theirs = self._rerun(*_pass_on(*sent, send_first=i % 2 == 0))
+                peer = parallel.gather_objects(theirs.reason)  # peer[p]: the previous replica's data on p
+        elif self.peer_rerun:  # every group alike
+            peer = self._peer_across((microbatches, self._rng) if wanted else None)
+        verdicts: list[dict[str, Any]] = []
+        if not here:
+            return {"verdicts": verdicts, "quarantined": []}
         # Which replicas went bad: those with a rank whose own loss did; else (a gradient that went
         # bad, reduced over every rank) those whose rerun's own gradients are bad; else none is named.
         suspects = [k for k, ranks in enumerate(replicas) if any(rows[r][0] for r in ranks)] or [
@@ -245,37 +277,57 @@ class RerunAttribution(Handler):
             rank = ranks[0] if len(ranks) == 1 else told[0] if len(told) == 1 < len(ranks) else None
             host = ", ".join(sorted({rows[r][2] for r in ([rank] if rank is not None else ranks)}))
             reason = next((rows[r][1] for r in ranks if rows[r][1]), None)
-            who = _who(rank, ranks, host or "unknown host")
-            verdict = {"step": state.step, "rank": rank, "ranks": ranks, "host": host, "reason": reason}
             if reason is None:
                 cause = "transient"
-                self.transients[who] = self.transients.get(who, 0) + 1
             elif peer is None or any(peer[p] for p in replicas[(k + 1) % len(replicas)]):
                 cause = "data"
                 data_ranks.extend(ranks)
             else:
                 cause = "faulty_rank"
-                self.faulty.append(dict(verdict))
-            self.verdicts.append({**verdict, "cause": cause})
+            verdict = {"step": state.step, "rank": rank, "ranks": ranks, "host": host, "reason": reason}
+            verdicts.append({**verdict, "cause": cause})
+            who = _who(rank, ranks, host or "unknown host")
             logger.warning("step %d: %s", state.step, _explain(cause, who, reason, peer is not None))
+        quarantined: list[dict[str, Any]] = []
         if data_ranks and self.quarantine:
             mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
+            ids = sorted({i for ids in parallel.gather_objects(mine) for i in ids})
             reason = f"bad on rank and peer rerun: {next(rows[r][1] for r in data_ranks if rows[r][1])}"
-            self._quarantine(
-                state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason
-            )
-        _set_rng_state(after_step)
-        with torch.no_grad():  # batch statistics (BatchNorm) as the step left them
-            for buffer, saved in zip(self.trainer.model.buffers(), buffers):
-                buffer.copy_(saved)
-        self._publish(state)
-        faulty = [v for v in self.faulty if v["step"] == state.step]
-        if faulty and self.on_faulty_rank == "stop":
-            names = ", ".join(f"{_ranks(v)} on {v['host']}" for v in faulty)
-            raise TrainingAborted(
-                f"step {state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
-                ExitCode.NAN_ABORT,
-            )
+            by_dataset: dict[str, list[str]] = {}
+            for sid in ids:
+                by_dataset.setdefault(sid.rpartition(":")[0], []).append(sid)
+            quarantined = [
+                {"step": state.step, "dataset": d, "ids": v, "reason": reason} for d, v in by_dataset.items()
+            ]
+        return {"verdicts": verdicts, "quarantined": quarantined}
+
+    def _peer_across(self, sent: Any) -> list[str | None] | None:
+        """A group of one replica has no peer of its own: the next live replica group reruns its
+        microbatches (``sent``; None: nothing to rerun) on its weights, through the agreement's
+        transport. This rank's verdict on it per rank of the group; None with one live group."""
+        transport = self.trainer.agreement.transport
+        received = transport.across_groups(sent)
+        live = sorted(received)
+        if len(live) < 2:
+            return None
+        i = live.index(transport.group)
+        theirs = received[live[i - 1]]
+        reason = self._rerun(*theirs).reason if theirs is not None else None
+        return parallel.gather_objects(transport.across_groups(reason)[live[(i + 1) % len(live)]])
+
+    def _record(self, records: dict[str, list], group: int | None) -> None:
+        """A group's verdicts and quarantine, alike in every group (``group``: whose, when several)."""
+        for verdict in records["verdicts"]:
+            verdict = {**verdict, "group": group} if group is not None else verdict
+            self.verdicts.append(verdict)
+            if verdict["cause"] == "transient":
+                who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host")
+                who = f"group {group}: {who}" if group is not None else who
+                self.transients[who] = self.transients.get(who, 0) + 1
+            elif verdict["cause"] == "faulty_rank":
+                self.faulty.append({k: v for k, v in verdict.items() if k != "cause"})
+        if records["quarantined"]:
+            self._quarantine(records["quarantined"])
 
     def _replicas(self) -> list[tuple[int, ...]]:
         """The ranks of each data-parallel replica, in order: one rank each, or under tensor
@@ -288,19 +340,16 @@ class RerunAttribution(Handler):
             self._replica_ranks = sorted(set(parallel.gather_objects(mine)))
         return self._replica_ranks
 
-    def _quarantine(self, step: int, ids: list[str], reason: str) -> None:
-        """Record ``ids`` (every rank alike), write them (rank 0) and stop fetching them."""
-        by_dataset: dict[str, list[str]] = {}
-        for sid in ids:
-            by_dataset.setdefault(sid.rpartition(":")[0], []).append(sid)
-        rows = [{"step": step, "dataset": d, "ids": v, "reason": reason} for d, v in by_dataset.items()]
+    def _quarantine(self, rows: list[dict[str, Any]]) -> None:
+        """Record ``rows`` (every rank alike), write them (rank 0) and stop fetching their ids."""
+        ids = [sid for row in rows for sid in row["ids"]]
         self.quarantined.extend(rows)
         self._skip(ids)
-        if self.run_dir is not None and parallel.rank() == 0 and rows:
+        if self.run_dir is not None and parallel.rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / QUARANTINE_FILE, "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
-        logger.warning("step %d: quarantined %d sample(s): %s", step, len(ids), ", ".join(ids))
+        logger.warning("step %d: quarantined %d sample(s): %s", rows[0]["step"], len(ids), ", ".join(ids))
 
     def _skip(self, ids: list[str]) -> None:
         if self.loader is not None:

@@ -5,14 +5,20 @@ transient and nothing is quarantined; a bad sample is found bad on its rank and 
 sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run
 resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
 flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
-asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. In one process:
+asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. Under dp 2 x
+tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; with two
+replica groups (torchft) every group records the verdicts and quarantines the sample, the peer
+rerun crossing the groups; with the examples' handlers (async saves, the detector's rollback,
+loggers) a quarantine survives a rollback and a kill, written once. In one process:
 a rerun draws the step's random numbers and leaves the run as it is without one, ``action=raise``
 attributes before it stops, ``data.quarantine`` starts a run without the listed samples.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import socket
 
 import pytest
@@ -53,11 +59,12 @@ class Killed(Exception):
 
 
 def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None,
-        crash_after=None):  # fmt: skip
+        crash_after=None, replica_group=None):  # fmt: skip
     """One run of a tiny MLP on the mixture; what it decided. ``info``: a ``dp x tp`` layout
     (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``;
     ``crash_after``: the run raises after that many steps ended (a step redone after a rollback
-    counts again), without a save."""
+    counts again), without a save; ``replica_group``: ``(group, lighthouse)``, this process is a
+    replica group of one of two (the data sharded over the groups)."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
@@ -72,6 +79,8 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
     rank, world, tp_rank = rank // tp, world // tp, rank % tp  # the data-parallel rank and size
     if world > 1:
         model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp") if info is not None else None)
+    if replica_group is not None:
+        rank, world = replica_group[0], 2
     cfg = load_run_config(
         None,
         [
@@ -99,6 +108,16 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         prepare_batch=lambda mb, device: (mb[0], mb[1]),
         hang_timeout_s=None,
     )
+    groups = None
+    if replica_group is not None:  # before the handlers, as hookloop train attaches it
+        from hookloop.engine.fault_tolerance import FaultToleranceConfig
+        from hookloop.handlers.replica_groups import ReplicaGroups
+
+        ft = FaultToleranceConfig(
+            enabled=True, replica_group_id=rank, num_replica_groups=2, min_replicas=2,
+            lighthouse=replica_group[1], timeout_s=20, quorum_timeout_s=60,
+        )  # fmt: skip
+        groups = ReplicaGroups(ft).attach(trainer)
     loader = MixtureLoader(
         MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
     )
@@ -126,6 +145,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         aborted = (str(e), int(e.exit_code))
     except Killed as e:
         aborted = (str(e), None)
+    finally:
+        if groups is not None:
+            groups.shutdown()
     state = trainer.state
     attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
     return {
@@ -494,3 +516,86 @@ def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_i
     # a transient fault with a save in flight at every step: counted, rolled back, resumed exactly
     assert verdicts(t) == [(3, 1, "transient")] and t["step"] == 6 and t["state"]["quarantined"] == []
     assert t_resumed["losses"] == t["losses"][-2:] and t_resumed["weights"] == t["weights"]
+
+
+def group_main(group: int, address: str, run_dir: str, overrides: list, steps: int, out: str) -> None:
+    """One replica group of one process: a run, its result written to ``out`` (then ``os._exit``:
+    torchft's threads never join)."""
+    import os
+
+    result = run(run_dir, overrides, steps=steps, replica_group=(group, address))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def _two_groups(tmp_path, name: str, overrides: dict, steps: int) -> list[dict]:
+    """A run as two replica groups of one process each, a lighthouse in this process; each
+    group's result."""
+    import subprocess
+    import sys
+
+    from torchft._torchft import LighthouseServer
+
+    from tests.dist_utils import REPO, kill_ranks
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=500
+    )
+    address = "http://127.0.0.1:" + server.address().rstrip("/").rsplit(":", 1)[1]
+    procs = []
+    try:
+        for g in (0, 1):
+            run_dir, out = f"{tmp_path}/{name}/replica_group_{g}", f"{tmp_path}/{name}-{g}.json"
+            call = (g, address, run_dir, overrides[g], steps, out)
+            code = f"from tests.test_attribution import group_main; group_main(*{call!r})"
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+            with open(f"{tmp_path}/{name}-{g}.log", "w") as log:
+                procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        for g, p in enumerate(procs):
+            assert p.wait(timeout=240) == 0, (tmp_path / f"{name}-{g}.log").read_text()[-3000:]
+    finally:
+        kill_ranks(procs)
+        server.shutdown()
+    return [json.loads((tmp_path / f"{name}-{g}.json").read_text()) for g in (0, 1)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft")
+def test_two_replica_groups_agree_on_the_verdict_and_both_quarantine_the_bad_sample(tmp_path):
+    bad = sample_at(step=3, rank=1)  # drawn by group 1
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.step=3"]
+    flip = ["fault_injection.enabled=true", "fault_injection.kind=corruption", "fault_injection.step=3",
+            "fault_injection.parameter=0.weight"]  # fmt: skip
+    once = ["attribution.max_reruns=1"]  # every group's settings alike (hookloop train refuses others)
+
+    # group 1's NaN output: its loss went bad and its rerun is good; group 0, whose gradients the
+    # average over the groups made bad, names nothing; both record group 1's transient
+    results = _two_groups(tmp_path, "transient", {0: [], 1: transient}, steps=5)
+    for r in results:
+        assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
+            (3, 0, 1, "transient")
+        ]
+        assert r["state"]["transients"] == {f"group 1: rank 0 ({socket.gethostname()})": 1}
+        assert r["skipped"] == 1 and r["step"] == 5 and r["state"]["quarantined"] == []
+
+    # the bad sample: bad on group 1's rerun and on group 0's rerun of group 1's microbatches (sent
+    # through the agreement's transport): data, quarantined in both groups and their files
+    results = _two_groups(tmp_path, "data", {0: data, 1: data}, steps=12)
+    for g, r in enumerate(results):
+        assert [(v["step"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [(3, 1, "data")]
+        assert r["quarantined"] == results[0]["quarantined"] != []
+        rows = (tmp_path / "data" / f"replica_group_{g}" / "quarantine.jsonl").read_text().splitlines()
+        assert [json.loads(row)["ids"] for row in rows] == [[bad]]
+        traces = read_sample_traces(tmp_path / "data" / f"replica_group_{g}")
+        drawn = sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids)
+        assert drawn == ([3] if g == 1 else [])
+    assert results[0]["weights"] == results[1]["weights"]
+
+    # group 1's weights flipped: bad again on its rerun, good on group 0's: group 1's rank is faulty
+    results = _two_groups(tmp_path, "flip", {0: once, 1: [*flip, *once]}, steps=4)
+    for r in results:
+        assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
+            (3, 0, 1, "faulty_rank")
+        ]
