@@ -176,6 +176,10 @@ def _dp2_tp2(rank: int, world: int, tmp: str, cases: list) -> list:
     return [run(f"{tmp}/{name}", o, rank=rank, world=world, info=info, **kw) for name, o, kw in cases]
 
 
+def replica_verdicts(result) -> list[tuple]:
+    return [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in result["state"]["verdicts"]]
+
+
 def verdicts(result) -> list[tuple]:
     return [(v["step"], v["rank"], v["cause"]) for v in result["state"]["verdicts"]]
 
@@ -435,31 +439,33 @@ def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is
         ("resumed", data, {"steps": 4}),  # then resumed on the same layout
         ("resumed", data, {"steps": 12}),
         ("flip", flip, {"steps": 5}),
-    ]
+        ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),  # FSDP2 over dp, TP inside
+        ("fsdp_transient", [*transient[:2], "fault_injection.rank=1", "fault_injection.step=3"],
+         {"steps": 4, "dp_mode": "fsdp"}),
+    ]  # fmt: skip
     results = run_distributed(_dp2_tp2, 4, str(tmp_path), cases, timeout=400)
     host = socket.gethostname()
-    for t, d, _, resumed, flipped in results:  # every rank decided the same
+    for t, d, _, resumed, flipped, fsdp_data, fsdp_transient in results:  # every rank decided the same
         # rank 3's NaN output (its own loss only): its replica reruns the step good, rank 3 named
-        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in t["state"]["verdicts"]] == [
-            (3, 3, [2, 3], "transient")
-        ]
+        assert replica_verdicts(t) == [(3, 3, [2, 3], "transient")]
         assert t["state"]["transients"] == {f"rank 3 ({host}) of the tensor-parallel group of ranks 2, 3": 1}
         assert t["state"]["quarantined"] == [] and t["skipped"] == 1 and t["step"] == 5
 
         # the bad sample: bad on replica 1 (ranks 2, 3) and on replica 0, which reran its microbatches
-        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in d["state"]["verdicts"]] == [
-            (2, None, [2, 3], "data")
-        ]
+        assert replica_verdicts(d) == [(2, None, [2, 3], "data")]
         assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]] and d["skipped"] == 1
         assert resumed["quarantined"] == d["quarantined"] and resumed["losses"] == d["losses"][4:]
 
         # one tensor-parallel rank's shard flipped: its replica is bad again on its rerun, good on the
         # other replica's; both its ranks named (which one cannot be told), and the run stops with 76
-        assert [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in flipped["state"]["verdicts"]] == [
-            (3, None, [0, 1], "faulty_rank")
-        ]
+        assert replica_verdicts(flipped) == [(3, None, [0, 1], "faulty_rank")]
         message, code = flipped["aborted"]
         assert code == 76 and f"ranks 0, 1 on {host}" in message
+
+        # FSDP2 over the replicas: the same causes, the same one sample
+        assert replica_verdicts(fsdp_data) == [(2, None, [2, 3], "data")]
+        assert [row["ids"] for row in fsdp_data["state"]["quarantined"]] == [[bad]]
+        assert replica_verdicts(fsdp_transient) == [(3, 1, [0, 1], "transient")]
     traces = read_sample_traces(tmp_path / "data")
     assert sorted(traces) == [0, 1]  # one file per replica
     assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
