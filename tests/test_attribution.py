@@ -599,6 +599,14 @@ def test_two_replica_groups_agree_on_the_verdict_and_both_quarantine_the_bad_sam
         assert drawn == ([3] if g == 1 else [])
     assert results[0]["weights"] == results[1]["weights"]
 
+    # both groups stopped at step 6 and resumed from their checkpoints: the quarantine comes back in
+    # both, and the steps are the uninterrupted run's, bitwise
+    _two_groups(tmp_path, "resumed", {0: data, 1: data}, steps=6)
+    resumed = _two_groups(tmp_path, "resumed", {0: data, 1: data}, steps=12)
+    for g, r in enumerate(resumed):
+        assert r["quarantined"] == results[g]["quarantined"] and r["losses"] == results[g]["losses"][6:]
+        assert r["weights"] == results[g]["weights"]
+
     # group 1's weights flipped: bad again on its rerun, good on group 0's: group 1's rank is faulty
     results = _two_groups(tmp_path, "flip", {0: once, 1: [*flip, *once]}, steps=4)
     for r in results:
