@@ -522,6 +522,10 @@ def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_i
     # a transient fault with a save in flight at every step: counted, rolled back, resumed exactly
     assert verdicts(t) == [(3, 1, "transient")] and t["step"] == 6 and t["state"]["quarantined"] == []
     assert t_resumed["losses"] == t["losses"][-2:] and t_resumed["weights"] == t["weights"]
+    # the attribution's counts are logged at every step, by the resumed run too
+    for run_dir in ("transient", "transient_resumed"):
+        rows = [json.loads(line) for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [row["attribution/transients"] for row in rows if row["step"] >= 3] == [1] * len(rows[2:])
 
 
 def group_main(group: int, address: str, run_dir: str, overrides: list, steps: int, out: str) -> None:
