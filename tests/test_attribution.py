@@ -499,9 +499,10 @@ def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_i
         ("transient", transient, {"steps": 6}),  # an async save at every step, staged around the rerun
         ("transient_resumed", transient, {"steps": 4}),
         ("transient_resumed", transient, {"steps": 6}),
+        ("rewind", [*data, "nan.skip_data_on_rollback=false"], {"steps": 6}),  # the rollback rewinds the data
     ]
     results = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
-    d, killed, resumed, t, _, t_resumed = results[0]
+    d, killed, resumed, t, _, t_resumed, rewind = results[0]
 
     # step 3 is bad: attributed to the sample, quarantined, then rolled back to step 2 and trained
     # past the bad data; the quarantine outlives the rollback
@@ -526,6 +527,11 @@ def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_i
     for run_dir in ("transient", "transient_resumed"):
         rows = [json.loads(line) for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [row["attribution/transients"] for row in rows if row["step"] >= 3] == [1] * len(rows[2:])
+
+    # the rollback rewinds the data: step 3 is drawn again, without the quarantined sample
+    assert verdicts(rewind) == [(3, 1, "data")] and rewind["step"] == 6 and rewind["skipped"] == 1
+    again = read_sample_traces(tmp_path / "rewind")
+    assert bad not in again[1][3] and len(again[0][3]) + len(again[1][3]) == GLOBAL_BATCH - 1
 
 
 def group_main(group: int, address: str, run_dir: str, overrides: list, steps: int, out: str) -> None:
