@@ -285,9 +285,7 @@ class RerunAttribution(Handler):
             else:
                 cause = "faulty_rank"
             verdict = {"step": state.step, "rank": rank, "ranks": ranks, "host": host, "reason": reason}
-            verdicts.append({**verdict, "cause": cause})
-            who = _who(rank, ranks, host or "unknown host")
-            logger.warning("step %d: %s", state.step, _explain(cause, who, reason, peer is not None))
+            verdicts.append({**verdict, "cause": cause, "peer": peer is not None})
         quarantined: list[dict[str, Any]] = []
         if data_ranks and self.quarantine:
             mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
@@ -320,12 +318,13 @@ class RerunAttribution(Handler):
         for verdict in records["verdicts"]:
             verdict = {**verdict, "group": group} if group is not None else verdict
             self.verdicts.append(verdict)
+            who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host")
+            who = f"replica group {group}: {who}" if group is not None else who
             if verdict["cause"] == "transient":
-                who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host")
-                who = f"group {group}: {who}" if group is not None else who
                 self.transients[who] = self.transients.get(who, 0) + 1
             elif verdict["cause"] == "faulty_rank":
-                self.faulty.append({k: v for k, v in verdict.items() if k != "cause"})
+                self.faulty.append({k: v for k, v in verdict.items() if k not in ("cause", "peer")})
+            logger.warning("step %d: %s", verdict["step"], _explain(verdict, who))
         if records["quarantined"]:
             self._quarantine(records["quarantined"])
 
@@ -433,7 +432,8 @@ def _who(rank: int | None, ranks: list[int], host: str) -> str:
     return f"{group} ({host}), one tensor-parallel group: which of its ranks cannot be told"
 
 
-def _explain(cause: str, who: str, reason: str | None, peer: bool) -> str:
+def _explain(verdict: dict[str, Any], who: str) -> str:
+    cause, reason = verdict["cause"], verdict["reason"]
     if cause == "transient":
         return f"{who} was bad and its rerun is good: a transient fault, counted"
     if cause == "faulty_rank":
@@ -441,5 +441,5 @@ def _explain(cause: str, who: str, reason: str | None, peer: bool) -> str:
             f"{who} is bad ({reason}) again on its rerun, and its data is good on another replica: it "
             "computes wrong; leave its node out"
         )
-    where = "on its rerun and on another replica" if peer else "on its rerun"
+    where = "on its rerun and on another replica" if verdict["peer"] else "on its rerun"
     return f"{who} is bad ({reason}) {where}: the data or the numerics; samples quarantined"

@@ -593,7 +593,7 @@ def test_two_replica_groups_agree_on_the_verdict_and_both_quarantine_the_bad_sam
         assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
             (3, 0, 1, "transient")
         ]
-        assert r["state"]["transients"] == {f"group 1: rank 0 ({socket.gethostname()})": 1}
+        assert r["state"]["transients"] == {f"replica group 1: rank 0 ({socket.gethostname()})": 1}
         assert r["skipped"] == 1 and r["step"] == 5 and r["state"]["quarantined"] == []
 
     # the bad sample: bad on group 1's rerun and on group 0's rerun of group 1's microbatches (sent
