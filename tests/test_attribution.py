@@ -32,6 +32,7 @@ from hookloop.engine.data import (
     SampleTrace,
     read_sample_traces,
 )
+from hookloop.engine.step_body import StepBody
 from hookloop.handlers import HANDLER_ORDER, NaNDetector, attach_handlers, load_run_config
 from hookloop.handlers.attribution import RerunAttribution
 from hookloop.handlers.fault_injection import FaultInjector
@@ -310,6 +311,16 @@ def test_bad_settings_are_refused_by_name():
         RerunAttribution().attach(trainer)
     with pytest.raises(ConfigError, match="fault_injection.parameter"):
         FaultInjector(kind="corruption", parameter="nope").attach(trainer)
+
+    class Staged(StepBody):  # what a pipeline's runtime is: a step body of another class
+        def run_step(self, microbatches, ctx):
+            raise NotImplementedError
+
+    staged = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                     step_body=Staged())  # fmt: skip
+    NaNDetector(action="warn").attach(staged)
+    with pytest.raises(ConfigError, match="attribution: .*not with pipeline parallelism"):
+        RerunAttribution().attach(staged)  # a pipeline's step body: a stage cannot rerun alone
     NaNDetector(action="warn").attach(trainer)
     RerunAttribution().attach(trainer)  # quarantine on, no sample trace: refused before the first step
     with pytest.raises(ConfigError, match="attribution.quarantine: .* data.trace_samples=true"):
