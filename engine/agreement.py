@@ -92,6 +92,14 @@ class AgreementTransport:
         """The late agreement's values (host numbers) summed over its ranks."""
         return sum_over_ranks(values)
 
+    #: This process's replica group (0: the run is one group).
+    group = 0
+
+    def across_groups(self, obj: object) -> dict[int, object]:
+        """``obj`` of this rank and of the rank in its place in every other live replica group, by
+        group (rare decisions only): this group's alone without replica groups."""
+        return {self.group: obj}
+
     def step_boundary(self) -> bool:
         """The step's very end: True when every rank stops now (from values every rank shares)."""
         return False

@@ -6,12 +6,18 @@ before the optimizer. Then, on every rank together (nothing runs on a good step 
 step's RNG state)::
 
     rerun this rank's microbatches: same inputs, weights, RNG state    -> same-rank verdicts, gathered
-    if any rerun is bad and peer_rerun: send them to rank (r + 1) % W (point to point),
+    if any rerun is bad and peer_rerun: send them to the next replica (point to point),
         rerun the peer's microbatches with its RNG state                -> peer verdicts, gathered
-    classify each rank r that was bad:
+    classify each replica r that was bad:
         good on its own rerun                  -> transient fault on r (counted, named with its host)
         bad on its rerun and on its peer's     -> data or numerics: its bad samples are quarantined
         bad on its rerun, good on its peer's   -> faulty rank r (named with its host)
+
+A replica is one rank, or under tensor parallelism the tensor-parallel group that computes its step
+together: the group reruns together, and each of its ranks sends to the next replica's rank of the
+same tensor-parallel coordinate. Pipeline parallelism is refused by name. With replica groups the
+verdicts and quarantine of every group are recorded in every group (the agreement's transport,
+``across_groups``), and a group of one replica sends its microbatches to the next group to rerun.
 
 The decision is made from gathered values, the same on every rank. The step stays vetoed (the
 detector's skip); the reruns leave no gradient and put the RNG and the model's buffers back as the
@@ -45,6 +51,7 @@ from hookloop.engine.batch import forward_and_loss
 from hookloop.engine.data import MixtureLoader, SampleTrace
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
+from hookloop.engine.record_file import cut_to_step
 from hookloop.engine.step_body import LocalStepBody, StepBody
 from hookloop.handlers.sections.attribution import AttributionConfig
 
@@ -97,6 +104,7 @@ class RerunAttribution(Handler):
         self._local_loss: Any = None
         self.detector: Any = None  # the NaN detector: its verdict and its rule (judge)
         self.trace: SampleTrace | None = None
+        self._replica_ranks: list[tuple[int, ...]] | None = None
 
     def attach(self, trainer: Trainer) -> RerunAttribution:
         self.detector = trainer.get_handler("nan_detector")
@@ -105,14 +113,16 @@ class RerunAttribution(Handler):
                 "attribution",
                 "judges steps by the NaN detector's rule: attach a NaNDetector first (nan.enabled)",
             )
-        if trainer.tp_mesh is not None or not isinstance(trainer.step_body, LocalStepBody):
+        if not isinstance(trainer.step_body, LocalStepBody):
             raise ConfigError(
                 "attribution",
-                "reruns a step of a model held whole on each rank (plain, DDP or FSDP2); not with tensor "
-                "or pipeline parallelism or a step body of another class: set attribution.enabled=false",
+                "reruns a step of a model held whole on each rank or split by tensor parallelism (plain, "
+                "DDP, FSDP2, TP); not with pipeline parallelism or a step body of another class: set "
+                "attribution.enabled=false",
             )
         trainer.add_event_handler(Events.STEP_START, self._keep_rng, priority=KEEP_RNG)
         trainer.add_event_handler(Events.TRAIN_START, self._find_trace, priority=Priority.OBSERVE - 500)
+        trainer.add_event_handler(Events.RUN_STARTED, self._cut_file, priority=Priority.OBSERVE)
         trainer.agreement.add("attribution.bad", self._fill, self._on_verdict)
         return super().attach(trainer)
 
@@ -125,6 +135,13 @@ class RerunAttribution(Handler):
                 "names the bad samples from the sample trace of a MixtureLoader: set data.trace_samples=true "
                 "(or attribution.quarantine=false)",
             )
+
+    def _cut_file(self) -> None:
+        """``quarantine.jsonl`` back to the rows of the quarantine the run resumed with (steps up to
+        the one it starts from, as the checkpoint holds them): a row a killed run wrote after its
+        last checkpoint is written again when the resumed run finds that step bad again, once."""
+        if self.run_dir is not None and parallel.rank() == 0:
+            cut_to_step(self.run_dir / QUARANTINE_FILE, self.trainer.state.step)
 
     def _fill(self) -> Any:
         """This rank's verdict for the agreement; its own loss kept (not read) for a rerun's judge."""
@@ -197,78 +214,142 @@ class RerunAttribution(Handler):
 
     # ------------------------------------------------------------------ the decision
     def _on_verdict(self, bad_ranks: float) -> None:
-        """After the step's agreement, on every rank alike: rerun a bad step and classify it."""
+        """After the step's agreement, on every rank of every replica group alike: rerun a bad step
+        where it went bad, classify it, and record every group's verdicts in every group."""
         if not bad_ranks or self.reruns >= self.max_reruns:
             return
-        if not parallel.agree_any(bool(self.detector.verdict)):  # bad in another replica group only:
-            return  # that group reruns it
         self.reruns += 1
-        state = self.trainer.state
-        world, me = parallel.world_size(), parallel.rank()
-        microbatches = list(state.batch or ())
-        after_step = _rng_state(self.trainer.device)  # put back, with the buffers, once decided
-        buffers = [b.detach().clone() for b in self.trainer.model.buffers()]
-        own = self._rerun(microbatches, self._rng)
-        loss = self._local_loss
-        loss_bad = self.detector.judge(float(loss)) is not None
-        rows = parallel.gather_objects((loss_bad, own.reason, socket.gethostname()))
-        peer: list[str | None] | None = None
-        if self.peer_rerun and world > 1 and any(reason for _, reason, _ in rows):
-            theirs = self._rerun(*_pass_to_next((microbatches, self._rng), me, world))
-            peer = parallel.gather_objects(theirs.reason)  # peer[k]: rank k-1's data rerun on rank k
-        # Which ranks went bad: those whose own loss did; else (a gradient that went bad, reduced over
-        # every rank) those whose rerun's own gradients are bad; else no rank can be named.
-        suspects = [r for r, row in enumerate(rows) if row[0]] or [r for r, row in enumerate(rows) if row[1]]
-        data_ranks = []
-        for r in suspects or [None]:
-            host = rows[r][2] if r is not None else "unknown host"
-            reason = rows[r][1] if r is not None else None
-            if reason is None:
-                cause = "transient"
-                key = f"rank {r} ({host})" if r is not None else "unknown rank"
-                self.transients[key] = self.transients.get(key, 0) + 1
-            elif peer is None or peer[(r + 1) % world] is not None:
-                cause = "data"
-                data_ranks.append(r)
-            else:
-                cause = "faulty_rank"
-                self.faulty.append({"step": state.step, "rank": r, "host": host, "reason": reason})
-            self.verdicts.append(
-                {"step": state.step, "rank": r, "host": host, "cause": cause, "reason": reason}
-            )
-            logger.warning("step %d: %s", state.step, _explain(cause, r, host, reason, peer is not None))
-        if data_ranks and self.quarantine:
-            mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
-            reason = f"bad on rank and peer rerun: {rows[data_ranks[0]][1]}"
-            self._quarantine(
-                state.step, sorted({i for ids in parallel.gather_objects(mine) for i in ids}), reason
-            )
+        trainer = self.trainer
+        after_step = _rng_state(trainer.device)  # put back, with the buffers, once decided
+        buffers = [b.detach().clone() for b in trainer.model.buffers()]
+        here = parallel.agree_any(bool(self.detector.verdict))  # False: bad in another replica group only
+        found = trainer.agreement.transport.across_groups(self._attribute(trainer.state, here))
+        # A group that names no rank (its gradients went bad in the average over the groups) says
+        # nothing when another group names one.
+        named = any(v["ranks"] for records in found.values() for v in records["verdicts"])
+        for group, records in sorted(found.items()):
+            if named:
+                records = {**records, "verdicts": [v for v in records["verdicts"] if v["ranks"]]}
+            self._record(records, group if len(found) > 1 else None)
         _set_rng_state(after_step)
         with torch.no_grad():  # batch statistics (BatchNorm) as the step left them
-            for buffer, saved in zip(self.trainer.model.buffers(), buffers):
+            for buffer, saved in zip(trainer.model.buffers(), buffers):
                 buffer.copy_(saved)
-        self._publish(state)
-        faulty = [v for v in self.faulty if v["step"] == state.step]
+        self._publish(trainer.state)
+        faulty = [v for v in self.faulty if v["step"] == trainer.state.step]
         if faulty and self.on_faulty_rank == "stop":
-            names = ", ".join(f"rank {v['rank']} on {v['host']}" for v in faulty)
+            names = ", ".join(f"{_ranks(v)} on {v['host']}" for v in faulty)
             raise TrainingAborted(
-                f"step {state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
+                f"step {trainer.state.step}: {names} computes wrong (attribution.on_faulty_rank='stop')",
                 ExitCode.NAN_ABORT,
             )
 
-    def _quarantine(self, step: int, ids: list[str], reason: str) -> None:
-        """Record ``ids`` (every rank alike), write them (rank 0) and stop fetching them."""
-        by_dataset: dict[str, list[str]] = {}
-        for sid in ids:
-            by_dataset.setdefault(sid.rpartition(":")[0], []).append(sid)
-        rows = [{"step": step, "dataset": d, "ids": v, "reason": reason} for d, v in by_dataset.items()]
+    def _attribute(self, state: Any, here: bool) -> dict[str, list]:
+        """This replica group's verdicts on the step (none unless ``here``, it went bad here) and
+        the rows it quarantines; a group of one replica has the next live group rerun its data."""
+        me, replicas = parallel.rank(), self._replicas()
+        microbatches = list(state.batch or ())
+        own = self._rerun(microbatches, self._rng) if here else None
+        loss_bad = here and self.detector.judge(float(self._local_loss)) is not None
+        rows = parallel.gather_objects((loss_bad, own.reason if own else None, socket.gethostname()))
+        wanted = self.peer_rerun and here and any(reason for _, reason, _ in rows)
+        peer: list[str | None] | None = None
+        if len(replicas) > 1:
+            if wanted:
+                i = next(k for k, ranks in enumerate(replicas) if me in ranks)
+                t, n = replicas[i].index(me), len(replicas)  # the same tensor-parallel coordinate
+                sent = (microbatches, self._rng), replicas[(i + 1) % n][t], replicas[(i - 1) % n][t]
+                theirs = self._rerun(*_pass_on(*sent, send_first=i % 2 == 0))
+                peer = parallel.gather_objects(theirs.reason)  # peer[p]: the previous replica's data on p
+        elif self.peer_rerun:  # every group alike
+            peer = self._peer_across((microbatches, self._rng) if wanted else None)
+        verdicts: list[dict[str, Any]] = []
+        if not here:
+            return {"verdicts": verdicts, "quarantined": []}
+        # Which replicas went bad: those with a rank whose own loss did; else (a gradient that went
+        # bad, reduced over every rank) those whose rerun's own gradients are bad; else none is named.
+        suspects = [k for k, ranks in enumerate(replicas) if any(rows[r][0] for r in ranks)] or [
+            k for k, ranks in enumerate(replicas) if any(rows[r][1] for r in ranks)
+        ]
+        data_ranks: list[int] = []
+        for k in suspects or [None]:
+            ranks = list(replicas[k]) if k is not None else []
+            told = [r for r in ranks if rows[r][0]]  # the ranks whose own loss went bad
+            rank = ranks[0] if len(ranks) == 1 else told[0] if len(told) == 1 < len(ranks) else None
+            host = ", ".join(sorted({rows[r][2] for r in ([rank] if rank is not None else ranks)}))
+            reason = next((rows[r][1] for r in ranks if rows[r][1]), None)
+            if reason is None:
+                cause = "transient"
+            elif peer is None or any(peer[p] for p in replicas[(k + 1) % len(replicas)]):
+                cause = "data"
+                data_ranks.extend(ranks)
+            else:
+                cause = "faulty_rank"
+            verdict = {"step": state.step, "rank": rank, "ranks": ranks, "host": host, "reason": reason}
+            verdicts.append({**verdict, "cause": cause, "peer": peer is not None})
+        quarantined: list[dict[str, Any]] = []
+        if data_ranks and self.quarantine:
+            mine = self._bad_samples(microbatches, own.bad_microbatches, me in data_ranks)
+            ids = sorted({i for ids in parallel.gather_objects(mine) for i in ids})
+            reason = f"bad on rank and peer rerun: {next(rows[r][1] for r in data_ranks if rows[r][1])}"
+            by_dataset: dict[str, list[str]] = {}
+            for sid in ids:
+                by_dataset.setdefault(sid.rpartition(":")[0], []).append(sid)
+            quarantined = [
+                {"step": state.step, "dataset": d, "ids": v, "reason": reason} for d, v in by_dataset.items()
+            ]
+        return {"verdicts": verdicts, "quarantined": quarantined}
+
+    def _peer_across(self, sent: Any) -> list[str | None] | None:
+        """A group of one replica has no peer of its own: the next live replica group reruns its
+        microbatches (``sent``; None: nothing to rerun) on its weights, through the agreement's
+        transport. This rank's verdict on it per rank of the group; None with one live group."""
+        transport = self.trainer.agreement.transport
+        received = transport.across_groups(sent)
+        live = sorted(received)
+        if len(live) < 2:
+            return None
+        i = live.index(transport.group)
+        theirs = received[live[i - 1]]
+        reason = self._rerun(*theirs).reason if theirs is not None else None
+        return parallel.gather_objects(transport.across_groups(reason)[live[(i + 1) % len(live)]])
+
+    def _record(self, records: dict[str, list], group: int | None) -> None:
+        """A group's verdicts and quarantine, alike in every group (``group``: whose, when several)."""
+        for verdict in records["verdicts"]:
+            verdict = {**verdict, "group": group} if group is not None else verdict
+            self.verdicts.append(verdict)
+            who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host")
+            who = f"replica group {group}: {who}" if group is not None else who
+            if verdict["cause"] == "transient":
+                self.transients[who] = self.transients.get(who, 0) + 1
+            elif verdict["cause"] == "faulty_rank":
+                self.faulty.append({k: v for k, v in verdict.items() if k not in ("cause", "peer")})
+            logger.warning("step %d: %s", verdict["step"], _explain(verdict, who))
+        if records["quarantined"]:
+            self._quarantine(records["quarantined"])
+
+    def _replicas(self) -> list[tuple[int, ...]]:
+        """The ranks of each data-parallel replica, in order: one rank each, or under tensor
+        parallelism the group of ranks that computes a replica's step together (found once)."""
+        if self._replica_ranks is None:
+            tp = self.trainer.tp_mesh
+            mine = (parallel.rank(),)
+            if tp is not None and tp.size() > 1:
+                mine = tuple(dist.get_process_group_ranks(tp.get_group()))
+            self._replica_ranks = sorted(set(parallel.gather_objects(mine)))
+        return self._replica_ranks
+
+    def _quarantine(self, rows: list[dict[str, Any]]) -> None:
+        """Record ``rows`` (every rank alike), write them (rank 0) and stop fetching their ids."""
+        ids = [sid for row in rows for sid in row["ids"]]
         self.quarantined.extend(rows)
         self._skip(ids)
-        if self.run_dir is not None and parallel.rank() == 0 and rows:
+        if self.run_dir is not None and parallel.rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / QUARANTINE_FILE, "a") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
-        logger.warning("step %d: quarantined %d sample(s): %s", step, len(ids), ", ".join(ids))
+        logger.warning("step %d: quarantined %d sample(s): %s", rows[0]["step"], len(ids), ", ".join(ids))
 
     def _skip(self, ids: list[str]) -> None:
         if self.loader is not None:
@@ -299,15 +380,15 @@ class RerunAttribution(Handler):
         self._skip([sid for row in self.quarantined for sid in row["ids"]])
 
 
-def _pass_to_next(obj: Any, me: int, world: int) -> Any:
-    """Send ``obj`` to rank ``me + 1`` and return rank ``me - 1``'s (around the ring); even ranks
-    send first, odd ranks receive first, so no two ranks wait on each other."""
+def _pass_on(obj: Any, dst: int, src: int, *, send_first: bool) -> Any:
+    """Send ``obj`` to rank ``dst`` and return rank ``src``'s (around a ring of replicas); every
+    other replica sends first, so no two ranks wait on each other."""
     received: list[Any] = [None]
-    for sending in (me % 2 == 0, me % 2 != 0):
+    for sending in (send_first, not send_first):
         if sending:
-            dist.send_object_list([obj], dst=(me + 1) % world)
+            dist.send_object_list([obj], dst=dst)
         else:
-            dist.recv_object_list(received, src=(me - 1) % world)
+            dist.recv_object_list(received, src=src)
     return received[0]
 
 
@@ -334,13 +415,32 @@ def _slice(microbatch: Any, j: int, size: int) -> Any:
     return microbatch
 
 
-def _explain(cause: str, rank: int, host: str, reason: str | None, peer: bool) -> str:
+def _ranks(verdict: dict[str, Any]) -> str:
+    ranks = verdict.get("ranks") or [verdict["rank"]]
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _who(rank: int | None, ranks: list[int], host: str) -> str:
+    """A bad replica as the operator reads it: its rank, or its tensor-parallel group's ranks (the
+    one whose own loss went bad when only one did)."""
+    if not ranks:
+        return "unknown rank"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} ({host})"
+    group = "ranks " + ", ".join(map(str, ranks))
+    if rank is not None:
+        return f"rank {rank} ({host}) of the tensor-parallel group of {group}"
+    return f"{group} ({host}), one tensor-parallel group: which of its ranks cannot be told"
+
+
+def _explain(verdict: dict[str, Any], who: str) -> str:
+    cause, reason = verdict["cause"], verdict["reason"]
     if cause == "transient":
-        return f"rank {rank} ({host}) was bad and its rerun is good: a transient fault on that rank, counted"
+        return f"{who} was bad and its rerun is good: a transient fault, counted"
     if cause == "faulty_rank":
         return (
-            f"rank {rank} ({host}) is bad ({reason}) again on its rerun, and its data is good on another "
-            f"rank: rank {rank} computes wrong; leave its node out"
+            f"{who} is bad ({reason}) again on its rerun, and its data is good on another replica: it "
+            "computes wrong; leave its node out"
         )
-    where = "on its rerun and on another rank" if peer else "on its rerun"
-    return f"rank {rank} ({host}) is bad ({reason}) {where}: the data or the numerics; samples quarantined"
+    where = "on its rerun and on another replica" if verdict["peer"] else "on its rerun"
+    return f"{who} is bad ({reason}) {where}: the data or the numerics; samples quarantined"

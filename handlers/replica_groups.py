@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import pickle
 import re
 import time
 import zlib
@@ -274,6 +275,25 @@ class ReplicaGroups(AgreementTransport):
 
     def agree_late(self, values: Sequence[Any]) -> list[Any]:
         return sum_over_ranks(values, across=self._agree_late)
+
+    def across_groups(self, obj: Any) -> dict[int, Any]:
+        """``obj`` of this rank and of the rank in its place in every other live group, by group:
+        pickled, one row per group, summed over the live groups (the lengths, then the bytes); this
+        group's alone when that fails (the step will not commit)."""
+        mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(torch.int32)
+        lengths = torch.zeros(self.groups, dtype=torch.int32)
+        lengths[self.group] = len(mine)
+        if not self._sum(lengths):
+            return {self.group: obj}
+        rows = torch.zeros(self.groups, int(lengths.max()), dtype=torch.int32)
+        rows[self.group, : len(mine)] = mine
+        if not self._sum(rows):
+            return {self.group: obj}
+        return {
+            g: pickle.loads(rows[g, :n].to(torch.uint8).numpy().tobytes())  # noqa: S301 - a peer of this job
+            for g, n in enumerate(lengths.tolist())
+            if n
+        }
 
     def reduce_gradients(self, params: Sequence[torch.Tensor]) -> None:
         """The gradients averaged over the live groups (one flat all-reduce; a failure is recorded

@@ -5,14 +5,20 @@ transient and nothing is quarantined; a bad sample is found bad on its rank and 
 sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn again, also by a run
 resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
 flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
-asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. In one process:
+asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. Under dp 2 x
+tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; with two
+replica groups (torchft) every group records the verdicts and quarantines the sample, the peer
+rerun crossing the groups; with the examples' handlers (async saves, the detector's rollback,
+loggers) a quarantine survives a rollback and a kill, written once. In one process:
 a rerun draws the step's random numbers and leaves the run as it is without one, ``action=raise``
 attributes before it stops, ``data.quarantine`` starts a run without the listed samples.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import socket
 
 import pytest
@@ -26,6 +32,7 @@ from hookloop.engine.data import (
     SampleTrace,
     read_sample_traces,
 )
+from hookloop.engine.step_body import StepBody
 from hookloop.handlers import HANDLER_ORDER, NaNDetector, attach_handlers, load_run_config
 from hookloop.handlers.attribution import RerunAttribution
 from hookloop.handlers.fault_injection import FaultInjector
@@ -48,14 +55,33 @@ def mixture() -> MixtureDataset:
     return MixtureDataset(parts)
 
 
-def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True):
-    """One run of a tiny MLP on the mixture; what it decided."""
+class Killed(Exception):
+    """The run killed at a step (``crash_after``): no save at the end."""
+
+
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None,
+        crash_after=None, replica_group=None):  # fmt: skip
+    """One run of a tiny MLP on the mixture; what it decided. ``info``: a ``dp x tp`` layout
+    (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``;
+    ``crash_after``: the run raises after that many steps ended (a step redone after a rollback
+    counts again), without a save; ``replica_group``: ``(group, lighthouse)``, this process is a
+    replica group of one of two (the data sharded over the groups)."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    tp = info.dim_size("tp") if info is not None else 1
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from hookloop.engine.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, info.mesh_dim("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    rank, world, tp_rank = rank // tp, world // tp, rank % tp  # the data-parallel rank and size
     if world > 1:
-        model = wrap_data_parallel(model, dp_mode)
+        model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp") if info is not None else None)
+    if replica_group is not None:
+        rank, world = replica_group[0], 2
     cfg = load_run_config(
         None,
         [
@@ -83,6 +109,16 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         prepare_batch=lambda mb, device: (mb[0], mb[1]),
         hang_timeout_s=None,
     )
+    groups = None
+    if replica_group is not None:  # before the handlers, as hookloop train attaches it
+        from hookloop.engine.fault_tolerance import FaultToleranceConfig
+        from hookloop.handlers.replica_groups import ReplicaGroups
+
+        ft = FaultToleranceConfig(
+            enabled=True, replica_group_id=rank, num_replica_groups=2, min_replicas=2,
+            lighthouse=replica_group[1], timeout_s=20, quorum_timeout_s=60,
+        )  # fmt: skip
+        groups = ReplicaGroups(ft).attach(trainer)
     loader = MixtureLoader(
         MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
     )
@@ -94,14 +130,25 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         trainer, cfg, order=ORDER, dataloader=loader, sampler=loader.mixture_sampler, dp_size=world,
         run_dir=run_dir,
     )  # fmt: skip
-    SampleTrace(run_dir, loader, rank=rank, world_size=world).attach(trainer)
+    SampleTrace(run_dir, loader, rank=rank, world_size=world, write=tp_rank == 0).attach(trainer)
     losses = []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append(float(e.state.loss)))
+
+    @trainer.on(Events.STEP_END)
+    def kill(engine):
+        if len(losses) == crash_after:
+            raise Killed(f"killed after step {engine.state.step}")
+
     aborted = None
     try:
         trainer.run(loader)
     except TrainingAborted as e:
         aborted = (str(e), int(e.exit_code))
+    except Killed as e:
+        aborted = (str(e), None)
+    finally:
+        if groups is not None:
+            groups.shutdown()
     state = trainer.state
     attribution = next((h for h in handlers if isinstance(h, RerunAttribution)), None)
     return {
@@ -112,7 +159,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         "state": attribution.state_dict() if attribution else None,
         "quarantined": sorted(loader.quarantined),
         "flipped": next((h.flipped for h in handlers if isinstance(h, FaultInjector)), None),
-        "weights": [p.detach().double().sum().item() for p in model.parameters()],
+        "weights": [getattr(p, "_local_tensor", p).double().sum().item() for p in model.parameters()],
     }
 
 
@@ -121,6 +168,17 @@ def _two_ranks(rank: int, world: int, tmp: str, cases: list) -> list:
 
     init_distributed()
     return [run(f"{tmp}/{name}", overrides, rank=rank, world=world, **kw) for name, overrides, kw in cases]
+
+
+def _dp2_tp2(rank: int, world: int, tmp: str, cases: list) -> list:
+    from hookloop.engine import init_distributed
+
+    info = init_distributed("gloo", tp_size=2)
+    return [run(f"{tmp}/{name}", o, rank=rank, world=world, info=info, **kw) for name, o, kw in cases]
+
+
+def replica_verdicts(result) -> list[tuple]:
+    return [(v["step"], v["rank"], v["ranks"], v["cause"]) for v in result["state"]["verdicts"]]
 
 
 def verdicts(result) -> list[tuple]:
@@ -253,6 +311,16 @@ def test_bad_settings_are_refused_by_name():
         RerunAttribution().attach(trainer)
     with pytest.raises(ConfigError, match="fault_injection.parameter"):
         FaultInjector(kind="corruption", parameter="nope").attach(trainer)
+
+    class Staged(StepBody):  # what a pipeline's runtime is: a step body of another class
+        def run_step(self, microbatches, ctx):
+            raise NotImplementedError
+
+    staged = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+                     step_body=Staged())  # fmt: skip
+    NaNDetector(action="warn").attach(staged)
+    with pytest.raises(ConfigError, match="attribution: .*not with pipeline parallelism"):
+        RerunAttribution().attach(staged)  # a pipeline's step body: a stage cannot rerun alone
     NaNDetector(action="warn").attach(trainer)
     RerunAttribution().attach(trainer)  # quarantine on, no sample trace: refused before the first step
     with pytest.raises(ConfigError, match="attribution.quarantine: .* data.trace_samples=true"):
@@ -366,3 +434,203 @@ def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_pa
     quarantine.write_text(json.dumps({"ids": ["docs:999999"]}) + "\n")
     with pytest.raises(ConfigError, match="data.quarantine: names sample 'docs:999999'"):
         build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
+
+
+def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is_the_other_replica(tmp_path):
+    bad = sample_at(step=2, rank=1)  # data-parallel rank 1: global ranks 2 and 3
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=3",
+                 "fault_injection.step=3"]  # fmt: skip
+    flip = ["fault_injection.enabled=true", "fault_injection.kind=corruption", "fault_injection.rank=1",
+            "fault_injection.step=3", "fault_injection.parameter=0.weight", "attribution.max_reruns=1",
+            "attribution.on_faulty_rank=stop"]  # fmt: skip
+    cases = [
+        ("transient", transient, {"steps": 5}),
+        ("data", data, {"steps": 12}),
+        ("resumed", data, {"steps": 4}),  # then resumed on the same layout
+        ("resumed", data, {"steps": 12}),
+        ("flip", flip, {"steps": 5}),
+        ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),  # FSDP2 over dp, TP inside
+        ("fsdp_transient", [*transient[:2], "fault_injection.rank=1", "fault_injection.step=3"],
+         {"steps": 4, "dp_mode": "fsdp"}),
+    ]  # fmt: skip
+    results = run_distributed(_dp2_tp2, 4, str(tmp_path), cases, timeout=400)
+    host = socket.gethostname()
+    for t, d, _, resumed, flipped, fsdp_data, fsdp_transient in results:  # every rank decided the same
+        # rank 3's NaN output (its own loss only): its replica reruns the step good, rank 3 named
+        assert replica_verdicts(t) == [(3, 3, [2, 3], "transient")]
+        assert t["state"]["transients"] == {f"rank 3 ({host}) of the tensor-parallel group of ranks 2, 3": 1}
+        assert t["state"]["quarantined"] == [] and t["skipped"] == 1 and t["step"] == 5
+
+        # the bad sample: bad on replica 1 (ranks 2, 3) and on replica 0, which reran its microbatches
+        assert replica_verdicts(d) == [(2, None, [2, 3], "data")]
+        assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]] and d["skipped"] == 1
+        assert resumed["quarantined"] == d["quarantined"] and resumed["losses"] == d["losses"][4:]
+
+        # one tensor-parallel rank's shard flipped: its replica is bad again on its rerun, good on the
+        # other replica's; both its ranks named (which one cannot be told), and the run stops with 76
+        assert replica_verdicts(flipped) == [(3, None, [0, 1], "faulty_rank")]
+        message, code = flipped["aborted"]
+        assert code == 76 and f"ranks 0, 1 on {host}" in message
+
+        # FSDP2 over the replicas: the same causes, the same one sample
+        assert replica_verdicts(fsdp_data) == [(2, None, [2, 3], "data")]
+        assert [row["ids"] for row in fsdp_data["state"]["quarantined"]] == [[bad]]
+        assert replica_verdicts(fsdp_transient) == [(3, 1, [0, 1], "transient")]
+    traces = read_sample_traces(tmp_path / "data")
+    assert sorted(traces) == [0, 1]  # one file per replica
+    assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]
+    assert read_sample_traces(tmp_path / "resumed") == traces
+
+
+#: The handlers ``hookloop train`` attaches by default, as the examples run: async saves, the
+#: detector's rollback (here at the first bad step), metrics and the console and JSONL loggers.
+EXAMPLE_HANDLERS = [
+    "checkpoint.mode=async",
+    "nan.action=rollback",
+    "nan.max_consecutive=1",
+    "logging.console=true",
+    "logging.jsonl=true",
+    "logging.log_interval=1",
+]
+
+
+def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_is_quarantined_once(tmp_path):
+    bad = sample_at(step=3, rank=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}",
+            *EXAMPLE_HANDLERS]  # fmt: skip
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=1",
+                 "fault_injection.step=3", "step_scheduler.ckpt_every_steps=1",
+                 *EXAMPLE_HANDLERS]  # fmt: skip
+    cases = [
+        ("data", data, {"steps": 8}),
+        # killed after step 3 was redone past the rollback (before the step-4 save): resumed from step 2
+        ("killed", data, {"steps": 8, "crash_after": 4}),
+        ("killed", data, {"steps": 8}),
+        ("transient", transient, {"steps": 6}),  # an async save at every step, staged around the rerun
+        ("transient_resumed", transient, {"steps": 4}),
+        ("transient_resumed", transient, {"steps": 6}),
+        ("rewind", [*data, "nan.skip_data_on_rollback=false"], {"steps": 6}),  # the rollback rewinds the data
+    ]
+    results = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    d, killed, resumed, t, _, t_resumed, rewind = results[0]
+
+    # step 3 is bad: attributed to the sample, quarantined, then rolled back to step 2 and trained
+    # past the bad data; the quarantine outlives the rollback
+    assert verdicts(d) == [(3, 1, "data")] and d["step"] == 8 and d["quarantined"] == killed["quarantined"]
+    assert len(d["losses"]) == 9 and d["losses"][2] != d["losses"][2]  # step 3 twice: vetoed, redone
+    traces = read_sample_traces(tmp_path / "data")
+    assert all(bad not in ids for per_rank in traces.values() for ids in per_rank.values())
+
+    # killed before any checkpoint held the quarantine: the resumed run finds step 3 bad again and
+    # goes on exactly as the uninterrupted run, and the file names the sample once
+    assert killed["aborted"] == ("killed after step 3", None) and resumed["step"] == 8
+    assert resumed["losses"][1:] == d["losses"][3:] and resumed["quarantined"] == d["quarantined"]
+    assert verdicts(resumed) == verdicts(d) and read_sample_traces(tmp_path / "killed") == traces
+    for run_dir in ("data", "killed"):
+        rows = (tmp_path / run_dir / "quarantine.jsonl").read_text().splitlines()
+        assert [json.loads(row)["ids"] for row in rows] == [[bad]], run_dir
+
+    # a transient fault with a save in flight at every step: counted, rolled back, resumed exactly
+    assert verdicts(t) == [(3, 1, "transient")] and t["step"] == 6 and t["state"]["quarantined"] == []
+    assert t_resumed["losses"] == t["losses"][-2:] and t_resumed["weights"] == t["weights"]
+    # the attribution's counts are logged at every step, by the resumed run too
+    for run_dir in ("transient", "transient_resumed"):
+        rows = [json.loads(line) for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [row["attribution/transients"] for row in rows if row["step"] >= 3] == [1] * len(rows[2:])
+
+    # the rollback rewinds the data: step 3 is drawn again, without the quarantined sample
+    assert verdicts(rewind) == [(3, 1, "data")] and rewind["step"] == 6 and rewind["skipped"] == 1
+    again = read_sample_traces(tmp_path / "rewind")
+    assert bad not in again[1][3] and len(again[0][3]) + len(again[1][3]) == GLOBAL_BATCH - 1
+
+
+def group_main(group: int, address: str, run_dir: str, overrides: list, steps: int, out: str) -> None:
+    """One replica group of one process: a run, its result written to ``out`` (then ``os._exit``:
+    torchft's threads never join)."""
+    import os
+
+    result = run(run_dir, overrides, steps=steps, replica_group=(group, address))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def _two_groups(tmp_path, name: str, overrides: dict, steps: int) -> list[dict]:
+    """A run as two replica groups of one process each, a lighthouse in this process; each
+    group's result."""
+    import subprocess
+    import sys
+
+    from torchft._torchft import LighthouseServer
+
+    from tests.dist_utils import REPO, kill_ranks
+
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=500
+    )
+    address = "http://127.0.0.1:" + server.address().rstrip("/").rsplit(":", 1)[1]
+    procs = []
+    try:
+        for g in (0, 1):
+            run_dir, out = f"{tmp_path}/{name}/replica_group_{g}", f"{tmp_path}/{name}-{g}.json"
+            call = (g, address, run_dir, overrides[g], steps, out)
+            code = f"from tests.test_attribution import group_main; group_main(*{call!r})"
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+            with open(f"{tmp_path}/{name}-{g}.log", "w") as log:
+                procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        for g, p in enumerate(procs):
+            assert p.wait(timeout=240) == 0, (tmp_path / f"{name}-{g}.log").read_text()[-3000:]
+    finally:
+        kill_ranks(procs)
+        server.shutdown()
+    return [json.loads((tmp_path / f"{name}-{g}.json").read_text()) for g in (0, 1)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft")
+def test_two_replica_groups_agree_on_the_verdict_and_both_quarantine_the_bad_sample(tmp_path):
+    bad = sample_at(step=3, rank=1)  # drawn by group 1
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.step=3"]
+    flip = ["fault_injection.enabled=true", "fault_injection.kind=corruption", "fault_injection.step=3",
+            "fault_injection.parameter=0.weight"]  # fmt: skip
+    once = ["attribution.max_reruns=1"]  # every group's settings alike (hookloop train refuses others)
+
+    # group 1's NaN output: its loss went bad and its rerun is good; group 0, whose gradients the
+    # average over the groups made bad, names nothing; both record group 1's transient
+    results = _two_groups(tmp_path, "transient", {0: [], 1: transient}, steps=5)
+    for r in results:
+        assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
+            (3, 0, 1, "transient")
+        ]
+        assert r["state"]["transients"] == {f"replica group 1: rank 0 ({socket.gethostname()})": 1}
+        assert r["skipped"] == 1 and r["step"] == 5 and r["state"]["quarantined"] == []
+
+    # the bad sample: bad on group 1's rerun and on group 0's rerun of group 1's microbatches (sent
+    # through the agreement's transport): data, quarantined in both groups and their files
+    results = _two_groups(tmp_path, "data", {0: data, 1: data}, steps=12)
+    for g, r in enumerate(results):
+        assert [(v["step"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [(3, 1, "data")]
+        assert r["quarantined"] == results[0]["quarantined"] != []
+        rows = (tmp_path / "data" / f"replica_group_{g}" / "quarantine.jsonl").read_text().splitlines()
+        assert [json.loads(row)["ids"] for row in rows] == [[bad]]
+        traces = read_sample_traces(tmp_path / "data" / f"replica_group_{g}")
+        drawn = sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids)
+        assert drawn == ([3] if g == 1 else [])
+    assert results[0]["weights"] == results[1]["weights"]
+
+    # both groups stopped at step 6 and resumed from their checkpoints: the quarantine comes back in
+    # both, and the steps are the uninterrupted run's, bitwise
+    _two_groups(tmp_path, "resumed", {0: data, 1: data}, steps=6)
+    resumed = _two_groups(tmp_path, "resumed", {0: data, 1: data}, steps=12)
+    for g, r in enumerate(resumed):
+        assert r["quarantined"] == results[g]["quarantined"] and r["losses"] == results[g]["losses"][6:]
+        assert r["weights"] == results[g]["weights"]
+
+    # group 1's weights flipped: bad again on its rerun, good on group 0's: group 1's rank is faulty
+    results = _two_groups(tmp_path, "flip", {0: once, 1: [*flip, *once]}, steps=4)
+    for r in results:
+        assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
+            (3, 0, 1, "faulty_rank")
+        ]
