@@ -200,3 +200,50 @@ def test_bad_settings_are_refused_by_name():
         ReplicaCheck(max_rollbacks=-1)
     with pytest.raises(ConfigError, match="replica_check.every_steps"):
         load_run_config(None, ["replica_check.every_steps=zero"], schema=Schema)
+
+
+def _tp_worker(rank: int, world: int, flip: bool) -> dict:
+    from hookloop.engine import init_distributed
+    from hookloop.engine.parallel import parallel_mesh, wrap_data_parallel
+    from hookloop.engine.tensor_parallel import apply_tensor_parallel
+    from hookloop.models.gpt import cross_entropy_loss, tp_plan
+    from tests.conftest import tiny_gpt, token_batches
+
+    info = init_distributed("gloo", **parallel_mesh(world, 2, 1))
+    dp_rank = info.dim_rank("dp")
+    model = tiny_gpt(n_heads=4)
+    apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan)
+    model = wrap_data_parallel(model, "ddp", mesh=info.mesh_dim("dp"))
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        cross_entropy_loss,
+        hang_timeout_s=60,
+        graceful_sigint=False,
+    )
+    check = ReplicaCheck(every_steps=2, max_rollbacks=0, optimizer_state=True, dp_group=info.mesh_dim("dp"))
+    check.attach(trainer)
+    if flip:  # rank 1: dp 0, tp 1; its replica is rank 3 (dp 1, tp 1)
+        FaultInjector(kind="corruption", rank=1, step=4, bit=16, parameter="blocks.0.mlp.0.weight").attach(
+            trainer
+        )
+    data = [
+        (x[dp_rank * 2 : dp_rank * 2 + 2], y[dp_rank * 2 : dp_rank * 2 + 2]) for x, y in token_batches(8, 4)
+    ]
+    trainer.run(data, max_steps=6)
+    return {"code": int(trainer.control.exit_code), "step": trainer.state.step, "check": check.state_dict()}
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["equal", "flipped"])
+def test_under_tensor_parallelism_the_replicas_of_each_shard_are_compared(flip):
+    results = run_distributed(_tp_worker, 4, flip, timeout=300)
+    if not flip:  # the tp shards differ from each other; each one's two replicas are equal
+        assert all(r["check"] == {"verified_step": 4, "rollbacks": 0, "mismatches": []} for r in results)
+        assert all(r["code"] == 0 and r["step"] == 6 for r in results)
+        return
+    host = socket.gethostname()
+    for r in results:  # found at step 5 in tp shard 1's dp group (ranks 1 and 3), every rank stops
+        assert r["check"]["mismatches"] == [
+            {"step": 5, "checked_step": 4, "ranks": [1, 3], "hosts": [host], "tie": True}
+        ]
+        assert r["code"] == 79 and r["step"] == 5
