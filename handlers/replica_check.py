@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hookloop.engine import Events, ExitCode, Trainer, parallel
+from hookloop.engine import ConfigError, Events, ExitCode, Trainer, parallel
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
 from hookloop.handlers.sections.replica_check import ReplicaCheckConfig
@@ -124,6 +124,7 @@ class ReplicaCheck(Handler):
         )
 
     def attach(self, trainer: Trainer) -> ReplicaCheck:
+        _refuse_data_parallel_shards(trainer.model)
         self._groups, self._group = _replica_groups(self.dp_group)
         for i in range(self._groups * VALUES):
             last = i == self._groups * VALUES - 1
@@ -269,3 +270,17 @@ def _replica_groups(dp_group: Any) -> tuple[int, int]:
         raise ValueError(f"replica_check: a dp group of {len(members)} ranks does not divide {world} ranks")
     firsts = sorted(set(parallel.gather_objects(min(members))))
     return len(firsts), firsts.index(min(members))
+
+
+def _refuse_data_parallel_shards(model: torch.nn.Module) -> None:
+    """FSDP2 shards the weights over the data-parallel ranks: no two ranks of a process group hold
+    the same weights, so there is nothing to compare (tensor-parallel shards are fine)."""
+    for name, p in model.named_parameters():
+        placements = getattr(p, "placements", ())
+        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ("",) * len(placements)
+        if any(pl.is_shard() and dim != "tp" for pl, dim in zip(placements, names)):
+            raise ConfigError(
+                "replica_check.enabled",
+                f"parameter {name!r} is sharded over the data-parallel ranks (FSDP2): no two ranks hold "
+                "the same weights to compare; set distributed.dp_mode=ddp or replica_check.enabled=false",
+            )

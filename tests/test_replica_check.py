@@ -247,3 +247,22 @@ def test_under_tensor_parallelism_the_replicas_of_each_shard_are_compared(flip):
             {"step": 5, "checked_step": 4, "ranks": [1, 3], "hosts": [host], "tie": True}
         ]
         assert r["code"] == 79 and r["step"] == 5
+
+
+def _fsdp_worker(rank: int, world: int) -> str:
+    from hookloop.engine import init_distributed
+    from hookloop.engine.parallel import wrap_data_parallel
+
+    init_distributed("gloo")
+    model = wrap_data_parallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)), "fsdp")
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    try:
+        ReplicaCheck(every_steps=2).attach(trainer)
+    except ConfigError as e:
+        return str(e)
+    return "attached"
+
+
+def test_fsdp2_weights_sharded_over_the_data_parallel_ranks_are_refused_by_name():
+    for message in run_distributed(_fsdp_worker, 2, timeout=120):
+        assert "replica_check.enabled" in message and "distributed.dp_mode=ddp" in message
