@@ -199,7 +199,8 @@ class ReplicaCheck(Handler):
         self.mismatches.append(
             {"step": step, "checked_step": step - 1, "ranks": ranks, "hosts": hosts, "tie": tie}
         )
-        who = ", ".join(f"rank {r[0]} on {r[1]}" for r in named)
+        # with replica groups the differing replica may be in another group: this one agrees within
+        who = ", ".join(f"rank {r[0]} on {r[1]}" for r in named) or "a replica of another replica group"
         what = (
             f"step {step}: replica_check: the weights step {step - 1} left differ between data-parallel "
             f"replicas: {who}{' (a tie: cannot tell which replica is wrong)' if tie else ' differs'}; "
