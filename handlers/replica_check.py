@@ -15,7 +15,8 @@ replica's piece is the same (equality in Cauchy-Schwarz); the integers stay belo
 float64 sums are exact. On other steps the values are zeros: no collective is added, and no tensor
 is read to the host. The groups are the replicas of the same shard: under tensor or pipeline
 parallelism, the ranks of one ``dp`` group (equal tp / pp coordinates, ``dp_group``); with replica
-groups (torchft) the agreement sums across the groups, so the check spans them.
+groups (torchft) the agreement sums across the groups, so the check spans them (naming a
+replica gathers this group's ranks only: a differing group is found, not named).
 
 **A mismatch** (from agreed sums, so every rank sees it alike) gathers each rank's fingerprint and
 host (one ``all_gather_object``, only then) and names the replicas that differ from the majority of
@@ -199,12 +200,14 @@ class ReplicaCheck(Handler):
         self.mismatches.append(
             {"step": step, "checked_step": step - 1, "ranks": ranks, "hosts": hosts, "tie": tie}
         )
-        # with replica groups the differing replica may be in another group: this one agrees within
-        who = ", ".join(f"rank {r[0]} on {r[1]}" for r in named) or "a replica of another replica group"
+        if named:
+            who = ", ".join(f"rank {r[0]} on {r[1]}" for r in named)
+            who += " (a tie: cannot tell which replica is wrong)" if tie else " differs"
+        else:  # replica groups: this group's ranks agree with each other, another group differs
+            who = "the replica groups differ (this group's ranks agree; which group is wrong is not known)"
         what = (
             f"step {step}: replica_check: the weights step {step - 1} left differ between data-parallel "
-            f"replicas: {who}{' (a tie: cannot tell which replica is wrong)' if tie else ' differs'}; "
-            f"the last step seen equal is {self.verified_step}"
+            f"replicas: {who}; the last step seen equal is {self.verified_step}"
         )
         trainer.save_policy.hold_saves(by=self.state_key)  # nothing saves the differing weights
         if self.rollbacks < self.max_rollbacks:
@@ -221,10 +224,9 @@ class ReplicaCheck(Handler):
                 self.verified_step, reason=what, exit_code=ExitCode.REQUEUE_WITHOUT_NODE
             )
             return
-        logger.error("%s; exiting %d: requeue without %s", what, ExitCode.REQUEUE_WITHOUT_NODE, hosts)
-        trainer.control.request_stop(
-            f"{what}: requeue without {', '.join(hosts)}", ExitCode.REQUEUE_WITHOUT_NODE, nodes=tuple(hosts)
-        )
+        requeue = f"requeue without {', '.join(hosts)}" if hosts else "requeue (the node is not named)"
+        logger.error("%s; exiting %d: %s", what, ExitCode.REQUEUE_WITHOUT_NODE, requeue)
+        trainer.control.request_stop(f"{what}: {requeue}", ExitCode.REQUEUE_WITHOUT_NODE, nodes=tuple(hosts))
 
     def _on_rollback_done(self, trainer: Trainer) -> None:
         """After the checkpointer restored: every replica holds the restored weights alike."""

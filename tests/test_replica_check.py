@@ -4,14 +4,18 @@ Two gloo ranks under DDP: a low bit flipped in one replica's weights (every step
 NaN detector sees nothing) is found at the next compared step, inside the step's one agreement; the
 run rolls back to the newest checkpoint whose weights were seen equal and ends bitwise where a run
 without the flip ends; with ``max_rollbacks=0`` it exits 79 and ``exit_status.json`` names the node.
-Three ranks name the one replica that differs. In one process: the fingerprint sees every single
+Three ranks name the one replica that differs. Under tensor parallelism (dp 2 x tp 2) the replicas
+of each shard are compared; FSDP2 is refused by name. Two torchft replica groups both find a flip in
+one of them. In one process: the fingerprint sees every single
 flipped bit, equal and unequal sums are told apart exactly, bad settings are refused by name.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
+import sys
 
 import pytest
 import torch
@@ -266,3 +270,51 @@ def _fsdp_worker(rank: int, world: int) -> str:
 def test_fsdp2_weights_sharded_over_the_data_parallel_ranks_are_refused_by_name():
     for message in run_distributed(_fsdp_worker, 2, timeout=120):
         assert "replica_check.enabled" in message and "distributed.dp_mode=ddp" in message
+
+
+CHECK_ENTRY = """
+handlers:
+  - target: hookloop.handlers.replica_check:ReplicaCheck
+    enabled: true
+    every_steps: 2
+    max_rollbacks: 0
+"""
+FLIP_ENTRY = """
+  - target: hookloop.handlers.fault_injection:FaultInjector
+    enabled: true
+    kind: corruption
+    rank: 0
+    step: 4
+    bit: 16
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft")
+def test_across_two_replica_groups_a_flip_in_one_is_found_by_both(tmp_path):
+    """torchft replica groups of one process each (real ``hookloop train`` processes, a lighthouse):
+    the check's sums span the groups, so both find group 1's flip at step 5 and stop with 79. Each
+    group's own ranks agree, so neither can name the node that differs (said in the reason)."""
+    from hookloop.engine.data import prepare_tokens, stdlib_docs_text
+    from tests.test_live_recovery import CONFIG, Proc, exit_status, lighthouse_here, processes
+    from tests.user_models import tiny_lm_source
+
+    (tmp_path / "my_models.py").write_text(tiny_lm_source(seq_len=8))
+    (tmp_path / "run.yaml").write_text(CONFIG + CHECK_ENTRY)
+    (tmp_path / "flip.yaml").write_text(CONFIG + CHECK_ENTRY + FLIP_ENTRY)
+    prepare_tokens([stdlib_docs_text()[:50_000]], tmp_path / "docs.u8")
+    with processes() as started, lighthouse_here(2) as address:
+        common = ("step_scheduler.max_steps=8", "fault_tolerance.min_replicas=2")
+        groups = []
+        for g, config in ((0, "run.yaml"), (1, "flip.yaml")):  # the flip is in group 1's config only
+            cmd = [sys.executable, "-m", "hookloop", "train", config, "train.run_dir=runs/sdc", *common]
+            cmd += [f"fault_tolerance.replica_group_id={g}", f"fault_tolerance.lighthouse={address}"]
+            groups.append(Proc(cmd, tmp_path, tmp_path / f"g{g}.log"))
+            started.append(groups[-1])
+        g0, g1 = groups
+        assert g0.exit_code() == 79, g0.text()[-3000:]
+        assert g1.exit_code() == 79, g1.text()[-3000:]
+    for g in (0, 1):
+        status = exit_status(tmp_path / "runs/sdc" / f"replica_group_{g}")
+        assert status["code"] == 79 and status["step"] == 5, status
+        assert "the replica groups differ" in status["reason"] and "nodes" not in status
