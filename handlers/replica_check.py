@@ -126,14 +126,20 @@ class ReplicaCheck(Handler):
 
     def attach(self, trainer: Trainer) -> ReplicaCheck:
         _refuse_data_parallel_shards(trainer.model)
+        if self.max_rollbacks > 0:
+            if not trainer.has_event_handler_for(Events.ROLLBACK):
+                raise ConfigError(
+                    "replica_check.max_rollbacks",
+                    "rolling back needs a checkpointer that answers Events.ROLLBACK: attach an "
+                    "AsyncCheckpointer before the ReplicaCheck, or set max_rollbacks=0 (exit 79 at once)",
+                )
+            trainer.save_policy.want_initial_save()  # a corruption before the first save rolls back to 0
         self._groups, self._group = _replica_groups(self.dp_group)
         for i in range(self._groups * VALUES):
             last = i == self._groups * VALUES - 1
             trainer.agreement.add(
                 f"replica_check.{i}", self._filler(i), self._on_agreed if last else self._keep
             )
-        if self.max_rollbacks > 0:
-            trainer.save_policy.want_initial_save()  # a corruption before the first save rolls back to 0
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
         return super().attach(trainer)
 

@@ -204,6 +204,11 @@ def test_bad_settings_are_refused_by_name():
         ReplicaCheck(max_rollbacks=-1)
     with pytest.raises(ConfigError, match="replica_check.every_steps"):
         load_run_config(None, ["replica_check.every_steps=zero"], schema=Schema)
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="replica_check.max_rollbacks.*checkpointer"):
+        ReplicaCheck().attach(trainer)  # nothing to roll back with
+    ReplicaCheck(max_rollbacks=0).attach(trainer)
 
 
 def _tp_worker(rank: int, world: int, flip: bool) -> dict:
