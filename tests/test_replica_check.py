@@ -154,8 +154,15 @@ def test_a_flipped_bit_in_one_ddp_replica_is_found_at_the_next_check_and_rolled_
     status = json.loads((tmp_path / "requeue" / "exit_status.json").read_text())
     assert status["code"] == 79 and status["meaning"] == "REQUEUE_WITHOUT_NODE"
     assert status["nodes"] == [host] and "rank 1 on" in status["reason"] and status["step"] == 5
-    # the checkpoint of step 4 holds differing weights: the last step seen equal is in the reason
+    # the checkpoint of step 4 holds differing weights: the last step seen equal is in the reason,
+    # and each checkpoint records the last step seen equal when it was saved
     assert "the last step seen equal is 2" in status["reason"]
+
+    def recorded(run: str, step: int) -> int:
+        state = json.loads((tmp_path / run / "ckpt" / f"step_{step:08d}" / "rank_00000.json").read_text())
+        return state["handlers"]["replica_check"]["verified_step"]
+
+    assert recorded("requeue", 4) == 2 and recorded("clean", 6) == 4 and recorded("clean", 2) == 0
 
 
 def test_three_ddp_replicas_name_the_one_that_differs(tmp_path):
