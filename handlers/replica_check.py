@@ -235,12 +235,13 @@ class ReplicaCheck(Handler):
         trainer.control.request_stop(f"{what}: {requeue}", ExitCode.REQUEUE_WITHOUT_NODE, nodes=tuple(hosts))
 
     def _on_rollback_done(self, trainer: Trainer) -> None:
-        """After the checkpointer restored: every replica holds the restored weights alike."""
+        """After the checkpointer restored (whoever asked): every replica holds the restored weights
+        alike, so a later rollback of this check goes no further than here."""
+        self.verified_step = trainer.state.step
+        trainer.save_policy.protect(self.verified_step, by=self.state_key)
         if not self._asked:
             return
         self._asked = False
-        self.verified_step = trainer.state.step
-        trainer.save_policy.protect(self.verified_step, by=self.state_key)
         trainer.save_policy.release_saves(by=self.state_key)
         logger.warning(
             "replica_check: rolled back to step %d; the replicas hold the same weights", self.verified_step
