@@ -4,10 +4,10 @@ Two gloo ranks under DDP: a low bit flipped in one replica's weights (every step
 NaN detector sees nothing) is found at the next compared step, inside the step's one agreement; the
 run rolls back to the newest checkpoint whose weights were seen equal and ends bitwise where a run
 without the flip ends; with ``max_rollbacks=0`` it exits 79 and ``exit_status.json`` names the node.
-Three ranks name the one replica that differs. Under tensor parallelism (dp 2 x tp 2) the replicas
-of each shard are compared; FSDP2 is refused by name. Two torchft replica groups both find a flip in
-one of them. In one process: the fingerprint sees every single
-flipped bit, equal and unequal sums are told apart exactly, bad settings are refused by name.
+Three ranks name the one replica that differs. Under tensor and pipeline parallelism (dp 2 x tp 2,
+dp 2 x pp 2) the replicas of each shard are compared; FSDP2 is refused by name. Two torchft replica
+groups both find a flip in one of them. In one process: the fingerprint sees every single flipped
+bit, equal and unequal sums are told apart exactly, bad settings are refused by name.
 """
 
 from __future__ import annotations
@@ -218,47 +218,55 @@ def test_bad_settings_are_refused_by_name():
     ReplicaCheck(max_rollbacks=0).attach(trainer)
 
 
-def _tp_worker(rank: int, world: int, flip: bool) -> dict:
-    from hookloop.engine import init_distributed
+def _layout_worker(rank: int, world: int, layout: str, flip: bool) -> dict:
+    from hookloop.engine import build_pipeline, init_distributed
     from hookloop.engine.parallel import parallel_mesh, wrap_data_parallel
+    from hookloop.engine.pipeline import PipelineConfig
     from hookloop.engine.tensor_parallel import apply_tensor_parallel
     from hookloop.models.gpt import cross_entropy_loss, tp_plan
     from tests.conftest import tiny_gpt, token_batches
 
-    info = init_distributed("gloo", **parallel_mesh(world, 2, 1))
+    tp, pp = (2, 1) if layout == "tp" else (1, 2)
+    info = init_distributed("gloo", **parallel_mesh(world, tp, pp))
     dp_rank = info.dim_rank("dp")
-    model = tiny_gpt(n_heads=4)
-    apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan)
-    model = wrap_data_parallel(model, "ddp", mesh=info.mesh_dim("dp"))
+    model, runtime = tiny_gpt(n_heads=4), None
+    if layout == "tp":
+        apply_tensor_parallel(model, info.mesh_dim("tp"), tp_plan)
+        model = wrap_data_parallel(model, "ddp", mesh=info.mesh_dim("dp"))
+    else:
+        cfg = PipelineConfig(pp_schedule="1f1b", pp_microbatch_size=2, pp_batch_size=4)
+        runtime = build_pipeline(model, cfg, info, cross_entropy_loss, dp_mode="ddp")
+        model = runtime.module
     trainer = Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         cross_entropy_loss,
+        grad_accum_steps=pp,
+        step_body=runtime,
         hang_timeout_s=60,
         graceful_sigint=False,
     )
     check = ReplicaCheck(every_steps=2, max_rollbacks=0, optimizer_state=True, dp_group=info.mesh_dim("dp"))
     check.attach(trainer)
-    if flip:  # rank 1: dp 0, tp 1; its replica is rank 3 (dp 1, tp 1)
-        FaultInjector(kind="corruption", rank=1, step=4, bit=16, parameter="blocks.0.mlp.0.weight").attach(
-            trainer
-        )
-    data = [
-        (x[dp_rank * 2 : dp_rank * 2 + 2], y[dp_rank * 2 : dp_rank * 2 + 2]) for x, y in token_batches(8, 4)
-    ]
+    if flip:  # rank 1: dp 0 and tp (pp) 1; its replica is rank 3 (dp 1, tp (pp) 1)
+        name = "blocks.0.mlp.0.weight" if layout == "tp" else None  # pp: the stage's first parameter
+        FaultInjector(kind="corruption", rank=1, step=4, bit=16, parameter=name).attach(trainer)
+    batches = token_batches(8 * pp, 4)
+    data = [(x[dp_rank * 2 : dp_rank * 2 + 2], y[dp_rank * 2 : dp_rank * 2 + 2]) for x, y in batches]
     trainer.run(data, max_steps=6)
     return {"code": int(trainer.control.exit_code), "step": trainer.state.step, "check": check.state_dict()}
 
 
+@pytest.mark.parametrize("layout", ["tp", "pp"])
 @pytest.mark.parametrize("flip", [False, True], ids=["equal", "flipped"])
-def test_under_tensor_parallelism_the_replicas_of_each_shard_are_compared(flip):
-    results = run_distributed(_tp_worker, 4, flip, timeout=300)
-    if not flip:  # the tp shards differ from each other; each one's two replicas are equal
+def test_under_tensor_and_pipeline_parallelism_the_replicas_of_each_shard_are_compared(layout, flip):
+    results = run_distributed(_layout_worker, 4, layout, flip, timeout=300)
+    if not flip:  # the shards (stages) differ from each other; each one's two replicas are equal
         assert all(r["check"] == {"verified_step": 4, "rollbacks": 0, "mismatches": []} for r in results)
         assert all(r["code"] == 0 and r["step"] == 6 for r in results)
         return
     host = socket.gethostname()
-    for r in results:  # found at step 5 in tp shard 1's dp group (ranks 1 and 3), every rank stops
+    for r in results:  # found at step 5 in shard 1's dp group (ranks 1 and 3), every rank stops
         assert r["check"]["mismatches"] == [
             {"step": 5, "checked_step": 4, "ranks": [1, 3], "hosts": [host], "tie": True}
         ]
