@@ -29,7 +29,8 @@ field                   requested by, when                              reset
                         only
 ``stop``,               :meth:`request_stop`, any time                  latch; cleared when a run starts
 ``stop_reason``,        (the first reason and the first non-zero
-``exit_code``           exit code win); agreed at the next agreement
+``exit_code``,          exit code win, and the nodes it names:
+``exclude_nodes``       ``exit_status.json``); agreed at the next agreement
                         point: every rank stops, with the largest
                         exit code any rank asked for
 ``rollback``            :meth:`request_rollback`, from agreed values    cleared once ROLLBACK has fired
@@ -129,6 +130,7 @@ class StepControl:
 
     __slots__ = (
         "decided",
+        "exclude_nodes",
         "exit_code",
         "rollback",
         "save",
@@ -146,6 +148,7 @@ class StepControl:
         self.stop = False
         self.stop_reason: str | None = None
         self.exit_code = 0
+        self.exclude_nodes: tuple[str, ...] = ()
         self.rollback: Rollback | None = None
         self.validate = False
         self.decided = _NOTHING_DECIDED
@@ -176,10 +179,12 @@ class StepControl:
         slot's ``on_agreed``), so every rank withdraws alike: e.g. time is short before a stop."""
         self.validate = False
 
-    def request_stop(self, reason: str, exit_code: int | None = None) -> None:
+    def request_stop(self, reason: str, exit_code: int | None = None, nodes: tuple[str, ...] = ()) -> None:
         """Stop after the current step (agreed across ranks). The first reason given is kept, and
-        the first non-zero exit code (0: the run ends as finished)."""
+        the first non-zero exit code (0: the run ends as finished); ``nodes``: hosts the next job
+        should leave out (``exit_status.json``'s ``"nodes"``, with exit code 79)."""
         self.stop = True
+        self.exclude_nodes = tuple(dict.fromkeys((*self.exclude_nodes, *nodes)))
         if self.stop_reason is None:
             self.stop_reason = reason
         if exit_code is not None and not self.exit_code:
@@ -203,6 +208,7 @@ class StepControl:
         self.stop = False
         self.stop_reason = None
         self.exit_code = 0
+        self.exclude_nodes = ()
         self.drop_step_requests()
         self.rollback = None
         self.decided = _NOTHING_DECIDED

@@ -16,6 +16,9 @@ code   name                    meaning
 77     HEALTH_CHECK_FAILED     a rank hung or a peer was lost: a failed or timed-out health check,
                                the progress watchdog, or a collective that failed on a dead peer
 78     STRAGGLER_ABORT         a rank was slower than the straggler threshold
+79     REQUEUE_WITHOUT_NODE    a node computes wrong (its replica's weights silently differ from
+                               the others'): requeue without the node(s) ``exit_status.json``
+                               names in ``"nodes"``
 130    (not a member)          a second Ctrl-C interrupted the run at once (``KeyboardInterrupt``)
 =====  ======================  ==============================================================
 
@@ -40,3 +43,4 @@ class ExitCode(IntEnum):
     NAN_ABORT = 76
     HEALTH_CHECK_FAILED = 77
     STRAGGLER_ABORT = 78
+    REQUEUE_WITHOUT_NODE = 79

@@ -11,7 +11,8 @@ node that is lost may be the one that holds rank 0)::
 
 A requeue script reads ``code`` (75: requeue; 0: done; anything else: look at the logs). A run
 ended by an error of one rank (an exception: code 1) also says ``"rank"``, the rank that failed,
-whose error ``reason`` names; a peer that vanished or went silent is 77.
+whose error ``reason`` names; a peer that vanished or went silent is 77. A run that asks to be
+requeued without some nodes (79) names their hosts in ``"nodes"``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def write_exit_status(
     step: int | None = None,
     checkpoint: str | None = None,
     rank: int | None = None,
+    nodes: list[str] | tuple[str, ...] = (),
 ) -> Path:
     """Write ``run_dir/exit_status.json`` atomically (temporary file, fsync, rename); ``rank``: the
-    rank whose error ended the run (a crash), else left out."""
+    rank whose error ended the run (a crash), else left out; ``nodes``: the hosts to requeue
+    without (left out when none)."""
     directory = Path(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     try:
@@ -63,6 +66,8 @@ def write_exit_status(
     }
     if rank is not None:
         record["rank"] = int(rank)
+    if nodes:
+        record["nodes"] = list(nodes)
     path = directory / EXIT_STATUS_FILE
     atomic_write(path, json.dumps(record, indent=1) + "\n")
     return path

@@ -261,5 +261,6 @@ class RunEnd:
             step=state.iteration,
             checkpoint=getattr(state, "last_checkpoint", None),
             rank=rank,
+            nodes=self._control.exclude_nodes,
         )
         self._status_seen = exit_status_identity(self.run_dir)  # this rank's own record may be refined
