@@ -62,6 +62,8 @@ for _module in dict.fromkeys(
 ):
     for _name, _place in vars(_module).items():
         if isinstance(_place, Place):
+            if getattr(Places, _name, _place) is not _place:  # two handlers' places by one name
+                raise ImportError(f"{_module.__name__}.{_name}: Places already has a place of this name")
             setattr(Places, _name, _place)
 
 

@@ -47,7 +47,7 @@ __all__ = ["ReplicaCheck", "ReplicaCheckConfig", "fingerprint"]
 logger = logging.getLogger(__name__)
 
 #: ROLLBACK: take the restored step after the checkpointer restored (late in CLEANUP).
-ROLLBACK_DONE = Priority.CLEANUP - 800
+REPLICA_ROLLBACK_DONE = Priority.CLEANUP - 800
 #: Per group of replicas: a count, four 16-bit pieces of the fingerprint, their squares.
 PIECES = 4
 VALUES = 1 + 2 * PIECES
@@ -85,6 +85,7 @@ class ReplicaCheck(Handler):
     asks_after_agreement = False
     Config = ReplicaCheckConfig
     section = "replica_check"
+    doc = "docs/replica_check.md"
 
     def __init__(
         self,
@@ -140,7 +141,7 @@ class ReplicaCheck(Handler):
             trainer.agreement.add(
                 f"replica_check.{i}", self._filler(i), self._on_agreed if last else self._keep
             )
-        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
+        trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=REPLICA_ROLLBACK_DONE)
         return super().attach(trainer)
 
     def due(self, step: int) -> bool:

@@ -14,6 +14,7 @@ from hookloop.handlers.sections.logging import LoggingConfig
 from hookloop.handlers.sections.metrics import MetricsConfig
 from hookloop.handlers.sections.nan import NaNConfig
 from hookloop.handlers.sections.profiling import ProfilingConfig
+from hookloop.handlers.sections.replica_check import ReplicaCheckConfig
 from hookloop.handlers.sections.step_scheduler import StepSchedulerConfig
 from hookloop.handlers.sections.straggler import StragglerConfig
 
@@ -34,6 +35,7 @@ SECTIONS: dict[str, type] = {
     "ema": EMAConfig,
     "attribution": AttributionConfig,
     "fault_injection": FaultInjectionConfig,
+    "replica_check": ReplicaCheckConfig,
 }
 
 #: each shipped handler class (module:class) -> its section, in attach order (handlers.order)
@@ -54,4 +56,5 @@ HANDLERS: dict[str, str] = {
     "hookloop.handlers.ema:WeightEMA": "ema",
     "hookloop.handlers.attribution:RerunAttribution": "attribution",
     "hookloop.handlers.fault_injection:FaultInjector": "fault_injection",
+    "hookloop.handlers.replica_check:ReplicaCheck": "replica_check",
 }

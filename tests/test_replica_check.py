@@ -216,6 +216,12 @@ def test_bad_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match="replica_check.max_rollbacks.*checkpointer"):
         ReplicaCheck().attach(trainer)  # nothing to roll back with
     ReplicaCheck(max_rollbacks=0).attach(trainer)
+    # FSDP2 leaves nothing to compare: refused with the config, before any process or model
+    with pytest.raises(ConfigError, match="replica_check.enabled.*dp_mode=fsdp") as info:
+        load_run_config(
+            None, ["replica_check.enabled=true", "distributed.dp_mode=fsdp", "lr.decay_style=constant"]
+        )
+    assert "\n" not in str(info.value)
 
 
 def _layout_worker(rank: int, world: int, layout: str, flip: bool) -> dict:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hookloop.engine.checks import check_bool, check_int, dotted
+from hookloop.engine.errors import ConfigError
 
 __all__ = ["ReplicaCheckConfig"]
 
@@ -31,3 +33,14 @@ class ReplicaCheckConfig:
         check_int(dotted(prefix, "every_steps"), self.every_steps, low=1)
         check_bool(dotted(prefix, "optimizer_state"), self.optimizer_state)
         check_int(dotted(prefix, "max_rollbacks"), self.max_rollbacks, low=0)
+
+    def cross_check(self, cfg: Any, prefix: str = "replica_check") -> None:
+        """FSDP2 shards the weights over the data-parallel ranks: no two hold the same to compare."""
+        distributed = getattr(cfg, "distributed", None)
+        if self.enabled and distributed is not None and distributed.dp_mode == "fsdp":
+            raise ConfigError(
+                dotted(prefix, "enabled"),
+                "compares the data-parallel replicas' weights, but distributed.dp_mode=fsdp (FSDP2) "
+                "shards them so that no two ranks hold the same; set distributed.dp_mode=ddp or "
+                f"{dotted(prefix, 'enabled')}=false",
+            )

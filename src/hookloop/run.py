@@ -331,6 +331,7 @@ def _build(
         run_dir=run_dir,
         write_trace=info.rank % (tp * pp) == 0,  # one trace file per data-parallel rank
         flops_per_token=flops_per_token,
+        dp_group=info.mesh_dim("dp") if tp * pp > 1 else None,  # the replicas of this rank's shard
     )
     if data.val is not None:
         trainer.set_validation(data.val, metrics=build_metrics(cfg.validation), dp_group=info.mesh_dim("dp"))
