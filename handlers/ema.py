@@ -60,7 +60,7 @@ class WeightEMA(Handler):
     section = "ema"
     state_key = "ema"
     #: The ``state.metrics`` it writes at every validation (and ``val_<name>_ema`` per validation
-    #: metric: :meth:`EMAConfig.published`).
+    #: metric: :meth:`EMAConfig.produces`).
     publishes = ("val_loss_ema",)
     #: Its page in the docs.
     doc = "docs/ema.md"

@@ -321,3 +321,17 @@ def test_without_an_average_in_the_checkpoint_it_starts_from_the_loaded_weights(
         trainer.run(token_batches(8), max_steps=3)
         assert_bitwise(seen["average"], seen["weights"])
         assert_bitwise(seen["weights"], weights(first))
+
+
+def test_checkpoint_metric_may_rank_by_the_average_s_validation_when_the_average_is_on():
+    ranked = [
+        "checkpoint.keep_best=1",
+        "lr.decay_style=constant",
+        "validation.metrics.accuracy=hookloop.engine:TokenAccuracy",
+    ]
+    for metric in ("val_loss_ema", "val_accuracy_ema"):
+        cfg = load_run_config(None, [*ranked, "ema.enabled=true", f"checkpoint.metric={metric}"])
+        assert cfg.checkpoint.metric == metric
+    with pytest.raises(ConfigError, match="checkpoint.metric: 'val_loss_ema' is not a metric") as info:
+        load_run_config(None, [*ranked, "checkpoint.metric=val_loss_ema"])  # no average, no such metric
+    assert "\n" not in str(info.value)

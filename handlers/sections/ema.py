@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from hookloop.engine.checks import check_bool, check_int, check_number
 
@@ -31,10 +31,9 @@ class EMAConfig:
         check_int(f"{prefix}.every_steps", self.every_steps, hint="steps between updates")
         check_int(f"{prefix}.start_step", self.start_step, low=0, hint="the step averaging starts after")
 
-    def published(self, validation_metrics: Iterable[str] = ()) -> set[str]:
-        """The ``state.metrics`` names it publishes at every validation when enabled (what
-        ``checkpoint.metric`` may rank by): ``val_loss_ema`` and ``val_<name>_ema`` of every
-        validation metric."""
+    def produces(self, cfg: Any) -> set[str]:
+        """What ``checkpoint.metric`` may rank by: ``val_loss_ema`` and ``val_<name>_ema`` of every
+        validation metric, when enabled and the run validates."""
         if not self.enabled:
             return set()
-        return {"val_loss_ema", *(f"val_{name}_ema" for name in validation_metrics)}
+        return {f"{name}_ema" for name in cfg.validation.produces(cfg)}
