@@ -87,13 +87,16 @@ class Rollback:
 
     When no checkpoint can be restored (a ``CheckpointError``) the trainer ends the run with
     ``TrainingAborted`` and ``exit_code``, naming ``reason`` (who asked, e.g.
-    ``"nan.action='rollback'"``), checkpoints left as they are. These two say what happens on
-    failure, not what is restored: two requests for the same checkpoint compare equal."""
+    ``"nan.action='rollback'"``) and ``nodes`` (``exit_status.json``), checkpoints left as they
+    are. These three say what happens on failure, not what is restored: two requests for the same
+    checkpoint compare equal."""
 
     at_or_before: int | None = None
     keep_data_position: bool = False
     reason: str | None = field(default=None, compare=False)
     exit_code: int = field(default=int(ExitCode.ERROR), compare=False)
+    #: the hosts to leave out when the run ends for want of a checkpoint (``exit_status.json``)
+    nodes: tuple[str, ...] = field(default=(), compare=False)
 
     def failed(self, step: int, error: Exception) -> TrainingAborted:
         """What ends the run when the restore this asks for fails at ``step`` with ``error``."""
@@ -197,11 +200,12 @@ class StepControl:
         keep_data_position: bool = False,
         reason: str | None = None,
         exit_code: int = ExitCode.ERROR,
+        nodes: tuple[str, ...] = (),
     ) -> None:
         """Roll back at the end of this step (see :class:`Rollback` and the module docstring).
         Agreed like a stop: asked on one rank, every rank rolls back at the end of the same step
         (:func:`merge_rollbacks` says what to restore when ranks ask differently)."""
-        self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code))
+        self.rollback = Rollback(at_or_before, bool(keep_data_position), reason, int(exit_code), tuple(nodes))
 
     def start_run(self) -> None:
         """A run starts: no stop, no step request, nothing decided."""
@@ -262,7 +266,7 @@ class StepControl:
 def merge_rollbacks(requests: list[Rollback | None]) -> Rollback:
     """One rollback for every rank from each rank's request (None: that rank did not ask): a
     checkpoint at or before the earliest bound any rank gave, the data position kept only when every
-    asking rank keeps it, the largest exit code, and each asking rank's reason."""
+    asking rank keeps it, the largest exit code, each asking rank's reason, every node named."""
     asked = [(rank, r) for rank, r in enumerate(requests) if r is not None]
     bounds = [r.at_or_before for _, r in asked if r.at_or_before is not None]
     reasons = [f"rank {rank}: {r.reason}" for rank, r in asked if r.reason]
@@ -271,6 +275,7 @@ def merge_rollbacks(requests: list[Rollback | None]) -> Rollback:
         all(r.keep_data_position for _, r in asked),
         "; ".join(dict.fromkeys(reasons)) or None,
         max(r.exit_code for _, r in asked),
+        tuple(dict.fromkeys(node for _, r in asked for node in r.nodes)),
     )
 
 

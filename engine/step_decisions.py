@@ -166,6 +166,7 @@ class StepDecisions:
             except CheckpointError as e:
                 if isinstance(e, ConfigError):  # a setting to change (checkpoint.max_index_mb): exit 2
                     raise
+                control.exclude_nodes = tuple(dict.fromkeys((*control.exclude_nodes, *rollback.nodes)))
                 raise rollback.failed(step, e) from e
         control.end_step(stop)
         if self._agreement.transport.step_boundary() and not stop:  # a stop every rank shares

@@ -15,16 +15,17 @@ replica's piece is the same (equality in Cauchy-Schwarz); the integers stay belo
 float64 sums are exact. On other steps the values are zeros: no collective is added, and no tensor
 is read to the host. The groups are the replicas of the same shard: under tensor or pipeline
 parallelism, the ranks of one ``dp`` group (equal tp / pp coordinates, ``dp_group``); with replica
-groups (torchft) the agreement sums across the groups, so the check spans them (naming a
-replica gathers this group's ranks only: a differing group is found, not named).
+groups (torchft) the agreement sums across the groups, so the check spans them.
 
 **A mismatch** (from agreed sums, so every rank sees it alike) gathers each rank's fingerprint and
-host (one ``all_gather_object``, only then) and names the replicas that differ from the majority of
+host (one ``all_gather_object``, only then; with replica groups, every live group's through the
+transport's ``across_groups``) and names the replicas that differ from the majority of
 their group; with two replicas (or a tie) it cannot tell which is wrong and names each. Saves are
 held, then the run rolls back to the newest checkpoint at or before the last step whose weights were
 seen equal (each checkpoint records that step: this handler's state), at most ``max_rollbacks``
 times; after that (at once with ``max_rollbacks=0``) it stops with exit code 79,
-``REQUEUE_WITHOUT_NODE``, and ``exit_status.json`` names the hosts (``"nodes"``).
+``REQUEUE_WITHOUT_NODE``, and ``exit_status.json`` names the hosts (``"nodes"``; also when no
+checkpoint is old enough to roll back to).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class ReplicaCheck(Handler):
         #: The last step whose weights every replica was seen to hold alike (0: the start).
         self.verified_step = 0
         self.rollbacks = 0
-        #: Each mismatch: ``{"step", "checked_step", "ranks", "hosts", "tie"}``.
+        #: Each mismatch: ``{"step", "checked_step", "ranks", "hosts", "tie"}`` (and the replica
+        #: ``"groups"`` of the ranks named, with replica groups).
         self.mismatches: list[dict[str, Any]] = []
         self._groups, self._group = 1, 0
         self._values: list[Any] = []
@@ -195,23 +197,31 @@ class ReplicaCheck(Handler):
         """Every rank alike (from agreed sums): name the replicas that differ, then roll back or stop."""
         assert self._fingerprint is not None
         mine = (parallel.rank(), socket.gethostname(), self._group, int(self._fingerprint))
-        rows = parallel.gather_objects(mine)
+        # this replica group's ranks, then (with replica groups) every live group's, by group
+        by_group = trainer.agreement.transport.across_groups(parallel.gather_objects(mine))
+        rows = [(rg, *row) for rg, rows_of in sorted(by_group.items()) for row in rows_of]
         named, tie = [], False
         for g in groups:
-            members = [r for r in rows if r[2] == g]
-            counts = Counter(r[3] for r in members).most_common()
+            members = [r for r in rows if r[3] == g]
+            counts = Counter(r[4] for r in members).most_common()
             top = [fp for fp, n in counts if n == counts[0][1]]
             tie = tie or len(top) > 1
-            named += [r for r in members if len(top) > 1 or r[3] != top[0]]
-        ranks, hosts = [r[0] for r in named], list(dict.fromkeys(r[1] for r in named))
-        self.mismatches.append(
-            {"step": step, "checked_step": step - 1, "ranks": ranks, "hosts": hosts, "tie": tie}
-        )
+            named += [r for r in members if len(top) > 1 or r[4] != top[0]]
+        ranks, hosts = [r[1] for r in named], list(dict.fromkeys(r[2] for r in named))
+        mismatch = {"step": step, "checked_step": step - 1, "ranks": ranks, "hosts": hosts, "tie": tie}
+        if len(by_group) > 1:
+            mismatch["groups"] = [r[0] for r in named]
+        self.mismatches.append(mismatch)
         if named:
-            who = ", ".join(f"rank {r[0]} on {r[1]}" for r in named)
+            where = (
+                (lambda r: f"replica group {r[0]} rank {r[1]}")
+                if len(by_group) > 1
+                else (lambda r: f"rank {r[1]}")
+            )
+            who = ", ".join(f"{where(r)} on {r[2]}" for r in named)
             who += " (a tie: cannot tell which replica is wrong)" if tie else " differs"
-        else:  # replica groups: this group's ranks agree with each other, another group differs
-            who = "the replica groups differ (this group's ranks agree; which group is wrong is not known)"
+        else:  # the other replica groups could not be asked (one died): this group's ranks agree
+            who = "another replica group differs (this group's ranks agree; the group is not known)"
         what = (
             f"step {step}: replica_check: the weights step {step - 1} left differ between data-parallel "
             f"replicas: {who}; the last step seen equal is {self.verified_step}"
@@ -228,7 +238,7 @@ class ReplicaCheck(Handler):
                 self.max_rollbacks,
             )
             trainer.control.request_rollback(
-                self.verified_step, reason=what, exit_code=ExitCode.REQUEUE_WITHOUT_NODE
+                self.verified_step, reason=what, exit_code=ExitCode.REQUEUE_WITHOUT_NODE, nodes=tuple(hosts)
             )
             return
         requeue = f"requeue without {', '.join(hosts)}" if hosts else "requeue (the node is not named)"

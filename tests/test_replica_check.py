@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import socket
 import sys
 
 import pytest
 import torch
 
-from hookloop.engine import ConfigError, Events, Trainer
+from hookloop.engine import ConfigError, Events, Trainer, TrainingAborted
 from hookloop.engine.data import MixtureDataset, MixtureLoader, MixtureSampler
+from hookloop.engine.events import Priority
 from hookloop.handlers import HANDLER_ORDER, attach_handlers, load_run_config
 from hookloop.handlers.fault_injection import FaultInjector
 from hookloop.handlers.replica_check import PIECES, ReplicaCheck, _equal, fingerprint
@@ -49,8 +51,9 @@ def mixture() -> MixtureDataset:
     return MixtureDataset({"a": [(x[i], x[i].sum(0, keepdim=True)) for i in range(32)]})
 
 
-def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_group=None) -> dict:
-    """One DDP run of a tiny MLP; what it ended with."""
+def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_group=None, lose_checkpoints=False) -> dict:
+    """One DDP run of a tiny MLP; what it ended with. ``lose_checkpoints``: the checkpoints are
+    gone when a rollback starts (nothing old enough to restore)."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
@@ -92,7 +95,19 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_group=None) -> dict:
     losses, checked = [], []
     trainer.add_event_handler(Events.STEP_END, lambda e: losses.append((e.state.step, float(e.state.loss))))
     trainer.add_event_handler(Events.ROLLBACK, lambda e: checked.append(("rollback", e.state.step)))
-    trainer.run(loader)
+    if lose_checkpoints:
+
+        @trainer.on(Events.ROLLBACK, priority=Priority.CLOCK)
+        def lose(_):
+            if rank == 0:
+                shutil.rmtree(f"{run_dir}/ckpt")
+            if world > 1:
+                torch.distributed.barrier()
+
+    try:
+        trainer.run(loader)
+    except TrainingAborted:
+        pass  # the code and reason are in trainer.control and exit_status.json
     check = next((h for h in handlers if isinstance(h, ReplicaCheck)), None)
     return {
         "code": int(trainer.control.exit_code),
@@ -163,6 +178,16 @@ def test_a_flipped_bit_in_one_ddp_replica_is_found_at_the_next_check_and_rolled_
         return state["handlers"]["replica_check"]["verified_step"]
 
     assert recorded("requeue", 4) == 2 and recorded("clean", 6) == 4 and recorded("clean", 2) == 0
+
+
+def test_a_rollback_that_finds_no_checkpoint_exits_79_naming_the_node(tmp_path):
+    cases = [("lost", [*CHECK, *FLIP], {"steps": 6, "lose_checkpoints": True})]
+    results = run_distributed(_ranks, 2, str(tmp_path), cases, timeout=300)
+    assert [r[0]["step"] for r in results] == [5, 5]
+    status = json.loads((tmp_path / "lost" / "exit_status.json").read_text())
+    assert status["code"] == 79 and status["step"] == 5
+    assert "cannot roll back to a checkpoint at or before step 2" in status["reason"]
+    assert status["nodes"] == [socket.gethostname()]
 
 
 def test_three_ddp_replicas_name_the_one_that_differs(tmp_path):
@@ -320,7 +345,8 @@ FLIP_ENTRY = """
 def test_across_two_replica_groups_a_flip_in_one_is_found_by_both(tmp_path):
     """torchft replica groups of one process each (real ``hookloop train`` processes, a lighthouse):
     the check's sums span the groups, so both find group 1's flip at step 5 and stop with 79. Each
-    group's own ranks agree, so neither can name the node that differs (said in the reason)."""
+    group's own ranks agree; the fingerprints of every group's ranks name the replica that differs:
+    with two groups a tie, so both (group, rank and host in the log, the host in ``"nodes"``)."""
     from hookloop.engine.data import prepare_tokens, stdlib_docs_text
     from tests.test_live_recovery import CONFIG, Proc, exit_status, lighthouse_here, processes
     from tests.user_models import tiny_lm_source
@@ -343,4 +369,7 @@ def test_across_two_replica_groups_a_flip_in_one_is_found_by_both(tmp_path):
     for g in (0, 1):
         status = exit_status(tmp_path / "runs/sdc" / f"replica_group_{g}")
         assert status["code"] == 79 and status["step"] == 5, status
-        assert "the replica groups differ" in status["reason"] and "nodes" not in status
+        assert status["nodes"] == [socket.gethostname()], status
+        named = f"replica group 0 rank 0 on {socket.gethostname()}, replica group 1 rank 0 on"
+        assert named in status["reason"] and "a tie" in status["reason"], status
+        assert named in (g0, g1)[g].text()
