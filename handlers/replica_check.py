@@ -172,8 +172,11 @@ class ReplicaCheck(Handler):
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         fp = self._fingerprint = fingerprint(tensors)
         pieces = [((fp >> (16 * j)) & 0xFFFF).to(torch.float64) for j in range(PIECES)]
-        mine = [1, *pieces, *(p * p for p in pieces)]
-        values: list[Any] = [0] * (self._groups * VALUES)
+        # every value a tensor, on every rank: the agreement packs host numbers and tensors apart,
+        # so each rank's values must be of the same kinds in the same places
+        zero = torch.zeros((), dtype=torch.float64, device=fp.device)
+        mine = [zero + 1, *pieces, *(p * p for p in pieces)]
+        values: list[Any] = [zero] * (self._groups * VALUES)
         values[self._group * VALUES : (self._group + 1) * VALUES] = mine
         return values
 

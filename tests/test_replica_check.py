@@ -373,3 +373,45 @@ def test_across_two_replica_groups_a_flip_in_one_is_found_by_both(tmp_path):
         named = f"replica group 0 rank 0 on {socket.gethostname()}, replica group 1 rank 0 on"
         assert named in status["reason"] and "a tie" in status["reason"], status
         assert named in (g0, g1)[g].text()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("flip", [False, True], ids=["equal", "flipped"])
+def test_hookloop_train_dp2_tp2_under_torchrun_checks_the_replicas_of_each_shard(tmp_path, flip):
+    """The front door: ``hookloop train`` under torchrun, 4 gloo ranks as dp 2 x tp 2 (the run
+    passes each shard's dp group). Equal replicas pass every check (the last checkpoint records the
+    weights of step 4 seen equal); a bit flipped on rank 1 (tp 1) is found in its dp group (ranks 1
+    and 3, a tie) at step 5: exit 79, ``exit_status.json`` names the host."""
+    import yaml
+
+    from tests.dist_utils import run_torchrun
+
+    run_dir = tmp_path / "run"
+    handlers = [{"target": "hookloop.handlers.replica_check:ReplicaCheck", "enabled": True, "every_steps": 2,
+                 "max_rollbacks": 0}]  # fmt: skip
+    if flip:
+        handlers.append({"target": "hookloop.handlers.fault_injection:FaultInjector", "enabled": True,
+                         "kind": "corruption", "rank": 1, "step": 4, "bit": 16})  # fmt: skip
+    config = {
+        "model": {"target": "hookloop.models.gpt:recipe", "n_layers": 1, "d_model": 16, "n_heads": 2},
+        "train": {"seq_len": 8, "local_batch_size": 2, "seed": 0, "run_dir": str(run_dir)},
+        "step_scheduler": {"global_batch_size": 4, "max_steps": 6, "ckpt_every_steps": 2},
+        "checkpoint": {"mode": "sync"},
+        "data": {"datasets": {"docs": "stdlib_docs"}, "cache_dir": str(tmp_path / "cache")},
+        "distributed": {"backend": "gloo", "dp_mode": "ddp", "tp_size": 2},
+        "handlers": handlers,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    proc = run_torchrun("hookloop", 4, ["train", "run.yaml"], module=True, cwd=tmp_path, timeout=300)
+    output = proc.stdout + proc.stderr
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    if not flip:
+        assert proc.returncode == 0 and status["code"] == 0, output[-4000:]
+        last = json.loads((run_dir / "checkpoints" / "step_00000006" / "rank_00000.json").read_text())
+        assert last["handlers"]["replica_check"] == {"verified_step": 4, "rollbacks": 0, "mismatches": []}
+        return
+    host = socket.gethostname()
+    assert proc.returncode == 79 and status["code"] == 79 and status["step"] == 5, output[-4000:]
+    assert status["nodes"] == [host], status
+    assert f"rank 1 on {host}, rank 3 on {host} (a tie" in status["reason"], status
