@@ -7,8 +7,9 @@ without the flip ends; with ``max_rollbacks=0`` it exits 79 and ``exit_status.js
 Three ranks name the one replica that differs. Under tensor and pipeline parallelism (dp 2 x tp 2,
 dp 2 x pp 2, and ``hookloop train`` under torchrun with dp 2 x tp 2) the replicas of each shard are
 compared; FSDP2 is refused by name. Two torchft replica groups both find a flip in one of them and
-name it (group, rank, host). A rollback that finds no checkpoint exits 79 naming the node. In one process: the fingerprint sees every single flipped
-bit, equal and unequal sums are told apart exactly, bad settings are refused by name.
+name it (group, rank, host). A rollback that finds no checkpoint exits 79 naming the node. In one
+process: the fingerprint sees every single flipped bit, equal and unequal sums are told apart
+exactly, bad settings are refused by name.
 """
 
 from __future__ import annotations
