@@ -216,12 +216,8 @@ class ReplicaCheck(Handler):
             mismatch["groups"] = [r[0] for r in named]
         self.mismatches.append(mismatch)
         if named:
-            where = (
-                (lambda r: f"replica group {r[0]} rank {r[1]}")
-                if len(by_group) > 1
-                else (lambda r: f"rank {r[1]}")
-            )
-            who = ", ".join(f"{where(r)} on {r[2]}" for r in named)
+            group = (lambda r: f"replica group {r[0]} ") if len(by_group) > 1 else (lambda r: "")
+            who = ", ".join(f"{group(r)}rank {r[1]} on {r[2]}" for r in named)
             who += " (a tie: cannot tell which replica is wrong)" if tie else " differs"
         else:  # the other replica groups could not be asked (one died): this group's ranks agree
             who = "another replica group differs (this group's ranks agree; the group is not known)"
