@@ -379,19 +379,22 @@ def test_across_two_replica_groups_a_flip_in_one_is_found_by_both(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("flip", [False, True], ids=["equal", "flipped"])
-def test_hookloop_train_dp2_tp2_under_torchrun_checks_the_replicas_of_each_shard(tmp_path, flip):
+@pytest.mark.parametrize(
+    ("flip", "rollbacks"), [(False, 0), (True, 0), (True, 1)], ids=["equal", "flipped", "healed"]
+)
+def test_hookloop_train_dp2_tp2_under_torchrun_checks_the_replicas_of_each_shard(tmp_path, flip, rollbacks):
     """The front door: ``hookloop train`` under torchrun, 4 gloo ranks as dp 2 x tp 2 (the run
     passes each shard's dp group). Equal replicas pass every check (the last checkpoint records the
     weights of step 4 seen equal); a bit flipped on rank 1 (tp 1) is found in its dp group (ranks 1
-    and 3, a tie) at step 5: exit 79, ``exit_status.json`` names the host."""
+    and 3, a tie) at step 5: exit 79, ``exit_status.json`` names the host; with a rollback allowed,
+    the run rolls back to step 2 and finishes."""
     import yaml
 
     from tests.dist_utils import run_torchrun
 
     run_dir = tmp_path / "run"
     handlers = [{"target": "hookloop.handlers.replica_check:ReplicaCheck", "enabled": True, "every_steps": 2,
-                 "max_rollbacks": 0}]  # fmt: skip
+                 "max_rollbacks": rollbacks}]  # fmt: skip
     if flip:
         handlers.append({"target": "hookloop.handlers.fault_injection:FaultInjector", "enabled": True,
                          "kind": "corruption", "rank": 1, "step": 4, "bit": 16})  # fmt: skip
@@ -412,6 +415,10 @@ def test_hookloop_train_dp2_tp2_under_torchrun_checks_the_replicas_of_each_shard
         assert proc.returncode == 0 and status["code"] == 0, output[-4000:]
         last = json.loads((run_dir / "checkpoints" / "step_00000006" / "rank_00000.json").read_text())
         assert last["handlers"]["replica_check"] == {"verified_step": 4, "rollbacks": 0, "mismatches": []}
+        return
+    if rollbacks:
+        assert proc.returncode == 0 and status["code"] == 0 and status["step"] == 6, output[-4000:]
+        assert output.count("replica_check: rolled back to step 2") == 4, output[-4000:]
         return
     host = socket.gethostname()
     # every worker exits 79 (torchrun itself exits 1 when its workers fail)
