@@ -123,13 +123,14 @@ class RecordFile:
         if self._error is not None:
             self._raise()
 
-    def cut(self, last_step: int) -> None:
+    def cut(self, last_step: int, row: Callable[[bytes], dict | None] | None = None) -> None:
         """Write out every record, then cut the file back to its lines of steps ``<= last_step``
-        (see the module docstring): call it at ``RUN_STARTED`` with ``trainer.state.step``."""
+        (see the module docstring; ``row`` as :func:`cut_to_step` takes it): call it at
+        ``RUN_STARTED`` with ``trainer.state.step``."""
         self.flush()
         if self.path is not None:
             with self._lock:
-                cut_to_step(self.path, last_step)
+                cut_to_step(self.path, last_step, row=row or step_row)
 
     def close(self) -> None:
         """Write out every record, stop the flusher thread and close the file (idempotent)."""

@@ -106,13 +106,13 @@ class FaultInjector(Handler):
                 "kind 'data' finds the sample by the sample trace: set data.trace_samples=true",
             )
         for microbatch, ids in zip(trainer.state.batch, trace.step_ids()):
-            if self.sample in ids:
-                if not _poison_row(microbatch, ids.index(self.sample), len(ids)):
-                    raise ConfigError(
-                        "fault_injection.sample",
-                        "kind 'data' makes a sample's floating-point tensors NaN; its microbatch holds none",
-                    )
-                self.fired = True
+            row = ids.index(self.sample) if self.sample in ids else None  # None: only look (step 1 on)
+            if not _poison_row(microbatch, row, len(ids)):
+                raise ConfigError(
+                    "fault_injection.sample",
+                    "kind 'data' makes a sample's floating-point tensors NaN; its microbatch holds none",
+                )
+            self.fired = self.fired or row is not None
 
     def _target(self, model: torch.nn.Module) -> torch.Tensor:
         named = dict(model.named_parameters())
@@ -145,12 +145,13 @@ class FaultInjector(Handler):
         self.flipped = state.get("flipped")
 
 
-def _poison_row(microbatch: Any, row: int, size: int) -> bool:
+def _poison_row(microbatch: Any, row: int | None, size: int) -> bool:
     """Row ``row`` of every floating-point tensor of ``microbatch`` (``size`` rows) set to NaN, in
-    place; whether there was one."""
+    place (``row`` None: none set); whether there was one."""
     if isinstance(microbatch, torch.Tensor):
         if microbatch.is_floating_point() and microbatch.dim() and microbatch.shape[0] == size:
-            microbatch[row] = float("nan")
+            if row is not None:
+                microbatch[row] = float("nan")
             return True
         return False
     values = microbatch.values() if isinstance(microbatch, dict) else microbatch

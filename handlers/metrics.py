@@ -47,7 +47,7 @@ from hookloop.engine.checks import check_int
 from hookloop.engine.events import Events, Priority, every
 from hookloop.engine.flops import estimate_flops_per_token, peak_flops_for_device
 from hookloop.engine.handler import Handler, checked_settings
-from hookloop.engine.record_file import RecordFile
+from hookloop.engine.record_file import RecordFile, step_row
 from hookloop.engine.running_mean import RunningMean
 from hookloop.handlers.sections.metrics import MetricsConfig
 
@@ -241,7 +241,7 @@ class MetricsTracker(Handler):
         if self._progress is None and self.run_dir is not None and parallel.rank() == 0:
             self._progress = RecordFile(self.run_dir / "progress.jsonl", encode=_progress_line)
         if self._progress is not None:  # each step once: a killed run's lines after its checkpoint go
-            self._progress.cut(state.step)
+            self._progress.cut(state.step, row=_reached)
         self._write_progress(
             {
                 "event": "start",
@@ -399,3 +399,12 @@ def _all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _reached(line: bytes) -> dict | None:
+    """A progress line read for the cut at the step the run had reached when it was written: a
+    rollback's is the step it left (written after it), not the step it went back to."""
+    row = step_row(line)
+    if row is not None and row.get("event") == "rollback" and isinstance(row.get("from"), int):
+        return {**row, "step": row["from"]}
+    return row

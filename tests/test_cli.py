@@ -382,3 +382,23 @@ def test_help_is_answered_without_torch(project):
         [sys.executable, "-X", "importtime", "-m", "hookloop", "--help"], cwd=project, fresh=True, timeout=120
     )
     assert result.returncode == 0 and "train" in result.stdout and not imports_torch(result)
+
+
+def test_what_a_resume_changes_in_the_handlers_is_said_once(project):
+    first = hookloop("train", "my_run.yaml", "step_scheduler.max_steps=4", "ema.enabled=true", cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # The start's check tries the resume too; only the run says what it changed.
+    changed = ("ema.enabled=true", "ema.every_steps=2", "replica_check.enabled=true")
+    again = hookloop("train", "my_run.yaml", *changed, cwd=project)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("ema.every_steps 1 -> 2") == 1, again.stderr
+    assert again.stderr.count("handler state 'replica_check' is not in the checkpoint") == 1, again.stderr
+
+
+def test_a_data_fault_on_a_model_without_floating_point_inputs_is_refused_at_the_first_step(project):
+    fault = ("fault_injection.enabled=true", "fault_injection.kind=data", "fault_injection.sample=x:123456")
+    out = hookloop("train", "my_run.yaml", "data.trace_samples=true", *fault, cwd=project)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: fault_injection.sample: "), out.stderr
+    assert "saving step 4" not in out.stderr  # refused at step 1, not once the sample comes (or never)

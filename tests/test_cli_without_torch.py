@@ -113,3 +113,18 @@ def test_a_finished_run_is_answered_from_its_records_without_torch(project):
     said, out, err = hookloop("train", "run.yaml", "optimizer.lr=0.001", cwd=project)
     assert said["code"] == 0 and said["torch"], err[-3000:]
     assert "done: step 1, no step left to train" in out
+
+
+def test_a_finished_run_whose_newest_checkpoint_is_damaged_is_not_answered_finished(project):
+    said, out, err = hookloop("train", "run.yaml", "step_scheduler.max_steps=2", cwd=project)
+    assert said["code"] == 0, err[-3000:]
+    newest = project / "runs" / "run" / "checkpoints" / "step_00000002"
+    data = next(newest.glob("*.distcp"))
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x40  # one flipped bit: the size is right, the checksum is not
+    data.write_bytes(damaged)
+
+    # The full start falls back to the checkpoint of step 1 and trains step 2 again: not finished.
+    said, out, err = hookloop("train", "run.yaml", "step_scheduler.max_steps=2", cwd=project)
+    assert said["code"] == 0 and said["torch"], err[-3000:]
+    assert "nothing left to train" not in err and "done: step 2, loss " in out, out + err[-3000:]

@@ -395,3 +395,33 @@ def test_nothing_is_written_through_a_symbolic_link_in_the_run_directory(project
     assert not config.is_symlink() and "max_steps: 4" in config.read_text()
     assert snapshot(outside) == before and not nowhere.exists()
     assert metric_steps(run_dir)[-1] == 4
+
+
+def test_after_a_rollback_a_sigkill_and_a_resume_progress_holds_no_line_of_the_killed_run(project):
+    run_dir = project / "runs" / "my_run"
+    hold = f"{{target: 'my_hooks.py:Hold', here: '{project / 'held'}', go: '{project / 'go'}', step: 7}}"
+    fault = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.step=6"]
+    args = ["my_run.yaml", "checkpoint.mode=sync", "step_scheduler.max_steps=8", *fault]
+    args += ["step_scheduler.ckpt_every_steps=4", "nan.max_consecutive=1"]
+    first = start(*args, f"handlers=[{hold}]", cwd=project)
+    try:
+        wait_for(project / "held", first)  # step 6 was NaN: rolled back to step 4, now at step 7
+        deadline = time.monotonic() + 30
+        while "rollback" not in record_events(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        kill_tree(first.pid)
+    assert ("rollback", 4) in record_events(run_dir)  # the killed run's lines: 5, rollback to 4, 5, ...
+    again = hookloop("train", *args, cwd=project)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 4)" in again.stderr  # resumed from the checkpoint of step 4, the rollback's too
+    events = record_events(run_dir)
+    resumed = events.index(("resume", 4))
+    assert all(step <= 4 for _, step in events[:resumed]), events  # nothing the killed run wrote after it
+
+
+def record_events(run_dir: Path) -> list[tuple[str, int]]:
+    lines = (run_dir / "progress.jsonl").read_text().splitlines()
+    return [(r["event"], r["step"]) for r in map(json.loads, lines)]

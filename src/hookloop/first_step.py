@@ -34,6 +34,7 @@ The random states of Python, NumPy and torch are as they were afterwards; nothin
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import warnings
@@ -238,11 +239,23 @@ def _attached(cfg: Any, model: ResolvedModel, built: torch.nn.Module, data: Any,
     alone = os.environ.get("WORLD_SIZE", "1") == "1"  # else the run's resume refuses on every rank alike
     if real and alone and checkpointer is not None and checkpointer.resume is not None:
         try:
-            checkpointer.load_resume()
+            with _unsaid():  # what the resume changes and warns of, the run's own resume says once
+                checkpointer.load_resume()
         except CheckpointError as e:  # damage: the run's resume falls back or says so itself
             if isinstance(e, ConfigError):
                 raise
     return trainer.describe()
+
+
+@contextlib.contextmanager
+def _unsaid() -> Iterator[None]:
+    """Log records below ERROR dropped inside (the trial of what the run then does for real)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
 
 
 def new_trainer(cfg: Any, resolved: ResolvedModel, model: torch.nn.Module, **settings: Any) -> Trainer:

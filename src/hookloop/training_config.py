@@ -147,7 +147,8 @@ def finished_run(cfg: Any) -> tuple[int, str] | None:
 
     Certain means: one process, no replica groups, checkpoints resumed automatically, a
     ``step_scheduler.max_steps``; the run ended with exit code 0 (``exit_status.json``) naming the
-    newest complete checkpoint, whose marker says a step >= max_steps; and the run's
+    newest complete checkpoint, whose marker says a step >= max_steps and whose files match its
+    manifest (sizes and checksums: reads the checkpoint once, as the full start would); and the run's
     ``config.yaml`` is this very config (any change, a new max_steps, LR or model size, is left to
     the full start, which honours or refuses it). Reads a few small files; imports no torch."""
     from hookloop.engine.checkpoint_format.directory import MARKER, read_json, resolve_checkpoint
@@ -164,11 +165,29 @@ def finished_run(cfg: Any) -> tuple[int, str] | None:
         if not status or status.get("code") != 0 or not status.get("checkpoint"):
             return None
         newest, _ = resolve_checkpoint(ckpt.directory or run_dir / "checkpoints")
-        step = read_json(os.path.join(newest, MARKER))["step"]
+        marker = read_json(os.path.join(newest, MARKER))
+        step = marker["step"]
         same = os.path.abspath(status["checkpoint"]) == newest
         recorded = (run_dir / "config.yaml").read_text()
         if not (same and step >= sched.max_steps and recorded == config_text(cfg)):
             return None
+        if not _intact(newest, marker["manifest"]["files"]):
+            return None  # the full start falls back to an older checkpoint: steps are left
     except Exception:  # noqa: BLE001 - anything unusual is the full start's to report
         return None
     return step, nothing_left_to_train(newest, step, sched.max_steps)
+
+
+def _intact(path: str, files: dict[str, Any]) -> bool:
+    """Whether every file the manifest of checkpoint ``path`` lists has its size and CRC-32, as the
+    full start verifies before it trusts the checkpoint (a damaged one it falls back from)."""
+    from zlib import crc32  # the values of the manifest's (zlib-ng's, without importing torch)
+
+    for name, entry in files.items():
+        crc, size = 0, 0
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(4 << 20):
+                crc, size = crc32(chunk, crc), size + len(chunk)
+        if size != entry["size"] or f"{crc:08x}" != entry["checksum"]:
+            return False
+    return True
