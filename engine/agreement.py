@@ -19,7 +19,9 @@ they live and stay there until something reads them (a logger on its log step); 
 requests, counts, votes) travel in a host tensor, so a step in which no slot gives a tensor reads
 nothing from the device (:func:`sum_over_ranks`). A slot that gives a tensor is read in the same
 step, one transfer for all of them: that is the step deciding on a device value; a step that
-decides anything reads the sums with its decisions (:mod:`engine.step_decisions`).
+decides anything reads the sums with its decisions (:mod:`engine.step_decisions`). A slot may give a
+tensor on some ranks and a number on others (its own group's values, zeros elsewhere): the ranks see
+it from the sums and sum that step again in one layout.
 
 Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
 Lightning's ``Strategy.reduce_boolean_decision``): :class:`AgreementTransport` is the plain process
@@ -176,11 +178,16 @@ def sum_over_ranks(
     host_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
     kept = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and i < keep]
     tensor_at = read + kept
-    host_values = torch.tensor([float(values[i]) for i in host_at], dtype=torch.float64)
+    # The packing follows where this rank's tensors are; the first two host numbers say so, so ranks
+    # whose slots differ in kind (a tensor here, a number there) find out from the sums, all alike,
+    # and sum again in one layout instead of adding values that do not line up.
+    shape = _layout(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
+    host = [shape, shape * shape, *(float(values[i]) for i in host_at)]
+    host_values = torch.tensor(host, dtype=torch.float64)
     device = parallel.collective_device()
     if device.type == "cpu":  # gloo: one buffer, one all-reduce; the host numbers a view of it
-        buffer = torch.empty(len(host_at) + len(tensor_at), dtype=torch.float64)
-        host, tensors = buffer[: len(host_at)], buffer[len(host_at) :]
+        buffer = torch.empty(2 + len(host_at) + len(tensor_at), dtype=torch.float64)
+        host, tensors = buffer[: 2 + len(host_at)], buffer[2 + len(host_at) :]
         host.copy_(host_values)
         if tensor_at:
             tensors.copy_(pack([values[i] for i in tensor_at], device))
@@ -191,13 +198,25 @@ def sum_over_ranks(
         if tensor_at:
             dist.all_reduce(tensors, op=dist.ReduceOp.SUM)
         dist.all_reduce(host, op=dist.ReduceOp.SUM, group=_host_group())
-    for i, v in zip(host_at, host.tolist()):
+    summed = host.tolist()
+    if summed[0] * summed[0] != parallel.world_size() * summed[1]:  # not every rank packed alike
+        return sum_over_ranks(values, force_read=True, across=lambda _: None)
+    for i, v in zip(host_at, summed[2:]):
         out[i] = v
     for i, v in zip(read, tensors[: len(read)].tolist() if read else []):
         out[i] = v
     for j, i in enumerate(kept):
         out[i] = tensors[len(read) + j]
     return out
+
+
+def _layout(tensor_at: Any) -> float:
+    """A number for which of a rank's values are tensors (exact in float64 when squared and summed
+    over thousands of ranks): ranks packed alike iff (sum)^2 == ranks x sum of squares."""
+    code = 1
+    for i in tensor_at:
+        code = (code * 1_000_003 + i + 1) % 1_048_573
+    return float(code)
 
 
 def read_now(values: Sequence[Value]) -> list[Value]:

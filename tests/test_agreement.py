@@ -50,7 +50,7 @@ def test_exit_code_votes_pick_the_largest_code_any_rank_asked_for():
 
 def test_on_a_gpu_the_host_numbers_take_a_cpu_group_and_the_step_values_stay_on_the_device(monkeypatch):
     # No GPU here: the meta device stands in for it (reading a meta tensor raises), and the two
-    # all-reduces are recorded instead of run (two ranks that voted alike: the sums are the values).
+    # all-reduces are recorded instead of run (two ranks that voted alike: the sums are twice the values).
     from hookloop.engine import agreement, parallel
 
     reduced: list[tuple[str, object]] = []
@@ -59,11 +59,13 @@ def test_on_a_gpu_the_host_numbers_take_a_cpu_group_and_the_step_values_stay_on_
     monkeypatch.setattr(parallel, "collective_device", lambda group=None: torch.device("meta"))
     monkeypatch.setattr(agreement, "_host_group", lambda: cpu_group)
     monkeypatch.setattr(
-        agreement.dist, "all_reduce", lambda t, op=None, group=None: reduced.append((t.device.type, group))
+        agreement.dist,
+        "all_reduce",
+        lambda t, op=None, group=None: (reduced.append((t.device.type, group)), t.mul_(2)),
     )
     loss, norm = torch.ones((), device="meta"), torch.ones((), device="meta")
     out = agreement.sum_over_ranks([loss, norm, 5, True, 0.5], keep=2)
-    assert out[2:] == [5.0, 1.0, 0.5]  # the host numbers, read from host memory
+    assert out[2:] == [10.0, 2.0, 1.0]  # the host numbers' sums, read from host memory
     assert all(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in out[:2])  # unread
     assert reduced == [("meta", None), ("cpu", cpu_group)]
     with pytest.raises(NotImplementedError):  # a tensor after ``keep`` is read: on a GPU, the step waits
@@ -361,3 +363,20 @@ def test_the_trainer_agrees_through_the_transport_it_is_given():
     assert [c for c in transport.calls if c[0] == "gradients"] == [("gradients", i) for i in (1, 2, 3)]
     assert [c for c in transport.calls if c[0] == "boundary"] == [("boundary", i) for i in (1, 2, 3)]
     assert state.samples_seen == 2 * sum(len(b[0]) for b in token_batches(6)[:3])  # doubled sums
+
+
+def _kinds_differ(rank: int, world: int) -> list:
+    from hookloop.engine.agreement import sum_over_ranks
+
+    _init()
+    # Rank 0 gives a tensor where rank 1 gives a number, and the other way round: the sums are
+    # still the sums of each place.
+    mine = [torch.tensor(1.0), 10] if rank == 0 else [2, torch.tensor(20.0)]
+    alike = sum_over_ranks([torch.tensor(4.0), 3], keep=1)  # the same kinds: the kept tensor unread
+    return [sum_over_ranks(mine), [float(v) for v in alike], isinstance(alike[0], torch.Tensor)]
+
+
+def test_ranks_whose_slots_differ_in_kind_still_sum_each_place():
+    for summed, alike, kept in run_distributed(_kinds_differ, 2, timeout=150):
+        assert summed == [3.0, 30.0]
+        assert alike == [8.0, 6.0] and kept
