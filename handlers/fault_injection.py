@@ -40,7 +40,7 @@ INJECT_FAULT = Priority.OBSERVE - 200
 
 
 class FaultInjector(Handler):
-    """A transient NaN, a bad sample or a flipped bit, made on purpose (see the module docstring)."""
+    """A transient NaN, a bad sample, a flipped bit or NaN losses, made on purpose (module docstring)."""
 
     state_key = "fault_injection"
     restore_on_rollback = False
