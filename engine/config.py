@@ -389,6 +389,7 @@ def metric_target_and_args(spec: Any, field_: str) -> tuple[str, dict[str, Any]]
 
 # Keys users reach for that live in another section, and removed keys with their replacement (one
 # key per cadence: save, validate, log).
+_NAN_FAULT = "fault_injection.enabled=true fault_injection.kind=nan fault_injection.microbatches=[...]"
 _MOVED = {
     "checkpoint.every_steps": "step_scheduler.ckpt_every_steps",
     "step_scheduler.log_remote_every_steps": "logging.log_interval",
@@ -399,6 +400,8 @@ _MOVED = {
     "train.num_epochs": "step_scheduler.num_epochs",
     "train.global_batch_size": "step_scheduler.global_batch_size",
     "train.lr": "optimizer.lr",
+    "fault": _NAN_FAULT,
+    "fault.nan_microbatches": _NAN_FAULT,
     "distributed.dp_size": (
         "the world size (torchrun --nproc-per-node) divided by distributed.tp_size x distributed.pp_size"
     ),

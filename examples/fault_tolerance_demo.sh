@@ -4,7 +4,7 @@
 #     bash examples/fault_tolerance_demo.sh [WORK_DIR]        # WORK_DIR: a fresh temp dir if omitted
 #
 # 1. A reference run (hookloop train examples/configs/gpt_tiny.yaml, a smaller model) trains 80
-#    steps without interruption. A NaN burst is injected on purpose (fault.nan_microbatches: the
+#    steps without interruption. A NaN burst is injected on purpose (fault_injection.kind=nan: the
 #    loss of microbatches 80-85, i.e. steps 41-43, is NaN), so the NaN detector vetoes those steps
 #    and rolls back to the step-40 checkpoint.
 # 2. The same run again, in another directory, is killed with SIGKILL (kill -9) once its step-20
@@ -28,7 +28,8 @@ ARGS=(
   "data.cache_dir=$WORK/data" model.n_layers=2 model.d_model=64
   step_scheduler.max_steps=80 step_scheduler.ckpt_every_steps=20 lr.decay_steps=80
   logging.log_interval=10 train.deterministic=true train.num_threads=1
-  nan.max_consecutive=3 "fault.nan_microbatches=[80,81,82,83,84,85]"
+  nan.max_consecutive=3 fault_injection.enabled=true fault_injection.kind=nan
+  "fault_injection.microbatches=[80,81,82,83,84,85]"
 )
 train() {  # train <run name> ...: hookloop train CONFIG in WORK_DIR/<run name>
   local name="$1"

@@ -10,7 +10,7 @@ The same as ``hookloop train examples/configs/gpt_tiny.yaml [overrides]``: the c
 the data, the parallel layout and every handler the config enables. Train your own model the same
 way: write a factory that returns an ``nn.Module`` and name it in ``model.target``.
 
-``fault.nan_microbatches`` injects NaN losses on purpose, to watch the NaN detector veto the
+``fault_injection.kind=nan`` injects NaN losses on purpose, to watch the NaN detector veto the
 steps and roll back (``examples/fault_tolerance_demo.sh`` shows it).
 """
 

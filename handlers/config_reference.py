@@ -2,8 +2,8 @@
 
     hookloop config --markdown > docs/configuration.md
 
-Walks :class:`hookloop.train.TrainingConfig` (``hookloop config``'s schema, :class:`handlers.RunConfig`
-plus ``fault``) (or any schema made with :func:`handlers.compose_config`) section
+Walks :class:`hookloop.train.TrainingConfig` (``hookloop config``'s schema, :class:`handlers.RunConfig`)
+(or any schema made with :func:`handlers.compose_config`) section
 by section and writes every field with its YAML type, its default and its description. A field's
 description is, first found: its own comment in the section's source (a trailing ``# ...`` or a
 ``#:`` line above it), then the ``Args:`` entry of the same name in the docstring of the handler

@@ -1,6 +1,6 @@
 """FaultInjector: make a fault on purpose, to see the run detect, attribute and survive it.
 
-Three kinds (the ``fault_injection`` section, :class:`FaultInjectionConfig`):
+Four kinds (the ``fault_injection`` section, :class:`FaultInjectionConfig`):
 
 - ``transient``: rank ``rank`` computes a NaN output once, in the first forward of step ``step``
   (a forward hook on the trainer's model); a rerun of that step computes right.
@@ -13,9 +13,12 @@ Three kinds (the ``fault_injection`` section, :class:`FaultInjectionConfig`):
   one replica's weights silently differ from the others'. Bit 30 (the exponent's top bit) makes the
   value huge, so that rank's steps go bad; a low bit leaves the loss finite, which only a comparison
   of the replicas' weights can see.
+- ``nan``: the training loss (the trainer's ``loss_fn``) of each microbatch in ``microbatches``
+  (0-based over the run, ``state.microbatches_seen``, which a rollback never rewinds) is NaN on
+  every rank, and with it the step's gradients; validation is not affected.
 
 A fault fires once per run (its state, saved in checkpoints and kept across rollbacks, says so),
-but a bad sample is bad every time it is drawn.
+but a bad sample is bad every time it is drawn, and a listed microbatch whenever it is trained.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ INJECT_FAULT = Priority.OBSERVE - 200
 
 
 class FaultInjector(Handler):
-    """A transient NaN, a bad sample or a flipped bit, made on purpose (see the module docstring)."""
+    """A transient NaN, a bad sample, a flipped bit or NaN losses, made on purpose (module docstring)."""
 
     state_key = "fault_injection"
     restore_on_rollback = False
@@ -55,10 +58,13 @@ class FaultInjector(Handler):
         sample: str | None = None,
         parameter: str | None = None,
         bit: int = 30,
+        microbatches: list[int] | tuple[int, ...] = (),
     ) -> None:
-        checked_settings(FaultInjectionConfig, {**locals(), "enabled": True}, "fault_injection")
+        settings = {**locals(), "enabled": True, "microbatches": list(microbatches)}
+        checked_settings(FaultInjectionConfig, settings, "fault_injection")
         self.kind, self.rank, self.step, self.sample = kind, rank, step, sample
         self.parameter, self.bit = parameter, bit
+        self.microbatches = set(microbatches)
         self.fired = False
         #: What the corruption kind flipped: ``{"step", "rank", "parameter", "bit"}`` (None: nothing
         #: yet), so a check that compares the replicas' weights can be held to it.
@@ -66,6 +72,9 @@ class FaultInjector(Handler):
         self._armed = False
 
     def attach(self, trainer: Trainer) -> FaultInjector:
+        if self.kind == "nan":
+            trainer.loss_fn = self._nan_loss(trainer)
+            return super().attach(trainer)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=INJECT_FAULT)
         if self.kind == "transient":
             trainer.model.register_forward_hook(self._poison_output)
@@ -84,6 +93,23 @@ class FaultInjector(Handler):
             self._armed = True
         else:
             self._flip(trainer.model)
+
+    def _nan_loss(self, trainer: Trainer) -> Any:
+        """The trainer's ``loss_fn``, NaN while a listed microbatch trains (``microbatches_seen`` is
+        the running microbatch's 0-based index while its loss is computed)."""
+        loss_fn = trainer.loss_fn
+        if loss_fn is None:
+            raise ConfigError(
+                "fault_injection.kind", "'nan' needs a loss_fn to poison: this model computes its own loss"
+            )
+
+        def loss(output: Any, targets: Any) -> torch.Tensor:
+            value = loss_fn(output, targets)
+            if torch.is_grad_enabled() and trainer.state.microbatches_seen in self.microbatches:
+                return value * float("nan")  # training, not validation
+            return value
+
+        return loss
 
     def _poison_output(self, module: Any, args: Any, output: Any) -> Any:
         if not self._armed:

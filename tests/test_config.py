@@ -128,6 +128,17 @@ def test_a_removed_cadence_key_names_its_replacement_in_a_file_and_an_override(
         assert str(info.value) == f"{section}.{key}: is not a setting here; use {replacement}"
 
 
+def test_the_removed_fault_section_names_the_fault_injection_keys(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("fault:\n  nan_microbatches: [3]\n")
+    new_keys = "use fault_injection.enabled=true fault_injection.kind=nan fault_injection.microbatches=[...]"
+    old = "fault.nan_microbatches"
+    for args, field in (((path, []), "fault"), ((None, [f"{old}=[3]"]), old)):
+        with pytest.raises(ConfigError) as info:
+            load_run_config(*args, world_size=1)
+        assert str(info.value) == f"{field}: is not a setting here; {new_keys}"
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", ".inf"])
 @pytest.mark.parametrize(
     "key", ["optimizer.weight_decay", "lr.min_lr", "lr.warmup_init", "health.timeout_s", "data.val_fraction"]

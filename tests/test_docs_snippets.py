@@ -214,7 +214,7 @@ def test_readme_commands_name_existing_files():
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "bash")], ids=_name)
 def test_commands_use_real_config_fields(page):
     """Every ``section.field=value`` override in a page's commands names a real field of the
-    config ``hookloop train`` reads (every shipped section plus ``fault``), and the
+    config ``hookloop train`` reads (every shipped section), and the
     scripts and modules the commands name exist."""
     import dataclasses
     import typing

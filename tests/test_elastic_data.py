@@ -175,7 +175,8 @@ def test_a_rollback_cuts_the_lines_of_the_steps_it_undoes(project):
         ok(train(project, 1, "ref1"))
     # microbatch 10 is in step 3 (4 microbatches per step at dp=1): NaN, roll back to step 2, rewind
     # the data and train step 3 again on the same samples
-    args = ["fault.nan_microbatches=[10]", "nan.max_consecutive=1", "nan.skip_data_on_rollback=false"]
+    args = ["fault_injection.enabled=true", "fault_injection.kind=nan", "fault_injection.microbatches=[10]"]
+    args += ["nan.max_consecutive=1", "nan.skip_data_on_rollback=false"]
     proc = train(project, 1, "rollback", *args)
     ok(proc)
     assert "rolled back to" in proc.stderr

@@ -27,7 +27,7 @@ SCRIPT = REPO / "examples" / "train_gpt.py"
         ("lr.warmup_init=inf", "lr.warmup_init"),
         ("health.timeout_s=inf", "health.timeout_s"),
         ("checkpoint.wait_timeout_s=soon", "checkpoint.wait_timeout_s"),
-        ("fault.nan_microbatches=[-1]", "fault.nan_microbatches[0]"),
+        ("fault_injection.microbatches=[-1]", "fault_injection.microbatches[0]"),
         ("checkpoint.keep_best=2 checkpoint.metric=val_bleu", "checkpoint.metric"),
     ],
 )

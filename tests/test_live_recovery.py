@@ -306,7 +306,9 @@ def test_a_nan_on_one_group_is_skipped_on_both_and_the_checkpoint_resumes_withou
     with processes() as started, lighthouse_here(2) as address:
         common = ("step_scheduler.max_steps=16", "fault_tolerance.min_replicas=2")
         common += ("data.val_samples=16", "step_scheduler.val_every_steps=8")
-        g0 = group(project, started, 0, address, "nan", *common, "fault.nan_microbatches=[20,21]")
+        nan = ("fault_injection.enabled=true", "fault_injection.kind=nan")
+        nan += ("fault_injection.microbatches=[20,21]",)
+        g0 = group(project, started, 0, address, "nan", *common, *nan)
         g1 = group(project, started, 1, address, "nan", *common)
         assert g0.exit_code() == 0, g0.text()[-3000:]
         assert g1.exit_code() == 0, g1.text()[-3000:]

@@ -134,7 +134,8 @@ def test_requeue_advice_after_a_nan_give_up_works_as_written(project):
     removed) and the learning rate lowered: the resumed run trains from step 3 on the lowered
     schedule and says so."""
     schedule = ["lr.decay_style=cosine", "lr.decay_steps=6", "step_scheduler.max_steps=6"]
-    gave_up = train(project, *schedule, "fault.nan_microbatches=[3]")
+    nan = ["fault_injection.enabled=true", "fault_injection.kind=nan", "fault_injection.microbatches=[3]"]
+    gave_up = train(project, *schedule, *nan)
     assert gave_up.returncode == 76, gave_up.stderr[-3000:]
     assert json.loads((project / "runs/run/exit_status.json").read_text())["code"] == 76
     resumed = train(project, *schedule, "optimizer.lr=0.0001")

@@ -527,7 +527,9 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
         "lr.warmup_steps=2",
         "logging.log_interval=1",
         "nan.max_consecutive=1",
-        "fault.nan_microbatches=[12]",  # step 7's first microbatch (two per step)
+        "fault_injection.enabled=true",
+        "fault_injection.kind=nan",
+        "fault_injection.microbatches=[12]",  # step 7's first microbatch (two per step)
         "health.enabled=true",
         "health.every_steps=3",
         "metrics.peak_flops_per_device=1e12",

@@ -30,7 +30,7 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +78,6 @@ logger = logging.getLogger("hookloop.train")
 def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer the ``optimizer`` section names, over ``model``'s parameters."""
     return cfg.optimizer.build(model.parameters())
-
-
-def nan_injecting_loss(
-    loss_fn: Callable[[Any, Any], torch.Tensor], bad: set[int], state_of: Callable[[], Any]
-) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss_fn`` whose loss is NaN for the microbatches in ``bad`` (by ``microbatches_seen``,
-    which is the running microbatch's 0-based index while its loss is computed)."""
-
-    def loss(output: Any, targets: Any) -> torch.Tensor:
-        value = loss_fn(output, targets)
-        if torch.is_grad_enabled() and state_of().microbatches_seen in bad:  # training, not validation
-            value = value * float("nan")
-        return value
-
-    return loss
 
 
 @dataclasses.dataclass
@@ -297,14 +282,10 @@ def _build(
         model = wrap_data_parallel(
             model, cfg.distributed.dp_mode, mesh=dp_mesh, mixed_precision=fsdp_precision
         )
-    loss_fn = recipe.loss_fn
-    if cfg.fault.nan_microbatches:  # the trainer exists by the time the first loss is computed
-        loss_fn = nan_injecting_loss(loss_fn, set(cfg.fault.nan_microbatches), lambda: trainer.state)
     trainer = new_trainer(
         cfg,
         resolved,
         model,
-        loss_fn=loss_fn,
         device=device,
         step_body=runtime,
         run_dir=run_dir,

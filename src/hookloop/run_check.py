@@ -78,10 +78,6 @@ def check(cfg: Any, world_size: int | None = None) -> Checked:
 
 
 def _check_layout(cfg: Any, model: ResolvedModel) -> None:
-    if cfg.fault.nan_microbatches and model.recipe.loss_fn is None:
-        raise ConfigError(
-            "fault.nan_microbatches", "needs a loss_fn to poison: this model computes its own loss"
-        )
     if cfg.train.compile is not False and cfg.distributed.pp_size > 1:
         raise ConfigError(
             "train.compile", "is not supported with distributed.pp_size > 1 yet; set train.compile=false"

@@ -34,7 +34,6 @@ from hookloop.run import Run, build, build_optimizer
 from hookloop.run_check import Checked, check
 from hookloop.run_data import build_data, validation_indices
 from hookloop.training_config import (
-    FaultConfig,
     TrainingConfig,
     load_training_config,
     report_config_error,
@@ -44,7 +43,6 @@ from hookloop.training_config import (
 
 __all__ = [
     "Checked",
-    "FaultConfig",
     "Run",
     "TrainingConfig",
     "build",

@@ -1,4 +1,4 @@
-"""What ``hookloop train`` reads: :data:`TrainingConfig` (every shipped section plus ``fault``),
+"""What ``hookloop train`` reads: :data:`TrainingConfig` (every shipped section),
 loading it and saving it. Imports no torch: ``hookloop config``, a wrong key or value and a finished
 run are answered without it. What is checked beyond the config (the model, the data, step 1) is
 :func:`hookloop.run_check.check`'s.
@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from hookloop.engine.errors import ConfigError
-from hookloop.handlers.run_config import RunConfig, compose_config, load_run_config
+from hookloop.handlers.run_config import RunConfig, load_run_config
 
 __all__ = [
-    "FaultConfig",
     "TrainingConfig",
     "load_training_config",
     "report_config_error",
@@ -28,31 +26,8 @@ __all__ = [
 ]
 
 
-@dataclass
-class FaultConfig:
-    """The ``fault`` section: faults injected on purpose, to watch recovery work. Each microbatch
-    index in ``nan_microbatches`` (0-based over the whole run, ``state.microbatches_seen``, which a
-    rollback never rewinds) gets a NaN training loss."""
-
-    nan_microbatches: list[int] = field(default_factory=list)  # microbatches whose loss becomes NaN
-
-    def validate(self, prefix: str = "fault") -> None:
-        for i, index in enumerate(self.nan_microbatches):
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ConfigError(
-                    f"{prefix}.nan_microbatches[{i}]", f"must be a microbatch index >= 0, got {index!r}"
-                )
-
-    def cross_check(self, cfg: RunConfig, prefix: str) -> None:
-        if self.nan_microbatches and cfg.distributed.pp_size > 1:
-            raise ConfigError(
-                f"{prefix}.nan_microbatches",
-                "is not supported with distributed.pp_size > 1 (the schedule computes the loss)",
-            )
-
-
-#: What ``hookloop train`` reads: every shipped section plus ``fault``.
-TrainingConfig = compose_config(name="TrainingConfig", fault=FaultConfig)
+#: What ``hookloop train`` reads: every shipped section.
+TrainingConfig = RunConfig
 
 
 def resolve_run_dir(cfg: Any, config_path: str | os.PathLike | None) -> Path:
