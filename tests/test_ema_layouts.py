@@ -130,12 +130,13 @@ def test_stop_resume_validation_and_export_of_the_average(tmp_path, layout):
     assert plain.keys() == exported.keys()
     assert not torch.equal(plain["tok_emb.weight"], exported["tok_emb.weight"])
 
-    if layout == "fsdp":  # the sharded average of step 3 resumes in one process, resharded
+    if layout in ("fsdp", "pp2"):  # step 3's average resumes in one process, resharded / joined
         single, single_dir = _config(tmp_path, "single", {"dp_mode": "none"}, None)
         (single_dir / "checkpoints").mkdir(parents=True)
         shutil.copytree(step3, single_dir / "checkpoints" / "step_00000003")
         proc = _train(single, tmp_path, nproc=1)
         assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "resumed from" in proc.stdout + proc.stderr and "starts fresh" not in proc.stdout + proc.stderr
         one = _dumped(single_dir)
         for k, v in whole.items():
             torch.testing.assert_close(one["average"][k], v, rtol=1e-4, atol=1e-5)

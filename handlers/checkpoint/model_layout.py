@@ -7,7 +7,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["STAGE_PREFIX", "back_to_names", "describe_layout_difference", "names_across_split", "under_names"]
+__all__ = [
+    "STAGE_PREFIX",
+    "back_to_names",
+    "describe_layout_difference",
+    "names_across_split",
+    "stored_under_these_names",
+    "under_names",
+]
 
 
 STAGE_PREFIX = re.compile(r"^\d+\.")
@@ -49,8 +56,25 @@ def under_names(state_dict: dict[str, Any], names: dict[str, str]) -> dict[str, 
     out = {"model": {names[k]: v for k, v in state_dict["model"].items()}}
     if "optim" in state_dict:
         out["optim"] = {_renamed_optim_key(k, names): v for k, v in state_dict["optim"].items()}
-    if "handlers" in state_dict:  # handler tensor state (handler_tensors.HANDLERS) keeps its names
-        out["handlers"] = state_dict["handlers"]
+    if "handlers" in state_dict:  # handler tensor state named after parameters (an average) follows
+        out["handlers"] = {
+            key: {names.get(name, name): tensor for name, tensor in tensors.items()}
+            for key, tensors in state_dict["handlers"].items()
+        }
+    return out
+
+
+def stored_under_these_names(stored: dict[str, Any], names: dict[str, str], prefix: str) -> dict[str, Any]:
+    """A checkpoint's index entries with the names under ``prefix`` (``handlers.``) that are the
+    checkpoint's parameter names given as this model's (``names``: this model's -> the checkpoint's),
+    so handler tensor state named after parameters is found across a pipeline split."""
+    mine = {theirs: ours for ours, theirs in names.items()}
+    out = {}
+    for key, value in stored.items():
+        if key.startswith(prefix):
+            head, _, name = key.removeprefix(prefix).partition(".")
+            key = f"{prefix}{head}.{mine.get(name, name)}"
+        out[key] = value
     return out
 
 

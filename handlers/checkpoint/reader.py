@@ -31,6 +31,7 @@ from hookloop.handlers.checkpoint.model_layout import (
     back_to_names,
     describe_layout_difference,
     names_across_split,
+    stored_under_these_names,
     under_names,
 )
 from hookloop.handlers.checkpoint.session import CheckpointSession
@@ -234,7 +235,10 @@ class CheckpointReader:
         (:func:`.handler_tensors.targets`), put into ``state_dict[HANDLERS]`` and filled too."""
         index = SafeReader(path, index_limit=self.index_limit).read_metadata()
         names = self._check_compatible(path, index, state_dict, field)
-        if handlers is not None and (tensors := handlers(index.state_dict_metadata)):
+        stored = index.state_dict_metadata
+        if names is not None:  # handler tensors named after parameters, under this model's names
+            stored = stored_under_these_names(stored, names, f"{HANDLERS}.")
+        if handlers is not None and (tensors := handlers(stored)):
             state_dict[HANDLERS] = tensors
         target = state_dict if names is None else under_names(state_dict, names)
         # the optimizer's settings as the checkpoint holds them: per group or per parameter
