@@ -83,3 +83,15 @@ def test_composing_a_section_that_ships_since_changes_nothing():
     assert [f.name for f in dataclasses.fields(both)][-1] == "shadow"
     with pytest.raises(ValueError, match="section 'nan' is already in RunConfig"):
         compose_config(nan=ShadowConfig)
+
+
+def test_the_readme_s_handler_table_names_every_shipped_handler_with_its_page():
+    """The README keeps its own words for each handler; it is checked against the declarations."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Handlers") :]
+    table = table[: table.index("\n\n", table.index("| handler |"))]
+    rows = [row for row in table.splitlines() if row.startswith("| `")]
+    for cls in HANDLER_ORDER:
+        row = next((r for r in rows if f"`{cls.__name__}`" in r), None)
+        assert row is not None, f"README.md's handler table has no row for {cls.__name__}"
+        assert f"({cls.doc})" in row, f"README.md's row for {cls.__name__} should link {cls.doc}"
