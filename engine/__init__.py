@@ -13,8 +13,9 @@ Importing ``hookloop.engine`` is cheap: it imports no torch; each public name lo
 first use.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from hookloop.engine.lazy import homes_of, lazy_exports
 from hookloop.engine.logging_setup import install_default
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
@@ -52,21 +53,8 @@ _MODULES = {
     "token_accuracy": ("TokenAccuracy",),
     "trainer": ("Trainer",),
 }
-_HOMES = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'hookloop.engine' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"hookloop.engine.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+_HOMES = homes_of(__name__, _MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __version__ = "0.1.0"

@@ -14,8 +14,7 @@ backends (tensorboard, wandb, matplotlib) are imported only when the handler tha
 built.
 """
 
-from typing import Any
-
+from hookloop.engine.lazy import lazy_exports
 from hookloop.handlers.shipped import HANDLERS, SECTIONS
 
 # Where each public name lives: imported on first use (PEP 562). Every shipped handler class and its
@@ -41,18 +40,7 @@ _HOMES.update({dotted.partition(":")[2]: dotted.partition(":")[0] for dotted in 
 _HOMES.update({c.__name__: c.__module__ for c in SECTIONS.values() if c.__module__.startswith(__name__)})
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'hookloop.handlers' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = sorted(_HOMES)

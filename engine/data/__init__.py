@@ -7,7 +7,9 @@ resumable, rank-disjoint index stream over them (:class:`MixtureSampler`) and it
 only when used.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hookloop.engine.lazy import homes_of, lazy_exports
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
     from hookloop.engine.data.loader import MixtureLoader
@@ -53,21 +55,8 @@ _MODULES = {
     "trace": ("SampleTrace", "read_sample_traces"),
     "vocab": ("check_model_vocab",),
 }
-_HOMES = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'hookloop.engine.data' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"hookloop.engine.data.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+_HOMES = homes_of(__name__, _MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = [

@@ -11,7 +11,9 @@ Importing this package is cheap: ``torch.distributed.pipelining`` (about two sec
 only when a schedule is looked up or built.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hookloop.engine.lazy import homes_of, lazy_exports
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time, __getattr__ below
     from hookloop.engine.pipeline.config import PipelineConfig, bubble_fraction
@@ -27,21 +29,8 @@ _MODULES = {
     "schedules": ("available_schedules", "parse_schedule_csv", "resolve_schedule"),
     "split": ("default_module_fqns", "plan_stages", "split_stage_module"),
 }
-_HOMES = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'hookloop.engine.pipeline' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"hookloop.engine.pipeline.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+_HOMES = homes_of(__name__, _MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 __all__ = [
