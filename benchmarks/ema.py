@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, seconds_per_step, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, alternating, seconds_per_step, token_microbatches, write_result  # noqa: E402
 
 from hookloop.engine import Trainer  # noqa: E402
 from hookloop.handlers.ema import WeightEMA  # noqa: E402
@@ -71,12 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.repeats = 10, 3
     torch.set_num_threads(1)
     data = token_microbatches(args.steps)
-    run(data, False), run(data, True)  # warm-up
-    without, with_ = [], []
-    for _ in range(args.repeats):
-        without.append(run(data, False))
-        with_.append(run(data, True))
-    ratio = statistics.median(w / b for w, b in zip(with_, without))
+    without, with_, ratio = alternating(lambda: run(data, False), lambda: run(data, True), args.repeats)
     a, b = statistics.median(with_) * 1e3, statistics.median(without) * 1e3
     alone = update_seconds() * 1e3
     print(

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, alternating, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from hookloop.engine import Trainer  # noqa: E402
 from hookloop.handlers.nan_detector import NaNDetector  # noqa: E402
@@ -50,12 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.repeats = 20, 3
     torch.set_num_threads(1)
     data = token_microbatches(args.steps)
-    run(data, False), run(data, True)  # warm-up
-    without, with_ = [], []
-    for _ in range(args.repeats):
-        without.append(run(data, False))
-        with_.append(run(data, True))
-    ratio = statistics.median(w / b for w, b in zip(with_, without))
+    without, with_, ratio = alternating(lambda: run(data, False), lambda: run(data, True), args.repeats)
     a, b = statistics.median(with_) * 1e3, statistics.median(without) * 1e3
     print(
         f"without detector {b:.3f} ms/step, with detector {a:.3f} ms/step, ratio {ratio:.4f} (target <= 1.02)"

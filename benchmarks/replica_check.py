@@ -5,7 +5,7 @@ and the time from a flipped bit in one replica's weights to its detection.
 
 Two gloo ranks under DDP train the same tiny GPT on the same data from the same seed, with and
 without the check (``every_steps=100``, the parameters' fingerprint); the contenders alternate over
-rounds and the figure is the median of per-round ratios. The check adds nine zeros to the step's
+rounds (ABBA order) and the figure is the median of per-round ratios. The check adds nine zeros to the step's
 one all-reduce on other steps and, every 100 steps, fingerprints the weights (a pass over them).
 Then a run whose rank 1 flips a mantissa bit at step 102, right after a compared step (the worst
 case: the flip waits the whole interval), stops with exit code 79 at the next compared step, 201:
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch import run_ranks  # noqa: E402
-from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, alternating, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 EVERY = 100
 
@@ -55,14 +55,11 @@ def _rank(rank: int, world: int, steps: int, repeats: int) -> dict:
     init_distributed("gloo")
     torch.set_num_threads(1)
     data = token_microbatches(steps)
-    (
-        seconds_per_step(build(False)[0], data[: 20 * ACCUM]),
-        seconds_per_step(build(True)[0], data[: 20 * ACCUM]),
+    without, with_, _ = alternating(
+        lambda: seconds_per_step(build(False)[0], data),
+        lambda: seconds_per_step(build(True)[0], data),
+        repeats,
     )
-    without, with_ = [], []
-    for _ in range(repeats):
-        without.append(seconds_per_step(build(False)[0], data))
-        with_.append(seconds_per_step(build(True)[0], data))
     fingerprint_s, slots_s = own_work(build(True), data)
     trainer, check = build(True)
     FaultInjector(kind="corruption", rank=1, step=EVERY + 2, bit=16).attach(trainer)
@@ -113,7 +110,7 @@ def own_work(built: tuple, data: list, repeats: int = 2000) -> tuple[float, floa
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2 * EVERY)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workload import ACCUM, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
+from workload import ACCUM, alternating, seconds_per_step, tiny_gpt, token_microbatches, write_result  # noqa: E402
 
 from hookloop.engine import Trainer  # noqa: E402
 from hookloop.handlers.attribution import RerunAttribution  # noqa: E402
@@ -80,12 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.repeats = 20, 3
     torch.set_num_threads(1)
     data = token_microbatches(args.steps)
-    seconds_per_step(build(False)[0], data), seconds_per_step(build(True)[0], data)  # warm-up
-    without, with_ = [], []
-    for _ in range(args.repeats):
-        without.append(seconds_per_step(build(False)[0], data))
-        with_.append(seconds_per_step(build(True)[0], data))
-    ratio = statistics.median(w / b for w, b in zip(with_, without))
+    without, with_, ratio = alternating(
+        lambda: seconds_per_step(build(False)[0], data),
+        lambda: seconds_per_step(build(True)[0], data),
+        args.repeats,
+    )
     a, b = statistics.median(with_) * 1e3, statistics.median(without) * 1e3
     rerun = rerun_seconds(data, args.repeats) * 1e3
     work = good_step_work_seconds(data) * 1e3

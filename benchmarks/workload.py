@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,25 @@ class Stamped:
     def step_seconds(self) -> float:
         """Median wall seconds per step, the first step left out."""
         return statistics.median(self.step_times())
+
+
+def alternating(
+    reference: Callable[[], float], contender: Callable[[], float], repeats: int
+) -> tuple[list[float], list[float], float]:
+    """Time two contenders over ``repeats`` rounds after one untimed run of each, in ABBA order (the
+    reference first in even rounds, second in odd ones), so that neither always runs first and
+    inherits the other's warm caches or the quieter moment. Returns the reference's times, the
+    contender's, and the median of the per-round ratios contender / reference."""
+    reference(), contender()
+    ref, con = [], []
+    for i in range(repeats):
+        if i % 2:
+            con.append(contender())
+            ref.append(reference())
+        else:
+            ref.append(reference())
+            con.append(contender())
+    return ref, con, statistics.median(c / r for c, r in zip(con, ref))
 
 
 def write_result(path: Path | None, result: dict[str, Any]) -> None:
