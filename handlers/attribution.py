@@ -15,7 +15,11 @@ step's RNG state)::
 
 A replica is one rank, or under tensor parallelism the tensor-parallel group that computes its step
 together: the group reruns together, and each of its ranks sends to the next replica's rank of the
-same tensor-parallel coordinate. Pipeline parallelism is refused by name. With replica groups the
+same tensor-parallel coordinate. Under pipeline parallelism a replica is its pipeline (every stage,
+and each stage's tensor-parallel ranks): every stage reruns the step's schedule together
+(:meth:`engine.pipeline.PipelineRuntime.rerun_losses`) from its own RNG state, the losses come from
+the last stage to every stage (as in the step), so every stage judges alike, and each stage sends
+its microbatches to the same stage of the next replica's pipeline. With replica groups the
 verdicts and quarantine of every group are recorded in every group (the agreement's transport,
 ``across_groups``), and a group of one replica sends its microbatches to the next group to rerun.
 
@@ -25,10 +29,12 @@ step left them, so the run goes on exactly as it would have without them. At mos
 steps are rerun in a run.
 
 A data verdict quarantines the samples: the bad rank reruns the bad microbatches sample by sample
-(forward only) to find the samples whose loss is non-finite (all of the bad microbatches' samples
-when none alone is, a spike), writes them to ``run_dir/quarantine.jsonl`` (rank 0; one line per step
-and dataset: ``{"step", "dataset", "ids", "reason"}``), and every rank's training loader stops
-fetching them (:meth:`engine.data.MixtureLoader.quarantine`). The handler's checkpoint state holds the
+(forward only; under pipeline parallelism through every stage of its pipeline) to find the samples
+whose loss is non-finite (all of the bad microbatches' samples when none alone is, a spike), writes
+them to ``run_dir/quarantine.jsonl`` (rank 0; one line per step and dataset: ``{"step", "dataset",
+"ids", "reason"}``), and every rank's training loader stops fetching them
+(:meth:`engine.data.MixtureLoader.quarantine`; under pipeline parallelism a batch left short is filled
+back with copies of its other samples, ``full_batches``). The handler's checkpoint state holds the
 quarantine, so a resumed run, on any number of data-parallel ranks, never trains on them again;
 ``data.quarantine=FILE`` starts a new run that skips a file's samples.
 """

@@ -148,7 +148,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         )  # fmt: skip
         groups = ReplicaGroups(ft).attach(trainer)
     loader = MixtureLoader(
-        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
+        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world),
+        LOCAL_BATCH,
+        full_batches=runtime is not None,  # a pipeline's microbatches keep their size
     )
     if cfg.data.quarantine is not None:
         from hookloop.engine.data.loader import read_quarantine
@@ -475,6 +477,29 @@ def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_pa
         build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
 
 
+def test_a_loader_of_full_batches_fills_a_quarantined_sample_with_a_copy_of_its_batchs_other_samples():
+    def loader(full: bool, quarantine: list[str]) -> tuple[list[list[int]], dict]:
+        sampler = MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=1, world_size=2)
+        out = MixtureLoader(sampler, 4, full_batches=full)
+        out.quarantine(quarantine)
+        out.log_batches()
+        it = iter(out)
+        for _ in range(12):  # more than an epoch of each dataset
+            next(it)
+        return out.take_returned(), out.state_dict()
+
+    plain, position = loader(False, [])
+    bad = [plain[1][2], plain[1][3]]  # two samples of one batch
+    ids = [f"{mixture().names[s]}:{i}" for s, i in map(mixture().locate, bad)]
+    full, full_position = loader(True, ids)
+    assert full_position == position  # the same stream, the same place in it
+    assert all(len(batch) == 4 and not set(bad) & set(batch) for batch in full)
+    assert full[1] == [plain[1][0], plain[1][1], plain[1][0], plain[1][1]]  # copies, in order
+    for kept, drawn in zip(full, plain):  # every other batch as drawn
+        assert kept == drawn or set(drawn) & set(bad)
+    assert loader(False, ids)[0][1] == plain[1][:2]  # without full batches: two samples short
+
+
 def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is_the_other_replica(tmp_path):
     bad = sample_at(step=2, rank=1)  # data-parallel rank 1: global ranks 2 and 3
     data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
@@ -687,7 +712,7 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
     data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
     transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.step=3"]
     cases = [
-        ("data", data, {"steps": 4}),
+        ("data", data, {"steps": 12}),  # the sample comes round again: its batch is filled back
         ("transient", [*transient, "fault_injection.rank=0"], {"steps": 5}),  # the first stage's output
         ("dropout", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5}),  # the last's
         ("plain", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5, "attribution": False}),
@@ -698,7 +723,7 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
     for d, t, dropout, plain, compare in results:  # both stages decided the same
         # the bad sample: the pipeline's loss is bad again on its rerun; one replica, no peer: data,
         # and the one-sample forwards through both stages find the sample
-        assert replica_verdicts(d) == [(2, None, [0, 1], "data")] and d["skipped"] == 1 and d["step"] == 4
+        assert replica_verdicts(d) == [(2, None, [0, 1], "data")] and d["skipped"] == 1 and d["step"] == 12
         assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]]
         assert len(d["quarantined"]) == 1  # the loader fetches it no more
 
@@ -724,6 +749,10 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
     traces = read_sample_traces(tmp_path / "data")
     assert sorted(traces) == [0]  # one file for the pipeline
     assert [s for s, ids in traces[0].items() if bad in ids] == [2]
+    # where the sample came round again its microbatch took a copy of its other sample (the pipeline
+    # takes whole microbatches only), and every step trained 8 samples
+    assert [s for s, ids in traces[0].items() if len(set(ids)) < len(ids)] != []
+    assert all(len(ids) == GLOBAL_BATCH for ids in traces[0].values())
 
 
 def test_under_dp2_x_pp2_a_pipeline_reruns_together_and_its_peer_is_the_next_replicas_pipeline(tmp_path):
