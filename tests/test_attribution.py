@@ -717,10 +717,12 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
         ("dropout", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5}),  # the last's
         ("plain", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5, "attribution": False}),
         ("compare", [], {"steps": 2, "dropout": 0.5, "rerun_at": 2}),  # step 2 and a rerun of it
+        ("resumed", data, {"steps": 4}),  # then resumed from its step-4 checkpoint
+        ("resumed", data, {"steps": 12}),
     ]
     results = run_distributed(_dp_pp, 2, str(tmp_path), cases, timeout=300)
     host = socket.gethostname()
-    for d, t, dropout, plain, compare in results:  # both stages decided the same
+    for d, t, dropout, plain, compare, _, resumed in results:  # both stages decided the same
         # the bad sample: the pipeline's loss is bad again on its rerun; one replica, no peer: data,
         # and the one-sample forwards through both stages find the sample
         assert replica_verdicts(d) == [(2, None, [0, 1], "data")] and d["skipped"] == 1 and d["step"] == 12
@@ -744,6 +746,10 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
         assert dropout["losses"][:2] == plain["losses"][:2]
         ((step_loss, rerun_loss),) = compare["compared"]  # the same dropout masks on each stage
         assert rerun_loss == pytest.approx(step_loss, rel=1e-6)
+
+        # resumed after the quarantine: the checkpoint brings it back, the steps are the same, bitwise
+        assert resumed["quarantined"] == d["quarantined"] and resumed["losses"] == d["losses"][4:]
+        assert resumed["weights"] == d["weights"] and resumed["state"]["verdicts"] == d["state"]["verdicts"]
     rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
     assert [(r["step"], r["dataset"], r["ids"]) for r in rows] == [(2, bad.split(":")[0], [bad])]
     traces = read_sample_traces(tmp_path / "data")
@@ -753,6 +759,7 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
     # takes whole microbatches only), and every step trained 8 samples
     assert [s for s, ids in traces[0].items() if len(set(ids)) < len(ids)] != []
     assert all(len(ids) == GLOBAL_BATCH for ids in traces[0].values())
+    assert read_sample_traces(tmp_path / "resumed") == traces
 
 
 def test_under_dp2_x_pp2_a_pipeline_reruns_together_and_its_peer_is_the_next_replicas_pipeline(tmp_path):
