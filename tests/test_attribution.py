@@ -774,10 +774,11 @@ def test_under_dp2_x_pp2_a_pipeline_reruns_together_and_its_peer_is_the_next_rep
         ("data", data, {"steps": 4}),
         ("transient", transient, {"steps": 4}),
         ("flip", flip, {"steps": 4}),
+        ("fsdp_data", data, {"steps": 3, "dp_mode": "fsdp"}),  # the stages sharded over dp
     ]
-    results = run_distributed(_dp_pp, 4, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_dp_pp, 4, str(tmp_path), cases, timeout=400)
     host = socket.gethostname()
-    for d, t, flipped in results:  # every rank decided the same
+    for d, t, flipped, fsdp_data in results:  # every rank decided the same
         # bad on replica 1's pipeline and on replica 0's, which reran its microbatches stage by stage
         assert [(*v, p["peer"]) for v, p in zip(replica_verdicts(d), d["state"]["verdicts"])] == [
             (2, None, [2, 3], "data", True)
@@ -790,6 +791,10 @@ def test_under_dp2_x_pp2_a_pipeline_reruns_together_and_its_peer_is_the_next_rep
         assert replica_verdicts(flipped) == [(3, None, [0, 1], "faulty_rank")]
         message, code = flipped["aborted"]
         assert code == 76 and f"ranks 0, 1 on {host}" in message
+
+        # FSDP2 stages: every pipeline runs the reruns and the one-sample forwards together
+        assert replica_verdicts(fsdp_data) == [(2, None, [2, 3], "data")]
+        assert [row["ids"] for row in fsdp_data["state"]["quarantined"]] == [[bad]]
     rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
     assert [r["ids"] for r in rows] == [[bad]]
     traces = read_sample_traces(tmp_path / "data")
