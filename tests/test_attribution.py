@@ -6,7 +6,9 @@ sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn agai
 resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
 flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
 asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. Under dp 2 x
-tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; with two
+tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; under pp 2
+(and dp 2 x pp 2, DDP and FSDP2 stages) a pipeline reruns together, its peer the next replica's
+pipeline, and a run with a rerun trains as one without attribution, bitwise; with two
 replica groups (torchft) every group records the verdicts and quarantines the sample, the peer
 rerun crossing the groups; with the examples' handlers (async saves, the detector's rollback,
 loggers) a quarantine survives a rollback and a kill, written once. In one process:
