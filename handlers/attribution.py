@@ -15,7 +15,11 @@ step's RNG state)::
 
 A replica is one rank, or under tensor parallelism the tensor-parallel group that computes its step
 together: the group reruns together, and each of its ranks sends to the next replica's rank of the
-same tensor-parallel coordinate. Pipeline parallelism is refused by name. With replica groups the
+same tensor-parallel coordinate. Under pipeline parallelism a replica is its pipeline (every stage,
+and each stage's tensor-parallel ranks): every stage reruns the step's schedule together
+(:meth:`engine.pipeline.PipelineRuntime.rerun_losses`) from its own RNG state, the losses come from
+the last stage to every stage (as in the step), so every stage judges alike, and each stage sends
+its microbatches to the same stage of the next replica's pipeline. With replica groups the
 verdicts and quarantine of every group are recorded in every group (the agreement's transport,
 ``across_groups``), and a group of one replica sends its microbatches to the next group to rerun.
 
@@ -25,10 +29,12 @@ step left them, so the run goes on exactly as it would have without them. At mos
 steps are rerun in a run.
 
 A data verdict quarantines the samples: the bad rank reruns the bad microbatches sample by sample
-(forward only) to find the samples whose loss is non-finite (all of the bad microbatches' samples
-when none alone is, a spike), writes them to ``run_dir/quarantine.jsonl`` (rank 0; one line per step
-and dataset: ``{"step", "dataset", "ids", "reason"}``), and every rank's training loader stops
-fetching them (:meth:`engine.data.MixtureLoader.quarantine`). The handler's checkpoint state holds the
+(forward only; under pipeline parallelism through every stage of its pipeline) to find the samples
+whose loss is non-finite (all of the bad microbatches' samples when none alone is, a spike), writes
+them to ``run_dir/quarantine.jsonl`` (rank 0; one line per step and dataset: ``{"step", "dataset",
+"ids", "reason"}``), and every rank's training loader stops fetching them
+(:meth:`engine.data.MixtureLoader.quarantine`; under pipeline parallelism a batch left short is filled
+back with copies of its other samples, ``full_batches``). The handler's checkpoint state holds the
 quarantine, so a resumed run, on any number of data-parallel ranks, never trains on them again;
 ``data.quarantine=FILE`` starts a new run that skips a file's samples.
 """
@@ -38,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +58,7 @@ from hookloop.engine.batch import forward_and_loss
 from hookloop.engine.data import MixtureLoader, SampleTrace
 from hookloop.engine.events import Priority
 from hookloop.engine.handler import Handler, checked_settings
+from hookloop.engine.pipeline.runtime import PipelineRuntime
 from hookloop.engine.record_file import cut_to_step
 from hookloop.engine.step_body import LocalStepBody, StepBody
 from hookloop.handlers.sections.attribution import AttributionConfig
@@ -105,6 +113,7 @@ class RerunAttribution(Handler):
         self.detector: Any = None  # the NaN detector: its verdict and its rule (judge)
         self.trace: SampleTrace | None = None
         self._replica_ranks: list[tuple[int, ...]] | None = None
+        self._kind = "tensor-parallel group"  # what a replica of several ranks is (log lines)
 
     def attach(self, trainer: Trainer) -> RerunAttribution:
         self.detector = trainer.get_handler("nan_detector")
@@ -113,11 +122,12 @@ class RerunAttribution(Handler):
                 "attribution",
                 "judges steps by the NaN detector's rule: attach a NaNDetector first (nan.enabled)",
             )
-        if not isinstance(trainer.step_body, LocalStepBody):
+        if not isinstance(trainer.step_body, LocalStepBody | PipelineRuntime):
             raise ConfigError(
                 "attribution",
-                "reruns a step of a model held whole on each rank or split by tensor parallelism (plain, "
-                "DDP, FSDP2, TP); not with pipeline parallelism or a step body of another class: set "
+                "reruns a step of a model held whole on each rank, split by tensor parallelism or cut into "
+                f"pipeline stages (plain, DDP, FSDP2, TP, PP); not a step body of another class "
+                f"({type(trainer.step_body).__name__}), whose step it cannot run again: set "
                 "attribution.enabled=false",
             )
         trainer.add_event_handler(Events.STEP_START, self._keep_rng, priority=KEEP_RNG)
@@ -154,13 +164,22 @@ class RerunAttribution(Handler):
     # ------------------------------------------------------------------ the reruns
     def _rerun(self, microbatches: Sequence[Any], rng: Any) -> _Rerun:
         """Forward and backward of ``microbatches`` from RNG state ``rng`` on this rank's weights,
-        its gradients local (DDP: no sync; FSDP2: judged on the loss only), then dropped."""
-        trainer, detector = self.trainer, self.detector
+        its gradients local (DDP: no sync; FSDP2: judged on the loss only), then dropped. Under
+        pipeline parallelism every stage of the pipeline reruns the step's schedule together (the
+        losses and the norm are the pipeline's, on each stage); stages replicated over ``dp`` sync
+        their gradients in it as in the step, so the rerun is judged on its loss only."""
+        trainer = self.trainer
         body: StepBody = trainer.step_body
-        ctx, model = trainer.step_context, trainer.model
         if rng is not None:
             _set_rng_state(rng)
         trainer.optimizer.zero_grad(set_to_none=True)
+        if isinstance(body, PipelineRuntime):
+            losses = body.rerun_losses(microbatches, trainer.step_context)
+            norm = body.grad_norm() if body.dp_size == 1 else None
+            norm = float(norm) if isinstance(norm, torch.Tensor) else norm
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return self._judged(losses, norm)
+        ctx, model = trainer.step_context, trainer.model
         fsdp = hasattr(model, "set_requires_gradient_sync")
         n, losses = len(microbatches), []
         with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
@@ -176,9 +195,14 @@ class RerunAttribution(Handler):
         norm = body.grad_norm()
         norm = float(norm) if isinstance(norm, torch.Tensor) else norm
         trainer.optimizer.zero_grad(set_to_none=True)
-        bad = [i for i, loss in enumerate(losses) if detector.judge(loss) is not None]
-        loss = sum(losses) / max(n, 1)
-        return _Rerun(detector.judge(loss, None if fsdp else norm), bad, loss)
+        return self._judged(losses, None if fsdp else norm)
+
+    def _judged(self, losses: list[float], norm: float | None) -> _Rerun:
+        """A rerun's microbatch losses and gradient norm (None: not judged on it), by the detector's rule."""
+        judge = self.detector.judge
+        bad = [i for i, loss in enumerate(losses) if judge(loss) is not None]
+        loss = sum(losses) / max(len(losses), 1)
+        return _Rerun(judge(loss, norm), bad, loss)
 
     def _bad_samples(
         self, microbatches: Sequence[Any], bad_microbatches: list[int], suspect: bool
@@ -196,6 +220,8 @@ class RerunAttribution(Handler):
         trainer, model = self.trainer, self.trainer.model
         if type(trainer.step_body).compute_loss is not StepBody.compute_loss or not ids:
             return [sid for _, _, sid in suspects]
+        if isinstance(trainer.step_body, PipelineRuntime):
+            return self._bad_samples_through_stages(microbatches, ids, suspects)
         fsdp = hasattr(model, "set_requires_gradient_sync")
         rounds = max(parallel.gather_objects(len(suspects))) if fsdp else len(suspects)
         module = model if fsdp else getattr(model, "module", model)  # DDP's: no collective alone
@@ -210,6 +236,29 @@ class RerunAttribution(Handler):
                 if sid is not None and not torch.isfinite(loss).item():
                     found.append(sid)
         module.train()
+        return found or [sid for _, _, sid in suspects]
+
+    def _bad_samples_through_stages(
+        self, microbatches: Sequence[Any], ids: list[list[str]], suspects: list[tuple[int, int, str]]
+    ) -> list[str]:
+        """:meth:`_bad_samples` under pipeline parallelism: the suspects' one-sample forwards run
+        through every stage of the pipeline (forward only, as validation runs), all of them in one
+        pass; every pipeline runs as many as the one with the most suspects (the stages'
+        collectives over ``dp``), the others on a sample of their own whose loss is not looked at."""
+        trainer = self.trainer
+        body: PipelineRuntime = trainer.step_body
+        rounds = max(parallel.gather_objects(len(suspects)))
+        if not rounds:
+            return []
+        picked = [(i, j) for i, j, _ in suspects] + [(0, 0)] * (rounds - len(suspects))
+        samples = [_slice(microbatches[i], j, len(ids[i])) for i, j in picked]
+        body.module.eval()  # one sample: no batch statistics
+        try:
+            with torch.no_grad():
+                losses = body.forward_losses(samples, trainer.step_context)
+        finally:
+            body.module.train()
+        found = [sid for (_, _, sid), loss in zip(suspects, losses) if not math.isfinite(loss)]
         return found or [sid for _, _, sid in suspects]
 
     # ------------------------------------------------------------------ the decision
@@ -319,7 +368,7 @@ class RerunAttribution(Handler):
         for verdict in records["verdicts"]:
             verdict = {**verdict, "group": group} if group is not None else verdict
             self.verdicts.append(verdict)
-            who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host")
+            who = _who(verdict["rank"], verdict["ranks"], verdict["host"] or "unknown host", self._kind)
             who = f"replica group {group}: {who}" if group is not None else who
             if verdict["cause"] == "transient":
                 self.transients[who] = self.transients.get(who, 0) + 1
@@ -331,7 +380,15 @@ class RerunAttribution(Handler):
 
     def _replicas(self) -> list[tuple[int, ...]]:
         """The ranks of each data-parallel replica, in order: one rank each, or under tensor
-        parallelism the group of ranks that computes a replica's step together (found once)."""
+        parallelism the group of ranks that computes a replica's step together, under pipeline
+        parallelism the ranks of its pipeline (all its stages, and their tensor-parallel ranks),
+        found once."""
+        if self._replica_ranks is None and isinstance(self.trainer.step_body, PipelineRuntime):
+            coordinates = parallel.gather_objects(self.trainer.step_body.dp_rank)
+            self._kind = "pipeline"
+            self._replica_ranks = [
+                tuple(r for r, c in enumerate(coordinates) if c == k) for k in sorted(set(coordinates))
+            ]
         if self._replica_ranks is None:
             tp = self.trainer.tp_mesh
             mine = (parallel.rank(),)
@@ -420,17 +477,17 @@ def _ranks(verdict: dict[str, Any]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _who(rank: int | None, ranks: list[int], host: str) -> str:
-    """A bad replica as the operator reads it: its rank, or its tensor-parallel group's ranks (the
-    one whose own loss went bad when only one did)."""
+def _who(rank: int | None, ranks: list[int], host: str, kind: str = "tensor-parallel group") -> str:
+    """A bad replica as the operator reads it: its rank, or the ranks of its ``kind`` (its
+    tensor-parallel group or its pipeline; the one whose own loss went bad when only one did)."""
     if not ranks:
         return "unknown rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]} ({host})"
     group = "ranks " + ", ".join(map(str, ranks))
     if rank is not None:
-        return f"rank {rank} ({host}) of the tensor-parallel group of {group}"
-    return f"{group} ({host}), one tensor-parallel group: which of its ranks cannot be told"
+        return f"rank {rank} ({host}) of the {kind} of {group}"
+    return f"{group} ({host}), one {kind}: which of its ranks cannot be told"
 
 
 def _explain(verdict: dict[str, Any], who: str) -> str:

@@ -3,7 +3,8 @@
 Four kinds (the ``fault_injection`` section, :class:`FaultInjectionConfig`):
 
 - ``transient``: rank ``rank`` computes a NaN output once, in the first forward of step ``step``
-  (a forward hook on the trainer's model); a rerun of that step computes right.
+  (a forward hook on the trainer's model; under pipeline parallelism on each of this rank's stage
+  modules, so the first stage forward it runs); a rerun of that step computes right.
 - ``data``: sample ``sample`` (``"<dataset>:<index>"``, as the sample trace names it) is bad: at
   each step that draws it, its row of every floating-point tensor of its microbatch becomes NaN
   before anything computes, on whichever rank draws it; the bad values travel with the microbatch,
@@ -76,8 +77,10 @@ class FaultInjector(Handler):
             trainer.loss_fn = self._nan_loss(trainer)
             return super().attach(trainer)
         trainer.add_event_handler(Events.STEP_START, self._on_step_start, priority=INJECT_FAULT)
-        if self.kind == "transient":
-            trainer.model.register_forward_hook(self._poison_output)
+        if self.kind == "transient":  # a pipeline's model is this rank's stages: each is called alone
+            model = trainer.model
+            for module in model if isinstance(model, torch.nn.ModuleList) else [model]:
+                module.register_forward_hook(self._poison_output)
         if self.kind == "corruption":
             self._target(trainer.model)  # an unknown parameter is refused now, not at the step
         return super().attach(trainer)

@@ -6,7 +6,9 @@ sent to, quarantined (``quarantine.jsonl``, the checkpoint) and never drawn agai
 resumed on the same ranks (bitwise) or on another number of ranks (the same samples per step); a
 flipped exponent bit in one replica's weights names that rank as faulty (and stops the run when
 asked; the detector's rollback heals it), a flipped low bit leaves the steps finite. Under dp 2 x
-tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; with two
+tp 2 a tensor-parallel group reruns together and its peer is the other replica's group; under pp 2
+(and dp 2 x pp 2, DDP and FSDP2 stages) a pipeline reruns together, its peer the next replica's
+pipeline, and a run with a rerun trains as one without attribution, bitwise; with two
 replica groups (torchft) every group records the verdicts and quarantines the sample, the peer
 rerun crossing the groups; with the examples' handlers (async saves, the detector's rollback,
 loggers) a quarantine survives a rollback and a kill, written once. In one process:
@@ -55,22 +57,47 @@ def mixture() -> MixtureDataset:
     return MixtureDataset(parts)
 
 
+class Stack(torch.nn.Module):
+    """The MLP as two layers a pipeline cuts into two stages (each stage's copy runs the layer it
+    holds), with dropout in the first so the step's random numbers count."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        first = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(dropout))
+        self.blocks = torch.nn.ModuleDict({"0": first, "1": torch.nn.Linear(8, 1)})
+
+    def forward(self, x):
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
 class Killed(Exception):
     """The run killed at a step (``crash_after``): no save at the end."""
 
 
 def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribution=True, info=None,
-        crash_after=None, replica_group=None):  # fmt: skip
+        crash_after=None, replica_group=None, dropout=0.0, rerun_at=None):  # fmt: skip
     """One run of a tiny MLP on the mixture; what it decided. ``info``: a ``dp x tp`` layout
     (:func:`engine.init_distributed`), the MLP split column- then row-wise over ``tp``;
     ``crash_after``: the run raises after that many steps ended (a step redone after a rollback
     counts again), without a save; ``replica_group``: ``(group, lighthouse)``, this process is a
-    replica group of one of two (the data sharded over the groups)."""
+    replica group of one of two (the data sharded over the groups). A ``dp x pp`` layout runs
+    :class:`Stack` (``dropout``) as a pipeline of two stages, its stages replicated over ``dp``;
+    ``rerun_at``: step ``rerun_at``'s loss is compared with a rerun of it (``compared``)."""
     from hookloop.engine.parallel import wrap_data_parallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     tp = info.dim_size("tp") if info is not None else 1
+    runtime = None
+    if info is not None and info.dim_size("pp") > 1:
+        from hookloop.engine.pipeline import PipelineConfig, build_pipeline
+
+        per_replica = GLOBAL_BATCH // info.dim_size("dp")
+        cfg = PipelineConfig(pp_schedule="gpipe", pp_microbatch_size=LOCAL_BATCH, pp_batch_size=per_replica)
+        runtime = build_pipeline(Stack(dropout), cfg, info, torch.nn.functional.mse_loss, dp_mode=dp_mode)
+        model = runtime.module
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -78,7 +105,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
 
         apply_tensor_parallel(model, info.mesh_dim("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     rank, world, tp_rank = rank // tp, world // tp, rank % tp  # the data-parallel rank and size
-    if world > 1:
+    if runtime is not None:
+        rank, world, tp_rank = runtime.dp_rank, runtime.dp_size, runtime.pp_rank  # a trace per pipeline
+    elif world > 1:
         model = wrap_data_parallel(model, dp_mode, mesh=info.mesh_dim("dp") if info is not None else None)
     if replica_group is not None:
         rank, world = replica_group[0], 2
@@ -108,6 +137,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         torch.nn.functional.mse_loss,
         prepare_batch=lambda mb, device: (mb[0], mb[1]),
         hang_timeout_s=None,
+        step_body=runtime,
     )
     groups = None
     if replica_group is not None:  # before the handlers, as hookloop train attaches it
@@ -120,7 +150,9 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         )  # fmt: skip
         groups = ReplicaGroups(ft).attach(trainer)
     loader = MixtureLoader(
-        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world), 2
+        MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=rank, world_size=world),
+        LOCAL_BATCH,
+        full_batches=runtime is not None,  # a pipeline's microbatches keep their size
     )
     if cfg.data.quarantine is not None:
         from hookloop.engine.data.loader import read_quarantine
@@ -138,6 +170,16 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
     def kill(engine):
         if len(losses) == crash_after:
             raise Killed(f"killed after step {engine.state.step}")
+
+    compared = []
+
+    @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=-900)
+    def rerun(engine):
+        if engine.state.step == rerun_at:  # the step's own loss, then a rerun of it (test only)
+            handler = trainer.get_handler("attribution")
+            compared.append(
+                (float(engine.state.loss), handler._rerun(list(engine.state.batch), handler._rng).loss)
+            )
 
     aborted = None
     try:
@@ -160,6 +202,7 @@ def run(run_dir, overrides, *, rank=0, world=1, steps=8, dp_mode="ddp", attribut
         "quarantined": sorted(loader.quarantined),
         "flipped": next((h.flipped for h in handlers if isinstance(h, FaultInjector)), None),
         "weights": [getattr(p, "_local_tensor", p).double().sum().item() for p in model.parameters()],
+        "compared": compared,
     }
 
 
@@ -312,15 +355,15 @@ def test_bad_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match="fault_injection.parameter"):
         FaultInjector(kind="corruption", parameter="nope").attach(trainer)
 
-    class Staged(StepBody):  # what a pipeline's runtime is: a step body of another class
+    class Staged(StepBody):  # a step body of another class: its step cannot be run again
         def run_step(self, microbatches, ctx):
             raise NotImplementedError
 
     staged = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
                      step_body=Staged())  # fmt: skip
     NaNDetector(action="warn").attach(staged)
-    with pytest.raises(ConfigError, match="attribution: .*not with pipeline parallelism"):
-        RerunAttribution().attach(staged)  # a pipeline's step body: a stage cannot rerun alone
+    with pytest.raises(ConfigError, match=r"attribution: .*not a step body of another class \(Staged\)"):
+        RerunAttribution().attach(staged)
     NaNDetector(action="warn").attach(trainer)
     RerunAttribution().attach(trainer)  # quarantine on, no sample trace: refused before the first step
     with pytest.raises(ConfigError, match="attribution.quarantine: .* data.trace_samples=true"):
@@ -434,6 +477,29 @@ def test_hookloop_trains_a_new_run_without_the_samples_of_data_quarantine(tmp_pa
     quarantine.write_text(json.dumps({"ids": ["docs:999999"]}) + "\n")
     with pytest.raises(ConfigError, match="data.quarantine: names sample 'docs:999999'"):
         build_data(load_training_config(None, [*overrides, f"data.quarantine={quarantine}"]), 0, 1)
+
+
+def test_a_loader_of_full_batches_fills_a_quarantined_sample_with_a_copy_of_its_batchs_other_samples():
+    def loader(full: bool, quarantine: list[str]) -> tuple[list[list[int]], dict]:
+        sampler = MixtureSampler(mixture(), {"a": 1.0, "b": 1.0}, seed=0, rank=1, world_size=2)
+        out = MixtureLoader(sampler, 4, full_batches=full)
+        out.quarantine(quarantine)
+        out.log_batches()
+        it = iter(out)
+        for _ in range(12):  # more than an epoch of each dataset
+            next(it)
+        return out.take_returned(), out.state_dict()
+
+    plain, position = loader(False, [])
+    bad = [plain[1][2], plain[1][3]]  # two samples of one batch
+    ids = [f"{mixture().names[s]}:{i}" for s, i in map(mixture().locate, bad)]
+    full, full_position = loader(True, ids)
+    assert full_position == position  # the same stream, the same place in it
+    assert all(len(batch) == 4 and not set(bad) & set(batch) for batch in full)
+    assert full[1] == [plain[1][0], plain[1][1], plain[1][0], plain[1][1]]  # copies, in order
+    for kept, drawn in zip(full, plain):  # every other batch as drawn
+        assert kept == drawn or set(drawn) & set(bad)
+    assert loader(False, ids)[0][1] == plain[1][:2]  # without full batches: two samples short
 
 
 def test_under_dp2_x_tp2_a_tensor_parallel_group_reruns_together_and_its_peer_is_the_other_replica(tmp_path):
@@ -634,3 +700,105 @@ def test_two_replica_groups_agree_on_the_verdict_and_both_quarantine_the_bad_sam
         assert [(v["step"], v["rank"], v["group"], v["cause"]) for v in r["state"]["verdicts"]] == [
             (3, 0, 1, "faulty_rank")
         ]
+
+
+def _dp_pp(rank: int, world: int, tmp: str, cases: list) -> list:
+    from hookloop.engine import init_distributed
+
+    info = init_distributed("gloo", mesh_shape=(world // 2, 2), mesh_dim_names=("dp", "pp"))
+    return [run(f"{tmp}/{name}", o, rank=rank, world=world, info=info, **kw) for name, o, kw in cases]
+
+
+def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_leaves_no_trace(tmp_path):
+    bad = sample_at(step=2, rank=0, world=1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.step=3"]
+    cases = [
+        ("data", data, {"steps": 12}),  # the sample comes round again: its batch is filled back
+        ("transient", [*transient, "fault_injection.rank=0"], {"steps": 5}),  # the first stage's output
+        ("dropout", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5}),  # the last's
+        ("plain", [*transient, "fault_injection.rank=1"], {"steps": 6, "dropout": 0.5, "attribution": False}),
+        ("compare", [], {"steps": 2, "dropout": 0.5, "rerun_at": 2}),  # step 2 and a rerun of it
+        ("resumed", data, {"steps": 4}),  # then resumed from its step-4 checkpoint
+        ("resumed", data, {"steps": 12}),
+    ]
+    results = run_distributed(_dp_pp, 2, str(tmp_path), cases, timeout=300)
+    host = socket.gethostname()
+    for d, t, dropout, plain, compare, _, resumed in results:  # both stages decided the same
+        # the bad sample: the pipeline's loss is bad again on its rerun; one replica, no peer: data,
+        # and the one-sample forwards through both stages find the sample
+        assert replica_verdicts(d) == [(2, None, [0, 1], "data")] and d["skipped"] == 1 and d["step"] == 12
+        assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]]
+        assert len(d["quarantined"]) == 1  # the loader fetches it no more
+
+        # a NaN out of the first stage once: the pipeline's rerun is good, its ranks named
+        assert (
+            replica_verdicts(t) == [(3, None, [0, 1], "transient")] and t["step"] == 5 and t["skipped"] == 1
+        )
+        assert t["state"]["transients"] == {
+            f"ranks 0, 1 ({host}), one pipeline: which of its ranks cannot be told": 1
+        }
+        assert t["state"]["quarantined"] == []
+
+        # with dropout, the last stage's NaN once: transient, and the run after the rerun is the run without
+        # attribution, bitwise (the rerun drew the step's random numbers and put the RNG back)
+        assert replica_verdicts(dropout) == [(3, None, [0, 1], "transient")] and plain["state"] is None
+        assert dropout["skipped"] == plain["skipped"] == 1 and dropout["losses"][2] != dropout["losses"][2]
+        assert dropout["losses"][3:] == plain["losses"][3:] and dropout["weights"] == plain["weights"]
+        assert dropout["losses"][:2] == plain["losses"][:2]
+        ((step_loss, rerun_loss),) = compare["compared"]  # the same dropout masks on each stage
+        assert rerun_loss == pytest.approx(step_loss, rel=1e-6)
+
+        # resumed after the quarantine: the checkpoint brings it back, the steps are the same, bitwise
+        assert resumed["quarantined"] == d["quarantined"] and resumed["losses"] == d["losses"][4:]
+        assert resumed["weights"] == d["weights"] and resumed["state"]["verdicts"] == d["state"]["verdicts"]
+    rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["dataset"], r["ids"]) for r in rows] == [(2, bad.split(":")[0], [bad])]
+    traces = read_sample_traces(tmp_path / "data")
+    assert sorted(traces) == [0]  # one file for the pipeline
+    assert [s for s, ids in traces[0].items() if bad in ids] == [2]
+    # where the sample came round again its microbatch took a copy of its other sample (the pipeline
+    # takes whole microbatches only), and every step trained 8 samples
+    assert [s for s, ids in traces[0].items() if len(set(ids)) < len(ids)] != []
+    assert all(len(ids) == GLOBAL_BATCH for ids in traces[0].values())
+    assert read_sample_traces(tmp_path / "resumed") == traces
+
+
+def test_under_dp2_x_pp2_a_pipeline_reruns_together_and_its_peer_is_the_next_replicas_pipeline(tmp_path):
+    bad = sample_at(step=2, rank=1)  # replica 1: ranks 2 (stage 0) and 3 (stage 1)
+    data = ["fault_injection.enabled=true", "fault_injection.kind=data", f"fault_injection.sample={bad}"]
+    transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=3",
+                 "fault_injection.step=3"]  # fmt: skip
+    flip = ["fault_injection.enabled=true", "fault_injection.kind=corruption", "fault_injection.rank=0",
+            "fault_injection.step=3", "attribution.max_reruns=1",
+            "attribution.on_faulty_rank=stop"]  # fmt: skip
+    cases = [
+        ("data", data, {"steps": 4}),
+        ("transient", transient, {"steps": 4}),
+        ("flip", flip, {"steps": 4}),
+        ("fsdp_data", data, {"steps": 3, "dp_mode": "fsdp"}),  # the stages sharded over dp
+    ]
+    results = run_distributed(_dp_pp, 4, str(tmp_path), cases, timeout=400)
+    host = socket.gethostname()
+    for d, t, flipped, fsdp_data in results:  # every rank decided the same
+        # bad on replica 1's pipeline and on replica 0's, which reran its microbatches stage by stage
+        assert [(*v, p["peer"]) for v, p in zip(replica_verdicts(d), d["state"]["verdicts"])] == [
+            (2, None, [2, 3], "data", True)
+        ]
+        assert [row["ids"] for row in d["state"]["quarantined"]] == [[bad]] and d["step"] == 4
+        assert replica_verdicts(t) == [(3, None, [2, 3], "transient")] and t["state"]["quarantined"] == []
+
+        # the first stage's weights of replica 0 flipped: bad on its rerun, good on replica 1's: its
+        # pipeline is named, and the run stops with 76
+        assert replica_verdicts(flipped) == [(3, None, [0, 1], "faulty_rank")]
+        message, code = flipped["aborted"]
+        assert code == 76 and f"ranks 0, 1 on {host}" in message
+
+        # FSDP2 stages: every pipeline runs the reruns and the one-sample forwards together
+        assert replica_verdicts(fsdp_data) == [(2, None, [2, 3], "data")]
+        assert [row["ids"] for row in fsdp_data["state"]["quarantined"]] == [[bad]]
+    rows = [json.loads(line) for line in (tmp_path / "data" / "quarantine.jsonl").read_text().splitlines()]
+    assert [r["ids"] for r in rows] == [[bad]]
+    traces = read_sample_traces(tmp_path / "data")
+    assert sorted(traces) == [0, 1]  # one file per pipeline
+    assert sorted(s for per_rank in traces.values() for s, ids in per_rank.items() if bad in ids) == [2]

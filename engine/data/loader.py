@@ -14,7 +14,10 @@ samples). Each batch of ``batch_size`` draws comes back without them, one sample
 quarantined index, so the stream, the position and every other rank's batches stay exactly where
 they were, on any number of ranks. A batch whose every sample is quarantined is left out and this
 rank reads its next batch instead (counted in the position; the only case where a quarantine moves a
-rank's data: use batches of more than one sample).
+rank's data: use batches of more than one sample). With ``full_batches`` (a consumer that takes one
+batch size only: a pipeline's microbatches) a batch a quarantine leaves short is filled back to
+``batch_size`` with copies of its kept samples, in order (a kept sample then weighs more in that one
+batch), so the stream and the position stay as they are there too.
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ _SAME_POSITION_KEYS = ("format", "version", "seed", "draws", "sources")
 class MixtureLoader(DataLoader):
     """``DataLoader(sampler.mixture, batch_size, sampler=sampler, **kwargs)`` with an exact position
     (see the module docs): its state is O(prefetch depth) to compute, O(1) to restore. The stream
-    is endless; bound the run by steps."""
+    is endless; bound the run by steps. ``full_batches``: a batch a quarantine leaves short is filled
+    back with copies of its kept samples (see the module docs)."""
 
-    def __init__(self, sampler: MixtureSampler, batch_size: int, **kwargs: Any) -> None:
+    def __init__(
+        self, sampler: MixtureSampler, batch_size: int, *, full_batches: bool = False, **kwargs: Any
+    ) -> None:
         if not isinstance(sampler, MixtureSampler):
             raise TypeError(f"sampler: expected a MixtureSampler, got {type(sampler).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -50,6 +56,7 @@ class MixtureLoader(DataLoader):
                 raise ValueError(f"{name}: MixtureLoader sets it from the MixtureSampler; leave it out")
         #: Global indices never fetched again (:meth:`quarantine`).
         self.quarantined: set[int] = set()
+        self.full_batches = full_batches
         self._spans: collections.deque[tuple[int, list[int]]] = collections.deque()  # (batches, kept)
         super().__init__(sampler.mixture, batch_size=batch_size, sampler=sampler, **kwargs)
         self.mixture_sampler = sampler
@@ -74,7 +81,7 @@ class MixtureLoader(DataLoader):
     @property
     def _index_sampler(self) -> Any:
         # torch's DataLoader draws each batch's indices from here: its batches without quarantined ones
-        return _KeptBatches(self.batch_sampler, self.quarantined, self._spans)
+        return _KeptBatches(self.batch_sampler, self.quarantined, self._spans, self.full_batches)
 
     @property
     def position(self) -> int:
@@ -143,17 +150,22 @@ class MixtureLoader(DataLoader):
 
 
 class _KeptBatches:
-    """``batches`` (lists of indices) without the ``quarantined`` ones; a batch left empty is skipped,
-    and ``spans`` records, per batch given out, how many drawn batches it stands for and its indices."""
+    """``batches`` (lists of indices) without the ``quarantined`` ones (``full``: filled back to their
+    size with copies of the kept ones); a batch left empty is skipped, and ``spans`` records, per
+    batch given out, how many drawn batches it stands for and its indices."""
 
-    def __init__(self, batches: Iterable[list[int]], quarantined: set[int], spans: collections.deque) -> None:
-        self.batches, self.quarantined, self.spans = batches, quarantined, spans
+    def __init__(
+        self, batches: Iterable[list[int]], quarantined: set[int], spans: collections.deque, full: bool
+    ) -> None:
+        self.batches, self.quarantined, self.spans, self.full = batches, quarantined, spans, full
 
     def __iter__(self) -> Iterator[list[int]]:
         span = 0
         for batch in self.batches:
             span += 1
             kept = [i for i in batch if i not in self.quarantined] if self.quarantined else batch
+            if kept and self.full and len(kept) < len(batch):
+                kept = [kept[k % len(kept)] for k in range(len(batch))]
             if kept:
                 self.spans.append((span, list(kept)))
                 span = 0

@@ -264,6 +264,28 @@ class PipelineRuntime(StepBody):
             ctx.microbatch_done(i, losses[i], outputs[i] if outputs is not None else None, pairs[i][1])
         return StepResult(losses[:n_real].mean(), tokens, samples)
 
+    def rerun_losses(self, microbatches: Sequence[Any], ctx: StepContext) -> list[float]:
+        """A step's forward and backward again, as :meth:`run_step` runs it (the same schedule,
+        loss weights and collectives; every rank of the pipeline, and with stages replicated over
+        ``dp`` every replica, calls it together), without reporting its microbatches: each real
+        microbatch's loss, on every pp rank. The gradients are left in the parameters (the caller
+        drops them). What a rerun of a bad step runs (:class:`handlers.attribution.RerunAttribution`)."""
+        self.module.train()
+        pairs, _ = self._prepare(ctx, microbatches)
+        self._set_weights(len(microbatches))
+        with ctx.autocast():
+            losses, _ = self._run_schedule(pairs, keep_outputs=False)
+        return losses[: len(microbatches)].tolist()
+
+    def forward_losses(self, microbatches: Sequence[Any], ctx: StepContext) -> list[float]:
+        """Each of ``microbatches``' loss (any number, any size: one sample each is fine), forward
+        only through every stage, on every pp rank (which all call it together); the caller holds
+        ``torch.no_grad()`` and ``eval()`` as validation does."""
+        prepared = [self._stage_pair(ctx, mb) for mb in microbatches]
+        with ctx.autocast():
+            losses, _ = self._forward_only([(x, y) for x, y, _ in prepared])
+        return losses.tolist()
+
     def grad_norm(self) -> Any:
         """The total gradient norm over every stage: this rank's part, then one all-reduce over the
         pp group (every pp rank gets the same)."""

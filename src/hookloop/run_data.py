@@ -214,10 +214,12 @@ def build_data(
         world_size=world,
     )
     # The loader's position is the sampler's right after the batches training received, also with
-    # worker prefetch, so resume is exact and O(1).
+    # worker prefetch, so resume is exact and O(1). Pipeline stages take whole microbatches only: a
+    # batch a quarantine leaves short is filled back.
     train = MixtureLoader(
         sampler,
         cfg.train.local_batch_size,
+        full_batches=cfg.distributed.pp_size > 1,
         num_workers=cfg.data.num_workers if num_workers is None else num_workers,
         collate_fn=collate_fn,
     )
