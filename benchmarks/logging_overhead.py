@@ -199,12 +199,13 @@ def single_loggers(data: list, rounds: int, quick: bool) -> dict[str, dict[str, 
         # each handler's own callbacks on the steps that do not log: CPU time of the training
         # thread inside them, robust to other processes (separate runs; wrapping costs a little)
         last = len(data)
+        profiled = 1 if quick else 3
         spent: dict[str, dict[str, int]] = {}
         for name in names[1:]:
             spent[name] = defaultdict(int)
-            for _ in range(3):
+            for _ in range(profiled):
                 run(contenders[name], data, Path(tmp), spent[name], lambda k: k % LOG_EVERY and 1 < k < last)
-    non_log = 3 * sum(1 for k in range(2, last) if k % LOG_EVERY)
+    non_log = profiled * sum(1 for k in range(2, last) if k % LOG_EVERY)
     rows = {}
     for name in names[1:]:
         callbacks = {h: ns / non_log / 1e3 for h, ns in spent[name].items()}
@@ -234,8 +235,8 @@ def single_loggers(data: list, rounds: int, quick: bool) -> dict[str, dict[str, 
         f"/ no logging: median over rounds of the round's median non-log step over its median step "
         f"without logging (target <= {NON_LOG_TARGET}); logger alone: the same difference to the "
         "tracker alone (what the logger adds to a step it does not log); in tracker / in logger: CPU "
-        "time inside their callbacks per non-log step (3 separate runs); logger / step: 1 + in logger "
-        "over the step without logging"
+        "time inside their callbacks per non-log step (separate runs, 1 with --quick); logger / step: "
+        "1 + in logger over the step without logging"
     )
     rows[BASE] = {"cpu_ms": 1e3 * statistics.median(steps[BASE])}
     return rows

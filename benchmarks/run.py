@@ -210,7 +210,11 @@ def write_markdown(results: list[dict], rows: list[list[str]], info: dict) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke-sized runs (under 3 minutes in all)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke-sized runs (each within its --quick timeout: 120 s, 240 s for the longest)",
+    )
     parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results file")
     parser.add_argument("--timeout", type=float, default=None, help="per benchmark, seconds")
