@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"in handlers, {name}: {sum(per_step.values()):.1f} us/step ({parts})")
     single_steps = (2 if args.quick else 4) * LOG_EVERY + 1
     single = single_loggers(
-        make_data(single_steps), 3 if args.quick else max(3, args.rounds // 2), args.quick
+        make_data(single_steps), 2 if args.quick else max(3, args.rounds // 2), args.quick
     )
 
     figures = [
