@@ -11,6 +11,7 @@ of the per-round ratio to the hand-written loop (rounds next to each other see t
 this one's speed drifts by up to 50% over seconds).
 
     python benchmarks/overhead.py [--quick] [--json PATH]
+    python benchmarks/overhead.py --by-callback   # the default set's Python, callback by callback
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,7 +112,7 @@ def _per_step(stamps: list[float]) -> dict[str, float]:
     }
 
 
-def python_per_step(config: str, data: list, directory: str) -> dict[str, float]:
+def python_per_step(config: str, data: list, directory: str, before_run: Any = None) -> dict[str, float]:
     """CPU time per step of the training thread on a model too small to cost anything (Linear(8, 8)):
     the Python of the loop itself. ``config``: "hand" (a hand-written loop), "bare" (a Trainer) or
     "default" (the handlers ``hookloop train`` attaches by default: step scheduler, checkpointer,
@@ -151,10 +154,69 @@ def python_per_step(config: str, data: list, directory: str) -> dict[str, float]
         ]
         attached = attach_handlers(trainer, load_run_config(None, overrides), dataloader=data, dp_size=1)
     trainer.add_event_handler(Events.STEP_END, lambda: stamps.append(time.thread_time()))
+    if before_run is not None:
+        before_run(trainer)
     trainer.run(data, max_steps=TRIVIAL_STEPS)
     for handler in attached:
         getattr(handler, "close", lambda: None)()
     return _per_step(stamps)
+
+
+def by_callback(data: list, directory: str, runs: int = 3) -> dict[str, tuple[float, float]]:
+    """Where the default set's Python goes: CPU seconds of the training thread inside each registered
+    callback (``EVENT Class.method``) per step that does not log and per step that logs (steps
+    21 .. TRIVIAL_STEPS - 5), the median over ``runs`` runs of :func:`python_per_step`'s "default"
+    configuration after one to warm up. Each callback is wrapped in place from step 5 on (so those
+    a handler adds at TRAIN_START count too); the wrapper's own clock reads cost a little."""
+    import collections
+    import time
+
+    from hookloop.engine.events import _handler_name
+
+    counted = range(21, TRIVIAL_STEPS - 4)
+    steps = (sum(1 for k in counted if k % LOG_EVERY), sum(1 for k in counted if not k % LOG_EVERY))
+
+    def one(spent: dict[str, list[float]]) -> Callable:
+        def wrap_all(trainer: Any) -> None:
+            state = trainer.state
+            own = "python_per_step.<locals>."  # the harness's own clock is not the set's
+
+            def timed(func: Callable, name: str) -> Callable:
+                def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    start = time.thread_time()
+                    try:
+                        return func(*args, **kwargs)
+                    finally:
+                        if 20 < state.step < TRIVIAL_STEPS - 4:
+                            spent[name][0 if state.step % LOG_EVERY else 1] += time.thread_time() - start
+
+                return wrapper
+
+            def wrap() -> None:
+                for event in trainer.events.events():
+                    for entry in trainer.events.entries(event):  # the registry's own entries
+                        mine = getattr(entry.original, "__qualname__", "").startswith(own)
+                        if not getattr(entry.func, "_timed", False) and not mine:
+                            name = f"{getattr(event, 'name', event)} {_handler_name(entry.original)}"
+                            entry.func = timed(entry.func, name)
+                            entry.func._timed = True
+
+            trainer.add_event_handler(Events.STEP_START(once=5), wrap)
+
+        return wrap_all
+
+    results = []
+    for r in range(runs + 1):
+        spent: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        python_per_step("default", data, os.path.join(directory, f"callbacks-{r}"), one(spent))
+        if r:
+            results.append({name: (v[0] / steps[0], v[1] / steps[1]) for name, v in spent.items()})
+    names = sorted(
+        set().union(*results), key=lambda n: -statistics.median(r.get(n, (0, 0))[0] for r in results)
+    )
+    return {
+        n: tuple(statistics.median(r.get(n, (0.0, 0.0))[i] for r in results) for i in (0, 1)) for n in names
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -164,7 +226,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--by-callback",
+        action="store_true",
+        help="only print where the default handler set's Python goes, callback by callback",
+    )
     args = parser.parse_args(argv)
+    if args.by_callback:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as directory:
+            spent = by_callback(_trivial_data(), directory)
+        print("CPU us per step inside each callback, default handler set, Linear(8, 8): no log / log")
+        for name, (plain, log) in spent.items():
+            print(f"{plain * 1e6:9.1f} {log * 1e6:9.1f}  {name}")
+        total = [sum(v[i] for v in spent.values()) * 1e6 for i in (0, 1)]
+        print(f"{total[0]:9.1f} {total[1]:9.1f}  total")
+        return {"benchmark": "overhead", "callbacks": spent}
     if args.quick:
         args.steps, args.repeats = 10, 3
     torch.set_num_threads(args.threads)

@@ -18,6 +18,8 @@ from hookloop.engine.checks import check_int
 
 __all__ = ["RunningMean"]
 
+NAN = math.nan
+
 
 class RunningMean:
     """Mean of the last ``window`` finite values added; NaN while none was added.
@@ -26,12 +28,20 @@ class RunningMean:
     for a whole window. Values may be 0-dim tensors (a step loss nobody has read): they are kept
     as they are and read to the host together, in one transfer, when the mean is asked for;
     :meth:`lazy_mean` gives the mean without reading anything.
+
+    For :meth:`lazy_mean` the window is mirrored on the tensors' device: a ring of ``window`` slots in
+    float64 (NaN where a slot is empty or its value is not finite), of which each push writes one
+    slot, so a step's mean is one ``nanmean`` whatever the window, not a stack of every value in
+    it. The ring is built (one stack) on the first lazy mean and after a read that dropped values.
     """
 
     def __init__(self, window: int) -> None:
         check_int("window", window)
         self._values: deque[Any] = deque(maxlen=window)
         self._unread = False  # whether some values are tensors not yet read to the host
+        self._ring: torch.Tensor | None = None  # the window on the device, for lazy_mean
+        self._slots: list[torch.Tensor] = []  # the ring's slots (0-dim views), oldest at _next
+        self._next = 0
 
     @property
     def window(self) -> int:
@@ -45,12 +55,23 @@ class RunningMean:
     def push(self, value: Any) -> None:
         """Add ``value`` without computing the mean; a tensor is kept unread."""
         if isinstance(value, torch.Tensor):
-            self._values.append(value.detach() if value.requires_grad else value)
+            value = value.detach() if value.requires_grad else value
+            self._values.append(value)
             self._unread = True
+            if self._ring is not None:
+                self._next_slot().copy_(value).nan_to_num_(NAN, NAN, NAN)  # inf too: left out
             return
         value = float(value)
         if math.isfinite(value):
             self._values.append(value)
+            if self._ring is not None:
+                self._next_slot().fill_(value)
+
+    def _next_slot(self) -> torch.Tensor:
+        """The ring's oldest slot, now the newest."""
+        i = self._next
+        self._next = i + 1 if i + 1 < len(self._slots) else 0
+        return self._slots[i]
 
     def _read(self) -> None:
         if not self._unread:
@@ -67,19 +88,25 @@ class RunningMean:
         self._values.clear()
         self._values.extend(v for v in values if math.isfinite(v))
         self._unread = False
+        if len(self._values) != len(values):  # non-finite values dropped: the ring no longer mirrors
+            self._ring, self._slots = None, []
 
     def lazy_mean(self) -> Any:
         """The mean, as a float when every value is one, else as a 0-dim tensor (nothing read)."""
         if not self._unread:
             return self.mean
-        tensors = [v for v in self._values if isinstance(v, torch.Tensor)]
-        floats = [v for v in self._values if not isinstance(v, torch.Tensor)]  # finite ones only
-        stacked = torch.stack(tensors).to(torch.float64)  # a few ops, whatever the window
-        finite = torch.isfinite(stacked)
-        total = torch.where(finite, stacked, 0.0).sum()
-        if floats:
-            return (total + math.fsum(floats)) / (finite.sum() + len(floats))
-        return total / finite.sum()
+        if self._ring is None:
+            self._build_ring()
+        return self._ring.nanmean()  # type: ignore[union-attr]
+
+    def _build_ring(self) -> None:
+        """The ring from the window's values: the oldest at slot 0 after NaN for the empty slots."""
+        values = list(self._values)
+        device = next(v.device for v in reversed(values) if isinstance(v, torch.Tensor))
+        ring = torch.full((self.window,), NAN, dtype=torch.float64, device=device)
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+        ring[self.window - len(values) :] = stacked.nan_to_num(NAN, NAN, NAN)
+        self._ring, self._slots, self._next = ring, list(ring.unbind(0)), 0
 
     @property
     def mean(self) -> float:
@@ -90,6 +117,7 @@ class RunningMean:
     def clear(self) -> None:
         self._values.clear()
         self._unread = False
+        self._ring, self._slots = None, []
 
     @property
     def values(self) -> list[float]:

@@ -199,15 +199,17 @@ class StepScheduler(Handler):
     def is_exit_interval_step(self) -> bool:
         return self._every(self.exit_interval)
 
-    def _save_reason(self) -> str | None:
-        """Which setting asks for this step's save (None: none does)."""
-        if self._every(self.ckpt_every_steps):
+    def _save_reason(self, step: int | None = None, last: bool | None = None) -> str | None:
+        """Which setting asks for this step's save (None: none does). ``step`` and ``last`` (whether
+        it is the run's last): the current step's, when the caller has them already."""
+        step = self.step if step is None else step
+        if every(self.ckpt_every_steps, step):
             return f"step_scheduler.ckpt_every_steps={self.ckpt_every_steps}"
-        if self.is_last_step:
+        if self.is_last_step if last is None else last:
             return "last step"
-        if self.save_checkpoint_every_epoch and self.is_last_batch:
+        if self.save_checkpoint_every_epoch and self.epoch_len is not None and every(self.epoch_len, step):
             return "step_scheduler.save_checkpoint_every_epoch"
-        if self.is_exit_interval_step:
+        if every(self.exit_interval, step):
             return f"step_scheduler.exit_interval={self.exit_interval}"
         return None
 
@@ -317,17 +319,21 @@ class StepScheduler(Handler):
             gc.disable()
 
     def _on_step_start(self) -> None:
-        if self.is_gc_step:
+        # the predicates above, each read once (this runs every step)
+        trainer = self.trainer
+        step = self.step
+        last = trainer.plan.is_last_step
+        if every(self.gc_every_steps, step):
             gc.collect()
-        reason = self._save_reason()
+        reason = self._save_reason(step, last)
         if reason is not None:
-            self.trainer.control.request_save(reason)
-        if self.is_val_step:
-            self.trainer.control.request_validate()
-        if self.is_exit_interval_step and not self.is_last_step:
-            reason = f"exit_interval={self.exit_interval} reached at step {self.step}"
-            logger.info("stop requested at step %d: %s", self.step, reason)
-            self.trainer.control.request_stop(reason, ExitCode.STOPPED)
+            trainer.control.request_save(reason)
+        if last or every(self.val_every_steps, step):
+            trainer.control.request_validate()
+        if every(self.exit_interval, step) and not last:
+            reason = f"exit_interval={self.exit_interval} reached at step {step}"
+            logger.info("stop requested at step %d: %s", step, reason)
+            trainer.control.request_stop(reason, ExitCode.STOPPED)
 
     def _on_step_end(self) -> None:
         state = self.trainer.state

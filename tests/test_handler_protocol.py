@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 import re
 from pathlib import Path
 
@@ -362,6 +363,36 @@ def test_running_mean_reads_pushed_tensors_to_floats_one_or_many_at_a_time():
     for value in (5.0, 6.0, 7.0):  # the unread tensor falls out of the window before a read
         mean.push(value)
     assert mean.values == [5.0, 6.0, 7.0] and mean.mean == pytest.approx(6.0)
+
+
+def test_running_mean_lazy_mean_follows_its_window_through_pushes_reads_and_restores():
+    """The lazy mean (a tensor while values are unread: one slot of the device-side ring written per
+    push) is the mean of the window's finite values, whatever was pushed, read or restored."""
+    rng = random.Random(0)
+    for window in (1, 2, 3, 5):
+        mean = RunningMean(window)
+        for i in range(60):
+            value = (
+                rng.choice([float("nan"), float("inf"), -float("inf")]) if i % 7 == 3 else rng.uniform(-5, 5)
+            )
+            action = rng.random()
+            if action < 0.7:
+                mean.push(torch.tensor(value))
+            elif action < 0.85:
+                mean.push(value)
+            elif action < 0.92:
+                assert isinstance(
+                    mean.values, list
+                )  # a read (a state_dict): tensors to floats, non-finite go
+            elif action < 0.97:
+                mean.restore([rng.uniform(0, 1) for _ in range(rng.randint(0, 2 * window))])
+            else:
+                mean.clear()
+            finite = [float(v) for v in mean._values if math.isfinite(float(v))]
+            expected = sum(finite) / len(finite) if finite else float("nan")
+            lazy = mean.lazy_mean()
+            assert isinstance(lazy, torch.Tensor) == mean._unread
+            assert float(lazy) == pytest.approx(expected, rel=1e-6, nan_ok=True), (window, i)
 
 
 # ---------------------------------------------------------------------------------- NaN rollback
