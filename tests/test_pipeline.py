@@ -220,7 +220,7 @@ def test_every_schedule_matches_the_reference(tmp_path):
     modes; every parameter of the model is trained on exactly one rank."""
     csv_path = tmp_path / "looped.csv"
     csv_path.write_text("\n".join(",".join(row) for row in CSV_ROWS) + "\n")
-    per_rank = run_distributed(_all_schedules_worker, 2, str(csv_path), timeout=150)
+    per_rank = run_distributed(_all_schedules_worker, 2, str(csv_path))
     all_params = sorted(n for n, _ in _model().named_parameters())
     names = available_schedules() + ["csv"]
     assert set(per_rank[0]) == set(names) | {"veto"}
@@ -266,7 +266,7 @@ def _pp_dp_worker(rank: int, world: int) -> dict:
 def test_pp2_dp2_matches_the_reference():
     """PP=2 x DP=2 (4 processes, 1F1B, stages replicated with DDP, then sharded with FSDP2):
     gradients and losses equal one process accumulating both data-parallel shards."""
-    per_rank = run_distributed(_pp_dp_worker, 4, timeout=150)
+    per_rank = run_distributed(_pp_dp_worker, 4)
     all_params = sorted(n for n, _ in _model().named_parameters())
     for mode in ("ddp", "fsdp"):
         for rank, result in enumerate(per_rank):
@@ -314,7 +314,7 @@ def test_resume_through_the_checkpointer_is_bitwise(tmp_path):
     """A pipelined run (interleaved 1F1B, two stages per rank) checkpointed at step 2 by the
     AsyncCheckpointer and resumed to step 4 ends with the same parameters, bit for bit, as a run
     that never stopped."""
-    per_rank = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"), timeout=150)
+    per_rank = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"))
     for result in per_rank:
         assert result == {"bitwise": True, "last_step": 4}
 
@@ -329,7 +329,7 @@ def test_torchrun_trains_from_the_run_config():
     from tests.dist_utils import REPO, run_torchrun
 
     args = ["distributed.pp_size=2", "pipeline.pp_schedule=1f1b"]
-    proc = run_torchrun(REPO / "tests" / "scripts" / "pp_train.py", 2, args, timeout=150)
+    proc = run_torchrun(REPO / "tests" / "scripts" / "pp_train.py", 2, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted((json.loads(m) for m in re.findall(r"\{[^{}]*\}", proc.stdout)), key=lambda r: r["rank"])
     assert [r["stages"] for r in rows] == [[0], [1]]
@@ -591,7 +591,7 @@ def _precision_worker(rank: int, world: int) -> dict:
 def test_pipeline_precision_bf16_mixed_and_stage_dtype():
     """bf16-mixed keeps fp32 weights and runs the stages in bf16, close to fp32; pipeline.dtype casts
     the stage weights themselves; all three train (the repeated batch's loss falls)."""
-    a, b = run_distributed(_precision_worker, 2, timeout=180)
+    a, b = run_distributed(_precision_worker, 2)
     for r in (a, b):
         assert r["fp32"]["params"] == r["bf16"]["params"] == ["torch.float32"]
         assert r["cast"]["params"] == ["torch.bfloat16"]
@@ -623,7 +623,7 @@ def _ddp_stages_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_ddp_stages_with_one_microbatch_per_stage_train_past_the_first_step():
-    per_rank = run_distributed(_ddp_stages_worker, 4, timeout=150)
+    per_rank = run_distributed(_ddp_stages_worker, 4)
     assert [r["steps"] for r in per_rank] == [4, 4, 4, 4]
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)  # the mean over dp ranks
     # the two replicas of each stage hold the same weights (DDP averaged their gradients)
