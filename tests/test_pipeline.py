@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import os
 import warnings
 
 import pytest
@@ -278,6 +279,7 @@ def test_pp2_dp2_matches_the_reference():
 
 def _resume_worker(rank: int, world: int, directory: str) -> dict:
     from hookloop.engine import Trainer, init_distributed
+    from hookloop.engine.checkpoint_format.directory import step_dir_name
     from hookloop.engine.pipeline import build_pipeline
     from hookloop.handlers.checkpoint import AsyncCheckpointer
     from hookloop.models.gpt import cross_entropy_loss
@@ -290,33 +292,36 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
         pp_schedule="interleaved1f1b", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * N_MB
     )
 
-    def run(max_steps: int, checkpoint: str | None) -> tuple[dict, int]:
+    def run(checkpoint: str | None, resume: str = "auto") -> tuple[dict, int]:
         runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
         opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
         trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
         if checkpoint is not None:
-            AsyncCheckpointer(checkpoint, mode="async").attach(trainer)
+            AsyncCheckpointer(checkpoint, mode="async", resume=resume).attach(trainer)
             save_every(trainer, 2)
-        state = trainer.run(data, max_steps=max_steps)
+        state = trainer.run(data, max_steps=4)
         if checkpoint is not None:
             trainer.get_handler(AsyncCheckpointer).close()
         params = {n: p.detach().clone() for n, p in runtime.module.named_parameters()}
         return params, state.step
 
-    straight, _ = run(4, None)
-    run(2, directory)  # saves step 2, then stops
-    resumed, last_step = run(4, directory)  # resumes from step 2
-    return {"bitwise": all(torch.equal(straight[n], resumed[n]) for n in straight), "last_step": last_step}
+    def same(a: dict, b: dict) -> bool:
+        return all(torch.equal(a[n], b[n]) for n in a)
+
+    straight, _ = run(None)
+    saving, _ = run(directory)  # saves step 2 while step 3 runs (its optimizer waits for it), and step 4
+    resumed, last_step = run(directory + "_resumed", resume=os.path.join(directory, step_dir_name(2)))
+    return {"unchanged": same(straight, saving), "bitwise": same(straight, resumed), "last_step": last_step}
 
 
 @pytest.mark.distributed
 def test_resume_through_the_checkpointer_is_bitwise(tmp_path):
     """A pipelined run (interleaved 1F1B, two stages per rank) checkpointed at step 2 by the
-    AsyncCheckpointer and resumed to step 4 ends with the same parameters, bit for bit, as a run
-    that never stopped."""
+    AsyncCheckpointer (in the background, while step 3 runs) and resumed from there to step 4 ends
+    with the same parameters, bit for bit, as a run that never stopped; so does the run that saved."""
     per_rank = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"))
     for result in per_rank:
-        assert result == {"bitwise": True, "last_step": 4}
+        assert result == {"unchanged": True, "bitwise": True, "last_step": 4}
 
 
 @pytest.mark.distributed
