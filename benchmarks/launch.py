@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -68,10 +69,11 @@ def run_ranks(
     for p in procs:
         p.start()
     done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout  # for the run as a whole, not for each rank's result
     try:
         while len(done) < world_size:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue_mod.Empty:
                 raise TimeoutError(
                     f"ranks did not finish within {timeout:.0f}s (done: {sorted(done)})"

@@ -212,7 +212,7 @@ def _stop_cases(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_one_rank_asking_is_every_rank_doing_at_the_same_step():
-    r0, r1 = run_distributed(_stop_cases, 2, timeout=150)
+    r0, r1 = run_distributed(_stop_cases, 2)
     assert r0["early"][:2] == r1["early"][:2] == (3, ExitCode.STOPPED)
     # every rank gives the reason of the rank that asked, named
     assert r0["early"][2] == "rank 0 asked early" and r1["early"][2] == "rank 0 asked early (asked on rank 0)"
@@ -247,7 +247,7 @@ def _late_checkpoint(rank: int, world: int, directory: str) -> dict:
 def test_a_checkpoint_asked_for_on_one_rank_after_the_agreement_is_saved_next_step_everywhere(tmp_path):
     """A save is collective: one rank starting it alone would hang the other. Asked for after
     the step's agreement, it is carried to the next step's agreement and saved there by both."""
-    r0, r1 = run_distributed(_late_checkpoint, 2, str(tmp_path), timeout=150)
+    r0, r1 = run_distributed(_late_checkpoint, 2, str(tmp_path))
     assert r0["step"] == r1["step"] == 6
     assert r0["saved"] == r1["saved"]
     assert r0["saved"][0] == 3
@@ -316,7 +316,7 @@ def test_a_validation_asked_for_on_one_rank_runs_on_every_rank_at_the_same_step(
     """Validation is collective: one rank validating alone would leave the other waiting. A request
     on one rank is agreed in the step's one all-reduce (asked after it: at the next step), and a
     step that does not validate still issues exactly one all-reduce."""
-    r0, r1 = run_distributed(_validate_on_one_rank, 2, timeout=150)
+    r0, r1 = run_distributed(_validate_on_one_rank, 2)
     assert r0["step"] == r1["step"] == 6
     assert r0["validated"] == r1["validated"] == [2, 5]
     assert r0["decided"] == r1["decided"] == {1: False, 2: True, 3: False, 4: False, 5: True, 6: False}
@@ -377,6 +377,6 @@ def _kinds_differ(rank: int, world: int) -> list:
 
 
 def test_ranks_whose_slots_differ_in_kind_still_sum_each_place():
-    for summed, alike, kept in run_distributed(_kinds_differ, 2, timeout=150):
+    for summed, alike, kept in run_distributed(_kinds_differ, 2):
         assert summed == [3.0, 30.0]
         assert alike == [8.0, 6.0] and kept

@@ -256,7 +256,7 @@ def test_transient_and_data_faults_on_two_ddp_ranks_are_told_apart_and_the_bad_s
         ("resumed", data, {"steps": 12}),
         ("elastic", data, {"steps": 4}),  # then resumed on one rank, below
     ]
-    t, d, _, resumed, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)[0]
+    t, d, _, resumed, _ = run_distributed(_two_ranks, 2, str(tmp_path), cases)[0]
 
     # transient: rank 1's NaN at step 3 does not come back when rank 1 reruns the step
     assert verdicts(t) == [(3, 1, "transient")]
@@ -313,7 +313,7 @@ def test_a_flipped_bit_in_one_replica_names_that_rank_and_fsdp2_reruns_tell_data
         ("fsdp_data", data, {"steps": 4, "dp_mode": "fsdp"}),
         ("fsdp_transient", transient, {"steps": 4, "dp_mode": "fsdp"}),
     ]  # fmt: skip
-    r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), cases)
     flipped, stopped, low, healed, fsdp_data, fsdp_transient = r0
 
     # rank 1's weights went bad at step 3: bad again on its rerun, good on rank 0's: a faulty rank,
@@ -444,7 +444,7 @@ def test_four_ranks_pass_a_bad_ranks_microbatches_around_the_ring(tmp_path):
     transient = ["fault_injection.enabled=true", "fault_injection.kind=transient", "fault_injection.rank=2",
                  "fault_injection.step=3"]  # fmt: skip
     cases = [("data", data, {"steps": 4}), ("transient", transient, {"steps": 4})]
-    results = run_distributed(_two_ranks, 4, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_two_ranks, 4, str(tmp_path), cases)
     assert all(verdicts(r[0]) == [(2, 3, "data")] for r in results)  # rank 0 reran rank 3's data
     assert all(r[0]["state"]["quarantined"][0]["ids"] == [bad] for r in results)
     assert all(verdicts(r[1]) == [(3, 2, "transient")] for r in results)
@@ -578,7 +578,7 @@ def test_with_the_examples_handlers_a_quarantined_step_rolled_back_and_resumed_i
         ("transient_resumed", transient, {"steps": 6}),
         ("rewind", [*data, "nan.skip_data_on_rollback=false"], {"steps": 6}),  # the rollback rewinds the data
     ]
-    results = run_distributed(_two_ranks, 2, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_two_ranks, 2, str(tmp_path), cases)
     d, killed, resumed, t, _, t_resumed, rewind = results[0]
 
     # step 3 is bad: attributed to the sample, quarantined, then rolled back to step 2 and trained
@@ -722,7 +722,7 @@ def test_under_pp2_the_pipeline_reruns_together_tells_data_from_transient_and_le
         ("resumed", data, {"steps": 4}),  # then resumed from its step-4 checkpoint
         ("resumed", data, {"steps": 12}),
     ]
-    results = run_distributed(_dp_pp, 2, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_dp_pp, 2, str(tmp_path), cases)
     host = socket.gethostname()
     for d, t, dropout, plain, compare, _, resumed in results:  # both stages decided the same
         # the bad sample: the pipeline's loss is bad again on its rerun; one replica, no peer: data,

@@ -721,7 +721,8 @@ def test_two_process_resume_is_bitwise_and_fsdp_checkpoints_reshard(tmp_path, dp
         single.run(token_batches(4), max_steps=2)
         load_from = str(tmp_path / "single" / step_dir_name(2))
         single_state = full_snapshot(single)
-    results = run_distributed(_dist_resume_worker, 2, dp_mode, str(tmp_path / "dist"), load_from, timeout=150)
+    directory = str(tmp_path / "dist")
+    results = run_distributed(_dist_resume_worker, 2, dp_mode, directory, load_from)
     for r in results:
         assert r["bitwise"], f"{dp_mode}: resumed run differs from the uninterrupted one"
         assert r["steps"] == (6, str(tmp_path / "dist" / step_dir_name(3)))

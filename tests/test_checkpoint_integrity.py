@@ -526,7 +526,7 @@ def _one_rank_damaged_worker(rank: int, world: int, directory: str) -> dict:
 
 
 def test_two_ranks_agree_on_the_fallback_when_only_one_rank_sees_the_damage(tmp_path):
-    results = run_distributed(_one_rank_damaged_worker, 2, str(tmp_path), timeout=150)
+    results = run_distributed(_one_rank_damaged_worker, 2, str(tmp_path))
     expected = str(tmp_path / step_dir_name(2))
     for r in results:
         assert r["resumed_from"] == expected and r["equal_step_2"], r

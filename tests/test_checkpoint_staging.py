@@ -213,7 +213,7 @@ def _two_rank_races(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def test_staging_in_flight_two_ranks(tmp_path):
-    results = run_distributed(_two_rank_races, 2, str(tmp_path), timeout=300)
+    results = run_distributed(_two_rank_races, 2, str(tmp_path))
     for rank, result in enumerate(results):
         for scenario in SCENARIOS:
             try:

@@ -76,7 +76,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_process_accumulation_and_agreed_veto(mode):
-    results = run_distributed(_worker, 2, mode, timeout=120)
+    results = run_distributed(_worker, 2, mode)
     for r in results:
         assert r["max_grad_diff"] < 1e-6, r
         assert r["loss_diff"] < 1e-6, r

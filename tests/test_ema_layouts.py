@@ -63,7 +63,7 @@ def _train(path, tmp_path, nproc: int = 2):
     if nproc == 1:
         proc = run_process([sys.executable, "-m", "hookloop", "train", str(path)], cwd=tmp_path, timeout=240)
     else:
-        proc = run_torchrun("hookloop", nproc, ["train", str(path)], module=True, cwd=tmp_path, timeout=240)
+        proc = run_torchrun("hookloop", nproc, ["train", str(path)], module=True, cwd=tmp_path)
     return proc
 
 

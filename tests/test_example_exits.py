@@ -146,7 +146,7 @@ def test_a_pipeline_run_checkpoint_resumes_in_a_single_process_run(tmp_path):
     from tests.dist_utils import run_torchrun
 
     args = [*small_run(tmp_path), "step_scheduler.max_steps=4"]
-    pipe = run_torchrun(SCRIPT, 2, [*args, "distributed.pp_size=2", "pipeline.pp_schedule=1f1b"], timeout=240)
+    pipe = run_torchrun(SCRIPT, 2, [*args, "distributed.pp_size=2", "pipeline.pp_schedule=1f1b"])
     assert pipe.returncode == 0, pipe.stderr[-3000:]
     single = run_process([sys.executable, str(SCRIPT), *args[:-1], "step_scheduler.max_steps=8"], timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -50,7 +50,7 @@ def test_train_gpt_under_torchrun_ddp_and_pipeline_match_single_process(tmp_path
     args = ["step_scheduler.max_steps=10", "train.deterministic=true", "step_scheduler.val_every_steps=5"]
     p1 = run_process([sys.executable, str(SCRIPT), *common(single), *args], timeout=180)
     assert p1.returncode == 0, p1.stderr[-3000:]
-    p2 = run_torchrun(SCRIPT, 2, [*common(multi), *args], timeout=180)
+    p2 = run_torchrun(SCRIPT, 2, [*common(multi), *args])
     assert p2.returncode == 0, p2.stderr[-3000:]
     # Global batch 16 = 2 microbatches of 8 on one process, or 1 of 8 on each of 2 ranks: the
     # mixture sampler splits one global stream between ranks, so both runs see the same data.

@@ -63,7 +63,7 @@ def _train(tmp_path, layout: str):
     }
     path = tmp_path / f"{layout}.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = run_torchrun("hookloop", 2, ["train", str(path)], module=True, cwd=tmp_path, timeout=240)
+    proc = run_torchrun("hookloop", 2, ["train", str(path)], module=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir
 

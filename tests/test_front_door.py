@@ -205,7 +205,7 @@ def config(*overrides: str):
 def hookloop(project: Path, nproc: int, *args: str):
     if nproc == 1:
         return run_process([sys.executable, "-m", "hookloop", *args], cwd=project, timeout=180)
-    return run_torchrun("hookloop", nproc, list(args), module=True, cwd=project, timeout=240)
+    return run_torchrun("hookloop", nproc, list(args), module=True, cwd=project)
 
 
 def ok(proc) -> None:
@@ -409,8 +409,8 @@ def test_build_with_python_handlers_runs_under_torchrun(tmp_path, layout, model)
     (tmp_path / "run.yaml").write_text(GPT_CONFIG)
     script = REPO / "tests/scripts/build_run.py"
     args = [str(tmp_path / "run.yaml"), f"train.run_dir={tmp_path / 'run'}", *layout]
-    ok(run_torchrun(script, 2, [*args, "step_scheduler.max_steps=2"], cwd=tmp_path, timeout=240))
-    ok(run_torchrun(script, 2, args, cwd=tmp_path, timeout=240))
+    ok(run_torchrun(script, 2, [*args, "step_scheduler.max_steps=2"], cwd=tmp_path))
+    ok(run_torchrun(script, 2, args, cwd=tmp_path))
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"run/hook-rank{rank}.json").read_text())
         assert seen["steps"] == [1, 2, 3, 4] and seen["model"] == model, seen

@@ -306,7 +306,7 @@ def _nosync_worker(rank: int, world: int) -> dict:
 def test_stage_backward_nosync_patch_syncs_on_the_last_microbatch_only():
     from tests.dist_utils import from_numpy, run_distributed
 
-    per_rank = run_distributed(_nosync_worker, 4, timeout=240)
+    per_rank = run_distributed(_nosync_worker, 4)
     model = tiny_llama()
     microbatches = [ids(seed=10 * d + i) for d in range(2) for i in range(2)]
     losses = []
@@ -381,7 +381,7 @@ def test_train_hf_single_ddp_fsdp_and_pipeline_agree_and_resume(tmp_path):
     }
     for name, extra in runs.items():
         run = tmp_path / name
-        proc = run_torchrun(SCRIPT, 2, [*common(run), "step_scheduler.max_steps=10", *extra], timeout=240)
+        proc = run_torchrun(SCRIPT, 2, [*common(run), "step_scheduler.max_steps=10", *extra])
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         rows = read_metrics(run)
         assert [r["step"] for r in rows] == [5, 10], name

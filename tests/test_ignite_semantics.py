@@ -207,7 +207,7 @@ def _terminate_on_one_rank(rank: int, world: int) -> tuple:
 def test_terminate_on_one_rank_stops_every_rank_at_the_same_step():
     from tests.dist_utils import run_distributed
 
-    results = run_distributed(_terminate_on_one_rank, 2, timeout=120)
+    results = run_distributed(_terminate_on_one_rank, 2)
     assert [step for step, _ in results] == [3, 3]
     assert results[1][1].startswith("terminate() called by")
     assert results[0][1] == f"{results[1][1]} (asked on rank 1)"  # the reason of the rank that asked

@@ -310,7 +310,7 @@ def two_rank_worker(rank: int, world_size: int, run_dir: str) -> dict:
 
 
 def test_two_ranks_agree_on_reduced_metrics_and_only_rank0_logs(tmp_path):
-    results = run_distributed(two_rank_worker, 2, str(tmp_path), timeout=90)
+    results = run_distributed(two_rank_worker, 2, str(tmp_path))
     r0, r1 = results
     assert sorted(r0) == sorted(r1) == [2, 4]
     for step in (2, 4):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import os
 import warnings
 
 import pytest
@@ -220,7 +221,7 @@ def test_every_schedule_matches_the_reference(tmp_path):
     modes; every parameter of the model is trained on exactly one rank."""
     csv_path = tmp_path / "looped.csv"
     csv_path.write_text("\n".join(",".join(row) for row in CSV_ROWS) + "\n")
-    per_rank = run_distributed(_all_schedules_worker, 2, str(csv_path), timeout=150)
+    per_rank = run_distributed(_all_schedules_worker, 2, str(csv_path))
     all_params = sorted(n for n, _ in _model().named_parameters())
     names = available_schedules() + ["csv"]
     assert set(per_rank[0]) == set(names) | {"veto"}
@@ -266,7 +267,7 @@ def _pp_dp_worker(rank: int, world: int) -> dict:
 def test_pp2_dp2_matches_the_reference():
     """PP=2 x DP=2 (4 processes, 1F1B, stages replicated with DDP, then sharded with FSDP2):
     gradients and losses equal one process accumulating both data-parallel shards."""
-    per_rank = run_distributed(_pp_dp_worker, 4, timeout=150)
+    per_rank = run_distributed(_pp_dp_worker, 4)
     all_params = sorted(n for n, _ in _model().named_parameters())
     for mode in ("ddp", "fsdp"):
         for rank, result in enumerate(per_rank):
@@ -278,6 +279,7 @@ def test_pp2_dp2_matches_the_reference():
 
 def _resume_worker(rank: int, world: int, directory: str) -> dict:
     from hookloop.engine import Trainer, init_distributed
+    from hookloop.engine.checkpoint_format.directory import step_dir_name
     from hookloop.engine.pipeline import build_pipeline
     from hookloop.handlers.checkpoint import AsyncCheckpointer
     from hookloop.models.gpt import cross_entropy_loss
@@ -290,33 +292,36 @@ def _resume_worker(rank: int, world: int, directory: str) -> dict:
         pp_schedule="interleaved1f1b", pp_microbatch_size=MB_SIZE, pp_batch_size=MB_SIZE * N_MB
     )
 
-    def run(max_steps: int, checkpoint: str | None) -> tuple[dict, int]:
+    def run(checkpoint: str | None, resume: str = "auto") -> tuple[dict, int]:
         runtime = build_pipeline(_model(), cfg, info, cross_entropy_loss)
         opt = torch.optim.AdamW(runtime.parameters(), lr=1e-2)
         trainer = Trainer(runtime.module, opt, cross_entropy_loss, grad_clip_norm=CLIP, step_body=runtime)
         if checkpoint is not None:
-            AsyncCheckpointer(checkpoint, mode="async").attach(trainer)
+            AsyncCheckpointer(checkpoint, mode="async", resume=resume).attach(trainer)
             save_every(trainer, 2)
-        state = trainer.run(data, max_steps=max_steps)
+        state = trainer.run(data, max_steps=4)
         if checkpoint is not None:
             trainer.get_handler(AsyncCheckpointer).close()
         params = {n: p.detach().clone() for n, p in runtime.module.named_parameters()}
         return params, state.step
 
-    straight, _ = run(4, None)
-    run(2, directory)  # saves step 2, then stops
-    resumed, last_step = run(4, directory)  # resumes from step 2
-    return {"bitwise": all(torch.equal(straight[n], resumed[n]) for n in straight), "last_step": last_step}
+    def same(a: dict, b: dict) -> bool:
+        return all(torch.equal(a[n], b[n]) for n in a)
+
+    straight, _ = run(None)
+    saving, _ = run(directory)  # saves step 2 while step 3 runs (its optimizer waits for it), and step 4
+    resumed, last_step = run(directory + "_resumed", resume=os.path.join(directory, step_dir_name(2)))
+    return {"unchanged": same(straight, saving), "bitwise": same(straight, resumed), "last_step": last_step}
 
 
 @pytest.mark.distributed
 def test_resume_through_the_checkpointer_is_bitwise(tmp_path):
     """A pipelined run (interleaved 1F1B, two stages per rank) checkpointed at step 2 by the
-    AsyncCheckpointer and resumed to step 4 ends with the same parameters, bit for bit, as a run
-    that never stopped."""
-    per_rank = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"), timeout=150)
+    AsyncCheckpointer (in the background, while step 3 runs) and resumed from there to step 4 ends
+    with the same parameters, bit for bit, as a run that never stopped; so does the run that saved."""
+    per_rank = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"))
     for result in per_rank:
-        assert result == {"bitwise": True, "last_step": 4}
+        assert result == {"unchanged": True, "bitwise": True, "last_step": 4}
 
 
 @pytest.mark.distributed
@@ -329,7 +334,7 @@ def test_torchrun_trains_from_the_run_config():
     from tests.dist_utils import REPO, run_torchrun
 
     args = ["distributed.pp_size=2", "pipeline.pp_schedule=1f1b"]
-    proc = run_torchrun(REPO / "tests" / "scripts" / "pp_train.py", 2, args, timeout=150)
+    proc = run_torchrun(REPO / "tests" / "scripts" / "pp_train.py", 2, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = sorted((json.loads(m) for m in re.findall(r"\{[^{}]*\}", proc.stdout)), key=lambda r: r["rank"])
     assert [r["stages"] for r in rows] == [[0], [1]]
@@ -591,7 +596,7 @@ def _precision_worker(rank: int, world: int) -> dict:
 def test_pipeline_precision_bf16_mixed_and_stage_dtype():
     """bf16-mixed keeps fp32 weights and runs the stages in bf16, close to fp32; pipeline.dtype casts
     the stage weights themselves; all three train (the repeated batch's loss falls)."""
-    a, b = run_distributed(_precision_worker, 2, timeout=180)
+    a, b = run_distributed(_precision_worker, 2)
     for r in (a, b):
         assert r["fp32"]["params"] == r["bf16"]["params"] == ["torch.float32"]
         assert r["cast"]["params"] == ["torch.bfloat16"]
@@ -623,7 +628,7 @@ def _ddp_stages_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_ddp_stages_with_one_microbatch_per_stage_train_past_the_first_step():
-    per_rank = run_distributed(_ddp_stages_worker, 4, timeout=150)
+    per_rank = run_distributed(_ddp_stages_worker, 4)
     assert [r["steps"] for r in per_rank] == [4, 4, 4, 4]
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)  # the mean over dp ranks
     # the two replicas of each stage hold the same weights (DDP averaged their gradients)

@@ -229,7 +229,7 @@ def _overflow_on_one_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_fp16_overflow_on_one_rank_is_skipped_on_both():
-    a, b = run_distributed(_overflow_on_one_rank, 2, timeout=120)
+    a, b = run_distributed(_overflow_on_one_rank, 2)
     assert a["skipped"] == b["skipped"] == [2]
     assert a["skipped_steps"] == b["skipped_steps"] == 1
     assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] == 2.0**15
@@ -257,7 +257,7 @@ def _fsdp_bf16(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_fsdp2_bf16_policy_trains_on_two_ranks():
-    a, b = run_distributed(_fsdp_bf16, 2, timeout=180)
+    a, b = run_distributed(_fsdp_bf16, 2)
     assert a["dtypes"] == b["dtypes"] == ["torch.bfloat16"]
     assert a["param_dtypes"] == ["torch.float32"]  # the sharded master weights stay fp32
     assert a["losses"] == b["losses"]  # the loss is the mean over ranks

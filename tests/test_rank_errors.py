@@ -79,7 +79,7 @@ def launch(tmp_path: Path, what: str):
         f"train.run_dir={run_dir}",
         "handlers=[{target: hooks.py:OnOneRank, what: " + what + "}]",
     ]
-    proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=240)
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path)
     status = json.loads((run_dir / "exit_status.json").read_text())
     return proc, status, run_dir
 

@@ -141,7 +141,7 @@ def test_a_flipped_bit_in_one_ddp_replica_is_found_at_the_next_check_and_rolled_
         ("unchecked", FLIP, {}),
     ]
     (clean, healed, requeue, unchecked), (clean1, healed1, requeue1, unchecked1) = run_distributed(
-        _ranks, 2, str(tmp_path), cases, timeout=300
+        _ranks, 2, str(tmp_path), cases
     )
     host = socket.gethostname()
 
@@ -184,7 +184,7 @@ def test_a_flipped_bit_in_one_ddp_replica_is_found_at_the_next_check_and_rolled_
 
 def test_a_rollback_that_finds_no_checkpoint_exits_79_naming_the_node(tmp_path):
     cases = [("lost", [*CHECK, *FLIP], {"steps": 6, "lose_checkpoints": True})]
-    results = run_distributed(_ranks, 2, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_ranks, 2, str(tmp_path), cases)
     assert [r[0]["step"] for r in results] == [5, 5]
     status = json.loads((tmp_path / "lost" / "exit_status.json").read_text())
     assert status["code"] == 79 and status["step"] == 5
@@ -194,7 +194,7 @@ def test_a_rollback_that_finds_no_checkpoint_exits_79_naming_the_node(tmp_path):
 
 def test_three_ddp_replicas_name_the_one_that_differs(tmp_path):
     cases = [("flip", [*CHECK, *FLIP, "replica_check.max_rollbacks=0"], {"steps": 6})]
-    results = run_distributed(_ranks, 3, str(tmp_path), cases, timeout=300)
+    results = run_distributed(_ranks, 3, str(tmp_path), cases)
     host = socket.gethostname()
     for (flip,) in results:
         assert flip["check"]["mismatches"] == [
@@ -293,7 +293,7 @@ def _layout_worker(rank: int, world: int, layout: str, flip: bool) -> dict:
 @pytest.mark.parametrize("layout", ["tp", "pp"])
 @pytest.mark.parametrize("flip", [False, True], ids=["equal", "flipped"])
 def test_under_tensor_and_pipeline_parallelism_the_replicas_of_each_shard_are_compared(layout, flip):
-    results = run_distributed(_layout_worker, 4, layout, flip, timeout=300)
+    results = run_distributed(_layout_worker, 4, layout, flip)
     if not flip:  # the shards (stages) differ from each other; each one's two replicas are equal
         assert all(r["check"] == {"verified_step": 4, "rollbacks": 0, "mismatches": []} for r in results)
         assert all(r["code"] == 0 and r["step"] == 6 for r in results)
@@ -321,7 +321,7 @@ def _fsdp_worker(rank: int, world: int) -> str:
 
 
 def test_fsdp2_weights_sharded_over_the_data_parallel_ranks_are_refused_by_name():
-    for message in run_distributed(_fsdp_worker, 2, timeout=120):
+    for message in run_distributed(_fsdp_worker, 2):
         assert "replica_check.enabled" in message and "distributed.dp_mode=ddp" in message
 
 
@@ -408,7 +408,7 @@ def test_hookloop_train_dp2_tp2_under_torchrun_checks_the_replicas_of_each_shard
         "handlers": handlers,
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    proc = run_torchrun("hookloop", 4, ["train", "run.yaml"], module=True, cwd=tmp_path, timeout=300)
+    proc = run_torchrun("hookloop", 4, ["train", "run.yaml"], module=True, cwd=tmp_path)
     output = proc.stdout + proc.stderr
     status = json.loads((run_dir / "exit_status.json").read_text())
     if not flip:

@@ -291,7 +291,7 @@ def test_after_a_sigkill_and_a_resume_every_record_holds_each_step_once(project)
 def test_under_torchrun_a_config_error_at_train_start_on_one_rank_is_said_once(project):
     refuse_on_rank_1 = "handlers=[{target: 'my_hooks.py:Refuse', rank: 1}]"
     args = ["train", "my_run.yaml", "train.local_batch_size=1", refuse_on_rank_1]
-    proc = run_torchrun("hookloop", 2, args, module=True, cwd=project, timeout=240)
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=project)
     assert proc.returncode != 0
     said = "config error: handlers[0].rank: refused by the test's hook"
     assert proc.stderr.count(said) == 1, proc.stderr
@@ -315,7 +315,7 @@ def test_under_torchrun_a_second_start_on_a_live_run_is_refused_by_every_rank(pr
         wait_for(project / "held", first)
         holder = json.loads((run_dir / ".hookloop.lock").read_text())
         before = settled_snapshot(run_dir)
-        second = run_torchrun("hookloop", 2, common[2:], module=True, cwd=project, timeout=240)
+        second = run_torchrun("hookloop", 2, common[2:], module=True, cwd=project)
         assert first.poll() is None
         assert second.returncode != 0
         assert second.stderr.count("config error: train.run_dir: ") == 1, second.stderr

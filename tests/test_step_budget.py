@@ -128,7 +128,7 @@ def _rank(rank: int, world: int, base: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     base = tmp_path_factory.mktemp("step_budget")
-    return run_distributed(_rank, 2, str(base), timeout=240)
+    return run_distributed(_rank, 2, str(base))
 
 
 @pytest.fixture(scope="module")

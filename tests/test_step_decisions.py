@@ -194,7 +194,7 @@ def _stop_on_rank_one(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_a_stop_one_rank_asks_for_at_step_end_stops_every_rank_at_the_same_step():
-    r0, r1 = run_distributed(_stop_on_rank_one, 2, timeout=150)
+    r0, r1 = run_distributed(_stop_on_rank_one, 2)
     assert r0 == r1 == {"StopAt": 3, "ExactStopAt": 2}
 
 

@@ -54,7 +54,7 @@ def straggler_worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_rank_results() -> list[dict]:
-    return run_distributed(straggler_worker, 2, timeout=90)
+    return run_distributed(straggler_worker, 2)
 
 
 def test_names_the_slow_rank_without_stopping(two_rank_results):

@@ -156,7 +156,7 @@ def _check(per_rank: list[dict], ref: dict) -> None:
     ("sp", "lp"), [(False, False), (True, False), (True, True)], ids=["tp", "tp+sp", "tp+sp+lp"]
 )
 def test_tp2_matches_one_process(sp, lp):
-    per_rank = run_distributed(_tp_worker, 2, 2, 1, "ddp", sp, lp, timeout=180)
+    per_rank = run_distributed(_tp_worker, 2, 2, 1, "ddp", sp, lp)
     ref = _reference(dp=1)
     _check(per_rank, ref)
     if lp:
@@ -178,14 +178,14 @@ def test_tp2_matches_one_process(sp, lp):
 @pytest.mark.slow
 @pytest.mark.parametrize("dp_mode", ["fsdp", "ddp"])
 def test_dp2_tp2_matches_one_process(dp_mode):
-    per_rank = run_distributed(_tp_worker, 4, 2, 1, dp_mode, False, timeout=240)
+    per_rank = run_distributed(_tp_worker, 4, 2, 1, dp_mode, False)
     _check(per_rank, _reference(dp=2))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_pp2_tp2_matches_one_process():
-    per_rank = run_distributed(_tp_worker, 4, 2, 2, "ddp", True, timeout=240)
+    per_rank = run_distributed(_tp_worker, 4, 2, 2, "ddp", True)
     _check(per_rank, _reference(dp=1))
 
 
@@ -314,7 +314,7 @@ def test_checkpoint_of_dp2_tp2_resumes_at_other_layouts(tmp_path):
     import shutil
 
     saved_dir = tmp_path / "saved"
-    saved = run_distributed(_ckpt_worker, 4, 2, "fsdp", str(saved_dir), SAVE_AT, timeout=240)
+    saved = run_distributed(_ckpt_worker, 4, 2, "fsdp", str(saved_dir), SAVE_AT)
     assert [r["step"] for r in saved] == [SAVE_AT] * 4
     reference = saved[0]["state"]
     assert any(k.endswith("exp_avg") for k in reference) and "model.blocks.0.qkv_heads.weight" in reference
@@ -322,12 +322,12 @@ def test_checkpoint_of_dp2_tp2_resumes_at_other_layouts(tmp_path):
     for name, (world, tp, mode) in layouts.items():
         directory = tmp_path / name.replace(" ", "_").replace("=", "")
         shutil.copytree(saved_dir, directory)
-        per_rank = run_distributed(_ckpt_worker, world, tp, mode, str(directory), SAVE_AT + 1, timeout=240)
+        per_rank = run_distributed(_ckpt_worker, world, tp, mode, str(directory), SAVE_AT + 1)
         assert [(r["start"], r["step"]) for r in per_rank] == [(SAVE_AT, SAVE_AT + 1)] * world, name
         assert _same_state(per_rank[0]["state"], reference) == [], name
     shutil.copytree(saved_dir, tmp_path / "pp2_tp2")
     directory = str(tmp_path / "pp2_tp2")
-    staged = run_distributed(_ckpt_worker, 4, 2, "ddp", directory, SAVE_AT + 1, 2, timeout=240)
+    staged = run_distributed(_ckpt_worker, 4, 2, "ddp", directory, SAVE_AT + 1, 2)
     assert [(r["start"], r["step"]) for r in staged] == [(SAVE_AT, SAVE_AT + 1)] * 4
     got = _merged(staged)
     assert "model.0.blocks.0.qkv_heads.weight" in got  # loaded under the stages' own names
@@ -390,7 +390,7 @@ def test_llama_tp2_matches_one_process():
     pytest.importorskip("transformers")
     from hookloop.models.hf import build
 
-    per_rank = run_distributed(_llama_worker, 2, timeout=180)
+    per_rank = run_distributed(_llama_worker, 2)
     torch.manual_seed(0)
     model = build("llama", seq_len=16, **LLAMA)
     ref = _llama_run(model, model.parameters(), _llama_batches(LLAMA_STEPS * N_MB, MB))
@@ -537,7 +537,7 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
         "distributed.sequence_parallel=true",
         "distributed.loss_parallel=true",
     ]
-    proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
+    proc = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "world size 2 (dp 1 x tp 2 x pp 1)" in proc.stderr
     assert proc.stdout.count("done: step 10, loss ") == 1
@@ -549,7 +549,7 @@ def test_torchrun_trains_tp2_with_every_handler_and_resumes(tmp_path):
     assert last["tokens_seen"] == 64 * last["step"]
     assert any("val_loss" in r for r in rows)
     assert "rolled back to" in proc.stderr
-    again = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path, timeout=300)
+    again = run_torchrun("hookloop", 2, args, module=True, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "done: step 10, no step left to train" in again.stdout
 
@@ -564,16 +564,16 @@ def test_checkpoint_of_pp2_tp2_resumes_at_pp2_without_tp(tmp_path):
 
     merged = _merged
 
-    saved = run_distributed(_ckpt_worker, 4, 2, "ddp", str(tmp_path / "saved"), SAVE_AT, 2, timeout=240)
+    saved = run_distributed(_ckpt_worker, 4, 2, "ddp", str(tmp_path / "saved"), SAVE_AT, 2)
     assert [r["step"] for r in saved] == [SAVE_AT] * 4
     shutil.copytree(tmp_path / "saved", tmp_path / "pp2")
-    resumed = run_distributed(_ckpt_worker, 2, 1, "ddp", str(tmp_path / "pp2"), SAVE_AT + 1, 2, timeout=240)
+    resumed = run_distributed(_ckpt_worker, 2, 1, "ddp", str(tmp_path / "pp2"), SAVE_AT + 1, 2)
     assert [(r["start"], r["step"]) for r in resumed] == [(SAVE_AT, SAVE_AT + 1)] * 2
     reference = merged(saved)
     assert any("qkv_heads.weight" in k for k in reference) and any(k.endswith("exp_avg") for k in reference)
     assert _same_state(merged(resumed), reference) == []
     shutil.copytree(tmp_path / "saved", tmp_path / "tp2")
-    whole = run_distributed(_ckpt_worker, 2, 2, "ddp", str(tmp_path / "tp2"), SAVE_AT + 1, timeout=240)
+    whole = run_distributed(_ckpt_worker, 2, 2, "ddp", str(tmp_path / "tp2"), SAVE_AT + 1)
     assert [(r["start"], r["step"]) for r in whole] == [(SAVE_AT, SAVE_AT + 1)] * 2
     assert "model.blocks.0.qkv_heads.weight" in whole[0]["state"]
     assert _same_state(whole[0]["state"], _without_stages(reference)) == []
@@ -599,7 +599,7 @@ def test_tp_step_keeps_one_small_collective_over_the_world():
     """At tp=2 with sequence parallelism, the step's control values still travel in one
     ``torch.distributed`` all-reduce per step (the agreement); the layers' own communication is
     DTensor's (functional collectives on the tp group), the gradient norm's too."""
-    for result in run_distributed(_budget_worker, 2, timeout=180):
+    for result in run_distributed(_budget_worker, 2):
         assert result["per_step"] == [1] * 7, result
         assert any("all_reduce at engine/agreement.py" in site for site in result["sites"]), result
 
@@ -644,7 +644,7 @@ def test_torchrun_llama_pp2_tp2_matches_one_process(tmp_path):
     one = run_process([sys.executable, "-m", "hookloop", *args("one")], cwd=tmp_path, timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
     layout = ["distributed.pp_size=2", "distributed.tp_size=2", "pipeline.pp_schedule=1f1b"]
-    four = run_torchrun("hookloop", 4, [*args("pp_tp"), *layout], module=True, cwd=tmp_path, timeout=300)
+    four = run_torchrun("hookloop", 4, [*args("pp_tp"), *layout], module=True, cwd=tmp_path)
     assert four.returncode == 0, four.stderr[-3000:]
     assert "world size 4 (dp 1 x tp 2 x pp 2)" in four.stderr
     expected, got = logged("one"), logged("pp_tp")

@@ -150,9 +150,7 @@ data:
 
 
 def train(project: Path, nproc: int, *overrides: str):
-    proc = run_torchrun(
-        "hookloop", nproc, ["train", "run.yaml", *overrides], module=True, cwd=project, timeout=300
-    )
+    proc = run_torchrun("hookloop", nproc, ["train", "run.yaml", *overrides], module=True, cwd=project)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

@@ -265,7 +265,7 @@ def _reduction_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.distributed
 def test_metrics_reduce_over_the_data_parallel_ranks_only():
-    results = run_distributed(_reduction_worker, 4, timeout=120)
+    results = run_distributed(_reduction_worker, 4)
     single, correct = results[0]["single"], results[0]["single_correct"]
     assert 0 < single < 1
     for rank, out in enumerate(results):
@@ -356,7 +356,7 @@ def test_hookloop_train_publishes_the_same_metrics_in_one_process_and_under_ddp_
     assert marker["metrics"] == {"val_accuracy": expected[best]["val_accuracy"]}
 
     for layout, extra in LAYOUTS.items():
-        proc = run_torchrun("hookloop", 2, [*args(layout), *extra], module=True, cwd=my_metrics, timeout=300)
+        proc = run_torchrun("hookloop", 2, [*args(layout), *extra], module=True, cwd=my_metrics)
         assert proc.returncode == 0, (layout, proc.stderr[-3000:])
         got = _validations(my_metrics / layout)
         assert sorted(got) == [3, 6], layout
