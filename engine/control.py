@@ -20,11 +20,11 @@ field                   requested by, when                              reset
 ``skip``                :meth:`request_skip`, up to BEFORE_OPTIMIZER    end of every step (before the next
                         _STEP; the agreement replaces it with the       STEP_START) and when a run starts
                         agreed value (a fp16 overflow skips too)
-``device_skip``         :meth:`request_skip` ``(on_device=flag)``, from  end of every step (before the next
-                        an agreed device value (a slot's ``on_agreed``  STEP_START) and when a run starts
-                        with a tensor); the optimizer skips where it
-                        is > 0, on the device (:attr:`Trainer.skips_on_
-                        device`); nothing on the host knows yet
+``device_skip``         ``request_skip(on_device=flag)``, from an       end of every step (before the next
+                        agreed device value (a slot's ``on_agreed``     STEP_START) and when a run starts
+                        given a tensor); the optimizer skips where it
+                        is > 0, on the device (``trainer.skips_on_
+                        device``); nothing on the host knows yet
 ``save``,              :meth:`request_save`, any time, saying who      end of every step; a request made
 ``save_by``             asked; the agreement replaces ``save`` with     after the agreement carries over
                         the agreed value                                to the next step

@@ -9,8 +9,10 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         tokens_seen, samples_seen                   counts, and every vote: skip, stop (with its
         control.skip / save / validate / stop       exit code), save, validate, the slots' values
         agreed, control.decided recorded            (on_agreed), whether anything may still ask late;
-                                                    the summed loss, norm and tokens stay on the
-                                                    device unless the step decides something
+                                                    the summed loss, norm and tokens (and the
+                                                    slots that may stay there, Slot.on_device)
+                                                    stay on the device unless the step decides
+                                                    something
     ... optimizer, fire(STEP_END)
         decided.validate: trainer.validate()        at Priority.VALIDATION, on every rank
     end_step() -> stop                              the trainer's last STEP_END handler:

@@ -67,12 +67,12 @@ __all__ = ["NaNConfig", "NaNDetector"]
 #: BEFORE_OPTIMIZER_STEP: this rank's verdict on its gradients, before user handlers that may veto.
 NAN_CHECK = Priority.DECIDE - 900
 #: TRAIN_START: choose where bad steps are skipped, once every handler is attached.
-CHOOSE_PATH = Priority.CLEANUP
+NAN_PATH = Priority.CLEANUP - 500
 #: STEP_END: read the verdicts skipped on the device on a step that reads anyway, after the metrics
 #: tracker publishes (OBSERVE + 50) and before the checkpointer (ACT) and the loggers (RECORD).
-SETTLE = Priority.OBSERVE - 500
+NAN_SETTLE = Priority.OBSERVE - 500
 #: TRAIN_END: the last verdicts read before anything reports the run.
-SETTLE_AT_END = Priority.CLOCK
+NAN_SETTLE_END = Priority.CLOCK + 800
 #: STEP_END: ask for a rollback once the loggers recorded the bad step.
 ROLLBACK_REQUEST = Priority.RECORD - 900
 #: ROLLBACK: count the rollback this detector asked for, before anything restores: the head of CLOCK
@@ -152,11 +152,11 @@ class NaNDetector(Handler):
                     "AsyncCheckpointer before the NaNDetector, or use action='warn' or 'raise'",
                 )
             trainer.save_policy.want_initial_save()
-        trainer.add_event_handler(Events.TRAIN_START, self._choose_path, priority=CHOOSE_PATH)
+        trainer.add_event_handler(Events.TRAIN_START, self._choose_path, priority=NAN_PATH)
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
         self._slot = trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
-        trainer.add_event_handler(Events.STEP_END, self._settle_if_read, priority=SETTLE)
-        trainer.add_event_handler(Events.TRAIN_END, self.settle, priority=SETTLE_AT_END)
+        trainer.add_event_handler(Events.STEP_END, self._settle_if_read, priority=NAN_SETTLE)
+        trainer.add_event_handler(Events.TRAIN_END, self.settle, priority=NAN_SETTLE_END)
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=ROLLBACK_COUNT)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
