@@ -68,9 +68,10 @@ __all__ = ["NaNConfig", "NaNDetector"]
 NAN_CHECK = Priority.DECIDE - 900
 #: TRAIN_START: choose where bad steps are skipped, once every handler is attached.
 NAN_PATH = Priority.CLEANUP - 500
-#: STEP_END: read the verdicts skipped on the device on a step that reads anyway, after the metrics
-#: tracker publishes (OBSERVE + 50) and before the checkpointer (ACT) and the loggers (RECORD).
-NAN_SETTLE = Priority.OBSERVE - 500
+#: STEP_END: read the verdicts skipped on the device on a step that reads anyway, before the metrics
+#: tracker publishes (OBSERVE + 50: its skipped_steps and lr are then current), the checkpointer
+#: (ACT) and the loggers (RECORD).
+NAN_SETTLE = Priority.OBSERVE + 75
 #: TRAIN_END: the last verdicts read before anything reports the run.
 NAN_SETTLE_END = Priority.CLOCK + 800
 #: STEP_END: ask for a rollback once the loggers recorded the bad step.
@@ -142,6 +143,7 @@ class NaNDetector(Handler):
         #: Verdicts skipped on the device, not read yet: (step, agreed bad ranks, loss, grad norm).
         self._pending: list[tuple[int, torch.Tensor, Any, Any]] = []
         self._slot: Any = None
+        self._tracker: Any = None  # the metrics tracker, whose log steps read the verdicts
 
     def attach(self, trainer: Trainer) -> NaNDetector:
         if self.action == "rollback":
@@ -172,17 +174,20 @@ class NaNDetector(Handler):
         return self.action != "raise" and self.spike_factor is None and self.trainer.skips_on_device
 
     def _choose_path(self, trainer: Trainer) -> None:
-        """TRAIN_START (every handler attached, the schedule built): the device path or the host's."""
+        """TRAIN_START (every handler attached, the schedule built): the device path or the host's,
+        and who says which steps are log steps (the metrics tracker; none: every step)."""
+        from hookloop.handlers.metrics import MetricsTracker
+
         self._slot.on_device = self.skips_on_device
+        self._tracker = trainer.get_handler(MetricsTracker)
 
     def _settle_if_read(self, trainer: Trainer) -> None:
-        """STEP_END, after the metrics are published and before anything saves or logs: on a step
-        that reads anyway (a log step: fresh metrics, or no tracker publishing at a cadence; the
-        run's last step), the verdicts skipped on the device are read and counted."""
+        """STEP_END, before the metrics tracker publishes and anything saves or logs: on a step that
+        reads anyway (a log step; with no tracker, every step; the run's last step), the verdicts
+        skipped on the device are read and counted."""
         if not self._pending:
             return
-        state = trainer.state
-        if state.metrics_step is None or state.metrics_step == state.step or trainer.at_last_step:
+        if self._tracker is None or self._tracker.publishes_now() or trainer.at_last_step:
             self.settle()
 
     def settle(self, *_: Any) -> None:
