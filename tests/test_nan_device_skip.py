@@ -142,3 +142,31 @@ def test_two_ranks_skip_on_the_device_and_roll_back_after_max_consecutive(tmp_pa
         assert r["step"] == 12
     for x, y in zip(a["params"] + a["exp_avg"], b["params"] + b["exp_avg"]):
         assert np.array_equal(x, y)
+
+
+def test_the_weight_average_skips_a_step_skipped_on_the_device():
+    from hookloop.handlers import WeightEMA
+
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    trainer = Trainer(model, opt, cross_entropy_loss)
+    FaultInjector(kind="nan", microbatches=[3]).attach(trainer)  # step 4
+    NaNDetector(action="warn").attach(trainer)
+    MetricsTracker(log_interval=100).attach(trainer)
+    ema = WeightEMA(decay=0.5).attach(trainer)
+    moved: list = []
+    before: dict = {}
+
+    @trainer.on(Events.STEP_START)
+    def snapshot(e):
+        before["avg"] = {k: v.clone() for k, v in ema.average.items()}
+
+    @trainer.on(Events.STEP_END, priority=Priority.DEFAULT)
+    @observer
+    def compare(e):
+        same = all(torch.equal(v, before["avg"][k]) for k, v in ema.average.items())
+        moved.append((e.state.step, not same))
+
+    trainer.run(token_batches(6), max_epochs=1)
+    assert [s for s, m in moved if not m] == [4]  # the average moved on every applied step only
+    assert ema.updates == 5
