@@ -85,6 +85,9 @@ ROLLBACK_DONE = Priority.CLEANUP - 900
 logger = logging.getLogger(__name__)
 
 _MIN_SPIKE_HISTORY = 10
+#: On the device path, verdicts are read at the latest after this many unread steps (a run that
+#: neither logs nor saves for that long keeps a bounded list of them).
+_MAX_UNREAD = 1000
 
 
 def _number(value: Any) -> Any:
@@ -255,6 +258,8 @@ class NaNDetector(Handler):
             self.trainer.control.request_skip(on_device=bad_ranks)
             self._pending.append((state.step, bad_ranks, state.peek("loss"), state.peek("grad_norm")))
             self.trainer.save_policy.defer(self.state_key, self.settle)
+            if len(self._pending) >= _MAX_UNREAD:
+                self.settle()
             return
         self.settle()  # earlier steps' verdicts first, in order
         if bad_ranks:
