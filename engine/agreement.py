@@ -23,6 +23,12 @@ decides anything reads the sums with its decisions (:mod:`engine.step_decisions`
 tensor on some ranks and a number on others (its own group's values, zeros elsewhere): the ranks see
 it from the sums and sum that step again in one layout.
 
+A slot added with ``on_device=True`` is not read for its own sake: its ``on_agreed`` receives the
+sum as a tensor, unread, on a step that decides nothing else (no skip, stop, save or validation
+asked, no other slot read), and as a number on a step that reads anyway. Its handler acts on the
+device with it (the NaN detector's skip: a fused optimizer's ``found_inf``) and does its host
+bookkeeping at the next step that reads. The flag may change between steps (``slot.on_device``).
+
 Who takes part is the trainer's *agreement transport*, ``trainer.agreement.transport`` (as
 Lightning's ``Strategy.reduce_boolean_decision``): :class:`AgreementTransport` is the plain process
 group; the replica groups of a fault-tolerant run extend it across the live groups.
@@ -62,7 +68,9 @@ class Slot:
 
     name: str
     fill: Callable[[], Value]
-    on_agreed: Callable[[float], None] | None = None
+    on_agreed: Callable[[Any], None] | None = None
+    #: ``on_agreed`` takes the sum as a tensor, unread, on a step that reads nothing else.
+    on_device: bool = False
 
 
 class AgreementTransport:
@@ -85,10 +93,11 @@ class AgreementTransport:
         """How many ranks' values the latest step's agreed sums cover."""
         return parallel.world_size()
 
-    def agree_step(self, values: Sequence[Value]) -> list[Value]:
-        """The step's values summed over its ranks: the first :data:`STEP_VALUES` (loss, gradient
-        norm, tokens) stay on the device, unread (:func:`sum_over_ranks`), the decisions are read."""
-        return sum_over_ranks(values, keep=STEP_VALUES)
+    def agree_step(self, values: Sequence[Value], keep: int = STEP_VALUES) -> list[Value]:
+        """The step's values summed over its ranks: the first ``keep`` (loss, gradient norm, tokens,
+        then the ``on_device`` slots) stay on the device, unread (:func:`sum_over_ranks`), the
+        decisions are read."""
+        return sum_over_ranks(values, keep=keep)
 
     def agree_late(self, values: Sequence[Value]) -> list[Value]:
         """The late agreement's values (host numbers) summed over its ranks."""
@@ -120,17 +129,20 @@ class StepAgreement:
         self,
         name: str,
         fill: Callable[[], Value],
-        on_agreed: Callable[[float], None] | None = None,
+        on_agreed: Callable[[Any], None] | None = None,
+        *,
+        on_device: bool = False,
     ) -> Slot:
         """Add a slot: ``fill()`` -> this rank's value just before the reduction,
-        ``on_agreed(sum over ranks)`` on every rank right after it, before the optimizer step."""
+        ``on_agreed(sum over ranks)`` on every rank right after it, before the optimizer step;
+        ``on_device``: the sum may come as an unread tensor (see the module docstring)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a slot needs a non-empty name, got {name!r}")
         if name in self._slots:
             raise ValueError(f"the step agreement already has a slot named {name!r}; pick another name")
         if not callable(fill) or (on_agreed is not None and not callable(on_agreed)):
             raise TypeError("fill and on_agreed must be callables: fill() -> value, on_agreed(sum)")
-        slot = Slot(name, fill, on_agreed)
+        slot = Slot(name, fill, on_agreed, bool(on_device))
         self._slots[name] = slot
         return slot
 

@@ -20,6 +20,11 @@ field                   requested by, when                              reset
 ``skip``                :meth:`request_skip`, up to BEFORE_OPTIMIZER    end of every step (before the next
                         _STEP; the agreement replaces it with the       STEP_START) and when a run starts
                         agreed value (a fp16 overflow skips too)
+``device_skip``         ``request_skip(on_device=flag)``, from an       end of every step (before the next
+                        agreed device value (a slot's ``on_agreed``     STEP_START) and when a run starts
+                        given a tensor); the optimizer skips where it
+                        is > 0, on the device (``trainer.skips_on_
+                        device``); nothing on the host knows yet
 ``save``,              :meth:`request_save`, any time, saying who      end of every step; a request made
 ``save_by``             asked; the agreement replaces ``save`` with     after the agreement carries over
                         the agreed value                                to the next step
@@ -69,6 +74,7 @@ pruning, an initial save) is not a request to the loop: it is the trainer's save
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hookloop.engine.errors import TrainingAborted
 from hookloop.engine.exit_codes import ExitCode
@@ -133,6 +139,7 @@ class StepControl:
 
     __slots__ = (
         "decided",
+        "device_skip",
         "exclude_nodes",
         "exit_code",
         "rollback",
@@ -146,6 +153,7 @@ class StepControl:
 
     def __init__(self) -> None:
         self.skip = False
+        self.device_skip: Any = None
         self.save = False
         self.save_by: tuple[str, ...] = ()
         self.stop = False
@@ -160,9 +168,20 @@ class StepControl:
         asked = [name for name in ("skip", "save", "validate", "stop") if getattr(self, name)]
         return f"StepControl(requested={asked}, exit_code={self.exit_code}, decided={self.decided})"
 
-    def request_skip(self) -> None:
-        """Veto this step's optimizer update (on every rank: agreed before the optimizer step)."""
-        self.skip = True
+    def request_skip(self, on_device: Any = None) -> None:
+        """Veto this step's optimizer update (on every rank: agreed before the optimizer step).
+
+        ``on_device``: a 0-dim tensor agreed by every rank (a slot's ``on_agreed`` given a tensor,
+        ``Slot.on_device``): the update is skipped where it is > 0, decided on the device without a
+        read, by an optimizer that can (``trainer.skips_on_device``: a fused Adam, AdamW or SGD
+        takes it as its ``found_inf``); ``decided.skip`` and ``state.skipped_steps`` do not see it
+        (whoever asked tells the trainer later, ``trainer.count_device_skips``)."""
+        if on_device is None:
+            self.skip = True
+        elif self.device_skip is None:
+            self.device_skip = on_device
+        else:
+            self.device_skip = self.device_skip + on_device
 
     def request_save(self, by: str = "user") -> None:
         """Ask for a checkpoint at the end of this step (agreed; asked after the agreement: the next).
@@ -240,6 +259,7 @@ class StepControl:
     def drop_step_requests(self) -> None:
         """A step that raised leaves no skip, save or validation request behind."""
         self.skip = self.save = self.validate = False
+        self.device_skip = None
         self.save_by = ()
 
     def decide_stop(self, exit_code: int = 0) -> None:
@@ -260,6 +280,7 @@ class StepControl:
             self.save_by = ()
         self.validate = self.validate and not decided.validate
         self.skip = False
+        self.device_skip = None
         self.decided = Decided(stop=True, exit_code=self.exit_code) if stop else _NOTHING_DECIDED
 
 

@@ -197,6 +197,21 @@ class ScheduledRates:
         if scaled:
             self.write(next_step)
 
+    def unstep(self, steps: int, next_step: int) -> None:
+        """Move a ``LambdaLR`` schedule back ``steps`` steps (steps it was stepped after that turned
+        out skipped, :meth:`engine.Trainer.count_device_skips`), then write the rates of
+        ``next_step``. Its rate is a function of its step count, so moving back is exact."""
+        scheduler = self._trainer.lr_scheduler
+        if scheduler is None:
+            return
+        if not isinstance(scheduler, LambdaLR):
+            raise TypeError(f"only a LambdaLR schedule can be moved back, not {type(scheduler).__name__}")
+        scheduler.last_epoch -= steps
+        scheduler._last_lr = [  # what LambdaLR.get_lr() computes, without its warning outside step()
+            base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)
+        ]
+        self.write(next_step)
+
     def _put(self, rates: list[float], scale: float) -> None:
         for group, lr in zip(self._trainer.optimizer.param_groups, rates):
             group["lr"] = lr * scale

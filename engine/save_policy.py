@@ -20,6 +20,12 @@ initial save        :meth:`want_initial_save` at attach: it may  saves step 0 wh
                     roll back before the first regular save      (:meth:`initial_save_due`)
 ==================  ===========================================  =====================================
 
+A judge whose verdicts are still on the device (the NaN detector when the skip is decided there)
+says so with :meth:`defer` ``(by, settle)``: whoever reads the policy (:attr:`saves_held`,
+:attr:`holders`, :attr:`protected_step`) first has it settle, i.e. read its verdicts and hold,
+release or protect as if it had read them at their steps; a step that reads nothing of the policy
+costs nothing.
+
 A judge names itself (``by``): one judge releasing its hold never releases another's. The policy
 is information, not a request to agree on: judges set it from values every rank shares (a verdict
 agreed in the step's agreement), so it is the same on every rank. Nothing here resets when a run
@@ -30,23 +36,26 @@ itself (skip a step, save, validate, stop, roll back) go to the control point (:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["SavePolicy"]
 
 
 class SavePolicy:
     """What judges of the state tell savers (see the module docstring)."""
 
-    __slots__ = ("_holders", "_initial_save", "_protected")
+    __slots__ = ("_deferred", "_holders", "_initial_save", "_protected")
 
     def __init__(self) -> None:
+        self._deferred: dict[str, Callable[[], None]] = {}
         self._holders: set[str] = set()
         self._protected: dict[str, int] = {}
         self._initial_save = False
 
     def __repr__(self) -> str:
         return (
-            f"SavePolicy(held_by={sorted(self._holders)}, protected_step={self.protected_step}, "
-            f"initial_save={self._initial_save})"
+            f"SavePolicy(held_by={sorted(self._holders)}, protected={self._protected}, "
+            f"initial_save={self._initial_save}, deferred={sorted(self._deferred)})"
         )
 
     def hold_saves(self, by: str) -> None:
@@ -69,6 +78,21 @@ class SavePolicy:
             raise ValueError(f"protect(step=...) needs a step number >= 0 or None, got {step!r}")
         self._protected[by] = step
 
+    def defer(self, by: str, settle: Callable[[], None] | None) -> None:
+        """``by`` has verdicts not yet read: ``settle()`` (which reads them, then holds, releases or
+        protects) runs before the policy is next read; None: nothing is pending any more."""
+        by = _name(by)
+        if settle is None:
+            self._deferred.pop(by, None)
+        else:
+            self._deferred[by] = settle
+
+    def settle(self) -> None:
+        """Have every judge with deferred verdicts settle them now (each once)."""
+        while self._deferred:
+            _, settle = self._deferred.popitem()
+            settle()
+
     def want_initial_save(self) -> None:
         """Ask for a checkpoint of step 0 when a run starts fresh (something to roll back to)."""
         self._initial_save = True
@@ -76,16 +100,22 @@ class SavePolicy:
     @property
     def saves_held(self) -> bool:
         """Whether any judge holds saves: start none, publish none."""
+        if self._deferred:
+            self.settle()
         return bool(self._holders)
 
     @property
     def holders(self) -> tuple[str, ...]:
         """Who holds saves now (sorted)."""
+        if self._deferred:
+            self.settle()
         return tuple(sorted(self._holders))
 
     @property
     def protected_step(self) -> int | None:
         """The newest step every judge trusts (the lowest any protects); None: nobody protects one."""
+        if self._deferred:
+            self.settle()
         return min(self._protected.values()) if self._protected else None
 
     @property

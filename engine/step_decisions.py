@@ -9,8 +9,10 @@ Handlers *request* on the trainer's control point (:mod:`engine.control`); the t
         tokens_seen, samples_seen                   counts, and every vote: skip, stop (with its
         control.skip / save / validate / stop       exit code), save, validate, the slots' values
         agreed, control.decided recorded            (on_agreed), whether anything may still ask late;
-                                                    the summed loss, norm and tokens stay on the
-                                                    device unless the step decides something
+                                                    the summed loss, norm and tokens (and the
+                                                    slots that may stay there, Slot.on_device)
+                                                    stay on the device unless the step decides
+                                                    something
     ... optimizer, fire(STEP_END)
         decided.validate: trainer.validate()        at Priority.VALIDATION, on every rank
     end_step() -> stop                              the trainer's last STEP_END handler:
@@ -92,6 +94,8 @@ class StepDecisions:
         state, control = self._state(), self._control
         transport = self._agreement.transport  # who takes part (engine.agreement)
         slots = self._agreement.slots
+        # A slot that may stay on the device goes right after the step values, kept unread with them.
+        front = [slot.fill() for slot in slots if slot.on_device]
         decisions: list[Any] = [
             samples,
             False if overflow is None else overflow,
@@ -101,15 +105,26 @@ class StepDecisions:
             self._validation_vote(),
             self.late_requests_possible() or control.rollback is not None,
             *exit_code_votes(int(control.exit_code) if control.stop else 0),
-            *(slot.fill() for slot in slots),
+            *(slot.fill() for slot in slots if not slot.on_device),
         ]
+        n = len(front)
         if not transport.spans_processes:
-            agreed = sum_over_ranks(decisions)
+            agreed = sum_over_ranks([*front, *decisions], keep=n)
+            front, agreed = agreed[:n], agreed[n:]
+            if n and any(v > 0 for v in agreed[1:6]):  # a step that decides reads its slots too
+                front = read_now(front)
         else:  # the loss, norm and tokens come back unread when they are tensors (engine.agreement)
-            agreed = transport.agree_step([loss, norm, tokens, *decisions])
-            step_values, agreed = agreed[:STEP_VALUES], agreed[STEP_VALUES:]
-            if any(v > 0 for v in agreed[1:7]):  # a step that decides reads its values too
+            keep = STEP_VALUES + n
+            values = [loss, norm, tokens, *front, *decisions]
+            agreed = transport.agree_step(values, keep=keep) if n else transport.agree_step(values)
+            step_values, agreed = agreed[:keep], agreed[keep:]
+            # a step that decides reads its values and slots too; one whose end may still ask for a
+            # stop (late) reads its values only
+            if any(v > 0 for v in agreed[1:6]):
                 step_values = read_now(step_values)
+            elif agreed[6] > 0:
+                step_values = read_now(step_values[:STEP_VALUES]) + step_values[STEP_VALUES:]
+            step_values, front = step_values[:STEP_VALUES], step_values[STEP_VALUES:]
             ranks = transport.ranks_summed
             state.loss, state.grad_norm = step_values[0] / ranks, step_values[1] / ranks
             tokens = step_values[2]
@@ -128,7 +143,9 @@ class StepDecisions:
         control.validate = validate > 0
         if stop > 0:
             control.decide_stop(agreed_exit_code(votes))
-        for slot, value in zip(slots, slot_values):
+        on_device, on_host = iter(front), iter(slot_values)
+        for slot in slots:
+            value = next(on_device if slot.on_device else on_host)
             if slot.on_agreed is not None:
                 slot.on_agreed(value)
         self.late = late > 0 or control.validate  # a validation's handlers may ask late

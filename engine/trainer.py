@@ -574,20 +574,59 @@ class Trainer(IgniteAdapter):
         self.step_decisions.agree(local_loss, norm, tokens, samples, overflow)
         return self._optimizer_step(norm)
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a skip can be decided on the device (``control.request_skip(on_device=flag)``):
+        the optimizer takes a ``found_inf`` and skips its update and step counters where it is
+        nonzero (torch's fused Adam, AdamW and SGD, ``fused=True``, on CPU too), no fp16 loss
+        scaler owns that input, and the LR schedule can be moved back once the host learns of the
+        skip (none, or a ``LambdaLR`` such as :func:`engine.lr.build_lr_scheduler`'s: its rate is a
+        function of its step count). Otherwise a skip is decided on the host (one read)."""
+        scheduler = self.lr_scheduler
+        return (
+            self.grad_scaler is None
+            and getattr(self.optimizer, "_step_supports_amp_scaling", False)
+            and (scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR))
+        )
+
+    def count_device_skips(self, skipped: int) -> None:
+        """The host learned that ``skipped`` earlier steps were skipped on the device (asked with
+        ``control.request_skip(on_device=...)``): ``state.skipped_steps`` counts them, and the LR
+        schedule, stepped after each as if it had been applied, moves back as many steps, so its
+        count is again the applied steps' (:meth:`engine.lr.ScheduledRates.unstep`). The steps
+        between the skip and now ran at the rate one schedule step ahead per unsettled skip."""
+        if skipped <= 0:
+            return
+        state = self.state
+        state.skipped_steps += skipped
+        self.rates.unstep(skipped, state.step + 1)
+        state.lr = self.optimizer.param_groups[0]["lr"]
+
     def _optimizer_step(self, norm: Any) -> float:
-        """The agreed veto, clipping, then optimizer and LR scheduler."""
+        """The agreed veto (or the one decided on the device), clipping, then optimizer and LR
+        scheduler."""
         state = self.state
         scaler = self.grad_scaler
+        on_device = self.control.device_skip
         if self.control.decided.skip:
             state.skipped_steps += 1
+        elif on_device is not None:  # the optimizer skips where the agreed flag is set (found_inf)
+            if not self.skips_on_device:
+                raise RuntimeError(
+                    "control.request_skip(on_device=...) needs an optimizer that skips on the device "
+                    f"(trainer.skips_on_device is False for {type(self.optimizer).__name__}: use a fused "
+                    "Adam, AdamW or SGD, no fp16 loss scaler and a LambdaLR schedule), else request_skip()"
+                )
+            self._clip(norm)
+            optimizer = self.optimizer
+            optimizer.found_inf = (on_device > 0).to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            self.rates.step(state.step + 1)  # moved back if the host learns the step was skipped
         else:
-            if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
-                if self.tp_mesh is not None:
-                    tensor_parallel.clip_grads_with_norm(self._params, self.grad_clip_norm, norm)
-                else:
-                    torch.nn.utils.clip_grads_with_norm_(
-                        self._params, self.grad_clip_norm, norm, foreach=True
-                    )
+            self._clip(norm)
             if scaler is None:
                 self.optimizer.step()
             else:
@@ -598,6 +637,13 @@ class Trainer(IgniteAdapter):
         self.optimizer.zero_grad(set_to_none=True)
         state.lr = self.optimizer.param_groups[0]["lr"]
         return state.peek("loss")
+
+    def _clip(self, norm: Any) -> None:
+        if self.grad_clip_norm is not None and isinstance(norm, torch.Tensor):
+            if self.tp_mesh is not None:
+                tensor_parallel.clip_grads_with_norm(self._params, self.grad_clip_norm, norm)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip_norm, norm, foreach=True)
 
     def _update_scale(self, scaler: torch.amp.GradScaler, overflow: bool) -> None:
         """``scaler.update()``, with an agreed overflow counted on every rank (also one whose own

@@ -105,6 +105,9 @@ class WeightEMA(Handler):
         trainer = self.trainer
         if trainer.control.decided.skip:  # no optimizer step was committed
             return
+        on_device = trainer.control.device_skip  # a skip decided on the device: read it (one read)
+        if on_device is not None and bool(on_device > 0):
+            return
         step = trainer.state.step
         if step <= self.start_step:
             torch._foreach_copy_(*self._locals())

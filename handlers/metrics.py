@@ -297,9 +297,14 @@ class MetricsTracker(Handler):
             self._samples += state.samples_seen - self._samples_mark
             self._samples_mark = state.samples_seen
 
+    def publishes_now(self) -> bool:
+        """Whether this step is a log step: the tracker publishes its metrics at its end (every
+        ``log_interval`` steps and at the last step)."""
+        return every(self.log_interval, self.trainer.state.step) or self.trainer.at_last_step
+
     def _maybe_publish(self) -> None:
         state = self.trainer.state
-        publish = every(self.log_interval, state.step) or self.trainer.at_last_step
+        publish = self.publishes_now()
         if self._owns_loss_avg():  # the loss unread (a tensor stays one) unless it is published now
             self._loss_window.push(state.loss if publish else state.peek("loss"))
         if publish:

@@ -66,6 +66,14 @@ __all__ = ["NaNConfig", "NaNDetector"]
 # Where the NaN detector runs, relative to the phases of an event (engine.Priority).
 #: BEFORE_OPTIMIZER_STEP: this rank's verdict on its gradients, before user handlers that may veto.
 NAN_CHECK = Priority.DECIDE - 900
+#: TRAIN_START: choose where bad steps are skipped, once every handler is attached.
+NAN_PATH = Priority.CLEANUP - 500
+#: STEP_END: read the verdicts skipped on the device on a step that reads anyway, before the metrics
+#: tracker publishes (OBSERVE + 50: its skipped_steps and lr are then current), the checkpointer
+#: (ACT) and the loggers (RECORD).
+NAN_SETTLE = Priority.OBSERVE + 75
+#: TRAIN_END: the last verdicts read before anything reports the run.
+NAN_SETTLE_END = Priority.CLOCK + 800
 #: STEP_END: ask for a rollback once the loggers recorded the bad step.
 ROLLBACK_REQUEST = Priority.RECORD - 900
 #: ROLLBACK: count the rollback this detector asked for, before anything restores: the head of CLOCK
@@ -77,6 +85,15 @@ ROLLBACK_DONE = Priority.CLEANUP - 900
 logger = logging.getLogger(__name__)
 
 _MIN_SPIKE_HISTORY = 10
+#: On the device path, verdicts are read at the latest after this many unread steps (a run that
+#: neither logs nor saves for that long keeps a bounded list of them).
+_MAX_UNREAD = 1000
+
+
+def _number(value: Any) -> Any:
+    """A host number of a loss or gradient norm (a tensor read: a bad step's, or a spike check's)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
 
 # OmegaConf resolves the config section's annotations at run time: Optional the old way.
 # ruff: noqa: UP007, UP045
@@ -126,6 +143,10 @@ class NaNDetector(Handler):
         self.verdict: Any = False
         self._asked: tuple[int, int] | None = None  # (bad step, target) of the rollback asked for
         self.restored_step: int | None = None
+        #: Verdicts skipped on the device, not read yet: (step, agreed bad ranks, loss, grad norm).
+        self._pending: list[tuple[int, torch.Tensor, Any, Any]] = []
+        self._slot: Any = None
+        self._tracker: Any = None  # the metrics tracker, whose log steps read the verdicts
 
     def attach(self, trainer: Trainer) -> NaNDetector:
         if self.action == "rollback":
@@ -136,12 +157,57 @@ class NaNDetector(Handler):
                     "AsyncCheckpointer before the NaNDetector, or use action='warn' or 'raise'",
                 )
             trainer.save_policy.want_initial_save()
+        trainer.add_event_handler(Events.TRAIN_START, self._choose_path, priority=NAN_PATH)
         trainer.add_event_handler(Events.BEFORE_OPTIMIZER_STEP, self._check, priority=NAN_CHECK)
-        trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
+        self._slot = trainer.agreement.add("nan_detector.bad", self._local_verdict, self._on_verdict)
+        trainer.add_event_handler(Events.STEP_END, self._settle_if_read, priority=NAN_SETTLE)
+        trainer.add_event_handler(Events.TRAIN_END, self.settle, priority=NAN_SETTLE_END)
         trainer.add_event_handler(Events.STEP_END, self._maybe_roll_back, priority=ROLLBACK_REQUEST)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_start, priority=ROLLBACK_COUNT)
         trainer.add_event_handler(Events.ROLLBACK, self._on_rollback_done, priority=ROLLBACK_DONE)
         return super().attach(trainer)
+
+    # ---------------------------------------------------------------- where the skip is decided
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether this run's bad steps are skipped on the device, the verdict read only when a step
+        reads anyway (see the module docstring): the trainer can (``trainer.skips_on_device``), no
+        spike check (it reads the loss every step) and ``action`` is not ``"raise"`` (it stops at
+        the bad step itself)."""
+        return self.action != "raise" and self.spike_factor is None and self.trainer.skips_on_device
+
+    def _choose_path(self, trainer: Trainer) -> None:
+        """TRAIN_START (every handler attached, the schedule built): the device path or the host's,
+        and who says which steps are log steps (the metrics tracker; none: every step)."""
+        from hookloop.handlers.metrics import MetricsTracker
+
+        self._slot.on_device = self.skips_on_device
+        self._tracker = trainer.get_handler(MetricsTracker)
+
+    def _settle_if_read(self, trainer: Trainer) -> None:
+        """STEP_END, before the metrics tracker publishes and anything saves or logs: on a step that
+        reads anyway (a log step; with no tracker, every step; the run's last step), the verdicts
+        skipped on the device are read and counted."""
+        if not self._pending:
+            return
+        if self._tracker is None or self._tracker.publishes_now() or trainer.at_last_step:
+            self.settle()
+
+    def settle(self, *_: Any) -> None:
+        """Read the verdicts skipped on the device since the last read (one transfer) and do what
+        reading each at its step would have done: count, hold or release saves, protect the last
+        good step, publish ``nan/*``, tell the trainer how many steps were skipped, and ask for a
+        rollback when the run ends in ``max_consecutive`` bad steps. Anything that reads the
+        detector's state or the save policy settles first."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        self.trainer.save_policy.defer(self.state_key, None)
+        flags = pending[0][1].reshape(1) if len(pending) == 1 else torch.stack([p[1] for p in pending])
+        verdicts = flags.tolist()
+        self.trainer.count_device_skips(sum(1 for bad in verdicts if bad))
+        for (step, _, loss, norm), bad_ranks in zip(pending, verdicts):
+            self._judged(step, bad_ranks, loss, norm)
 
     # ---------------------------------------------------------------- checks
     def _is_spike(self, loss: float) -> bool:
@@ -182,48 +248,64 @@ class NaNDetector(Handler):
             return f"loss spike ({loss:.4g} > {self.spike_factor} x median {median:.4g})"
         return None
 
-    def _reason(self, state: Any) -> str:
-        """Why this step is bad, read from the agreed values (only on a bad step)."""
-        return self.judge(state.loss, state.grad_norm) or "bad on another rank"
-
-    def _on_verdict(self, bad_ranks: float) -> None:
-        """After the step's agreement, on every rank alike: veto a bad step, count, hold saves."""
-        state, control, policy = self.trainer.state, self.trainer.control, self.trainer.save_policy
+    def _on_verdict(self, bad_ranks: Any) -> None:
+        """After the step's agreement, on every rank alike: veto a bad step, count, hold saves. A
+        tensor (the device path, nothing else read this step): the optimizer skips on the device
+        where it is set, and the bookkeeping waits for the next step that reads (:meth:`settle`)."""
+        state = self.trainer.state
         self._asked = None  # a rollback asked for at an earlier step is over (done, or it failed)
+        if isinstance(bad_ranks, torch.Tensor):
+            self.trainer.control.request_skip(on_device=bad_ranks)
+            self._pending.append((state.step, bad_ranks, state.peek("loss"), state.peek("grad_norm")))
+            self.trainer.save_policy.defer(self.state_key, self.settle)
+            if len(self._pending) >= _MAX_UNREAD:
+                self.settle()
+            return
+        self.settle()  # earlier steps' verdicts first, in order
+        if bad_ranks:
+            self.trainer.control.request_skip()
+        self._judged(state.step, bad_ranks, state.peek("loss"), state.peek("grad_norm"))
+
+    def _judged(self, step: int, bad_ranks: float, loss: Any, norm: Any) -> None:
+        """Step ``step``'s agreed verdict (read), with its loss and gradient norm: count, hold or
+        release saves, protect a good step, and note a rollback due or the stop of ``"raise"``."""
+        state, policy = self.trainer.state, self.trainer.save_policy
         if not bad_ranks:
             self.consecutive = 0
-            self.last_good_step, self._last_good_loss = state.step, state.peek("loss")
+            self._rollback_pending = False  # the streak ended by itself (read late): nothing to undo
+            self.last_good_step, self._last_good_loss = step, loss
             if self.spike_factor is not None:
-                self._window.append(state.loss)
-            policy.protect(state.step, by=self.state_key)
+                self._window.append(_number(loss))
+            policy.protect(step, by=self.state_key)
             policy.release_saves(by=self.state_key)
             self._publish(state)
             return
-        reason = self._reason(state)
-        control.request_skip()
+        loss, norm = _number(loss), _number(norm)
+        reason = self.judge(loss, norm) or "bad on another rank"
         if self.action != "warn":  # the state may be poisoned: nothing saved until it is good
             policy.hold_saves(by=self.state_key)
         self.consecutive += 1
         self.total += 1
-        self.bad_steps.append(state.step)
+        self.bad_steps.append(step)
         logger.warning(
             "rank %d step %d: %s (loss %s, grad norm %s); step skipped on every rank (%d in a row)",
             rank(),
-            state.step,
+            step,
             reason,
-            state.loss,
-            state.grad_norm,
+            loss,
+            norm,
             self.consecutive,
         )
         self._publish(state)
         if self.action == "raise":  # at STEP_END: the loggers record the step, a rerun attributes it
-            self._abort = f"step {state.step}: {reason} (nan.action='raise')"
+            self._abort = f"step {step}: {reason} (nan.action='raise')"
         if self.action == "rollback" and self.consecutive >= self.max_consecutive:
             self._rollback_pending = True
 
     @property
     def last_good_loss(self) -> float | None:
         """The loss of the last step judged good (None: none yet)."""
+        self.settle()
         if isinstance(self._last_good_loss, torch.Tensor):
             self._last_good_loss = self._last_good_loss.item()
         return self._last_good_loss
@@ -256,6 +338,7 @@ class NaNDetector(Handler):
 
     def _on_rollback_start(self, trainer: Trainer) -> None:
         """First at the ROLLBACK the trainer fires for this detector's request: count it."""
+        self.settle()  # verdicts still on the device belong to the steps before the restore
         if self._asked is None:  # a ROLLBACK someone else asked for
             return
         bad_step, target = self._asked
@@ -298,6 +381,7 @@ class NaNDetector(Handler):
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
+        self.settle()
         return {
             "consecutive": self.consecutive,
             "total": self.total,
@@ -310,6 +394,10 @@ class NaNDetector(Handler):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending.clear()  # verdicts of steps a restore undid (a rollback settled first)
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            trainer.save_policy.defer(self.state_key, None)
         self.consecutive = int(state["consecutive"])
         self.total = int(state["total"])
         self.rollbacks = int(state["rollbacks"])

@@ -269,8 +269,9 @@ class ReplicaGroups(AgreementTransport):
     # ------------------------------------------------------------------ the step (the transport)
     spans_processes = True
 
-    def agree_step(self, values: Sequence[Any]) -> list[Any]:
-        """The step's values summed inside the group, then over the live groups (:meth:`_agree_step`)."""
+    def agree_step(self, values: Sequence[Any], keep: int = 0) -> list[Any]:
+        """The step's values summed inside the group, then over the live groups (:meth:`_agree_step`):
+        every value read (``keep`` does not apply across groups)."""
         return sum_over_ranks(values, across=self._agree_step)
 
     def agree_late(self, values: Sequence[Any]) -> list[Any]:

@@ -24,9 +24,9 @@ def poisoned_loss(trainer_ref: dict, bad_steps: set, factor: float = float("nan"
     return loss_fn
 
 
-def build(bad_steps: set, factor: float = float("nan"), **kwargs):
+def build(bad_steps: set, factor: float = float("nan"), fused: bool = False, **kwargs):
     model = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     ref: dict = {}
     trainer = Trainer(model, opt, poisoned_loss(ref, bad_steps, factor), grad_accum_steps=2)
     ref["t"] = trainer
@@ -35,8 +35,11 @@ def build(bad_steps: set, factor: float = float("nan"), **kwargs):
     return trainer, model, opt, detector
 
 
-def test_isolated_bad_steps_are_skipped_and_leave_state_bitwise_unchanged():
-    trainer, model, opt, detector = build({3, 6}, action="warn")
+@pytest.mark.parametrize("fused", [False, True], ids=["host skip", "device skip"])
+def test_isolated_bad_steps_are_skipped_and_leave_state_bitwise_unchanged(fused):
+    # fused AdamW: the skip is decided on the device (found_inf), the verdict read at STEP_END
+    trainer, model, opt, detector = build({3, 6}, action="warn", fused=fused)
+    assert detector.skips_on_device is fused
     before: dict = {}
 
     @trainer.on(Events.STEP_START)
@@ -145,7 +148,7 @@ def test_nan_on_one_rank_only_skips_the_step_on_both():
 
 
 # ---------------------------------------------------------------- rollback with a real checkpointer
-def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
+def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3, fused: bool = False):
     """Microbatch i is poisoned (its loss is NaN) when i is in ``poisoned``; poison is tied to the
     data, so a rollback that re-fed the same batches would fail again."""
     from hookloop.handlers.checkpoint import AsyncCheckpointer
@@ -162,7 +165,7 @@ def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
         return loss * float("nan") if current["index"] in poisoned else loss
 
     model = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     trainer = Trainer(model, opt, loss_fn, prepare_batch=prepare)
     ckpt = AsyncCheckpointer(tmp_path / "ckpt", mode="sync", resume=None)
     ckpt.attach(trainer)
@@ -185,8 +188,9 @@ def _rollback_run(tmp_path, poisoned: set, max_rollbacks: int = 3):
     return trainer, detector, log, data
 
 
-def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path):
-    trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10})
+@pytest.mark.parametrize("fused", [False, True], ids=["host skip", "device skip"])
+def test_rollback_restores_the_checkpoint_and_moves_past_the_bad_window(tmp_path, fused):
+    trainer, detector, log, data = _rollback_run(tmp_path, poisoned={9, 10}, fused=fused)
     state = trainer.run(data, max_steps=20)
     # Steps 10 and 11 (microbatches 9, 10) are bad: rollback to the step-8 checkpoint.
     step, params = log["at_rollback"]
@@ -237,11 +241,12 @@ def test_the_whole_step_end_firing_sees_the_step_that_triggered_the_rollback(tmp
     assert all(math.isfinite(loss) for step, loss in step_ends if step not in (10, 11))
 
 
-def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["host skip", "device skip"])
+def test_rollbacks_exhausted_raise_and_leave_the_last_good_checkpoint(tmp_path, fused):
     from hookloop.engine.checkpoint_format.directory import read_latest
 
     poisoned = set(range(9, 40))
-    trainer, detector, log, data = _rollback_run(tmp_path, poisoned=poisoned, max_rollbacks=1)
+    trainer, detector, log, data = _rollback_run(tmp_path, poisoned=poisoned, max_rollbacks=1, fused=fused)
     ckpt_dir = tmp_path / "ckpt" / "step_00000008"
     with pytest.raises(TrainingAborted, match="rollbacks") as info:
         trainer.run(data, max_steps=30)

@@ -152,13 +152,10 @@ def test_collective_counter_sees_python_collectives_but_not_ddp_buckets(ranks):
 
 def test_counts_are_consistent_across_ranks_and_the_baseline_is_the_optimizer(budget):
     hand = budget["merged"]["hand"]
-    # The hand-written loop issues no Python-level collective (DDP's buckets are not counted) and
-    # its only host syncs are AdamW's reads of its per-parameter step counters.
+    # The hand-written loop issues no Python-level collective (DDP's buckets are not counted) and,
+    # with fused AdamW (its per-parameter step counters stay tensors), no host sync at all.
     assert hand["collectives_per_step"] == 0
-    from benchmarks.workload import tiny_gpt
-
-    n_param_tensors = sum(1 for p in tiny_gpt(0).parameters() if p.requires_grad)
-    assert hand["syncs"] == {"scalar read (_local_scalar_dense)": n_param_tensors}
+    assert hand["syncs"] == {}, hand["sync_sites"]
     for config in ("bare", "handlers"):
         per_rank = [r[config] for r in budget["per_rank"]]
         # Collectives pair up across ranks: every rank counts the same ones.
@@ -203,7 +200,12 @@ def test_bare_trainer_reads_no_step_tensor_on_a_step_that_neither_logs_nor_decid
     assert one["reads"] == {}, one["read_sites"]
 
 
-def test_trainer_with_four_handlers_reads_once_to_decide_on_the_nan_check(budget):
-    # The NaN detector's verdict is a tensor the step decides on: read in one transfer, nothing else.
+def test_trainer_with_four_handlers_reads_nothing_on_a_step_that_neither_logs_nor_decides(budget, tmp_path):
+    # The NaN detector's verdict stays on the device: fused AdamW skips a bad step through its
+    # found_inf, and the verdict is read at the next step that reads anyway (a log step, a save).
+    # With an optimizer that cannot skip on the device the verdict is read every step (1 read):
+    # tests/test_nan_detector.py runs both paths.
     entry = budget["merged"]["handlers"]
-    assert entry["reads_per_step"] <= 1, entry["read_sites"]
+    assert entry["reads_per_step"] == 0, entry["read_sites"]
+    one = measure_rank(0, 1, ["handlers"], WARMUP, STEPS, 0, str(tmp_path))["handlers"]
+    assert one["reads"] == {}, one["read_sites"]

@@ -259,15 +259,19 @@ class AsyncCheckpointer(Handler):
         control = self.trainer.control
         decided = control.decided  # agreed by every rank in this step's one all-reduce
         step = state.iteration
-        hold = self.trainer.save_policy.saves_held  # a judge distrusts this state: no save, no publish
         by = [*(decided.save_by or ("another rank",))] if decided.save else []
         if self.trainer.plan.is_last_step and "last step" not in by:
             by.append("last step")
         if decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES:
             by.append(f"stop: {control.stop_reason}")
-        want = bool(by) and not hold and step != self.last_saved_step
+        want = bool(by) and step != self.last_saved_step
         all_done = not self._pending_ranks
-        if self._writer.inflight is not None and (all_done or want) and not hold:
+        publish = self._writer.inflight is not None and (all_done or want)
+        # a judge distrusts this state: no save, no publish (asked only when saving or publishing:
+        # a judge whose verdicts are still on the device reads them then, engine.save_policy)
+        hold = (want or publish) and self.trainer.save_policy.saves_held
+        want = want and not hold
+        if publish and not hold:
             self._finish(wait=not all_done)
         if want:
             self._start_save(step, capture=False, by=by)  # the rank state once the step's handlers ran
