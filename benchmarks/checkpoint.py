@@ -439,6 +439,12 @@ def main() -> None:
         for mode in modes[2:]
     )
     print(f"blocked vs sync in each repeat: {ratios}")
+    kept = ", ".join(  # each repeat against the run without checkpoints of the same repeat
+        f"{mode} "
+        + "/".join(f"{a['steps_per_s'] / b['steps_per_s']:.2f}" for a, b in zip(runs[mode], runs[None]))
+        for mode in modes[1:]
+    )
+    print(f"throughput kept in each repeat (saving / not saving, same repeat): {kept}")
     if args.json:
         figures = [
             {
