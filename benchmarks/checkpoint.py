@@ -266,9 +266,9 @@ def build_llama() -> tuple[Trainer, list]:
     return trainer, microbatches(16)
 
 
-def phases(kind: str, mode: str, saves: int, directory: str, shared: bool) -> dict[str, Any]:
-    """``saves`` saves of ``kind`` ("llama" or "200MB") in ``mode``, 5 steps apart, after 2 untimed
-    ones; the phases' time per save (all threads, and the training thread's share), the time
+def phases(kind: str, mode: str, saves: int, directory: str, shared: bool, every: int = 5) -> dict[str, Any]:
+    """``saves`` saves of ``kind`` ("llama" or "200MB") in ``mode``, ``every`` steps apart (``--every``),
+    after 2 untimed ones; the phases' time per save (all threads, and the training thread's share), the time
     the durable time per save."""
     from threads import Competitor
 
@@ -279,7 +279,6 @@ def phases(kind: str, mode: str, saves: int, directory: str, shared: bool) -> di
         data = [(torch.randn(8, 2048), torch.randn(8, 2048)) for _ in range(16)]
     checkpointer = AsyncCheckpointer(directory, mode=mode, keep_last=2, resume=None)
     checkpointer.attach(trainer)
-    every = 5
 
     @trainer.on(Events.STEP_START)
     def _save_cadence() -> None:
@@ -374,7 +373,9 @@ def main() -> None:
                 for kind in ("llama", "200MB"):
                     for mode in ("sync", "async"):
                         directory = os.path.join(root, f"{kind}-{mode}-{where}")
-                        rows[(kind, mode, where)] = phases(kind, mode, saves, directory, where == "+job")
+                        rows[(kind, mode, where)] = phases(
+                            kind, mode, saves, directory, where == "+job", every=args.every or 5
+                        )
         print("# load average after: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
         print_phases(rows)
         return
@@ -439,6 +440,12 @@ def main() -> None:
         for mode in modes[2:]
     )
     print(f"blocked vs sync in each repeat: {ratios}")
+    kept = ", ".join(  # each repeat against the run without checkpoints of the same repeat
+        f"{mode} "
+        + "/".join(f"{a['steps_per_s'] / b['steps_per_s']:.2f}" for a, b in zip(runs[mode], runs[None]))
+        for mode in modes[1:]
+    )
+    print(f"throughput kept in each repeat (saving / not saving, same repeat): {kept}")
     if args.json:
         figures = [
             {

@@ -371,6 +371,7 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "no_saves_s": statistics.median(window(s) for s in base),
                 "saves_s": statistics.median(window(s) for s in runs),
                 "kept": statistics.median(window(b) / window(s) for b, s in zip(base, runs)),
+                "kept_runs": [window(b) / window(s) for b, s in zip(base, runs)],  # each round's
                 "after": statistics.median(after),
                 "after_low": statistics.median(after_low),
                 "name": name,
@@ -392,12 +393,13 @@ def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: i
     print(f"\n{title}: {timed} steps timed, a save every {every} steps")
     print(
         f"{'contender [how it saves]':44s}{'step, no saves':>15s}{'/ hand':>7s}{'no saves':>10s}"
-        f"{'saving':>9s}{'kept':>7s}{'after':>7s}{'after, fast quarter':>21s}"
+        f"{'saving':>9s}{'kept':>7s}{'after':>7s}{'after, fast quarter':>21s}  kept in each round"
     )
     for name, row in rows.items():
+        each = "/".join(f"{k:.2f}" for k in row["kept_runs"])
         print(
             f"{name:44s}{row['median_step_ms']:12.1f} ms{row['vs_hand']:7.3f}{row['no_saves_s']:9.2f}s"
-            f"{row['saves_s']:8.2f}s{row['kept']:7.2f}{row['after']:7.2f}{row['after_low']:21.2f}"
+            f"{row['saves_s']:8.2f}s{row['kept']:7.2f}{row['after']:7.2f}{row['after_low']:21.2f}  {each}"
         )
 
 
@@ -407,15 +409,16 @@ def print_side_by_side(quiet: dict[str, dict[str, Any]], shared: dict[str, dict[
     print("\none process, quiet and beside a competing torch job (saves every --every steps)")
     print(
         f"{'contender [how it saves]':44s}{'kept quiet':>11s}{'kept shared':>12s}{'after quiet':>12s}"
-        f"{'after shared':>13s}{'share kept':>11s}"
+        f"{'after shared':>13s}{'share kept':>11s}  kept shared in each round"
     )
     for name, row in quiet.items():
         other = shared.get(name)
         if other is None:
             continue
+        each = "/".join(f"{k:.2f}" for k in other["kept_runs"])
         print(
             f"{name:44s}{row['kept']:11.2f}{other['kept']:12.2f}{row['after']:12.2f}{other['after']:13.2f}"
-            f"{row['saves_s'] / other['saves_s']:11.2f}"
+            f"{row['saves_s'] / other['saves_s']:11.2f}  {each}"
         )
 
 

@@ -36,7 +36,9 @@ itself (skip a step, save, validate, stop, roll back) go to the control point (:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 __all__ = ["SavePolicy"]
 
@@ -44,11 +46,14 @@ __all__ = ["SavePolicy"]
 class SavePolicy:
     """What judges of the state tell savers (see the module docstring)."""
 
-    __slots__ = ("_deferred", "_holders", "_initial_save", "_protected")
+    __slots__ = ("_deferred", "_holders", "_initial_save", "_lock", "_protected")
 
     def __init__(self) -> None:
         self._deferred: dict[str, Callable[[], None]] = {}
         self._holders: set[str] = set()
+        # a saver publishing on a thread of its own makes a checkpoint visible under it (see
+        # :meth:`unheld`): a hold either comes before (nothing is published) or after
+        self._lock = threading.Lock()
         self._protected: dict[str, int] = {}
         self._initial_save = False
 
@@ -59,12 +64,17 @@ class SavePolicy:
         )
 
     def hold_saves(self, by: str) -> None:
-        """``by`` distrusts the current state: no save starts or is published until it releases."""
-        self._holders.add(_name(by))
+        """``by`` distrusts the current state: no save starts or is published until it releases.
+        Waits while a saver makes a checkpoint visible (:meth:`unheld`), a few milliseconds."""
+        by = _name(by)
+        with self._lock:
+            self._holders.add(by)
 
     def release_saves(self, by: str) -> None:
         """``by`` trusts the state again (a judge that holds nothing: no change)."""
-        self._holders.discard(_name(by))
+        by = _name(by)
+        with self._lock:
+            self._holders.discard(by)
 
     def protect(self, step: int | None, by: str) -> None:
         """``by`` trusts the state at ``step`` (the newest step it judged good); None: it withdraws
@@ -103,6 +113,16 @@ class SavePolicy:
         if self._deferred:
             self.settle()
         return bool(self._holders)
+
+    @contextmanager
+    def unheld(self) -> Iterator[bool]:
+        """For a saver that publishes off the training thread: yields whether no judge holds saves,
+        and a :meth:`hold_saves` meanwhile waits until the block is over. Publish inside it only
+        when it yields True: a hold then comes either before (nothing published) or after. It does
+        not settle deferred verdicts (it runs off the training thread): the saver asked
+        :attr:`saves_held` on the training thread when it handed the save over."""
+        with self._lock:
+            yield not self._holders
 
     @property
     def holders(self) -> tuple[str, ...]:

@@ -107,3 +107,21 @@ def test_the_checkpointer_saves_nothing_while_held_and_publishes_once_released(t
 
     trainer.run(token_batches(10), max_steps=5)
     assert saved == [1, 4, 5]
+
+
+def test_a_hold_waits_while_a_saver_publishes_under_unheld():
+    """A saver publishing on its own thread makes a checkpoint visible inside ``unheld()``: a hold
+    asked meanwhile returns only after the block, and the next block sees it."""
+    import threading
+
+    policy = SavePolicy()
+    held = threading.Event()
+    with policy.unheld() as allowed:
+        assert allowed
+        judge = threading.Thread(target=lambda: (policy.hold_saves("nan"), held.set()))
+        judge.start()
+        assert not held.wait(0.2)  # the hold waits for the publish in progress
+    assert held.wait(10)
+    judge.join(10)
+    with policy.unheld() as allowed:
+        assert not allowed

@@ -265,14 +265,23 @@ class AsyncCheckpointer(Handler):
         if decided.stop and decided.exit_code in _RESUMABLE_EXIT_CODES:
             by.append(f"stop: {control.stop_reason}")
         want = bool(by) and step != self.last_saved_step
-        all_done = not self._pending_ranks
-        publish = self._writer.inflight is not None and (all_done or want)
+        writer = self._writer
+        all_done = not self._pending_ranks  # every rank's write durable, its publishing (released) over
+        if writer.released and all_done:  # published, or a hold deferred it (released again below)
+            self._collect()
+        hand_over = writer.inflight is not None and (want or (all_done and not writer.released))
         # a judge distrusts this state: no save, no publish (asked only when saving or publishing:
         # a judge whose verdicts are still on the device reads them then, engine.save_policy)
-        hold = (want or publish) and self.trainer.save_policy.saves_held
+        hold = (want or hand_over) and self.trainer.save_policy.saves_held
         want = want and not hold
-        if publish and not hold:
-            self._finish(wait=not all_done)
+        if hand_over and not hold:
+            if want:  # a new save: this one is drained first
+                self._finish(wait=True)
+            elif self.mode == AsyncMode.SYNC:
+                self._finish(wait=False)
+            else:  # published on the writer thread; a hold that comes first still stops it
+                writer.release(self.trainer.save_policy.unheld)
+                self._pending_ranks = parallel.world_size()  # until the next agreement says
         if want:
             self._start_save(step, capture=False, by=by)  # the rank state once the step's handlers ran
         self._add_blocked(time.perf_counter() - start)
@@ -414,7 +423,15 @@ class AsyncCheckpointer(Handler):
         self._capture_due()
         if self._writer.inflight is None:  # published by the capture (mode="sync")
             return
-        save = self._writer.finish(wait)
+        self._saved(self._writer.finish(wait))
+
+    def _collect(self) -> None:
+        """The released save's publishing is over on every rank: CHECKPOINT_SAVED once published."""
+        save = self._writer.collect()
+        if save is not None:
+            self._saved(save)
+
+    def _saved(self, save: Any) -> None:
         self.last_checkpoint = save.final
         self.trainer.state.last_checkpoint = save.final
         self.trainer.fire(Events.CHECKPOINT_SAVED, save.step, save.final)

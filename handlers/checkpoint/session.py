@@ -64,16 +64,19 @@ class CheckpointSession:
         return getattr(self, attr)
 
     def agree_failed(self, failed: bool) -> bool:
-        """Whether any rank failed (one small all-reduce on training's group; local with one rank)."""
+        """Whether any rank failed (one small all-reduce on the checkpoint group; local with one
+        rank)."""
         return bool(self.agree_max([int(failed)])[0])
 
     def agree_max(self, values: list[int]) -> list[int]:
-        """Each of ``values``' largest over the ranks (one small all-reduce on training's group;
-        local with one rank)."""
+        """Each of ``values``' largest over the ranks (one small all-reduce on the checkpoint group,
+        which training's collectives never use: callable from the writer thread; local with one
+        rank)."""
         if parallel.world_size() == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.int64, device=parallel.collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        device = "cpu" if self.group is not None else parallel.collective_device()  # not open: training's
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
     def hold(self, owner: object, directory: str) -> None:

@@ -87,10 +87,14 @@ class CheckpointStore:
         metrics: dict[str, float],
         files: dict[str, Any],
         finite: bool | None = None,
-    ) -> bool:
+        unheld: Callable[[], Any] | None = None,
+    ) -> bool | None:
         """Rank 0: marker (with the manifest of every rank's files and whether the saved parameters
         and optimizer state are finite), rename to ``step_N``, move ``latest``, prune. Every rank's
-        data is durable and checksummed. False (logged) when the file system refused."""
+        data is durable and checksummed. False (logged) when the file system refused. ``unheld``
+        (the save policy's :meth:`~engine.save_policy.SavePolicy.unheld`, when publishing off the
+        training thread): the renames and ``latest`` happen inside it, and only if no judge holds
+        saves; None when one did (nothing visible changed; the save stays ``partial``)."""
         try:
             marker = {
                 "step": step,
@@ -106,13 +110,19 @@ class CheckpointStore:
             # Every file is fsynced by its writer; the marker's fsync of ``partial`` makes their
             # names durable with its own, before the rename can show the checkpoint to anyone.
             write_json_atomic(os.path.join(partial, MARKER), marker)
-            if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
-                trash = f"{final}.replaced-{self._session.id}"
-                os.replace(final, trash)
+            trash = None
+            with unheld() if unheld is not None else contextlib.nullcontext(True) as allowed:
+                if not allowed:
+                    logger.info("checkpoint of step %d waits: saves are held", step)
+                    return None
+                if os.path.lexists(final):  # an older checkpoint of this step (e.g. before a rollback)
+                    trash = f"{final}.replaced-{self._session.id}"
+                    os.replace(final, trash)
+                os.replace(partial, final)
+                # ``latest``'s own directory fsync makes this rename durable with its own (one fsync)
+                write_latest(self.directory, os.path.basename(final))
+            if trash is not None:
                 delete_tree(trash)
-            os.replace(partial, final)
-            # ``latest``'s own directory fsync makes this rename durable with its own (one fsync)
-            write_latest(self.directory, os.path.basename(final))
         except OSError as e:
             logger.error("could not publish checkpoint %s: %s", final, e)
             return False

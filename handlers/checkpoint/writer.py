@@ -151,6 +151,9 @@ class CheckpointWriter:
         self.stager: Any = None
         self._own_stager: Any = None
         self._host_copy = HostCopy()  # mode="async": written live, copied only on demand
+        #: the save in flight's publishing on the writer thread, once released (:meth:`release`):
+        #: True once published, False when a hold deferred it
+        self._publishing: Future | None = None
 
     @property
     def staging(self) -> bool:
@@ -159,9 +162,16 @@ class CheckpointWriter:
 
     @property
     def pending(self) -> bool:
-        """This rank's save in flight is not yet durable."""
+        """This rank's save in flight is not yet durable, or its publishing (released) not over."""
         save = self.inflight
-        return save is not None and not save.done.done()
+        if save is None:
+            return False
+        return not save.done.done() or (self._publishing is not None and not self._publishing.done())
+
+    @property
+    def released(self) -> bool:
+        """The save in flight was handed to the writer thread to publish (:meth:`release`)."""
+        return self._publishing is not None
 
     # ------------------------------------------------------------------------------ starting
     def start(
@@ -300,15 +310,60 @@ class CheckpointWriter:
                 self._host_copy.freeze(self.wait_timeout_s)  # copy what is not written yet
             self.result(save.staged, "staging")
 
-    def finish(self, wait: bool) -> Save:
-        """Publish the save in flight once every rank's write is durable (collective); the save,
-        published. ``wait=False``: every rank reported its save done, nothing to wait for."""
+    def release(self, unheld: Callable[[], Any]) -> None:
+        """Training thread, at a step end at which every rank agreed its write is durable and no
+        judge holds saves (on every rank alike): publish the save in flight on the writer thread
+        (collective on the checkpoint group). ``unheld``: the save policy's, checked again as rank
+        0 makes the checkpoint visible, so a hold that comes meanwhile still keeps it unpublished.
+        :meth:`collect` takes the outcome once every rank's publishing is over."""
+        save = self.inflight
+        self._publishing = self._session.write_thread().submit(self._publish, save, False, unheld)
+
+    def collect(self) -> Save | None:
+        """The released save's publishing, over on every rank (their agreement said so): the save
+        once published (no save is in flight any more), None when a hold deferred it (it stays in
+        flight, durable, to be released again). A failure is a :class:`CheckpointError`, on every
+        rank alike."""
+        publishing, self._publishing = self._publishing, None
+        try:
+            published = self.result(publishing, "publishing")
+        except BaseException:
+            self.inflight = None
+            raise
+        if not published:
+            return None
         save, self.inflight = self.inflight, None
+        return save
+
+    def finish(self, wait: bool) -> Save:
+        """Publish the save in flight once every rank's write is durable (collective), whatever the
+        save policy says (a drain); the save, published. ``wait=False``: every rank reported its
+        save done, nothing to wait for. A publishing released earlier is waited for first."""
+        save = self.inflight
+        publishing, self._publishing = self._publishing, None
+        try:
+            if publishing is not None:
+                with self._long_wait():
+                    published = self.result(publishing, "publishing")
+                if published:
+                    return save
+            self._publish(save, wait, None)
+            return save
+        finally:
+            self.inflight = None
+
+    def _publish(self, save: Save, wait: bool, unheld: Callable[[], Any] | None) -> bool:
+        """Publish ``save`` once every rank's write is durable (collective on the checkpoint group):
+        True once published; False when ``unheld`` (None: publish whatever the policy says) found
+        saves held as rank 0 was about to make it visible. On the training thread (a drain, or
+        ``mode="sync"``) or on the writer thread (:meth:`release`, ``unheld`` given)."""
+        # the progress watchdog watches the training thread: only its waits lift it
+        long_wait = contextlib.nullcontext if unheld is not None else self._long_wait
         error: BaseException | None = None
         entries: dict[str, Any] = {}
         try:
             if wait:
-                with self._long_wait():
+                with long_wait():
                     save.done.result(timeout=self.wait_timeout_s)
             else:
                 save.done.result(timeout=0)
@@ -327,30 +382,37 @@ class CheckpointWriter:
                 f"checkpoint.directory ({self.directory})"
             ) from error
         files, finite = self._collect_entries(entries, save.finite if error is None else None)
-        ok = True
+        outcome: bool | None = True
         index = 0  # the size of the index rank 0 published, agreed below
         if parallel.rank() == 0:
-            with self._long_wait():  # file system work only: marker, renames, fsyncs, pruning
-                ok = self._store.publish(
-                    save.step,
-                    save.partial,
-                    save.final,
-                    mode=self.mode.value,
-                    metrics=save.metrics,
-                    files=files,
-                    finite=finite,
-                )
-            index = files.get(".metadata", {}).get("size", 0) if ok else 0
+            try:
+                with long_wait():  # file system work only: marker, renames, fsyncs, pruning
+                    outcome = self._store.publish(
+                        save.step,
+                        save.partial,
+                        save.final,
+                        mode=self.mode.value,
+                        metrics=save.metrics,
+                        files=files,
+                        finite=finite,
+                        unheld=unheld,
+                    )
+            except Exception:  # every rank must hear the outcome: a failure here is one too
+                logger.exception("could not publish checkpoint %s", save.final)
+                outcome = False
+            index = files.get(".metadata", {}).get("size", 0) if outcome else 0
+        held = outcome is None
+        ok = outcome is not False
         if parallel.world_size() > 1:
-            failed, index = self._session.agree_max([int(not ok), index])
-            ok = not failed
+            failed, held, index = self._session.agree_max([int(not ok), int(held), index])
+            ok, held = not failed, bool(held)
         save.index_size = index
         if not ok:
             raise CheckpointError(
                 f"publishing the checkpoint of step {save.step} at {save.final} failed (see the error "
                 f"logged by rank 0); the previous complete checkpoint and `latest` are unchanged"
             )
-        return save
+        return not held
 
     def _collect_entries(
         self, entries: dict[str, Any], finite: bool | None

@@ -1,13 +1,19 @@
 """A small deterministic training run with an AsyncCheckpointer, for the kill/resume tests.
 
-``python tests/scripts/ckpt_train.py DIR STEPS OUT [--mode async] [--stall-staging-at N] [--ddp]``:
-trains the tiny GPT for STEPS optimizer steps (resuming from DIR's newest complete checkpoint),
-saving every 2 steps, printing ``STEP n`` after each step and ``RESUMED path`` when it resumed; at
-the end writes the parameters and optimizer state to OUT (``torch.save``; read back with
-``weights_only=True``). ``--stall-staging-at N``: the copy to host memory of step N's save never
-starts, and ``STAGING N`` is printed when the next optimizer step has to wait for it (a test kills
-the process there). ``--ddp``: join the process group the torchrun environment describes and train
-with DistributedDataParallel (each rank writes OUT with its rank appended).
+``python tests/scripts/ckpt_train.py DIR STEPS OUT [--mode async] [--every 2] [--stall-staging-at N]
+[--save-steps 5,10] [--stall-publish STEP:WHERE] [--ddp]``: trains the tiny GPT for STEPS optimizer
+steps (resuming from DIR's newest complete checkpoint), saving every 2 steps (``--every``; or at the
+``--save-steps`` and the last step), printing ``STEP n`` after each step and ``RESUMED path`` when
+it resumed; at the end writes the parameters and optimizer state to OUT (``torch.save``; read back
+with ``weights_only=True``). ``--stall-staging-at N``: the copy to host memory of step N's save
+never starts, and ``STAGING N`` is printed when the next optimizer step has to wait for it (a test
+kills the process there). ``--stall-publish STEP:WHERE``: publishing step STEP's save stops for good
+at WHERE (``marker``: its completion marker written, not yet renamed; ``rename``: renamed to
+``step_N``, ``latest`` not yet moved), after printing ``PUBLISHING STEP WHERE THREAD`` (a test kills
+the process there, once training went on without it; ``STEP_START n`` is printed as each step
+starts, and the step after a save waits until its files are durable). ``--ddp``: join the process
+group the torchrun environment describes and train with DistributedDataParallel (each rank writes
+OUT with its rank appended).
 """
 
 from __future__ import annotations
@@ -45,7 +51,11 @@ class GatedStager(DefaultStager):
 
 
 def build(
-    directory: str | None, mode: str = "async", every_steps: int = 2, ddp: bool = False
+    directory: str | None,
+    mode: str = "async",
+    every_steps: int = 2,
+    ddp: bool = False,
+    save_steps: tuple[int, ...] = (),
 ) -> tuple[Trainer, AsyncCheckpointer | None]:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -65,7 +75,15 @@ def build(
     if directory is not None:
         checkpointer = AsyncCheckpointer(directory, keep_last=2, mode=mode)
         checkpointer.attach(trainer)
-        save_every(trainer, every_steps)
+        if save_steps:  # these steps only (and the last)
+
+            @trainer.on(Events.STEP_START)
+            def _save_at(engine: Trainer) -> None:
+                if engine.state.step in save_steps:
+                    engine.control.request_save(f"step {engine.state.step}")
+
+        else:
+            save_every(trainer, every_steps)
     return trainer, checkpointer
 
 
@@ -77,6 +95,34 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         pairs, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(2)
     )
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write (the writer thread may print meanwhile)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def stall_publish(step: str, where: str) -> None:
+    """Publishing the save of ``step`` stops for good at ``where`` (see the module docstring)."""
+    import os
+    import time
+
+    from hookloop.handlers.checkpoint import store
+
+    name = f"step_{int(step):08d}"
+    original = store.write_json_atomic if where == "marker" else store.write_latest
+
+    def stall(*args: Any) -> None:
+        if where == "marker":
+            original(*args)
+        if name in os.fspath(args[0 if where == "marker" else 1]):
+            say(f"PUBLISHING {int(step)} {where} {threading.current_thread().name}")
+            time.sleep(600)  # killed here
+        if where != "marker":
+            original(*args)
+
+    setattr(store, "write_json_atomic" if where == "marker" else "write_latest", stall)
 
 
 def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -94,9 +140,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--mode", default="async")
     parser.add_argument("--stall-staging-at", type=int, default=None)
+    parser.add_argument("--every", type=int, default=2, help="save every this many steps")
+    parser.add_argument("--save-steps", default="", help="save at these steps only: 5,10")
+    parser.add_argument("--stall-publish", default=None)
     parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args(argv)
-    trainer, checkpointer = build(args.directory, args.mode, ddp=args.ddp)
+    save_steps = tuple(int(step) for step in args.save_steps.split(",") if step)
+    trainer, checkpointer = build(args.directory, args.mode, args.every, ddp=args.ddp, save_steps=save_steps)
+    if args.stall_publish is not None:
+        stall_publish(*args.stall_publish.split(":"))
     if args.stall_staging_at is not None:
         stager = checkpointer._writer.stager = GatedStager()
 
@@ -108,18 +160,27 @@ def main(argv: list[str]) -> int:
         @trainer.on(Events.BEFORE_OPTIMIZER_STEP, priority=Priority.DEFAULT)
         def _report_staging(_engine: Trainer) -> None:  # the staging wait comes right after this
             if checkpointer.staging:
-                print(f"STAGING {checkpointer.last_saved_step}", flush=True)
+                say(f"STAGING {checkpointer.last_saved_step}")
+
+    if args.stall_publish is not None:
+
+        @trainer.on(Events.STEP_START)
+        def _starting(engine: Trainer) -> None:
+            say(f"STEP_START {engine.state.step}")
+            save = checkpointer._writer.inflight  # on a loaded machine the writer may lag many steps:
+            if save is not None and not checkpointer._writer.released:  # durable, released at this end
+                save.done.result(timeout=120)
 
     @trainer.on(Events.STEP_END, priority=-100)
     def _progress(engine: Trainer) -> None:
-        print(f"STEP {engine.state.step}", flush=True)
+        say(f"STEP {engine.state.step}")
         if checkpointer.saving:  # the background write of this step's save has just started
-            print(f"SAVING {engine.state.step}", flush=True)
+            say(f"SAVING {engine.state.step}")
 
     @trainer.on(Events.TRAIN_START, priority=-100)
     def _report(_engine: Trainer) -> None:
         if checkpointer.resumed_from:
-            print(f"RESUMED {checkpointer.resumed_from}", flush=True)
+            say(f"RESUMED {checkpointer.resumed_from}")
 
     trainer.run(loader(), max_steps=args.steps)
     checkpointer.close()
@@ -129,7 +190,7 @@ def main(argv: list[str]) -> int:
         args.out = f"{args.out}.{dist.get_rank()}"
         dist.destroy_process_group()
     torch.save(final_state(trainer), args.out)
-    print("DONE", flush=True)
+    say("DONE")
     return 0
 
 
