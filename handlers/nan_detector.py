@@ -178,11 +178,11 @@ class NaNDetector(Handler):
 
     def _choose_path(self, trainer: Trainer) -> None:
         """TRAIN_START (every handler attached, the schedule built): the device path or the host's,
-        and who says which steps are log steps (the metrics tracker; none: every step)."""
-        from hookloop.handlers.metrics import MetricsTracker
-
+        and who says which steps are log steps (the metrics tracker, by its state key: handlers
+        import no other handler; none: every step)."""
         self._slot.on_device = self.skips_on_device
-        self._tracker = trainer.get_handler(MetricsTracker)
+        tracker = trainer.get_handler("metrics_tracker")
+        self._tracker = tracker if callable(getattr(tracker, "publishes_now", None)) else None
 
     def _settle_if_read(self, trainer: Trainer) -> None:
         """STEP_END, before the metrics tracker publishes and anything saves or logs: on a step that

@@ -269,7 +269,7 @@ class PipelineRuntime(StepBody):
         loss weights and collectives; every rank of the pipeline, and with stages replicated over
         ``dp`` every replica, calls it together), without reporting its microbatches: each real
         microbatch's loss, on every pp rank. The gradients are left in the parameters (the caller
-        drops them). What a rerun of a bad step runs (:class:`handlers.attribution.RerunAttribution`)."""
+        drops them). What a rerun of a bad step runs (the attribution handler's)."""
         self.module.train()
         pairs, _ = self._prepare(ctx, microbatches)
         self._set_weights(len(microbatches))

@@ -267,8 +267,8 @@ class AsyncCheckpointer(Handler):
         want = bool(by) and step != self.last_saved_step
         writer = self._writer
         all_done = not self._pending_ranks  # every rank's write durable, its publishing (released) over
-        if writer.released and all_done:  # published, or a hold deferred it (released again below)
-            self._collect()
+        if writer.released and all_done and (save := writer.collect()) is not None:
+            self._saved(save)  # published on the writer thread (or a hold deferred it: released again below)
         hand_over = writer.inflight is not None and (want or (all_done and not writer.released))
         # a judge distrusts this state: no save, no publish (asked only when saving or publishing:
         # a judge whose verdicts are still on the device reads them then, engine.save_policy)
@@ -424,12 +424,6 @@ class AsyncCheckpointer(Handler):
         if self._writer.inflight is None:  # published by the capture (mode="sync")
             return
         self._saved(self._writer.finish(wait))
-
-    def _collect(self) -> None:
-        """The released save's publishing is over on every rank: CHECKPOINT_SAVED once published."""
-        save = self._writer.collect()
-        if save is not None:
-            self._saved(save)
 
     def _saved(self, save: Any) -> None:
         self.last_checkpoint = save.final
