@@ -24,7 +24,7 @@ from hookloop.engine.checkpoint_format.directory import (
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import read_marker
 from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
-from hookloop.handlers.checkpoint import writer as writer_room
+from hookloop.handlers.checkpoint import save as save_room
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
 from tests.checkpoint_rooms import fakes
 
@@ -192,7 +192,7 @@ def test_a_write_that_is_not_durable_in_time_is_an_error_naming_the_setting(tmp_
 
 
 def test_a_rank_state_larger_than_a_resume_reads_fails_the_save(tmp_path, sess, monkeypatch):
-    monkeypatch.setattr(writer_room, "MAX_BYTES", 100)
+    monkeypatch.setattr(save_room, "MAX_BYTES", 100)
     model, optimizer = fakes.model_and_optimizer()
     w = fakes.writer(tmp_path, "sync", sess)
     with pytest.raises(CheckpointError, match=r"the state of rank 0 takes \d+ bytes, more than the 100"):
