@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.launch import free_port, rank_env, run_ranks
+from benchmarks.launch import free_port, rank_env
 from tests.forked import descendants, forkable, kill_tree, reap, run_forked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,10 +29,45 @@ RUN_TIMEOUT = 450.0
 def run_distributed(
     fn: Callable, world_size: int, *args: Any, timeout: float = RUN_TIMEOUT, env: dict | None = None
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined into one
-    process group by the usual torchrun environment. Returns each rank's result, in rank order.
-    Raises if a rank fails or the whole run exceeds ``timeout`` (every process is killed)."""
-    return run_ranks(fn, world_size, *args, timeout=timeout, env=env)
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks joined into one process group by
+    the usual torchrun environment (``benchmarks.launch.run_ranks``'s contract: one thread each, a
+    module-level ``fn``, picklable arguments and results). The ranks are forks of one process that
+    imported ``fn``'s module once (``tests/scripts/fork_ranks.py``). Returns each rank's result, in
+    rank order. Raises if a rank fails or the whole run exceeds ``timeout`` (every process is killed)."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        spec = Path(tmp) / "spec"
+        ranks = {"world_size": world_size, "port": free_port(), "env": env or {}, "fn": fn, "args": args}
+        spec.write_bytes(pickle.dumps(ranks))
+        proc = _fork_ranks(spec, timeout)
+        results = []
+        for rank in range(world_size):
+            out = Path(f"{spec}.rank{rank}")
+            status, payload = pickle.loads(out.read_bytes()) if out.exists() else (None, None)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}\n{_tail(proc)}")
+            results.append(payload)
+        if proc.returncode != 0 or len(results) < world_size:
+            raise RuntimeError(f"the ranks failed (exit {proc.returncode}):\n{_tail(proc)}")
+    return results
+
+
+def rank_exit_codes(stderr: str) -> list[int]:
+    """The exit codes of the failed ranks a launch lists: torchrun's ``exitcode  : N`` lines or
+    ``fork_ranks: rank R exited with code N`` (the forked launcher, :func:`run_torchrun`)."""
+    return [int(c) for c in re.findall(r"(?:exitcode\s*:\s*|rank \d+ exited with code )(-?\d+)", stderr)]
+
+
+def _tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
+    return f"stdout:\n{proc.stdout[-n:]}\nstderr:\n{proc.stderr[-n:]}"
+
+
+def _fork_ranks(spec: Path, timeout: float, cwd: str | Path | None = None, env: dict | None = None):
+    proc = run_process(
+        [sys.executable, "-m", "tests.scripts.fork_ranks", str(spec)], timeout=timeout, cwd=cwd, env=env
+    )
+    sys.stdout.write(proc.stdout)  # the ranks' output, shown with a failing test's report
+    sys.stderr.write(proc.stderr)
+    return proc
 
 
 def run_torchrun(
@@ -41,21 +79,30 @@ def run_torchrun(
     env: dict | None = None,
     cwd: str | Path | None = None,
     module: bool = False,
+    launcher: str = "forked",
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` (with ``module``: the module of that name, ``-m script``) under ``torchrun
-    --nproc-per-node nproc``; kill the whole process group on timeout. Returns the completed
-    process (check ``returncode``, ``stdout``, ``stderr``)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        *(["-m"] if module else []),
-        str(script),
-        *args,
-    ]
-    return run_process(cmd, timeout=timeout, env=env, cwd=cwd)
+    """Run ``script`` (with ``module``: the module of that name, ``-m script``) on ``nproc`` ranks
+    with the environment ``torchrun --nproc-per-node nproc`` gives them; kill every process on
+    timeout. Returns the completed launch (check ``returncode``, ``stdout``, ``stderr``).
+
+    ``launcher="forked"`` (the default) starts the ranks as forks of one process that imported the
+    engine once (``tests/scripts/fork_ranks.py``: torchrun's environment and agent store, its way of
+    ending the other ranks when one fails; exit 1 when a rank failed). ``launcher="torchrun"`` runs
+    torchrun itself: for what its agent does (its own output, exit codes, signals it forwards)."""
+    target = ["-m", str(script)] if module else [str(script)]
+    if launcher == "torchrun":
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", *target, *args,
+        ]  # fmt: skip
+        return run_process(cmd, timeout=timeout, env=env, cwd=cwd)
+    if launcher != "forked":
+        raise ValueError(f"launcher={launcher!r}: use 'forked' or 'torchrun'")
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        spec = Path(tmp) / "spec"
+        argv = [*target, *map(str, args)]
+        spec.write_bytes(pickle.dumps({"world_size": nproc, "port": free_port(), "env": {}, "argv": argv}))
+        return _fork_ranks(spec, timeout, cwd=cwd, env=env)
 
 
 def run_process(

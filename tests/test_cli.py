@@ -259,7 +259,7 @@ def test_torchrun_module_trains_fsdp_and_resumes(project):
     def torchrun() -> subprocess.CompletedProcess:
         args = ["train", "my_run.yaml", "distributed.dp_mode=fsdp", "train.run_dir=runs/fsdp"]
         args.append("train.local_batch_size=2")
-        return run_torchrun("hookloop", 2, args, module=True, cwd=project)
+        return run_torchrun("hookloop", 2, args, module=True, cwd=project, launcher="torchrun")
 
     proc = torchrun()
     assert proc.returncode == 0, proc.stderr[-3000:]

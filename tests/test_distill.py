@@ -88,7 +88,7 @@ def test_distill_under_ddp_killed_and_resumed_matches_the_uninterrupted_run(tmp_
         RUNNER, 2, [str(run), str(tmp_path / "run.pt"), str(STEPS), "--kill-at", str(KILL_AT)]
     )
     assert killed.returncode != 0 and "DONE" not in killed.stdout
-    assert "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]  # rank 1, by SIGKILL
+    assert "rank 1 exited with code -9" in killed.stderr, killed.stderr[-3000:]  # by SIGKILL
     assert not (tmp_path / "run.pt.0").exists()
     killed_rows = history(run)
     assert KILL_AT - 1 <= max(killed_rows) <= KILL_AT  # rank 0 cannot pass the step rank 1 died in

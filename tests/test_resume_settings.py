@@ -191,7 +191,7 @@ def test_every_rank_refuses_alike_under_torchrun(tmp_path):
     ok(first)
     proc = run_torchrun(
         "hookloop", 2, ["train", "run.yaml", *two, "step_scheduler.max_steps=2", "data.datasets.b=b.u8"],
-        module=True, cwd=project, timeout=TIMEOUT,
+        module=True, cwd=project, timeout=TIMEOUT, launcher="torchrun",
     )  # fmt: skip
     # Both workers exit 2 (torchrun then exits 1 and lists them); rank 0 alone says why.
     assert proc.returncode == 1 and proc.stderr.count("exitcode  : 2 ") == 2, proc.stderr[-3000:]
