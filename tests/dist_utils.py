@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import free_port, rank_env
-from tests.forked import descendants, forkable, kill_tree, reap, run_forked
+from tests.forked import descendants, forkable, kill_tree, reap, run_forked, start_forked
 
 REPO = Path(__file__).resolve().parents[1]
 #: The hard timeout (seconds) of a test's multi-process run (:func:`run_distributed`,
@@ -170,28 +170,38 @@ def from_numpy(d: dict) -> dict:
     return {k: torch.from_numpy(v) for k, v in d.items()}
 
 
-def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None) -> list[subprocess.Popen]:
+def start_ranks(cmd: Sequence[str], world_size: int, *, env: dict | None = None) -> list[Any]:
     """Start ``cmd`` once per rank with torchrun's environment (one process group on a free port),
-    each in its own session so :func:`kill_ranks` can end it; each rank's own exit code is seen."""
+    each in its own session so :func:`kill_ranks` can end it; each rank's own exit code is seen. A
+    ``python`` command's ranks are forks of the fork server (``tests/forked.py``; ``subprocess.Popen``'s
+    ``pid``, ``poll``, ``wait``, ``communicate`` and ``returncode``)."""
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        full_env = {**os.environ, **rank_env(rank, world_size, port), "PYTHONPATH": str(REPO), **(env or {})}
-        procs.append(
-            subprocess.Popen(
-                list(cmd),
-                cwd=REPO,
-                env=full_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
+    procs: list[Any] = []
+    try:
+        for rank in range(world_size):
+            full_env = {**os.environ, **rank_env(rank, world_size, port), "PYTHONPATH": str(REPO)}
+            full_env.update(env or {})
+            if forkable(cmd):
+                procs.append(start_forked(cmd, cwd=REPO, env=full_env))
+                continue
+            procs.append(
+                subprocess.Popen(
+                    list(cmd),
+                    cwd=REPO,
+                    env=full_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
             )
-        )
+    except BaseException:
+        kill_ranks(procs)
+        raise
     return procs
 
 
-def kill_ranks(procs: Sequence[subprocess.Popen]) -> None:
+def kill_ranks(procs: Sequence[Any]) -> None:
     """SIGKILL every process still running (its session and descendants), and reap it."""
     for p in procs:
         if p.poll() is None:

@@ -15,6 +15,7 @@ a process's start-up environment shows to others (``/proc/PID/environ``), import
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import select
@@ -23,8 +24,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = REPO / "tests" / "scripts" / "fork_server.py"
@@ -89,39 +92,77 @@ class ForkServer:
             bufsize=0,  # unbuffered: readline takes one reply, select sees the next one still waiting
         )  # fmt: skip
         self.outputs = Path(tempfile.mkdtemp(prefix="forked-output-"))  # not in the command's directory
+        self._ids = itertools.count()
+        self._replies: dict[int, dict] = {}  # request id -> what the server said of it so far
 
-    def _reply(self, timeout: float) -> dict | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+    def _read(self, timeout: float) -> bool:
+        """Take one reply (False when none came within ``timeout`` seconds)."""
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, timeout))
         if not ready:
-            return None
+            return False
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the fork server ended ({self.proc.wait(timeout=10)})")
-        return json.loads(line)
+        reply = json.loads(line)
+        self._replies.setdefault(reply.pop("id"), {}).update(reply)
+        return True
+
+    def reply(self, rid: int, key: str, timeout: float | None) -> Any:
+        """The server's ``key`` for request ``rid`` (None if it did not come within ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while key not in self._replies.get(rid, {}):
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if not self._read(left) and deadline is not None and time.monotonic() >= deadline:
+                return None
+        return self._replies[rid][key] if key != "returncode" else self._replies.pop(rid)[key]
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: dict,
+        stream: bool = False,
+        stdout: Path | None = None,
+        stderr: Path | None = None,
+    ) -> ForkedProcess:
+        """Start ``python ARGV`` as a fork; ``stream``: its stdout is a FIFO the caller reads as
+        it comes (``.stdout``), else a file read at the end (``stdout``, ``stderr``: these files,
+        which stay)."""
+        rid = next(self._ids)
+        out = stdout or self.outputs / f"{rid}.stdout"
+        err = stderr or self.outputs / f"{rid}.stderr"
+        if stream:
+            os.mkfifo(out)
+        request = {
+            "id": rid,
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "env": env,
+            "stdout": str(out),
+            "stderr": str(err),
+        }
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        pid = self.reply(rid, "pid", START_S)
+        if pid is None:
+            raise RuntimeError(f"the fork server did not start a command within {START_S} s")
+        return ForkedProcess(self, rid, pid, [sys.executable, *argv], out, err, stream)
 
     def run(
         self, argv: Sequence[str], *, cwd: Path, env: dict, timeout: float
     ) -> subprocess.CompletedProcess:
-        out, err = self.outputs / "stdout", self.outputs / "stderr"
-        request = {"argv": list(argv), "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        started = self._reply(START_S)
-        if started is None:
-            raise RuntimeError(f"the fork server did not start a command within {START_S} s")
+        proc = self.start(argv, cwd=cwd, env=env)
         try:
-            ended = self._reply(timeout)
-        except BaseException:  # Ctrl-C or SIGTERM of the tests (conftest.py): the command goes too
-            kill_tree(started["pid"])
-            raise
-        if ended is None:
-            kill_tree(started["pid"])
-            self._reply(START_S)
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = reap(proc)
             raise TimeoutError(
-                f"{list(argv)[:3]} did not finish within {timeout}s\n"
-                f"stdout:\n{out.read_text()}\nstderr:\n{err.read_text()}"
-            )
-        cmd = [sys.executable, *argv]
-        return subprocess.CompletedProcess(cmd, ended["returncode"], out.read_text(), err.read_text())
+                f"{list(argv)[:3]} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
+            ) from None
+        except BaseException:  # Ctrl-C or SIGTERM of the tests (conftest.py): the command goes too
+            reap(proc)
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -134,7 +175,63 @@ class ForkServer:
         shutil.rmtree(self.outputs, ignore_errors=True)
 
 
+class ForkedProcess:
+    """A command the fork server started, as much of ``subprocess.Popen`` as the tests use: ``pid``
+    (also its session and process group), ``poll``, ``wait``, ``communicate`` (its output, read
+    from files once it ended), ``returncode``; with ``stream``, ``stdout`` reads its output as it
+    comes (text lines)."""
+
+    def __init__(
+        self, server: ForkServer, rid: int, pid: int, args: list[str], out: Path, err: Path, stream: bool
+    ) -> None:
+        self._server, self._rid, self.pid, self.args = server, rid, pid, args
+        self._out, self._err = out, err
+        self.returncode: int | None = None
+        self.stdout = open(out, errors="replace") if stream else None  # noqa: SIM115 -- closed on exit
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.reply(self._rid, "returncode", 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.reply(self._rid, "returncode", timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self.stdout is not None:
+            out = self.stdout.read()
+            self.stdout.close()
+        else:
+            out = self._out.read_text(errors="replace")
+        err = self._err.read_text(errors="replace")
+        for path in (self._out, self._err):
+            if path.parent == self._server.outputs:
+                path.unlink(missing_ok=True)
+        return out, err
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 _SERVER: ForkServer | None = None
+
+
+def server() -> ForkServer:
+    """This test process's fork server (started on first use)."""
+    global _SERVER
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        _SERVER = ForkServer()
+        atexit.register(_SERVER.close)
+    return _SERVER
 
 
 def forkable(cmd: Sequence[str]) -> bool:
@@ -149,8 +246,19 @@ def run_forked(
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``forkable``) as a fork of this test process's server, with exactly ``env``;
     on timeout the command's session is killed and TimeoutError raised."""
-    global _SERVER
-    if _SERVER is None or _SERVER.proc.poll() is not None:
-        _SERVER = ForkServer()
-        atexit.register(_SERVER.close)
-    return _SERVER.run(list(cmd[1:]), cwd=Path(cwd), env=env, timeout=timeout)
+    return server().run(list(cmd[1:]), cwd=Path(cwd), env=env, timeout=timeout)
+
+
+def start_forked(
+    cmd: Sequence[str],
+    *,
+    cwd: str | Path,
+    env: dict,
+    stream: bool = False,
+    stdout: Path | None = None,
+    stderr: Path | None = None,
+) -> ForkedProcess:
+    """Start ``cmd`` (``forkable``) in the background as a fork of this test process's server, with
+    exactly ``env``, in a session of its own (:meth:`ForkServer.start`); the caller ends it
+    (``reap``)."""
+    return server().start(list(cmd[1:]), cwd=Path(cwd), env=env, stream=stream, stdout=stdout, stderr=stderr)

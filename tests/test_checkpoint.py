@@ -11,7 +11,6 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -39,7 +38,8 @@ from hookloop.handlers.checkpoint import (
 from hookloop.models.gpt import cross_entropy_loss
 from tests.cadence import save_every
 from tests.conftest import tiny_gpt, token_batches
-from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, to_numpy
+from tests.dist_utils import REPO, from_numpy, full_snapshot, run_distributed, run_process, to_numpy
+from tests.forked import start_forked
 from tests.scripts import ckpt_train
 
 MODES = ("sync", "async_copy", "async")
@@ -628,9 +628,7 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
         target = min(progress + rng.randint(3, 6), steps - 3)
         delay = 0.0 if during_save else rng.uniform(0.0, 0.03)
         complete_before = {p for _, p in complete_checkpoints(directory)[0]}
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True
-        )
+        proc = start_forked(cmd, cwd=REPO, env=env, stream=True)
         try:
             for line in proc.stdout:
                 word, _, rest = line.partition(" ")
@@ -648,7 +646,7 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
             proc.wait(timeout=10)
         assert proc.returncode == -signal.SIGKILL
         torn_after_kill += any(".partial-" in name for name in os.listdir(directory))
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    result = run_process(cmd, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "RESUMED" in result.stdout and len(resumed_from) == 4
     assert torn_after_kill >= 1  # some kill did land in the middle of a save

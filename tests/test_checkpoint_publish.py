@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,8 @@ from hookloop.engine.checkpoint_format.manifest import file_checksum, read_manif
 from hookloop.handlers.checkpoint import AsyncCheckpointer
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
-from tests.dist_utils import REPO, run_distributed
+from tests.dist_utils import REPO, run_distributed, run_process
+from tests.forked import start_forked
 from tests.scripts import ckpt_train
 
 
@@ -61,14 +61,7 @@ def test_sigkill_while_the_writer_thread_publishes_never_moves_latest_to_an_inco
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "tests/scripts/ckpt_train.py"), str(directory), str(steps), str(out)]
     cmd += ["--save-steps", ",".join(map(str, saves))]
-    proc = subprocess.Popen(
-        [*cmd, "--stall-publish", f"10:{where}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = start_forked([*cmd, "--stall-publish", f"10:{where}"], cwd=REPO, env=env, stream=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     publishing, last_step, went_on = None, 0, False
@@ -104,7 +97,7 @@ def test_sigkill_while_the_writer_thread_publishes_never_moves_latest_to_an_inco
         assert_intact(path)
     assert (directory / step_dir_name(10)).exists() == (where == "rename")
 
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    result = run_process(cmd, env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     resumed = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("RESUMED ")]
     newest = 10 if where == "rename" else 5  # renamed: complete, and verified on load

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks.launch import free_port
 from tests.dist_utils import REPO, kill_tree, rank_exit_codes, run_process, run_torchrun
+from tests.forked import ForkedProcess, start_forked
 from tests.user_models import tiny_lm_source
 
 MODEL = tiny_lm_source(seq_len=16)
@@ -114,21 +116,16 @@ def hookloop(*args: str, cwd: Path, timeout: float = 180) -> subprocess.Complete
     return run_process([sys.executable, "-m", "hookloop", *args], cwd=cwd, timeout=timeout)
 
 
-def start(*args: str, cwd: Path) -> subprocess.Popen:
-    """``hookloop train`` in the background, output to files beside the project."""
+def start(*args: str, cwd: Path) -> ForkedProcess:
+    """``hookloop train`` in the background (a fork, ``tests/forked.py``), output to files beside
+    the project."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    out = open(cwd / "background.out", "w")  # noqa: SIM115 -- closed by the child's exit
-    err = open(cwd / "background.err", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hookloop", "train", *args],
-        cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True,
-    )  # fmt: skip
-    out.close()
-    err.close()
+    cmd = [sys.executable, "-m", "hookloop", "train", *args]
+    proc = start_forked(cmd, cwd=cwd, env=env, stdout=cwd / "background.out", stderr=cwd / "background.err")
     return proc
 
 
-def wait_for(path: Path, proc: subprocess.Popen | None = None, timeout: float = 150) -> None:
+def wait_for(path: Path, proc: Any = None, timeout: float = 150) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc is not None and proc.poll() is not None:

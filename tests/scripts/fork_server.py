@@ -11,8 +11,11 @@ that becomes what ``python ARGV`` would be: its own session, that directory and 
 stderr to the files, ``sys.argv`` and ``__main__`` as the interpreter sets them; the child's exit
 runs what interpreter shutdown runs (non-daemon threads joined, atexit callbacks, streams flushed).
 
-Replies on stdout, one JSON line each: ``{"pid": N}`` when the child started, ``{"returncode": N}``
-when it ended (``-signal`` if a signal ended it, as ``subprocess`` reports).
+Each request has an ``id``; several commands may run at once (a test's background run and the
+command it then starts beside it). Replies on stdout, one JSON line each: ``{"id": I, "pid": N}``
+when the child started, ``{"id": I, "returncode": N}`` when it ended (``-signal`` if a signal ended
+it, as ``subprocess`` reports). A ``stdout`` that is a FIFO (a test that reads the output as it
+comes) is opened first, before anything else the child does.
 
 The server exits 3 instead of forking if importing started a thread: a fork of a process that runs
 other threads can leave the child holding a lock no thread will release.
@@ -25,6 +28,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import sys
 import tempfile
 import threading
@@ -56,17 +60,17 @@ def _exit_code(e: SystemExit) -> int:
 
 def _become(request: dict) -> None:
     """The process state ``python ARGV`` starts with, in this directory and environment."""
-    os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    tempfile.tempdir = None  # TMPDIR is read again
-    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC  # first: a reader waits on a FIFO's other end
     fds = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], write)]
     fds.append(os.open(request["stderr"], write))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # TMPDIR is read again
     argv = request["argv"]
     if argv[0] == "-c":
         first = ""
@@ -120,20 +124,38 @@ def _child(request: dict) -> None:
         os._exit(code)
 
 
+def _reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
-    reply = sys.stdout
-    for line in sys.stdin:
-        if _os_threads() != 1:
-            sys.exit(3)
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+    running: dict[int, int] = {}  # pid -> request id
+    pending = b""
+    stdin = sys.stdin.fileno()
+    while True:
+        while running:  # reap what ended, in any order: several commands may run at once
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _reply({"id": running.pop(pid), "returncode": os.waitstatus_to_exitcode(status)})
+        ready, _, _ = select.select([stdin], [], [], 0.01 if running else None)
+        if not ready:
+            continue
+        data = os.read(stdin, 1 << 16)
+        if not data:  # the tests ended: so does the server (what still runs is theirs to end)
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            if _os_threads() != 1:
+                sys.exit(3)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(request)
+            running[pid] = request["id"]
+            _reply({"id": request["id"], "pid": pid})
 
 
 if __name__ == "__main__":
