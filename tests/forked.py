@@ -134,6 +134,8 @@ class ForkServer:
         err = stderr or self.outputs / f"{rid}.stderr"
         if stream:
             os.mkfifo(out)
+        for path in {stdout, stderr} - {None}:  # there from the start, as Popen's open files are
+            path.write_bytes(b"")
         request = {
             "id": rid,
             "argv": list(argv),

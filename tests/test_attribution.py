@@ -625,12 +625,12 @@ def group_main(group: int, address: str, run_dir: str, overrides: list, steps: i
 def _two_groups(tmp_path, name: str, overrides: dict, steps: int) -> list[dict]:
     """A run as two replica groups of one process each, a lighthouse in this process; each
     group's result."""
-    import subprocess
     import sys
 
     from torchft._torchft import LighthouseServer
 
     from tests.dist_utils import REPO, kill_ranks
+    from tests.forked import start_forked
 
     server = LighthouseServer(
         bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=500
@@ -643,9 +643,9 @@ def _two_groups(tmp_path, name: str, overrides: dict, steps: int) -> list[dict]:
             call = (g, address, run_dir, overrides[g], steps, out)
             code = f"from tests.test_attribution import group_main; group_main(*{call!r})"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-            with open(f"{tmp_path}/{name}-{g}.log", "w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            log = tmp_path / f"{name}-{g}.log"  # stdout and stderr, as subprocess.STDOUT
+            cmd = [sys.executable, "-c", code]
+            procs.append(start_forked(cmd, cwd=REPO, env=env, stdout=log, stderr=log))
         for g, p in enumerate(procs):
             assert p.wait(timeout=240) == 0, (tmp_path / f"{name}-{g}.log").read_text()[-3000:]
     finally:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ from hookloop.handlers import Places, Priority
 from hookloop.handlers.checkpoint import AsyncCheckpointer, CheckpointConfig
 from tests.cadence import save_every
 from tests.dist_utils import REPO, free_port, rank_env, run_distributed
+from tests.forked import ForkedProcess, start_forked
 from tests.scripts import ckpt_train
 from tests.scripts.ckpt_train import GatedStager
 
@@ -223,8 +225,9 @@ def test_staging_in_flight_two_ranks(tmp_path):
 
 
 # ------------------------------------------------------------------------------ kill -9
-def _start(directory, steps: int, out, extra: list[str], world: int) -> list[subprocess.Popen]:
-    """``world`` processes of tests/scripts/ckpt_train.py (DDP over gloo when 2); stderr to files."""
+def _start(directory, steps: int, out, extra: list[str], world: int) -> list[ForkedProcess]:
+    """``world`` processes of tests/scripts/ckpt_train.py (DDP over gloo when 2; forks,
+    ``tests/forked.py``), stdout read as it comes, stderr to files."""
     port = free_port()
     script = [sys.executable, str(REPO / "tests/scripts/ckpt_train.py"), str(directory), str(steps), str(out)]
     procs = []
@@ -232,17 +235,9 @@ def _start(directory, steps: int, out, extra: list[str], world: int) -> list[sub
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         if world > 1:
             env.update(rank_env(rank, world, port))
-        with open(f"{out}.stderr.{rank}", "w") as stderr:
-            procs.append(
-                subprocess.Popen(
-                    script + extra + (["--ddp"] if world > 1 else []),
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                    env=env,
-                    start_new_session=True,
-                )
-            )
+        cmd = script + extra + (["--ddp"] if world > 1 else [])
+        stderr = Path(f"{out}.stderr.{rank}")
+        procs.append(start_forked(cmd, cwd=REPO, env=env, stream=True, stderr=stderr))
     return procs
 
 

@@ -38,6 +38,7 @@ import torch
 from hookloop.engine.data import prepare_tokens, stdlib_docs_text
 from hookloop.engine.errors import ConfigError
 from tests.dist_utils import REPO, run_process
+from tests.forked import forkable, start_forked
 from tests.user_models import tiny_lm_config, tiny_lm_source
 
 pytestmark = [
@@ -88,6 +89,9 @@ class Proc:
     def __init__(self, cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> None:
         self.log = log
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+        if forkable(cmd):  # a fork of the tests' server (tests/forked.py), stderr into the same file
+            self.proc = start_forked(cmd, cwd=cwd, env=full_env, stdout=log, stderr=log)
+            return
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -25,6 +25,7 @@ from hookloop.handlers.tensorboard_logger import TensorBoardLogger
 from hookloop.models.gpt import GPT, GPTConfig, cross_entropy_loss
 from tests import cadence
 from tests.dist_utils import REPO, run_process
+from tests.forked import start_forked
 
 SEQ = 16
 
@@ -267,13 +268,9 @@ def test_a_sigkill_leaves_whole_lines_in_step_order_and_loses_at_most_the_last_f
     (tmp_path / "run.py").write_text(KILLED_RUN)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with open(tmp_path / "err.txt", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(tmp_path / "run.py"), str(run_dir), "hang" if hang else "train"],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-            stderr=err,
-            start_new_session=True,
-        )
+    cmd = [sys.executable, str(tmp_path / "run.py"), str(run_dir), "hang" if hang else "train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = start_forked(cmd, cwd=REPO, env=env, stderr=tmp_path / "err.txt")
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "at_50").exists():

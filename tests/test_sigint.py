@@ -6,26 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 from tests.dist_utils import REPO
-from tests.forked import reap
+from tests.forked import reap, start_forked
 
 SCRIPT = REPO / "tests" / "scripts" / "sigint_train.py"
 
 
 def _run(tmp_path, presses: int) -> tuple[int, dict, str]:
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(tmp_path)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = start_forked([sys.executable, str(SCRIPT), str(tmp_path)], cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():

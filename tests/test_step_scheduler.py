@@ -8,7 +8,6 @@ import gc
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -20,6 +19,7 @@ from hookloop.handlers.step_scheduler import StepScheduler, StepSchedulerConfig
 from hookloop.models.gpt import cross_entropy_loss
 from tests.conftest import tiny_gpt, token_batches
 from tests.dist_utils import REPO, free_port
+from tests.forked import start_forked
 
 SIGNAL_SCRIPT = REPO / "tests" / "scripts" / "step_scheduler_signal.py"
 
@@ -373,17 +373,8 @@ def launch_two_ranks(tmp_path, args, *, external_signal_after_step=None, timeout
             }
             outs.append(tmp_path / f"rank{rank}.out")
             errs.append(tmp_path / f"rank{rank}.err")
-            with outs[-1].open("w") as out, errs[-1].open("w") as err:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SIGNAL_SCRIPT), *args],
-                        env=env,
-                        cwd=REPO,
-                        stdout=out,
-                        stderr=err,
-                        start_new_session=True,
-                    )
-                )
+            cmd = [sys.executable, str(SIGNAL_SCRIPT), *args]
+            procs.append(start_forked(cmd, env=env, cwd=REPO, stdout=outs[-1], stderr=errs[-1]))
         deadline = time.monotonic() + timeout
         if external_signal_after_step is not None:  # rank 1 announces each finished step
             while not any(

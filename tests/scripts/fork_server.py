@@ -62,7 +62,8 @@ def _become(request: dict) -> None:
     """The process state ``python ARGV`` starts with, in this directory and environment."""
     write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC  # first: a reader waits on a FIFO's other end
     fds = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], write)]
-    fds.append(os.open(request["stderr"], write))
+    same = request["stderr"] == request["stdout"]  # stderr=subprocess.STDOUT
+    fds.append(os.dup(fds[1]) if same else os.open(request["stderr"], write))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
