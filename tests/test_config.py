@@ -4,7 +4,6 @@ import ast
 import dataclasses
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from hookloop.engine.config import DistributedConfig, LRConfig, OptimizerConfig,
 from hookloop.engine.data.config import DataConfig, PhaseConfig
 from hookloop.handlers import RunConfig, load_run_config
 from hookloop.handlers.health_check import HealthConfig
-from tests.dist_utils import REPO
+from tests.dist_utils import REPO, run_process
 
 YAML = """
 model: {n_layers: 2, d_model: 64}
@@ -319,7 +318,7 @@ def test_engine_config_does_not_import_handlers():
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'handlers'))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = run_process([sys.executable, "-c", code], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 

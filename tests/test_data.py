@@ -6,7 +6,6 @@ import itertools
 import json
 import math
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from hookloop.engine.data import (
 )
 from hookloop.engine.data.prepare import main as prepare_main
 from hookloop.engine.errors import ConfigError
+from tests.dist_utils import run_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,13 +188,8 @@ def test_prepare_cli(tmp_path):
     files = stdlib_source_files(limit=3)
     assert out.stat().st_size == sum(f.stat().st_size for f in files) + 2
     docs = tmp_path / "docs.bin"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hookloop.engine.data", "prepare", str(docs), "--from-stdlib-docs"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cmd = [sys.executable, "-m", "hookloop.engine.data", "prepare", str(docs), "--from-stdlib-docs"]
+    proc = run_process(cmd, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert docs.read_bytes() == stdlib_docs_text().encode()
 

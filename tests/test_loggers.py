@@ -7,7 +7,6 @@ import io
 import json
 import os
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -510,9 +509,7 @@ def test_importing_engine_and_handlers_imports_no_logging_backend():
         "print(','.join(bad))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
-    )
+    out = run_process([sys.executable, "-c", code], env=env, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"imported at import time: {out.stdout.strip()}"
 

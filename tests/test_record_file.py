@@ -7,13 +7,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
 import sys
 import time
 
 import pytest
 
 from hookloop.engine import RecordFile
+from tests.dist_utils import run_process
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> float:
@@ -98,6 +98,6 @@ def test_records_left_open_are_written_when_the_interpreter_exits(tmp_path):
         "    records.write({'step': step})\n"
     )
     cmd = [sys.executable, "-c", script, str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_process(cmd, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]

@@ -385,15 +385,14 @@ def test_a_corrupt_curriculum_state_is_a_checkpoint_error_naming_the_key():
 
 def test_the_docs_example_runs():
     import os
-    import subprocess
     import sys
 
-    from tests.dist_utils import REPO
+    from tests.dist_utils import REPO, run_process
 
     blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "writing_handlers.md").read_text(), re.S)
     block = next(b for b in blocks if "class EveryNConfig" in b)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, timeout=120)
+    out = run_process([sys.executable, "-c", block], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "EveryNConfig(enabled=True, every=25)",
