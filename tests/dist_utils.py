@@ -17,10 +17,9 @@ from tests.forked import descendants, forkable, kill_tree, reap, run_forked, sta
 
 REPO = Path(__file__).resolve().parents[1]
 #: The hard timeout (seconds) of a test's multi-process run (:func:`run_distributed`,
-#: :func:`run_torchrun`), for the run as a whole. Most of such a run's time is CPU spent before any
-#: training: every process imports torch and the engine (about 9 s of CPU each). On the 2-core CI
-#: machine at load 17-20 that alone took 60-90 s of wall time, and a 2-rank pipeline resume run
-#: 180-195 s in all: the 150 s several tests gave (90-300 s, each its own) failed runs that were
+#: :func:`run_torchrun`), for the run as a whole. On the 2-core CI machine at load 17-20 a 2-rank
+#: pipeline resume run once took 180-195 s (each rank then imported torch and the engine itself,
+#: about 9 s of CPU; forked ranks no longer do): the 150 s several tests gave failed runs that were
 #: only slow. The suite's per-test bound (setup.cfg, 600 s) stays above it: a hung run still fails
 #: here, its ranks killed.
 RUN_TIMEOUT = 450.0
