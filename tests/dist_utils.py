@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import free_port, rank_env
-from tests.forked import descendants, forkable, kill_tree, reap, run_forked, start_forked
+from tests.forked import descendants, finish, forkable, kill_tree, reap, run_forked, start_forked
 
 REPO = Path(__file__).resolve().parents[1]
 #: The hard timeout (seconds) of a test's multi-process run (:func:`run_distributed`,
@@ -129,16 +129,7 @@ def run_process(
         text=True,
         start_new_session=True,
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out, err = reap(proc)
-        raise TimeoutError(
-            f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
-        ) from None
-    except BaseException:  # Ctrl-C or SIGTERM of the tests: the command's session goes too
-        reap(proc)
-        raise
+    out, err = finish(proc, timeout, cmd)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

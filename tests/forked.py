@@ -83,6 +83,21 @@ def reap(proc: subprocess.Popen) -> tuple[str, str]:
     return out or "", err or ""
 
 
+def finish(proc: Any, timeout: float, what: object) -> tuple[str, str]:
+    """``proc``'s output once it ended (a ``subprocess.Popen`` or a :class:`ForkedProcess`); past
+    ``timeout`` seconds its session is killed and TimeoutError raised, naming ``what``; on Ctrl-C
+    or SIGTERM of the tests (``conftest.py``) the command goes too."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = reap(proc)
+        said = f"stdout:\n{out}\nstderr:\n{err}"
+        raise TimeoutError(f"{what} did not finish within {timeout}s\n{said}") from None
+    except BaseException:
+        reap(proc)
+        raise
+
+
 class ForkServer:
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -154,16 +169,7 @@ class ForkServer:
         self, argv: Sequence[str], *, cwd: Path, env: dict, timeout: float
     ) -> subprocess.CompletedProcess:
         proc = self.start(argv, cwd=cwd, env=env)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out, err = reap(proc)
-            raise TimeoutError(
-                f"{list(argv)[:3]} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
-            ) from None
-        except BaseException:  # Ctrl-C or SIGTERM of the tests (conftest.py): the command goes too
-            reap(proc)
-            raise
+        out, err = finish(proc, timeout, list(argv)[:3])
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def close(self) -> None:

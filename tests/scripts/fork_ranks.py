@@ -26,17 +26,17 @@ thread releases).
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import os
 import pickle
-import runpy
 import signal
 import sys
-import threading
 import time
 import traceback
 import uuid
+from typing import NoReturn
+
+from tests.scripts.fork_server import exit_now, run_as_python
 
 # What every `argv` rank imports anyway (the fork server imported torch and ignite already).
 PRELOAD = ("hookloop.engine", "hookloop.handlers", "hookloop.cli")
@@ -94,50 +94,22 @@ def _run_fn(spec: dict, rank: int, out: str) -> int:
     return 0 if result[0] == "ok" else 1
 
 
-def _run_argv(argv: list[str]) -> int:
-    """``python ARGV`` in this process, as the interpreter runs it; its exit status."""
-    if argv[0] == "-m":
-        sys.path[0] = os.getcwd()
-        sys.argv = [argv[1], *argv[2:]]
-        run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        sys.argv = list(argv)
-        run = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
-    try:
-        run()
-        return 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-
-
-def _rank(spec: dict, spec_path: str, rank: int, run_id: str) -> None:
-    """Become rank ``rank`` and exit with its status; never returns."""
+def _rank(spec: dict, spec_path: str, rank: int, run_id: str) -> NoReturn:
+    """Become rank ``rank`` and exit with its status."""
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.update(_rank_env(spec, rank, run_id))
         if "argv" in spec:
-            code = _run_argv(spec["argv"])
+            argv = spec["argv"]
+            module = argv[0] == "-m"
+            sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+            code = run_as_python(argv)
         else:
             code = _run_fn(spec, rank, f"{spec_path}.rank{rank}")
-        threading._shutdown()  # what interpreter shutdown does: join the non-daemon threads
-        atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+    exit_now(code)
 
 
 def _signal(pids: dict[int, int], sig: int) -> None:

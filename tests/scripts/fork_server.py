@@ -34,6 +34,7 @@ import tempfile
 import threading
 import traceback
 import types
+from typing import NoReturn
 
 import ignite.engine  # noqa: F401
 import torch  # noqa: F401
@@ -99,20 +100,24 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _child(request: dict) -> None:
-    """Become ``python ARGV`` and exit with its status; never returns."""
-    code = 1
+def run_as_python(argv: list[str]) -> int:
+    """``python ARGV`` in this process (import path already set): its exit status, an uncaught
+    exception printed as the interpreter prints it."""
     try:
-        _become(request)
-        try:
-            _run(request["argv"])
-            code = 0
-        except SystemExit as e:
-            code = _exit_code(e)
-        except BaseException:  # what the interpreter prints for an uncaught exception
-            traceback.print_exc()
-            code = 1
-        threading._shutdown()  # what interpreter shutdown does: join the non-daemon threads
+        _run(argv)
+        return 0
+    except SystemExit as e:
+        return _exit_code(e)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this forked process with ``code`` after what interpreter shutdown does (non-daemon
+    threads joined, atexit callbacks, streams flushed)."""
+    try:
+        threading._shutdown()
         atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
@@ -123,6 +128,17 @@ def _child(request: dict) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _child(request: dict) -> NoReturn:
+    """Become ``python ARGV`` and exit with its status."""
+    code = 1
+    try:
+        _become(request)
+        code = run_as_python(request["argv"])
+    except BaseException:
+        traceback.print_exc()
+    exit_now(code)
 
 
 def _reply(message: dict) -> None:
