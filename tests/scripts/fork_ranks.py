@@ -36,29 +36,17 @@ import traceback
 import uuid
 from typing import NoReturn
 
-from tests.scripts.fork_server import exit_now, run_as_python
+from benchmarks.launch import rank_env
+from tests.scripts.fork_server import exit_now, os_threads, run_as_python
 
 # What every `argv` rank imports anyway (the fork server imported torch and ignite already).
 PRELOAD = ("hookloop.engine", "hookloop.handlers", "hookloop.cli")
 GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks left
 
 
-def _os_threads() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
-
-
 def _rank_env(spec: dict, rank: int, run_id: str) -> dict[str, str]:
     n = spec["world_size"]
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(spec["port"]),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rank_env(rank, n, spec["port"])
     if "argv" in spec:  # the rest of what torchrun's agent sets for a one-node launch
         env.update(
             GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_RANK=str(rank),
@@ -127,8 +115,8 @@ def main(spec_path: str) -> int:
     if launch:
         for name in PRELOAD:
             importlib.import_module(name)
-    if _os_threads() != 1:
-        print(f"fork_ranks: importing the ranks' code started {_os_threads() - 1} thread(s)", file=sys.stderr)
+    if os_threads() != 1:
+        print(f"fork_ranks: importing the ranks' code started {os_threads() - 1} thread(s)", file=sys.stderr)
         return 3
     run_id = uuid.uuid4().hex[:12]
     sys.stdout.flush()
