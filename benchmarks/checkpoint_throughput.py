@@ -84,6 +84,7 @@ threads.apply_environment()  # as ``hookloop train`` runs: OpenMP's waits set be
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+import workload  # noqa: E402
 from threads import Competitor  # noqa: E402  (benchmarks/threads.py)
 from workload import write_result  # noqa: E402
 
@@ -387,30 +388,14 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-#: Offsets into a save's window whose median is the window's own step without the save's cost: from
-#: the third step after the save on (an async save here is durable within one to two steps).
-LOCAL_FROM = 3
-
-
 def kept_local(stamps: list[float], timed: int, every: int) -> float | None:
-    """Throughput kept saving, read from the saving run alone: each window of ``every`` steps that
-    starts at a save, against ``every`` times its own median step from :data:`LOCAL_FROM` steps after
-    the save on (the sum over windows of those, over the sum of the windows' steps). The reference
-    then runs in the same second as the save it is compared with: this machine's speed drifts by
-    10-40% between runs of a few seconds (the quiet 2026-12-02 evening), which the no-save run of
-    ``kept`` compares across, while within a second it stays. Steps a save slows past
-    :data:`LOCAL_FROM` count as its cost only in part (they lift the reference too). None when
-    ``every`` leaves fewer than 3 steps for the reference or no window fits."""
-    if every - LOCAL_FROM < 3:
-        return None
-    d = {k + 1: b - a for k, (a, b) in enumerate(zip(stamps, stamps[1:]), start=1)}
-    first, last = WARMUP + 1, WARMUP + timed  # the timed steps
-    reference = spent = 0.0
-    for save in range(every * -(-first // every), last - every + 2, every):
-        window = [d[save + o] for o in range(every)]
-        reference += every * statistics.median(window[LOCAL_FROM:])
-        spent += sum(window)
-    return reference / spent if spent else None
+    """:func:`workload.kept_local` of one run's step-end ``stamps`` (``stamps[i]``: the end of step
+    ``i + 1``), the saves at the multiples of ``every`` among the ``timed`` steps after the warm-up."""
+    durations = {k + 1: b - a for k, (a, b) in enumerate(zip(stamps, stamps[1:]), start=1)}
+    first = WARMUP + 1
+    timed_steps = {k: d for k, d in durations.items() if first <= k <= WARMUP + timed}
+    saves = range(every * -(-first // every), WARMUP + timed + 1, every)
+    return workload.kept_local(timed_steps, saves, every)
 
 
 def quartile(values: list[float]) -> float:
@@ -436,7 +421,7 @@ def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: i
         )
     print(
         f"kept, local: the {every} steps from each save on, against {every} times their own median step "
-        f"from the {LOCAL_FROM}rd after the save on (kept_local: the drift between runs left out)"
+        f"from the {workload.LOCAL_FROM}rd after the save on (kept_local: the drift between runs left out)"
     )
 
 

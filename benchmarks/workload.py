@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,32 @@ def alternating(
             ref.append(reference())
             con.append(contender())
     return ref, con, statistics.median(c / r for c, r in zip(con, ref))
+
+
+#: Offsets into a save's window whose median is the window's own step without the save's cost: from
+#: the third step after the save on (an async save here is durable within one to two steps).
+LOCAL_FROM = 3
+
+
+def kept_local(durations: dict[int, float], saves: Iterable[int], every: int) -> float | None:
+    """Throughput kept saving every ``every`` steps, read from the saving run alone: each window of
+    ``every`` steps from a save in ``saves`` on (all of them in ``durations``, step -> seconds),
+    against ``every`` times its own median step from :data:`LOCAL_FROM` steps after the save on;
+    the sum over windows of those over the sum of the windows' steps. The reference runs in the same
+    second as the save it is compared with: this machine's speed drifts by 10-40% between runs a few
+    seconds apart, which a ratio of two runs compares across, while within a second it stays. A save
+    that slows steps past :data:`LOCAL_FROM` counts only in part (it lifts the reference too). None
+    when ``every`` leaves fewer than 3 steps for the reference or no window fits."""
+    if every - LOCAL_FROM < 3:
+        return None
+    reference = spent = 0.0
+    for save in saves:
+        window = [durations.get(save + o) for o in range(every)]
+        if None in window:
+            continue
+        reference += every * statistics.median(window[LOCAL_FROM:])
+        spent += sum(window)
+    return reference / spent if spent else None
 
 
 def write_result(path: Path | None, result: dict[str, Any]) -> None:
