@@ -10,8 +10,8 @@ command through the fork server, ``tests/forked.py``). SPEC is a pickle of a dic
   ends the others at once (SIGKILL);
 - or ``argv``: ``python ARGV`` on every rank with the environment torchrun gives its workers (its
   agent's store hosted here, on ``port``, as torchrun's agent hosts it); the first rank that fails
-  ends the others as torchrun does (SIGTERM, SIGKILL 30 s later), and this command exits 1 naming
-  each failed rank's exit code.
+  ends the others as torchrun does (SIGTERM :data:`SETTLE_S` later, SIGKILL 30 s after that), and
+  this command exits 1 naming each failed rank's exit code.
 
 A rank is still a process of its own (its own pid, environment, gloo connections and exit status),
 but it did not import torch, the engine and the test's own module again: that import was about 8 s
@@ -42,6 +42,10 @@ from tests.scripts.fork_server import exit_now, os_threads, run_as_python
 # What every `argv` rank imports anyway (the fork server imported torch and ignite already).
 PRELOAD = ("hookloop.engine", "hookloop.handlers", "hookloop.cli")
 GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL of the ranks left
+#: How long the others may still exit on their own after the first failure before their SIGTERM
+#: (torchrun sees a failure at its next poll, every 0.1 s; ranks that fail together, each with its
+#: own refusal, must not be cut short by that race).
+SETTLE_S = 1.0
 
 
 def _rank_env(spec: dict, rank: int, run_id: str) -> dict[str, str]:
@@ -138,11 +142,15 @@ def main(spec_path: str) -> int:
             timeout=timedelta(seconds=900), wait_for_workers=False,
         )  # fmt: skip
     failed: dict[int, int] = {}
-    kill_at = None
+    term_at = kill_at = None
     while running:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if kill_at is not None and time.monotonic() >= kill_at:
+            now = time.monotonic()
+            if term_at is not None and now >= term_at:
+                _signal(running, signal.SIGTERM)
+                term_at, kill_at = None, now + GRACE_S
+            if kill_at is not None and now >= kill_at:
                 _signal(running, signal.SIGKILL)
                 kill_at = float("inf")
             time.sleep(0.02)
@@ -151,9 +159,12 @@ def main(spec_path: str) -> int:
         rank = running.pop(pid)
         if code != 0:
             failed[rank] = code
-            if kill_at is None:  # the first failure ends the others
-                _signal(running, signal.SIGTERM if launch else signal.SIGKILL)
-                kill_at = time.monotonic() + (GRACE_S if launch else 0.0)
+            if term_at is None and kill_at is None:  # the first failure ends the others
+                if launch:  # after ranks failing with it (a refusal every rank makes) report their own
+                    term_at = time.monotonic() + SETTLE_S
+                else:
+                    _signal(running, signal.SIGKILL)
+                    kill_at = float("inf")
     del store
     for rank, code in sorted(failed.items()):
         print(f"fork_ranks: rank {rank} exited with code {code}", file=sys.stderr)
