@@ -213,11 +213,10 @@ class RunEnd:
             self.record_error(e)
             raise
         finally:
-            # A rank of a job of several that failed, or stopped (a signal, the time limit: exit 75),
-            # is on its way out with its exit code decided: the stop signals stay noted, so the
-            # launcher's SIGTERM to a node's other workers (torchrun sends one once a worker exits
-            # non-zero, and a stopped peer may exit first) cannot turn this rank's own code into -15.
-            if not ((failed or self.stop_kind is not None) and parallel.world_size() > 1):
+            # A failed rank of a job of several is on its way out with its exit code decided: the stop
+            # signals stay noted, so the launcher's SIGTERM to a node's other workers (torchrun sends
+            # one once a worker exits non-zero) cannot turn this rank's own code into -15.
+            if not (failed and parallel.world_size() > 1):
                 self.stops.restore()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
