@@ -177,7 +177,7 @@ PHASE_FUNCTIONS = (
     ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.create_local_plan"),
     ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.create_global_plan"),
     ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.finish_plan"),
-    ("serialization + writes", "torch.distributed.checkpoint.filesystem", "_write_item"),
+    ("serialization + writes", "hookloop.engine.checkpoint_format.manifest", "_write_entry"),
     ("writes", "hookloop.engine.checkpoint_format.durable_files", "_write_all"),
     ("fsyncs", "hookloop.engine.checkpoint_format.durable_files", "fsync_fd"),
     ("metadata", "hookloop.engine.checkpoint_format.manifest", "RecordingWriter.finish"),
@@ -199,8 +199,9 @@ PHASES = (
 class PhaseTimer:
     """Wall time spent in each phase of the saves made while entered (:data:`PHASE_FUNCTIONS`
     wrapped in place; an inner call of the same phase counts once), split by thread: the training
-    thread's share is what training waits for directly. ``serialization`` is the time in DCP's
-    ``_write_item`` less the writes inside it; ``checksums`` the CRC-32s' own time (on a helper
+    thread's share is what training waits for directly. ``serialization`` is the time in the
+    writer's ``_write_entry`` (a tensor's bytes, or a non-tensor entry's pickle) less the writes
+    inside it; ``checksums`` the CRC-32s' own time (on a helper
     thread beside the writes, see ``durable_files``) from the writers' timings."""
 
     def __init__(self) -> None:

@@ -6,8 +6,9 @@ weights and twice that of AdamW state in its checkpoint) trained one step, then 
 Each measurement runs in a fresh process: its resident set after the imports is the baseline,
 the kernel's high-water mark is reset there (``/proc/self/clear_refs``), and the figure is the
 peak over the baseline divided by the model's bytes. Reference: DCP's own consolidation
-(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``), which reads the whole
-checkpoint, optimizer included. ``load_model`` (the model built and filled) is measured too.
+(what ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` does, through the
+checkpointer's reader, which reads the tensors' bytes that DCP's own does not), which reads the
+whole checkpoint, optimizer included. ``load_model`` (the model built and filled) is measured too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ CHILD = r"""
 import json, os, sys
 import torch
 import hookloop.export, hookloop.train
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from hookloop.engine.checkpoint_format.safe_read import SafeReader
 
 
 def rss(field):
@@ -48,7 +51,10 @@ elif mode == "load_model":
     model = hookloop.train.load_model(run_dir)
 else:
     newest = sorted(p for p in os.listdir(f"{run_dir}/checkpoints") if p.startswith("step_"))[-1]
-    dcp_to_torch_save(f"{run_dir}/checkpoints/{newest}", out + ".pt")
+    state = {}  # dcp_to_torch_save, through the checkpointer's reader
+    reader = SafeReader(f"{run_dir}/checkpoints/{newest}")
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    torch.save(state, out + ".pt")
 print(json.dumps({"base": base, "peak": rss("VmHWM:")}))
 """
 

@@ -188,10 +188,14 @@ def exit_status(run_dir: Path) -> dict:
 
 def checkpoint_tensors(path: str, tmp: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (model and optimizer), by its flattened key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    out = tmp / f"{abs(hash(path))}.pt"
-    dcp_to_torch_save(path, out)
+    from hookloop.engine.checkpoint_format.safe_read import SafeReader
+
+    state: dict = {}
+    planner = _EmptyStateDictLoadPlanner()
+    _load_state_dict(state, storage_reader=SafeReader(path), planner=planner, no_dist=True)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, obj: object) -> None:
@@ -201,7 +205,7 @@ def checkpoint_tensors(path: str, tmp: Path) -> dict[str, torch.Tensor]:
             for k, v in obj.items():
                 walk(f"{prefix}.{k}", v)
 
-    walk("", torch.load(out, weights_only=False))
+    walk("", state)
     return flat
 
 

@@ -5,6 +5,7 @@ it. One module per part, imported by its own name (this package hands no names o
     directory       step_N names, the .complete marker, ``latest``, resolving a path a user gave
     manifest        checksums, the manifest in the marker, RecordingWriter (DCP's writer, recording)
     durable_files   the files RecordingWriter writes: checksummed as written, fsynced once at close
+    tensor_bytes    how the data files hold tensors: their bytes, dtype and shape in DCP's index
     safe_read       verify_checkpoint, pickle_problems, SafeReader / SafeLoadPlanner (DCP's reader)
     dcp_pickles     the allowlists for DCP's index and non-tensor entries
     pickle_bounds   the bounded unpickler both are read with
@@ -19,7 +20,7 @@ A directory of checkpoints::
     <directory>/
         step_00000100/          one complete checkpoint per saved step
             .metadata           DCP's index (model + optimizer, sharded)
-            __0_0.distcp ...    DCP's data files, one or more per rank
+            __0_0.distcp ...    DCP's data files, one or more per rank (tensors as their bytes)
             rank_00000.json     per-rank state: counters, LR scheduler, handlers, data position, RNG
             .complete           the completion marker, written last, after every rank is durable
         step_00000200.partial-<session>/   a save in flight (or torn by a crash): never loaded

@@ -7,7 +7,9 @@ DCP's file writer opens every file it writes through its ``FileSystem`` (``creat
   large write (a tensor's storage) is checksummed on a helper thread while the same bytes are
   copied into the page cache, and the write returns only once both are done (its buffer is the
   caller's: nothing may read it later). CRC-32 (:func:`crc32`) runs at about 7.7 GB/s here and
-  the copy at 2.5-4, so on 2 cores the checksum costs the write almost nothing;
+  the copy at 2.5-4, so on 2 cores the checksum costs the write almost nothing. Writes under
+  64 KiB are gathered into one, the others go to the file as they come: gathering copies while
+  holding the interpreter lock, which an async save's writer thread shares with training;
 - start the kernel's writeback of every :data:`WRITEBACK_CHUNK` written (``sync_file_range`` on
   Linux, from a thread of its own; elsewhere, or when it fails, the fsync does it all), so that
   the disk writes while the rest is serialized and the fsync at the close has little left: a
@@ -52,6 +54,7 @@ __all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "crc32", "write_durable"
 #: How much a stream writes before it asks the kernel to start writing it back.
 WRITEBACK_CHUNK = 16 << 20
 _HELPED = 1 << 20  # writes from this size on are checksummed beside the copy
+_DIRECT = 64 << 10  # smaller writes are gathered (a copy that holds the interpreter lock)
 _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range: Any = None  # libc's, once looked up; False: none
 
@@ -105,12 +108,18 @@ class _ChecksummingFile(io.IOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if len(view) < _HELPED:
+        if len(view) < _DIRECT:
             self._pending += view
-            if len(self._pending) >= _HELPED:
+            if len(self._pending) >= _DIRECT:
                 self.flush()
             return len(view)
         self.flush()
+        if len(view) < _HELPED:  # checksum, then copy: both without the interpreter lock
+            self.crc, seconds = _timed_crc32(view, self.crc)
+            self._owner.add_timings(seconds, seconds)
+            _write_all(self._fd, view)
+            self._advance(len(view))
+            return len(view)
         checksum = self._owner.helper("checksum").submit(_timed_crc32, view, self.crc)
         try:
             _write_all(self._fd, view)

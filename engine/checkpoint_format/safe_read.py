@@ -4,6 +4,7 @@ reading DCP's index and non-tensor entries through the bounded allowlists of
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -11,12 +12,14 @@ import stat
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.futures import Future
 
-from hookloop.engine.checkpoint_format import dcp_pickles
+from hookloop.engine.checkpoint_format import dcp_pickles, tensor_bytes
 from hookloop.engine.checkpoint_format.directory import MARKER
 from hookloop.engine.checkpoint_format.durable_files import crc32
 from hookloop.engine.checkpoint_format.errors import CheckpointError, CheckpointIndexBoundError
@@ -237,6 +240,60 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """Read the entries of ``plan``: those held as their bytes (:mod:`.tensor_bytes`) here,
+        straight into the tensors they load into when a request covers a whole entry; all others
+        (``torch.save`` archives, non-tensor entries) as DCP reads them."""
+        raw, others = [], []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            is_tensor = item.type != LoadItemType.BYTE_IO
+            (raw if is_tensor and tensor_bytes.is_raw(info.transform_descriptors) else others).append(item)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in raw:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                size = os.fstat(stream.fileno()).st_size
+                for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
+                    self._read_raw(stream, size, path, item, planner)
+        if others or not raw:
+            return super().read_data(dataclasses.replace(plan, items=others), planner)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_raw(self, stream: Any, size: int, path: Any, item: ReadItem, planner: Any) -> None:
+        info = self.storage_data[item.storage_index]
+        where = f"checkpoint entry {item.storage_index.fqn[:200]!r} (in {path})"
+        dtype, shape = tensor_bytes.geometry(info.transform_descriptors, info.length, where)
+        if info.offset + info.length > size:
+            raise CheckpointError(
+                f"{where} lies past the end of its file ({size} bytes); the checkpoint is damaged"
+            )
+        target = planner.resolve_tensor(item).detach()
+        stream.seek(info.offset)
+        whole = list(item.storage_offsets) == [0] * len(shape) and torch.Size(item.lengths) == shape
+        if (
+            whole
+            and target.shape == shape
+            and target.dtype == dtype
+            and target.device.type == "cpu"
+            and (target.is_contiguous())
+        ):
+            tensor_bytes.read_into(stream, info.length, where, out=target)
+        else:
+            stored = tensor_bytes.read_into(stream, info.length, where).view(dtype).reshape(shape)
+            part = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+            if target.size() != part.size():
+                raise CheckpointError(
+                    f"{where} holds {tuple(part.size())} for a tensor of {tuple(target.size())}; the "
+                    "checkpoint is damaged or was written for another model"
+                )
+            target.copy_(part)
+        planner.commit_tensor(item, target)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hookloop.engine.checkpoint_format import durable_files
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, file_checksum
+from hookloop.engine.checkpoint_format.safe_read import SafeReader
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
 from hookloop.handlers.checkpoint.host_copy import HostCopy
 
@@ -51,7 +52,7 @@ def _load(path) -> dict:
     model = {"w": torch.zeros(512, 1024), "v": torch.zeros(512, 1024), "b": torch.zeros(3)}
     out = {"model": model, "step": 0}
     with quiet_single_process():
-        dcp.load(out, checkpoint_id=path, no_dist=True)
+        dcp.load(out, storage_reader=SafeReader(path), no_dist=True)
     return out
 
 

@@ -23,7 +23,7 @@ from hookloop.engine.checkpoint_format.directory import (
 )
 from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import read_marker
-from hookloop.engine.checkpoint_format.safe_read import verify_checkpoint
+from hookloop.engine.checkpoint_format.safe_read import SafeReader, verify_checkpoint
 from hookloop.handlers.checkpoint import save as save_room
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
 from tests.checkpoint_rooms import fakes
@@ -84,7 +84,7 @@ def test_the_checkpoint_holds_the_state_at_the_save(tmp_path, sess, mode):
     save = w.finish(wait=True)
     loaded = {f"model.{k}": torch.zeros_like(v) for k, v in expected.items()}
     with quiet_single_process():
-        dcp.load(loaded, checkpoint_id=save.final, no_dist=True)
+        dcp.load(loaded, storage_reader=SafeReader(save.final), no_dist=True)
     differ = [k for k, v in expected.items() if not torch.equal(loaded[f"model.{k}"], v)]
     assert differ == []
 
