@@ -40,7 +40,14 @@ from hookloop.engine.errors import PeerCrashed, exit_code_of
 from hookloop.engine.exit_codes import ExitCode
 from hookloop.engine.exit_status import exit_status_identity, write_exit_status
 
-__all__ = ["SIGINT_STOP_REASON", "RunEnd", "StopSignals", "first_on_node", "resolve_signals"]
+__all__ = [
+    "SIGINT_STOP_REASON",
+    "RunEnd",
+    "StopSignals",
+    "exit_after_run",
+    "first_on_node",
+    "resolve_signals",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,18 @@ SIGINT_STOP_REASON = (
     "Ctrl-C (SIGINT): stopping after this step with a final checkpoint; press Ctrl-C again to "
     "interrupt at once"
 )
+
+
+_exit_after_run = False
+
+
+def exit_after_run() -> None:
+    """Said by ``hookloop train``'s console script: this process leaves once its run ends. A rank
+    of a job of several that stopped (a signal, the time limit: exit 75) then keeps its stop
+    signals noted until it exits, as a failed rank always does, so the launcher's SIGTERM after a
+    peer's exit cannot turn its own code into -15. A Python caller's run puts them back."""
+    global _exit_after_run
+    _exit_after_run = True
 
 
 class StopSignals:
@@ -215,8 +234,11 @@ class RunEnd:
         finally:
             # A failed rank of a job of several is on its way out with its exit code decided: the stop
             # signals stay noted, so the launcher's SIGTERM to a node's other workers (torchrun sends
-            # one once a worker exits non-zero) cannot turn this rank's own code into -15.
-            if not (failed and parallel.world_size() > 1):
+            # one once a worker exits non-zero) cannot turn this rank's own code into -15. So is one
+            # that stopped, when the process leaves after the run (exit_after_run): a stopped peer
+            # may exit first, and the launcher's SIGTERM follows.
+            leaving = failed or (_exit_after_run and self.stop_kind is not None)
+            if not (leaving and parallel.world_size() > 1):
                 self.stops.restore()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)

@@ -171,3 +171,28 @@ def test_ranks_leave_together_when_the_last_arrives_and_never_wait_past_the_time
         if alone.is_alive():
             alone.kill()
     assert not ok and left_at - started < 15  # bounded by its 1 s timeout (+ the start of a process)
+
+
+@pytest.mark.parametrize("leaving", [False, True])
+def test_a_stopped_rank_of_several_keeps_its_stop_signals_noted_only_when_the_process_leaves(
+    tmp_path, monkeypatch, leaving
+):
+    """``hookloop train`` leaves once its run ends (``exit_after_run``): a rank of several that
+    stopped then keeps SIGTERM noted, so the launcher's SIGTERM after a peer's exit 75 cannot end
+    it with -15; a Python caller's run puts the handler back."""
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(run_end, "_exit_after_run", leaving)
+    before = signal.getsignal(signal.SIGTERM)
+    end, _ = make(tmp_path)
+    end.stops = run_end.StopSignals(["SIGTERM"])
+    try:
+        with end.running():
+            installed = signal.getsignal(signal.SIGTERM)
+            end.stop_kind = "signal"  # the ranks agreed a stop
+        assert installed is not before
+        assert signal.getsignal(signal.SIGTERM) is (installed if leaving else before)
+        if leaving:
+            signal.raise_signal(signal.SIGTERM)  # noted, not fatal
+    finally:
+        end.stops.restore()
+    assert signal.getsignal(signal.SIGTERM) is before

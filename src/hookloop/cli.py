@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.order:
             print(checked.first_step.order)
         return 0
+    from hookloop.engine import run_end
+
+    run_end.exit_after_run()  # this process leaves once the run ends (see run_end.exit_after_run)
     return training.train(cfg, checked=checked)
 
 
