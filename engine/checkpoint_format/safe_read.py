@@ -276,13 +276,8 @@ class SafeReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         stream.seek(info.offset)
         whole = list(item.storage_offsets) == [0] * len(shape) and torch.Size(item.lengths) == shape
-        if (
-            whole
-            and target.shape == shape
-            and target.dtype == dtype
-            and target.device.type == "cpu"
-            and (target.is_contiguous())
-        ):
+        direct = target.shape == shape and target.dtype == dtype and target.device.type == "cpu"
+        if whole and direct and target.is_contiguous():
             tensor_bytes.read_into(stream, info.length, where, out=target)
         else:
             stored = tensor_bytes.read_into(stream, info.length, where).view(dtype).reshape(shape)

@@ -15,6 +15,7 @@ refuses them by name (``Unknown extension name='hookloop.raw'``) instead of misr
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -27,7 +28,12 @@ __all__ = ["NAME", "descriptor", "geometry", "host_bytes", "is_raw", "read_into"
 #: The transform descriptor's name (what precedes the ``/``).
 NAME = "hookloop.raw"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+#: Every dtype by its name, but the quantized ones (a quantized tensor is not written as its bytes).
+_DTYPES = {
+    name: d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and not (name := str(d).removeprefix("torch.")).startswith("q")
+}
 _MAX_DIMS = 64
 
 
@@ -79,11 +85,11 @@ def geometry(descriptors: Any, length: int, where: str) -> tuple[torch.dtype, to
         raise CheckpointError(
             f"{where}: {descriptors[0][:100]!r} is not a dtype and a shape; the index is damaged"
         )
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if shape.numel() * itemsize != length:
+    needed = math.prod(shape) * dtype.itemsize  # in Python: a crafted shape cannot wrap around
+    if needed != length:
         raise CheckpointError(
-            f"{where}: {descriptors[0][:100]!r} needs {shape.numel() * itemsize} bytes, the index gives "
-            f"{length}; the checkpoint is damaged"
+            f"{where}: {descriptors[0][:100]!r} needs {needed} bytes, the index gives {length}; the "
+            "checkpoint is damaged"
         )
     return dtype, shape
 

@@ -123,6 +123,9 @@ def test_dcps_own_reader_refuses_these_entries_by_name(tmp_path):
         ("hookloop.raw/float32:4,-4", "is not a dtype and a shape"),
         ("hookloop.raw/float32:4,x", "is not a dtype and a shape"),
         ("hookloop.raw/Tensor:4,4", "is not a dtype and a shape"),  # torch attributes are not dtypes
+        ("hookloop.raw/qint8:4,16", "is not a dtype and a shape"),  # never written as bytes
+        ("hookloop.raw/float32:4294967296,4294967296,0", "needs 0 bytes"),  # nothing to read: refused
+        ("hookloop.raw/float32:1099511627776,1099511627776", "needs 4835703278458516698824704 bytes"),
     ],
 )
 def test_a_crafted_descriptor_is_refused_with_the_entry_named(tmp_path, descriptor, message):
