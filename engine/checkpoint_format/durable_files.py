@@ -115,10 +115,7 @@ class _ChecksummingFile(io.IOBase):
             return len(view)
         self.flush()
         if len(view) < _HELPED:  # checksum, then copy: both without the interpreter lock
-            self.crc, seconds = _timed_crc32(view, self.crc)
-            self._owner.add_timings(seconds, seconds)
-            _write_all(self._fd, view)
-            self._advance(len(view))
+            self._write_checksummed(view)
             return len(view)
         checksum = self._owner.helper("checksum").submit(_timed_crc32, view, self.crc)
         try:
@@ -132,11 +129,15 @@ class _ChecksummingFile(io.IOBase):
 
     def flush(self) -> None:
         if self._pending:
-            self.crc, seconds = _timed_crc32(self._pending, self.crc)
-            self._owner.add_timings(seconds, seconds)
-            _write_all(self._fd, memoryview(self._pending))
-            self._advance(len(self._pending))
+            self._write_checksummed(memoryview(self._pending))
             self._pending.clear()
+
+    def _write_checksummed(self, view: memoryview) -> None:
+        """Checksum ``view``, then write it, both on this thread."""
+        self.crc, seconds = _timed_crc32(view, self.crc)
+        self._owner.add_timings(seconds, seconds)
+        _write_all(self._fd, view)
+        self._advance(len(view))
 
     def _advance(self, n: int) -> None:
         self.size += n

@@ -245,28 +245,27 @@ class SafeReader(FileSystemReader):
         """Read the entries of ``plan``: those held as their bytes (:mod:`.tensor_bytes`) here,
         straight into the tensors they load into when a request covers a whole entry; all others
         (``torch.save`` archives, non-tensor entries) as DCP reads them."""
-        raw, others = [], []
+        others: list[ReadItem] = []
+        per_file: dict[str, list[tuple[int, ReadItem, Any]]] = {}  # raw entries: (offset, item, info)
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            is_tensor = item.type != LoadItemType.BYTE_IO
-            (raw if is_tensor and tensor_bytes.is_raw(info.transform_descriptors) else others).append(item)
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in raw:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative_path, items in per_file.items():
+            if item.type != LoadItemType.BYTE_IO and tensor_bytes.is_raw(info.transform_descriptors):
+                per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
+            else:
+                others.append(item)
+        for relative_path, entries in per_file.items():
             path = self.fs.concat_path(self.path, relative_path)
             with self.fs.create_stream(path, "rb") as stream:
                 size = os.fstat(stream.fileno()).st_size
-                for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
-                    self._read_raw(stream, size, path, item, planner)
-        if others or not raw:
+                for _, item, info in sorted(entries, key=lambda entry: entry[0]):
+                    self._read_raw(stream, size, path, item, info, planner)
+        if others or not per_file:
             return super().read_data(dataclasses.replace(plan, items=others), planner)
         future: Future = Future()
         future.set_result(None)
         return future
 
-    def _read_raw(self, stream: Any, size: int, path: Any, item: ReadItem, planner: Any) -> None:
-        info = self.storage_data[item.storage_index]
+    def _read_raw(self, stream: Any, size: int, path: Any, item: ReadItem, info: Any, planner: Any) -> None:
         where = f"checkpoint entry {item.storage_index.fqn[:200]!r} (in {path})"
         dtype, shape = tensor_bytes.geometry(info.transform_descriptors, info.length, where)
         if info.offset + info.length > size:

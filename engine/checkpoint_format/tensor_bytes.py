@@ -28,29 +28,26 @@ __all__ = ["NAME", "descriptor", "geometry", "host_bytes", "is_raw", "read_into"
 #: The transform descriptor's name (what precedes the ``/``).
 NAME = "hookloop.raw"
 
+
 #: Every dtype by its name, but the quantized ones (a quantized tensor is not written as its bytes).
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 _DTYPES = {
-    name: d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype) and not (name := str(d).removeprefix("torch.")).startswith("q")
+    _name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype) and not _name(d).startswith("q")
 }
 _MAX_DIMS = 64
 
 
 def writable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` can be written as its bytes: a dense CPU tensor of a plain dtype."""
-    return (
-        tensor.layout is torch.strided
-        and tensor.device.type == "cpu"
-        and not tensor.is_quantized
-        and str(tensor.dtype).removeprefix("torch.") in _DTYPES
-    )
+    return tensor.layout is torch.strided and tensor.device.type == "cpu" and _name(tensor.dtype) in _DTYPES
 
 
 def descriptor(tensor: torch.Tensor) -> str:
     """The transform descriptor of ``tensor`` written as its bytes."""
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"{NAME}/{dtype}:{','.join(str(n) for n in tensor.shape)}"
+    return f"{NAME}/{_name(tensor.dtype)}:{','.join(str(n) for n in tensor.shape)}"
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
