@@ -14,7 +14,17 @@ DCP's file writer opens every file it writes through its ``FileSystem`` (``creat
   Linux, from a thread of its own; elsewhere, or when it fails, the fsync does it all), so that
   the disk writes while the rest is serialized and the fsync at the close has little left: a
   200 MB write + fsync took 190 ms so against 245 ms without (medians of 6, interleaved);
-- fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off);
+- write a large entry's whole pages straight to the disk (``O_DIRECT``, Linux) instead of copying
+  them into the page cache. The writer first pads the file with zeros (under a page) so that the
+  entry's offset and its memory's address agree modulo :data:`PAGE` (:meth:`~_ChecksummingFile.place`);
+  the part of a page at each end goes through the page cache, which never holds a page a direct
+  write also writes. Writing 200 MB and fsyncing it took 9-12 ms of CPU so, against 46-72 ms
+  through the page cache (86-131 ms against 116-206 ms on the clock); a save of a 200 MB state took 20-28 ms of its
+  writer thread's CPU against 92-102 ms, CPU an async save takes from training beside it. A
+  file system that refuses direct writes (as the flag is set, or at a write, for a stricter
+  alignment) gets the rest of the bytes through the page cache, and the files after it all of them;
+- fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off): for directly
+  written pages too, whose data may sit in the disk's own cache until then;
 - write over the file of the same name a pruned checkpoint left in ``reuse`` (moved into place,
   cut to its new size at the close) instead of making a new one: its pages are still in the page
   cache and its blocks allocated, so 200 MB took 37-51 ms to write and 108-160 ms to make durable
@@ -30,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import io
 import os
 import stat
@@ -40,6 +52,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hookloop.engine.files import fsync_fd, open_no_link
@@ -55,6 +68,9 @@ __all__ = ["WRITEBACK_CHUNK", "ChecksummingFileSystem", "crc32", "write_durable"
 WRITEBACK_CHUNK = 16 << 20
 _HELPED = 1 << 20  # writes from this size on are checksummed beside the copy
 _DIRECT = 64 << 10  # smaller writes are gathered (a copy that holds the interpreter lock)
+#: Direct writes go in whole pages of this size, page-aligned in memory and in the file (a multiple
+#: of every block size and memory alignment a Linux file system asks of ``O_DIRECT``).
+PAGE = 4096
 _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range: Any = None  # libc's, once looked up; False: none
 
@@ -77,6 +93,11 @@ def _writeback() -> Any:
 def _timed_crc32(data: Any, crc: int) -> tuple[int, float]:
     start = time.perf_counter()
     return crc32(data, crc), time.perf_counter() - start
+
+
+def _address(view: memoryview) -> int:
+    """Where ``view``'s bytes start in memory."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -119,13 +140,63 @@ class _ChecksummingFile(io.IOBase):
             return len(view)
         checksum = self._owner.helper("checksum").submit(_timed_crc32, view, self.crc)
         try:
-            _write_all(self._fd, view)
+            self._write_large(view)
         finally:
             written = time.perf_counter()
             self.crc, seconds = checksum.result()
             self._owner.add_timings(seconds, time.perf_counter() - written)
         self._advance(len(view))
         return len(view)
+
+    def place(self, view: memoryview) -> None:
+        """Before an entry of ``view``'s bytes: pad the file with zeros so that the entry's offset
+        and its memory's address are the same modulo :data:`PAGE` (only for a large ``view`` and
+        while this file system writes directly), which lets :meth:`write` hand the disk the
+        entry's whole pages without the page cache."""
+        if len(view) >= _HELPED and self._owner.direct:
+            pad = (_address(view) - self.tell()) % PAGE
+            if pad:
+                self.write(bytes(pad))
+
+    def _write_large(self, view: memoryview) -> None:
+        """Write ``view``: the whole pages of it straight to the disk (``O_DIRECT``) when its
+        address and the file's position agree modulo :data:`PAGE` (see :meth:`place`), the rest
+        (and all of it otherwise, or where the file system refuses direct writes) through the page
+        cache."""
+        head = (-_address(view)) % PAGE
+        pages = (len(view) - head) // PAGE * PAGE
+        if not (self._owner.direct and pages and (self.size + head) % PAGE == 0):
+            _write_all(self._fd, view)
+            return
+        _write_all(self._fd, view[:head])
+        written = self._write_direct(view[head : head + pages], self.size + head)
+        _write_all(self._fd, view[head + written :])
+
+    def _write_direct(self, view: memoryview, position: int) -> int:
+        """Write ``view`` (whole pages, page-aligned in memory and at ``position``, the file's
+        position) with ``O_DIRECT``; how much was written, the file's position after it: short of
+        all of it only when the file system refused direct writes (its ``direct`` is then off for
+        the files still to come)."""
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        except OSError:
+            self._owner.direct = False
+            return 0
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self._fd, view[done:])
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._owner.direct = False  # a constraint beyond whole pages: the page cache takes the rest
+        finally:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+        if done % PAGE:  # a short write that ended inside a page: the page cache rewrites that page
+            done -= done % PAGE
+            os.lseek(self._fd, position + done, os.SEEK_SET)
+        return done
 
     def flush(self) -> None:
         if self._pending:
@@ -190,6 +261,8 @@ class ChecksummingFileSystem(FileSystem):
         super().__init__()
         self.on_written: Any = None
         self.reuse = reuse
+        #: large writes go to the disk directly (Linux; off once a file system refuses)
+        self.direct = hasattr(os, "O_DIRECT")
         self.entries: dict[str, tuple[int, int]] = {}
         self.checksum_s = self.exposed_s = 0.0
         self._lock = threading.Lock()

@@ -252,7 +252,10 @@ def _write_entry(stream: Any, name: str, item: Any, data: Any) -> WriteResult:
         stream.write(data.getbuffer())
     elif tensor_bytes.writable(data):
         descriptors = [tensor_bytes.descriptor(data)]
-        stream.write(tensor_bytes.host_bytes(data))
+        view = tensor_bytes.host_bytes(data)
+        stream.place(view)  # padding before it, when its pages go to the disk directly
+        offset = stream.tell()
+        stream.write(view)
     else:  # a tensor of another kind: a torch.save archive, as DCP writes it
         torch.save(data.detach().cpu(), stream)
     length = stream.tell() - offset

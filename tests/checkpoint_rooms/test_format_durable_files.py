@@ -1,9 +1,13 @@
 """The files a checkpoint writer makes: each one's size and CRC-32 recorded as it is written (large
 writes checksummed beside their copy, small ones gathered), renames followed, nothing recorded for
-a file whose write failed; and the rank state file written in place with its checksum."""
+a file whose write failed; a large entry's whole pages written to the disk directly, and every byte
+still written where a file system refuses that; and the rank state file written in place with its
+checksum."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import zlib
 
@@ -116,3 +120,119 @@ def test_the_finite_check_skips_integers_and_reads_complex_tensors():
     assert all_finite({"z": z}, ["z"]) is True
     z[1] = complex(0, float("nan"))
     assert all_finite({"z": z}, ["z"]) is False
+
+
+needs_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+
+
+def _spy_writes(monkeypatch):
+    """Record each os.write of a checkpoint stream as (bytes written, whether O_DIRECT was set)."""
+    writes: list[tuple[int, bool]] = []
+    real = os.write
+
+    def spying(fd, data):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        n = real(fd, data)
+        writes.append((n, direct))
+        return n
+
+    monkeypatch.setattr(os, "write", spying)
+    return writes
+
+
+def _misaligned(size: int, shift: int) -> memoryview:
+    """``size`` random bytes starting ``shift`` bytes past a page boundary in memory."""
+    backing = torch.empty(size + 2 * durable_files.PAGE, dtype=torch.uint8)
+    start = (-backing.data_ptr()) % durable_files.PAGE + shift
+    view = backing[start : start + size]
+    view.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    return memoryview(view.numpy())
+
+
+@needs_direct
+def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exactly(tmp_path, monkeypatch):
+    writes = _spy_writes(monkeypatch)
+    fs = ChecksummingFileSystem()
+    views = [_misaligned((3 << 20) + 123, shift) for shift in (0, 17, 4000)]
+    offsets = []
+    try:
+        with fs.create_stream(tmp_path / "data", "wb") as stream:
+            stream.write(b"a small entry first")
+            for view in views:
+                stream.place(view)
+                offsets.append(stream.tell())
+                stream.write(view)
+    finally:
+        fs.close()
+    on_disk = (tmp_path / "data").read_bytes()
+    for offset, view in zip(offsets, views):
+        assert on_disk[offset : offset + len(view)] == view.tobytes()
+    gaps = [on_disk[19:offsets[0]]] + [
+        on_disk[offsets[i] + len(views[i]) : offsets[i + 1]] for i in range(len(views) - 1)
+    ]
+    assert all(gap == bytes(len(gap)) and len(gap) < durable_files.PAGE for gap in gaps)  # zeros, under a page
+    assert fs.entries == {"data": (len(on_disk), zlib.crc32(on_disk))}
+    direct = sum(n for n, d in writes if d)
+    assert direct >= sum(len(v) - 2 * durable_files.PAGE for v in views)  # all but the edge pages
+    assert direct % durable_files.PAGE == 0 and fs.direct
+
+
+@needs_direct
+@pytest.mark.parametrize("refusal", ["fcntl", "write"])
+def test_a_file_system_that_refuses_direct_writes_still_gets_every_byte(tmp_path, monkeypatch, refusal):
+    """A file system without O_DIRECT (refused as the flag is set) or with a stricter alignment
+    (refused at the write): the page cache takes the bytes, and the files after it too."""
+    writes = _spy_writes(monkeypatch)
+    if refusal == "fcntl":
+        real_fcntl = fcntl.fcntl
+
+        def refusing_fcntl(fd, cmd, arg=0):
+            if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_fcntl(fd, cmd, arg)
+
+        monkeypatch.setattr(fcntl, "fcntl", refusing_fcntl)
+    else:
+        spying = os.write
+
+        def refusing_write(fd, data):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return spying(fd, data)
+
+        monkeypatch.setattr(os, "write", refusing_write)
+    fs = ChecksummingFileSystem()
+    views = [_misaligned((2 << 20) + 7, 100), _misaligned(3 << 20, 0)]
+    try:
+        for i, view in enumerate(views):
+            with fs.create_stream(tmp_path / f"f{i}", "wb") as stream:
+                stream.write(b"head")
+                stream.place(view)
+                offset = stream.tell()
+                stream.write(view)
+            on_disk = (tmp_path / f"f{i}").read_bytes()
+            assert on_disk[offset:] == view.tobytes() and on_disk[:4] == b"head"
+            assert fs.entries[f"f{i}"] == (len(on_disk), zlib.crc32(on_disk))
+    finally:
+        fs.close()
+    assert not fs.direct and not any(d for _, d in writes)
+
+
+def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loads_exactly(tmp_path, monkeypatch):
+    writes = _spy_writes(monkeypatch) if hasattr(os, "O_DIRECT") else []
+    base = torch.randn(2048, 513)
+    state = {"odd": torch.randn(1000, 777), "view": base[:, 1:], "b": torch.arange(5.0), "n": 3}
+    reuse = tmp_path / "reuse"
+    reuse.mkdir()
+    (reuse / "__0_0.distcp").write_bytes(os.urandom(12 << 20))  # a pruned checkpoint's, longer than what comes
+    writer = RecordingWriter(tmp_path / "ckpt", rank=0, checked={"odd", "view", "b"}, reuse=reuse)
+    with quiet_single_process():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        loaded = {"odd": torch.zeros(1000, 777), "view": torch.zeros(2048, 512), "b": torch.zeros(5), "n": 0}
+        dcp.load(loaded, storage_reader=SafeReader(tmp_path / "ckpt"), no_dist=True)
+    for name, entry in writer.entries.items():
+        assert (entry["size"], entry["checksum"]) == file_checksum(tmp_path / "ckpt" / name)
+    assert all(torch.equal(loaded[k], state[k]) for k in ("odd", "view", "b")) and loaded["n"] == 3
+    assert os.path.getsize(tmp_path / "ckpt" / "__0_0.distcp") < 12 << 20 and not os.listdir(reuse)
+    if hasattr(os, "O_DIRECT"):
+        assert sum(n for n, d in writes if d) > 6 << 20  # both large tensors, all but their edge pages

@@ -59,15 +59,15 @@ def _load(path) -> dict:
 def _hold_large_writes(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """The writer stops in its first large write (a live tensor) until ``go``; ``inside`` once there."""
     inside, go = threading.Event(), threading.Event()
-    original = durable_files._write_all
+    original = durable_files._ChecksummingFile._write_large
 
-    def held(fd, view):
-        if len(view) >= 1 << 20 and not go.is_set():
+    def held(stream, view):
+        if not go.is_set():
             inside.set()
             assert go.wait(timeout=30)
-        original(fd, view)
+        original(stream, view)
 
-    monkeypatch.setattr(durable_files, "_write_all", held)
+    monkeypatch.setattr(durable_files._ChecksummingFile, "_write_large", held)
     return inside, go
 
 
