@@ -179,6 +179,7 @@ PHASE_FUNCTIONS = (
     ("planning", "torch.distributed.checkpoint.default_planner", "DefaultSavePlanner.finish_plan"),
     ("serialization + writes", "hookloop.engine.checkpoint_format.manifest", "_write_entry"),
     ("writes", "hookloop.engine.checkpoint_format.durable_files", "_write_all"),
+    ("writes", "hookloop.engine.checkpoint_format.durable_files", "_ChecksummingFile._write_direct"),
     ("fsyncs", "hookloop.engine.checkpoint_format.durable_files", "fsync_fd"),
     ("metadata", "hookloop.engine.checkpoint_format.manifest", "RecordingWriter.finish"),
     ("publishing", "hookloop.handlers.checkpoint.store", "CheckpointStore.publish"),

@@ -257,12 +257,12 @@ class ChecksummingFileSystem(FileSystem):
     is closed, once its bytes are in the page cache and before its fsync. ``close()`` stops the
     helper threads."""
 
-    def __init__(self, reuse: str | os.PathLike | None = None) -> None:
+    def __init__(self, reuse: str | os.PathLike | None = None, direct: bool = True) -> None:
         super().__init__()
         self.on_written: Any = None
         self.reuse = reuse
         #: large writes go to the disk directly (Linux; off once a file system refuses)
-        self.direct = hasattr(os, "O_DIRECT")
+        self.direct = direct and hasattr(os, "O_DIRECT")
         self.entries: dict[str, tuple[int, int]] = {}
         self.checksum_s = self.exposed_s = 0.0
         self._lock = threading.Lock()

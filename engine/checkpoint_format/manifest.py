@@ -155,7 +155,9 @@ class RecordingWriter(_FileSystemWriter):
     "rank"}}``; ``timings`` how long the checksums and the NaN/Inf check took, and how much of the
     checksums the write waited for beyond its own copying (``exposed``). ``reuse``: a directory
     whose files of the same names it writes over instead of making new ones (a pruned
-    checkpoint's, moved there by the checkpoint store).
+    checkpoint's, moved there by the checkpoint store). ``direct``: large tensors' pages go to the
+    disk directly (see :mod:`.durable_files`), for a write beside training; a write training waits
+    for goes through the page cache, which also keeps it there for a rollback to read.
 
     Tensors are written as their bytes (:mod:`.tensor_bytes`), not as a ``torch.save`` archive
     each as DCP's own writer does: one file per rank, its entries one after the other.
@@ -170,9 +172,10 @@ class RecordingWriter(_FileSystemWriter):
         rank: int = 0,
         checked: Iterable[str] = (),
         reuse: str | os.PathLike | None = None,
+        direct: bool = True,
     ) -> None:
         super().__init__(path, sync_files=False)
-        self.fs = ChecksummingFileSystem(reuse)
+        self.fs = ChecksummingFileSystem(reuse, direct)
         self.writer_rank = rank
         self.checked = set(checked)
         self.entries: dict[str, dict[str, Any]] = {}

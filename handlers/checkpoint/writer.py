@@ -141,7 +141,10 @@ class CheckpointWriter:
             state_dict[HANDLERS] = handler_tensors
         # checksums the DCP files as it makes them durable, and checks the saved state for NaN/Inf
         reuse = os.path.join(self.directory, REUSE)  # a pruned checkpoint's files, written over
-        writer = RecordingWriter(partial, parallel.rank(), checked=checked, reuse=reuse)
+        # beside training (async modes), the pages of large tensors go to the disk directly: the
+        # writer's copy into the page cache would take CPU from training
+        direct = self.mode is not AsyncMode.SYNC
+        writer = RecordingWriter(partial, parallel.rank(), checked=checked, reuse=reuse, direct=direct)
         group = self._session.group
         kwargs: dict[str, Any] = {
             "checkpoint_id": partial,

@@ -222,3 +222,41 @@ def test_waiting_locally_publishes_a_single_ranks_durable_save_and_drops_a_faile
         assert w.wait_local() is False
     assert w.inflight is None and "checkpoint of step 2 failed" in caplog.text
     assert steps(tmp_path) == [1]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_beside_training_writes_large_tensors_past_the_page_cache_a_sync_save_through_it(
+    tmp_path, sess, mode, monkeypatch
+):
+    """The async modes' writer would otherwise take training's CPU to copy the bytes into the page
+    cache; a sync save, which training waits for anyway, keeps them cached for a rollback to read."""
+    import fcntl
+
+    direct: list[int] = []
+    real = os.write
+
+    def spying(fd, data):
+        n = real(fd, data)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct.append(n)
+        return n
+
+    monkeypatch.setattr(os, "write", spying)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights, 12 with AdamW's moments
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    expected = fakes.parameters(model)
+    w = fakes.writer(tmp_path, mode, sess)
+    w.start(1, model, optimizer, fakes.rank_state_json(1), {})
+    save = w.finish(wait=True)
+    assert verify_checkpoint(save.final) == ([], True)
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    with quiet_single_process():
+        dcp.load(loaded, checkpoint_id=save.final, storage_reader=SafeReader(save.final), no_dist=True)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    if mode == "sync":
+        assert direct == []
+    else:
+        assert sum(direct) >= 3 * ((4 << 20) - 8192)  # weights and both moments, but their edge pages
