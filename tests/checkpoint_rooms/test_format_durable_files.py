@@ -126,14 +126,16 @@ needs_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT 
 
 
 def _spy_writes(monkeypatch):
-    """Record each os.write of a checkpoint stream as (bytes written, whether O_DIRECT was set)."""
-    writes: list[tuple[int, bool]] = []
+    """Record each os.write of a checkpoint stream as (bytes written, whether O_DIRECT was set, the
+    file position it wrote at)."""
+    writes: list[tuple[int, bool, int]] = []
     real = os.write
 
     def spying(fd, data):
         direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        position = os.lseek(fd, 0, os.SEEK_CUR)
         n = real(fd, data)
-        writes.append((n, direct))
+        writes.append((n, direct, position))
         return n
 
     monkeypatch.setattr(os, "write", spying)
@@ -172,9 +174,17 @@ def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exa
     ]
     assert all(gap == bytes(len(gap)) and len(gap) < durable_files.PAGE for gap in gaps)  # zeros, under a page
     assert fs.entries == {"data": (len(on_disk), zlib.crc32(on_disk))}
-    direct = sum(n for n, d in writes if d)
+    direct = sum(n for n, d, _ in writes if d)
     assert direct >= sum(len(v) - 2 * durable_files.PAGE for v in views)  # all but the edge pages
     assert direct % durable_files.PAGE == 0 and fs.direct
+    page = durable_files.PAGE
+    assert all(at % page == 0 and n % page == 0 for n, d, at in writes if d)
+
+    def pages(direct: bool) -> set[int]:
+        return {q for n, d, at in writes if d == direct and n for q in range(at // page, (at + n - 1) // page + 1)}
+
+    direct_pages, buffered_pages = pages(True), pages(False)
+    assert not direct_pages & buffered_pages  # no page is written both ways
 
 
 @needs_direct
@@ -215,7 +225,7 @@ def test_a_file_system_that_refuses_direct_writes_still_gets_every_byte(tmp_path
             assert fs.entries[f"f{i}"] == (len(on_disk), zlib.crc32(on_disk))
     finally:
         fs.close()
-    assert not fs.direct and not any(d for _, d in writes)
+    assert not fs.direct and not any(d for _, d, _ in writes)
 
 
 def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loads_exactly(tmp_path, monkeypatch):
@@ -235,4 +245,4 @@ def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loa
     assert all(torch.equal(loaded[k], state[k]) for k in ("odd", "view", "b")) and loaded["n"] == 3
     assert os.path.getsize(tmp_path / "ckpt" / "__0_0.distcp") < 12 << 20 and not os.listdir(reuse)
     if hasattr(os, "O_DIRECT"):
-        assert sum(n for n, d in writes if d) > 6 << 20  # both large tensors, all but their edge pages
+        assert sum(n for n, d, _ in writes if d) > 6 << 20  # both large tensors, all but their edge pages
