@@ -19,10 +19,11 @@ DCP's file writer opens every file it writes through its ``FileSystem`` (``creat
   entry's offset and its memory's address agree modulo :data:`PAGE` (:meth:`~_ChecksummingFile.place`);
   the part of a page at each end goes through the page cache, which never holds a page a direct
   write also writes. Writing 200 MB and fsyncing it took 9-12 ms of CPU so, against 46-72 ms
-  through the page cache (86-131 ms against 116-206 ms on the clock); a save of a 200 MB state took 20-28 ms of its
-  writer thread's CPU against 92-102 ms, CPU an async save takes from training beside it. A
-  file system that refuses direct writes (as the flag is set, or at a write, for a stricter
-  alignment) gets the rest of the bytes through the page cache, and the files after it all of them;
+  through the page cache (86-131 ms against 116-206 ms on the clock); a save of a 200 MB state
+  took 20-28 ms of its writer thread's CPU against 92-102 ms, CPU an async save takes from
+  training beside it. A file system that refuses direct writes (as the flag is set, or at a
+  write, for a stricter alignment) gets the rest of the bytes through the page cache, and the
+  files after it all of them;
 - fsync the file when it is closed (once: DCP's own ``sync_files`` fsync is off): for directly
   written pages too, whose data may sit in the disk's own cache until then;
 - write over the file of the same name a pruned checkpoint left in ``reuse`` (moved into place,

@@ -169,10 +169,12 @@ def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exa
     on_disk = (tmp_path / "data").read_bytes()
     for offset, view in zip(offsets, views):
         assert on_disk[offset : offset + len(view)] == view.tobytes()
-    gaps = [on_disk[19:offsets[0]]] + [
+    gaps = [on_disk[19 : offsets[0]]] + [
         on_disk[offsets[i] + len(views[i]) : offsets[i + 1]] for i in range(len(views) - 1)
     ]
-    assert all(gap == bytes(len(gap)) and len(gap) < durable_files.PAGE for gap in gaps)  # zeros, under a page
+    assert all(
+        gap == bytes(len(gap)) and len(gap) < durable_files.PAGE for gap in gaps
+    )  # zeros, under a page
     assert fs.entries == {"data": (len(on_disk), zlib.crc32(on_disk))}
     direct = sum(n for n, d, _ in writes if d)
     assert direct >= sum(len(v) - 2 * durable_files.PAGE for v in views)  # all but the edge pages
@@ -181,7 +183,9 @@ def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exa
     assert all(at % page == 0 and n % page == 0 for n, d, at in writes if d)
 
     def pages(direct: bool) -> set[int]:
-        return {q for n, d, at in writes if d == direct and n for q in range(at // page, (at + n - 1) // page + 1)}
+        return {
+            q for n, d, at in writes if d == direct and n for q in range(at // page, (at + n - 1) // page + 1)
+        }
 
     direct_pages, buffered_pages = pages(True), pages(False)
     assert not direct_pages & buffered_pages  # no page is written both ways
@@ -228,13 +232,17 @@ def test_a_file_system_that_refuses_direct_writes_still_gets_every_byte(tmp_path
     assert not fs.direct and not any(d for _, d, _ in writes)
 
 
-def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loads_exactly(tmp_path, monkeypatch):
+def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loads_exactly(
+    tmp_path, monkeypatch
+):
     writes = _spy_writes(monkeypatch) if hasattr(os, "O_DIRECT") else []
     base = torch.randn(2048, 513)
     state = {"odd": torch.randn(1000, 777), "view": base[:, 1:], "b": torch.arange(5.0), "n": 3}
     reuse = tmp_path / "reuse"
     reuse.mkdir()
-    (reuse / "__0_0.distcp").write_bytes(os.urandom(12 << 20))  # a pruned checkpoint's, longer than what comes
+    (reuse / "__0_0.distcp").write_bytes(
+        os.urandom(12 << 20)
+    )  # a pruned checkpoint's, longer than what comes
     writer = RecordingWriter(tmp_path / "ckpt", rank=0, checked={"odd", "view", "b"}, reuse=reuse)
     with quiet_single_process():
         dcp.save(state, storage_writer=writer, no_dist=True)
