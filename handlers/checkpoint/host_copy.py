@@ -1,13 +1,13 @@
 """A ``mode="async"`` save of plain CPU tensors: written from the live state, copied only on demand.
 
 Parameters and optimizer state change only at the next optimizer step, so the writer thread writes
-each tensor straight from the live state (the page cache is the copy) while the next step's forward
-and backward run. At the staging wait, right before the optimizer step, whatever the writer has
-not reached yet is copied to host buffers in the training thread (claimed one tensor at a time, so
-the writer goes on with the next live one meanwhile) and written from there; training then waits
-only until the tensor the writer is on is written. A save thus costs one copy of each byte (into
-the page cache) instead of two, and host memory only for what a short step leaves unwritten (the
-buffers are kept from one save to the next). The NaN/Inf check sums each tensor as it is handed to
+each tensor straight from the live state (to the disk directly for large tensors, else into the
+page cache) while the next step's forward and backward run. At the staging wait, right before the
+optimizer step, whatever the writer has not reached yet is copied to host buffers in the training
+thread (claimed one tensor at a time, so the writer goes on with the next live one meanwhile) and
+written from there; training then waits only until the tensor the writer is on is written. A save
+thus costs at most one copy of each byte in memory instead of two, and host memory only for what a
+short step leaves unwritten (the buffers are kept from one save to the next). The NaN/Inf check sums each tensor as it is handed to
 the writer, before the optimizer can change it.
 
 A state with any other tensor (CUDA, sharded) goes through DCP's stager, copy first
