@@ -7,8 +7,8 @@ optimizer step, whatever the writer has not reached yet is copied to host buffer
 thread (claimed one tensor at a time, so the writer goes on with the next live one meanwhile) and
 written from there; training then waits only until the tensor the writer is on is written. A save
 thus costs at most one copy of each byte in memory instead of two, and host memory only for what a
-short step leaves unwritten (the buffers are kept from one save to the next). The NaN/Inf check sums each tensor as it is handed to
-the writer, before the optimizer can change it.
+short step leaves unwritten (the buffers are kept from one save to the next). The NaN/Inf check
+sums each tensor as it is handed to the writer, before the optimizer can change it.
 
 A state with any other tensor (CUDA, sharded) goes through DCP's stager, copy first
 (:func:`stage_then_save`).
