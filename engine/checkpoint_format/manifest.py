@@ -24,7 +24,7 @@ from hookloop.engine.checkpoint_format import tensor_bytes
 from hookloop.engine.checkpoint_format.directory import MARKER, read_json
 from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSystem, crc32
 from hookloop.engine.checkpoint_format.errors import CheckpointError
-from hookloop.engine.intra_op import use_one_intra_op_thread
+from hookloop.engine.intra_op import lower_priority, use_one_intra_op_thread
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -196,6 +196,7 @@ class RecordingWriter(_FileSystemWriter):
 
             def check() -> None:
                 use_one_intra_op_thread()  # reductions stay off training's cores
+                lower_priority()  # and take them only when training leaves them idle
                 start = time.perf_counter()
                 outcome["finite"] = finite_or_none(getattr(planner, "state_dict", {}), self.checked)
                 outcome["seconds"] = time.perf_counter() - start

@@ -1,12 +1,19 @@
 """The session: a session id per run (no process group with one process), the two background
-threads working on one intra-op thread and made again after they are stopped, local agreement with
-one rank, and the hold on the directory that makes another live run's leftovers untouchable."""
+threads working on one intra-op thread and made again after they are stopped, at training's priority
+(their lock-free helpers at the lowest), local agreement with one rank, and the hold on the directory
+that makes another live run's leftovers untouchable."""
 
 from __future__ import annotations
+
+import os
+import sys
+import threading
 
 import pytest
 import torch
 
+from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSystem
+from hookloop.engine.intra_op import BACKGROUND_NICE
 from hookloop.engine.run_lock import LOCK_FILE, RunDirInUse
 from hookloop.handlers.checkpoint.session import CheckpointSession
 
@@ -59,3 +66,27 @@ def test_holding_a_directory_refuses_another_holder_until_released(tmp_path):
     first.hold(owner, fresh)
     first.release(owner, fresh, started=False)
     assert not (tmp_path / "fresh").exists()  # a start that never began leaves no directory
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="threads have nice values of their own on Linux"
+)
+def test_the_writer_keeps_trainings_priority_and_its_lock_free_helpers_take_the_lowest(sess):
+    """The writer runs Python: lowered, it would hold the interpreter lock while it waits for a
+    core. Its checksum and writeback helpers work without the lock: they yield the cores."""
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    own, lowest = nice(), max(nice(), BACKGROUND_NICE)
+    assert sess.write_thread().submit(nice).result() == own
+    assert sess.io_thread().submit(nice).result() == own
+    fs = ChecksummingFileSystem()
+    try:  # made by the writer thread, as in a save
+        helpers = sess.write_thread().submit(
+            lambda: [fs.helper(k).submit(nice).result() for k in ("checksum", "writeback")]
+        )
+        assert helpers.result() == [lowest, lowest]
+    finally:
+        fs.close()
+    assert nice() == own  # the caller's own is left alone
