@@ -1,11 +1,12 @@
 """What the room tests give a room in place of the rest of the checkpointer: a session without a
 process group (one rank), a store and a writer on a directory under ``tmp_path``, a waiting
-context that records its use, a tiny model with its optimizer, and a gated stager that holds a
-save in staging until the test lets it go."""
+context that records its use, a tiny model with its optimizer, a gated stager that holds a save
+in staging until the test lets it go, and a spy on the writes that says which went to the disk directly."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import threading
@@ -184,3 +185,23 @@ class FailingStager:
 
     def close(self) -> None:
         pass
+
+
+def spy_writes(monkeypatch: Any) -> list[tuple[int, bool, int]]:
+    """Record each ``os.write`` while the test runs as (bytes written, whether ``O_DIRECT`` was set,
+    the file position it wrote at); the writes happen as they would."""
+    writes: list[tuple[int, bool, int]] = []
+    real = os.write
+
+    def spying(fd, data):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        try:
+            position = os.lseek(fd, 0, os.SEEK_CUR)
+        except OSError:  # a pipe (only a file's writes are the stream's)
+            position = -1
+        n = real(fd, data)
+        writes.append((n, direct, position))
+        return n
+
+    monkeypatch.setattr(os, "write", spying)
+    return writes

@@ -20,6 +20,7 @@ from hookloop.engine.checkpoint_format.durable_files import ChecksummingFileSyst
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter, all_finite, file_checksum
 from hookloop.engine.checkpoint_format.safe_read import SafeReader
 from hookloop.handlers.checkpoint.dcp_calls import quiet_single_process
+from tests.checkpoint_rooms import fakes
 
 
 def test_streams_record_the_size_and_crc32_of_what_they_wrote(tmp_path, monkeypatch):
@@ -125,23 +126,6 @@ def test_the_finite_check_skips_integers_and_reads_complex_tensors():
 needs_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
 
-def _spy_writes(monkeypatch):
-    """Record each os.write of a checkpoint stream as (bytes written, whether O_DIRECT was set, the
-    file position it wrote at)."""
-    writes: list[tuple[int, bool, int]] = []
-    real = os.write
-
-    def spying(fd, data):
-        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-        position = os.lseek(fd, 0, os.SEEK_CUR)
-        n = real(fd, data)
-        writes.append((n, direct, position))
-        return n
-
-    monkeypatch.setattr(os, "write", spying)
-    return writes
-
-
 def _misaligned(size: int, shift: int) -> memoryview:
     """``size`` random bytes starting ``shift`` bytes past a page boundary in memory."""
     backing = torch.empty(size + 2 * durable_files.PAGE, dtype=torch.uint8)
@@ -153,7 +137,7 @@ def _misaligned(size: int, shift: int) -> memoryview:
 
 @needs_direct
 def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exactly(tmp_path, monkeypatch):
-    writes = _spy_writes(monkeypatch)
+    writes = fakes.spy_writes(monkeypatch)
     fs = ChecksummingFileSystem()
     views = [_misaligned((3 << 20) + 123, shift) for shift in (0, 17, 4000)]
     offsets = []
@@ -196,7 +180,7 @@ def test_a_placed_large_entry_goes_to_the_disk_in_whole_pages_and_reads_back_exa
 def test_a_file_system_that_refuses_direct_writes_still_gets_every_byte(tmp_path, monkeypatch, refusal):
     """A file system without O_DIRECT (refused as the flag is set) or with a stricter alignment
     (refused at the write): the page cache takes the bytes, and the files after it too."""
-    writes = _spy_writes(monkeypatch)
+    writes = fakes.spy_writes(monkeypatch)
     if refusal == "fcntl":
         real_fcntl = fcntl.fcntl
 
@@ -235,7 +219,7 @@ def test_a_file_system_that_refuses_direct_writes_still_gets_every_byte(tmp_path
 def test_a_save_of_large_and_odd_tensors_written_directly_over_a_pruned_file_loads_exactly(
     tmp_path, monkeypatch
 ):
-    writes = _spy_writes(monkeypatch) if hasattr(os, "O_DIRECT") else []
+    writes = fakes.spy_writes(monkeypatch) if hasattr(os, "O_DIRECT") else []
     base = torch.randn(2048, 513)
     state = {"odd": torch.randn(1000, 777), "view": base[:, 1:], "b": torch.arange(5.0), "n": 3}
     reuse = tmp_path / "reuse"

@@ -231,18 +231,7 @@ def test_a_save_beside_training_writes_large_tensors_past_the_page_cache_a_sync_
 ):
     """The async modes' writer would otherwise take training's CPU to copy the bytes into the page
     cache; a sync save, which training waits for anyway, keeps them cached for a rollback to read."""
-    import fcntl
-
-    direct: list[int] = []
-    real = os.write
-
-    def spying(fd, data):
-        n = real(fd, data)
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            direct.append(n)
-        return n
-
-    monkeypatch.setattr(os, "write", spying)
+    writes = fakes.spy_writes(monkeypatch)
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights, 12 with AdamW's moments
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 1024)).sum().backward()
@@ -256,7 +245,8 @@ def test_a_save_beside_training_writes_large_tensors_past_the_page_cache_a_sync_
     with quiet_single_process():
         dcp.load(loaded, checkpoint_id=save.final, storage_reader=SafeReader(save.final), no_dist=True)
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    direct = sum(n for n, d, _ in writes if d)
     if mode == "sync":
-        assert direct == []
+        assert direct == 0
     else:
-        assert sum(direct) >= 3 * ((4 << 20) - 8192)  # weights and both moments, but their edge pages
+        assert direct >= 3 * ((4 << 20) - 8192)  # weights and both moments, but their edge pages
