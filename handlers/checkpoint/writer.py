@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hookloop.engine import parallel
 from hookloop.engine.checkpoint_format.directory import REUSE, step_dir_name
@@ -24,7 +23,6 @@ from hookloop.engine.checkpoint_format.errors import CheckpointError
 from hookloop.engine.checkpoint_format.manifest import RecordingWriter
 from hookloop.handlers.checkpoint import optim_layout
 from hookloop.handlers.checkpoint.dcp_calls import (
-    STATE_DICT_OPTIONS,
     SavePlanner,
     copy_buffers,
     last_line,
@@ -36,6 +34,7 @@ from hookloop.handlers.checkpoint.handler_tensors import HANDLERS
 from hookloop.handlers.checkpoint.host_copy import HostCopy, stage_then_save
 from hookloop.handlers.checkpoint.save import Save, all_of, done_future, write_rank_file
 from hookloop.handlers.checkpoint.session import CheckpointSession
+from hookloop.handlers.checkpoint.state_dicts import StateDicts
 from hookloop.handlers.checkpoint.store import CheckpointStore
 from hookloop.handlers.sections.checkpoint import AsyncMode
 
@@ -77,6 +76,7 @@ class CheckpointWriter:
         self.stager: Any = None
         self._own_stager: Any = None
         self._host_copy = HostCopy()  # mode="async": written live, copied only on demand
+        self._state_dicts = StateDicts()  # get_state_dict's naming, learned once per layout
         #: the save in flight's publishing on the writer thread, once released (:meth:`release`):
         #: True once published, False when a hold deferred it
         self._publishing: Future | None = None
@@ -131,7 +131,7 @@ class CheckpointWriter:
                 f"cannot write checkpoint for step {step} to {partial}: {e}; free space or fix permissions "
                 f"of checkpoint.directory ({self.directory}); the previous checkpoint is untouched"
             ) from e
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        model_sd, optim_sd = self._state_dicts.get(model, optimizer)
         optim_sd = optim_layout.compact(optim_sd)  # hyperparameters once per group of parameters
         checked = trained_entries(model_sd, optim_sd, model)  # finite or not: the writer says
         if self.mode is AsyncMode.ASYNC:  # staged later, while the next forward may change buffers
@@ -412,6 +412,7 @@ class CheckpointWriter:
             self.stager.close()
             self.stager = self._own_stager = None
         self._host_copy.close()
+        self._state_dicts = StateDicts()
 
 
 def _fill(future: Future, fn: Callable[..., Any], *args: Any) -> None:
