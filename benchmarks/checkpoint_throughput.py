@@ -408,6 +408,11 @@ def quartile(values: list[float]) -> float:
     return statistics.quantiles(values, n=4)[0]
 
 
+def each_round(readings: list[float | None]) -> str:
+    """Local readings, one per round, as ``0.951/-/0.948`` (``-``: a round without one)."""
+    return "/".join("-" if k is None else f"{k:.3f}" for k in readings)
+
+
 def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: int) -> None:
     print(f"\n{title}: {timed} steps timed, a save every {every} steps")
     print(
@@ -417,8 +422,7 @@ def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: i
     )
     for name, row in rows.items():
         each = "/".join(f"{k:.2f}" for k in row["kept_runs"])
-        local = "/".join("-" if k is None else f"{k:.3f}" for k in row["local_runs"])
-        floor = "/".join("-" if k is None else f"{k:.3f}" for k in row.get("floor_runs", []))
+        local, floor = each_round(row["local_runs"]), each_round(row["floor_runs"])
         print(
             f"{name:44s}{row['median_step_ms']:12.1f} ms{row['vs_hand']:7.3f}{row['no_saves_s']:9.2f}s"
             f"{row['saves_s']:8.2f}s{row['kept']:7.2f}{row['after']:7.2f}{row['after_low']:21.2f}  {each:18s}"
@@ -444,7 +448,7 @@ def print_side_by_side(quiet: dict[str, dict[str, Any]], shared: dict[str, dict[
         if other is None:
             continue
         each = "/".join(f"{k:.2f}" for k in other["kept_runs"])
-        local = "/".join("-" if k is None else f"{k:.3f}" for k in other["local_runs"])
+        local = each_round(other["local_runs"])
         print(
             f"{name:44s}{row['kept']:11.2f}{other['kept']:12.2f}{row['after']:12.2f}{other['after']:13.2f}"
             f"{row['saves_s'] / other['saves_s']:11.2f}  {each:24s}  {local}"
