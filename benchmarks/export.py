@@ -119,15 +119,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"dcp_to_torch_save {reference / mb:.0f} MiB, load_model {loaded / mb:.0f} MiB (baseline after "
         f"the imports {base / mb:.0f} MiB)"
     )
+    export_figure = {
+        "figure": "export: peak RSS / model bytes, hookloop export vs dcp_to_torch_save",
+        "hookloop": ours / model_bytes,
+        "reference": reference / model_bytes,
+        "ratio": ours / reference,
+    }
+    if not args.quick:  # --quick's 7 MiB model: the reader's fixed ~35 MiB decide its ratio
+        export_figure.update(target="<= 1.0 (hookloop)", met=ours / model_bytes <= 1.0)
     figures = [
-        {
-            "figure": "export: peak RSS / model bytes, hookloop export vs dcp_to_torch_save",
-            "hookloop": ours / model_bytes,
-            "reference": reference / model_bytes,
-            "ratio": ours / reference,
-            "target": "<= 1.0 (hookloop)",
-            "met": ours / model_bytes <= 1.0,
-        },
+        export_figure,
         {"figure": "export: peak RSS / model bytes, load_model", "hookloop": loaded / model_bytes},
     ]
     result = {"benchmark": "export", "figures": figures}
