@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from workload import LOCAL_FROM, kept_local
+from workload import LOCAL_FROM, kept_by_offset, kept_local, save_windows
 
 from hookloop.engine import Events, Trainer
 from hookloop.engine.checkpoint_format.manifest import CHECKSUM_ALGORITHM, RecordingWriter
@@ -149,6 +149,7 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
     windows = [range(s, s + every) for s in timed if s + every <= warmup + steps]
     blocked = [sum(per_step.get(t, 0.0) for t in w) for w in windows]
     waited = [sum(before_optimizer.get(t, 0.0) for t in w) for w in windows]
+    durations = {k: ends[k] - ends[k - 1] for k in range(warmup + 2, warmup + steps + 1)}
     return {
         "steps_per_s": steps / elapsed,
         "cpu_per_step": cpu / steps,
@@ -160,9 +161,9 @@ def run(mode: str | None, width: int, steps: int, every: int, directory: str) ->
         "verify": verify,
         "saves": len(durable),
         "mb": state_megabytes(trainer),
-        "kept_local": kept_local(
-            {k: ends[k] - ends[k - 1] for k in range(warmup + 2, warmup + steps + 1)}, timed, every
-        ),
+        "durations": durations,
+        "timed": timed,
+        "kept_local": kept_local(durations, timed, every),
     }
 
 
@@ -466,6 +467,23 @@ def main() -> None:
         f"throughput kept in each repeat, read locally (each save's {every} steps against their own median "
         f"step from the {LOCAL_FROM}rd after it on; the machine's drift between runs left out): {local}"
     )
+
+    def shown(k: float | None) -> str:
+        return "-" if k is None else f"{k:.3f}"
+
+    by_offset = {  # every repeat's windows; the runs without checkpoints at the async runs' save steps
+        mode: kept_by_offset(
+            [w for r, a in zip(rows, runs["async"]) for w in save_windows(r["durations"], a["timed"], every)]
+        )
+        for mode, rows in runs.items()
+    }
+    print(
+        "throughput kept, read per offset (each step of a save's window over the window's median from "
+        f"the {LOCAL_FROM}rd on, the median over every repeat's saves at each offset; bursts of noise "
+        "leave it): "
+        + ", ".join(f"{mode} {shown(k)}" for mode, k in by_offset.items() if mode)
+        + f"; the runs without checkpoints, the same steps: {shown(by_offset[None])}"
+    )
     if args.json:
         figures = [
             {
@@ -503,6 +521,17 @@ def main() -> None:
                 "met": low >= 0.95 if mode == "async" else None,
             }
             for mode, low in worst.items()
+        ]
+        figures += [
+            {
+                "figure": f"throughput saving every {every} steps, read per offset, all repeats, {mode} "
+                "(reference: the runs without checkpoints at the same steps)",
+                "hookloop": kept,
+                "reference": by_offset[None],
+                "ratio": kept / by_offset[None] if by_offset[None] else None,
+            }
+            for mode, kept in by_offset.items()
+            if mode is not None and kept is not None
         ]
         figures += [
             {

@@ -25,7 +25,11 @@ round ("/ hand": the engine's and handlers' cost per step), the 40 steps' time w
 the third after the save on: :func:`kept_local`; this machine's speed drifts between runs seconds
 apart, which ``kept`` compares across; its worst round is a figure with the target; beside it the
 same windows of the run without saves, which read 0.98-1.00 where the machine is noisy: a burst
-lengthens a window's sum, not its median), and "after"
+lengthens a window's sum, not its median), "kept per offset" (each step of those windows over its
+window's median, the median over every round's saves at each offset from the save, ``every`` over
+their sum: :func:`workload.kept_by_offset`; a save's cost comes at the same offsets every time, a
+burst of noise at one offset of one window, so a run without saves reads about 1.00 here, shown in
+brackets), and "after"
 (the median step from the second step after each save to the next save, over the median step of
 the same contender's run without saves: 1.0 means steps are back to normal one step after a save)
 and the same ratio of lower quartiles ("after, fast quarter": on a machine whose cores other
@@ -381,6 +385,10 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "local_runs": [kept_local(s, timed, every) for s in runs],
                 # the same reading of the run without saves: what noise alone makes of it
                 "floor_runs": [kept_local(b, timed, every) for b in base],
+                # per offset from the save, the windows of every round together; and the same
+                # steps of the runs without saves
+                "by_offset": kept_by_offset(runs, timed, every),
+                "floor_by_offset": kept_by_offset(base, timed, every),
                 "after": statistics.median(after),
                 "after_low": statistics.median(after_low),
                 "name": name,
@@ -392,14 +400,27 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def kept_local(stamps: list[float], timed: int, every: int) -> float | None:
-    """:func:`workload.kept_local` of one run's step-end ``stamps`` (``stamps[i]``: the end of step
-    ``i + 1``), the saves at the multiples of ``every`` among the ``timed`` steps after the warm-up."""
+def timed_saves(stamps: list[float], timed: int, every: int) -> tuple[dict[int, float], range]:
+    """One run's step-end ``stamps`` (``stamps[i]``: the end of step ``i + 1``) as the durations of
+    the ``timed`` steps after the warm-up (step -> seconds), and the saves among them (the multiples
+    of ``every``)."""
     durations = {k + 1: b - a for k, (a, b) in enumerate(zip(stamps, stamps[1:]), start=1)}
     first = WARMUP + 1
     timed_steps = {k: d for k, d in durations.items() if first <= k <= WARMUP + timed}
-    saves = range(every * -(-first // every), WARMUP + timed + 1, every)
-    return workload.kept_local(timed_steps, saves, every)
+    return timed_steps, range(every * -(-first // every), WARMUP + timed + 1, every)
+
+
+def kept_local(stamps: list[float], timed: int, every: int) -> float | None:
+    """:func:`workload.kept_local` of one run's step-end ``stamps`` (see :func:`timed_saves`)."""
+    return workload.kept_local(*timed_saves(stamps, timed, every), every)
+
+
+def kept_by_offset(runs: list[list[float]], timed: int, every: int) -> float | None:
+    """:func:`workload.kept_by_offset` of the save windows of every run in ``runs`` (step-end
+    stamps, see :func:`timed_saves`)."""
+    return workload.kept_by_offset(
+        [w for stamps in runs for w in workload.save_windows(*timed_saves(stamps, timed, every), every)]
+    )
 
 
 def quartile(values: list[float]) -> float:
@@ -418,20 +439,24 @@ def print_rows(title: str, rows: dict[str, dict[str, Any]], timed: int, every: i
     print(
         f"{'contender [how it saves]':44s}{'step, no saves':>15s}{'/ hand':>7s}{'no saves':>10s}"
         f"{'saving':>9s}{'kept':>7s}{'after':>7s}{'after, fast quarter':>21s}  kept in each round"
-        "  kept, local, in each round  same, run without saves"
+        "  kept, local, in each round  same, run without saves  kept per offset (without saves)"
     )
     for name, row in rows.items():
         each = "/".join(f"{k:.2f}" for k in row["kept_runs"])
         local, floor = each_round(row["local_runs"]), each_round(row["floor_runs"])
+        offset = each_round([row["by_offset"]]) + " (" + each_round([row["floor_by_offset"]]) + ")"
         print(
             f"{name:44s}{row['median_step_ms']:12.1f} ms{row['vs_hand']:7.3f}{row['no_saves_s']:9.2f}s"
             f"{row['saves_s']:8.2f}s{row['kept']:7.2f}{row['after']:7.2f}{row['after_low']:21.2f}  {each:18s}"
-            f"  {local:26s}  {floor}"
+            f"  {local:26s}  {floor:23s}  {offset}"
         )
     print(
         f"kept, local: the {every} steps from each save on, against {every} times their own median step "
         f"from the {workload.LOCAL_FROM}rd after the save on (kept_local: the drift between runs left out); "
-        "the same windows of the run without saves read below 1 by as much as noise alone makes them"
+        "the same windows of the run without saves read below 1 by as much as noise alone makes them. "
+        "kept per offset: each step of those windows over its window's median, the median over every "
+        "round's saves at each offset (a burst of noise moves one window, not the median); in brackets "
+        f"the same steps of the runs without saves (at least {workload.OFFSET_WINDOWS} saves, else -)"
     )
 
 
@@ -867,6 +892,18 @@ def result_json(
                         "ratio": min(local),
                         "target": f">= {kept_target}" if default else None,
                         "met": min(local) >= kept_target if default else None,
+                    }
+                )
+            if row.get("by_offset") is not None:  # bursts of noise leave it (see print_rows)
+                figures.append(
+                    {
+                        "figure": f"{KEPT} {args.every} steps, read per offset, all rounds, {where}, "
+                        f"{contender_label(name)} (reference: the runs without saves, the same steps)",
+                        "hookloop": row["by_offset"],
+                        "reference": row["floor_by_offset"],
+                        "ratio": (row["by_offset"] / row["floor_by_offset"])
+                        if row["floor_by_offset"]
+                        else None,
                     }
                 )
             if not name.startswith("hand-written") and (name.startswith("HF") or default):

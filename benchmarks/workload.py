@@ -124,6 +124,36 @@ def kept_local(durations: dict[int, float], saves: Iterable[int], every: int) ->
     return reference / spent if spent else None
 
 
+def save_windows(durations: dict[int, float], saves: Iterable[int], every: int) -> list[list[float]]:
+    """Each save's window of ``every`` steps (``durations``: step -> seconds), every step over the
+    window's own median step from :data:`LOCAL_FROM` steps after the save on (as :func:`kept_local`
+    reads it); windows that do not fit are left out."""
+    windows = []
+    for save in saves:
+        window = [durations.get(save + o) for o in range(every)]
+        if None not in window and every - LOCAL_FROM >= 3:
+            reference = statistics.median(window[LOCAL_FROM:])
+            windows.append([d / reference for d in window])
+    return windows
+
+
+#: Fewer windows than this give no reading per offset: a median of two is their mean.
+OFFSET_WINDOWS = 5
+
+
+def kept_by_offset(windows: list[list[float]]) -> float | None:
+    """Throughput kept saving, read per offset from the save: the median over ``windows`` (of
+    :func:`save_windows`, any number of runs) of each offset's step, ``every`` over their sum. A
+    save's own cost comes at the same offsets every time and stays in the medians; a burst of slow
+    steps from other processes, which lengthens one window's sum and so reads as a cost in
+    :func:`kept_local` even in a run without saves, lands at one offset of one window and leaves
+    the median there. None with fewer than :data:`OFFSET_WINDOWS` windows."""
+    if len(windows) < OFFSET_WINDOWS:
+        return None
+    every = len(windows[0])
+    return every / sum(statistics.median(w[o] for w in windows) for o in range(every))
+
+
 def write_result(path: Path | None, result: dict[str, Any]) -> None:
     """Write a benchmark's ``{"benchmark", "figures", ...}`` result where ``--json`` asked."""
     if path is not None:

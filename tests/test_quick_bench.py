@@ -99,3 +99,39 @@ def test_kept_local_reads_a_saves_cost_against_its_own_second():
     # windows at 10 (0.1 s steps) and 20, 30 (0.2 s steps): (1 + 2 + 2) / (1.05 + 2.05 + 2.05)
     assert abs(late_cost - 5.0 / 5.15) < 1e-9
     assert too_short is None  # 5 steps leave too few for the window's own median
+
+
+BY_OFFSET = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import checkpoint_throughput as c
+def stamps(step_of, timed=40):
+    out, t = [0.0], 0.0
+    for k in range(2, c.WARMUP + timed + 2):  # the stamp at the end of step k
+        t += step_of(k)
+        out.append(t)
+    return out
+burst = lambda k: 0.5 if k == 23 else 0.1  # one step of one window five times as long
+cost = lambda k: 0.15 if k % 10 == 0 else 0.1  # each save costs half a step at its own step
+runs = [stamps(burst), stamps(lambda k: 0.1)]
+print(json.dumps([
+    c.kept_local(runs[0], 40, 10),
+    c.kept_by_offset(runs, 40, 10),
+    c.kept_by_offset([stamps(cost), stamps(lambda k: cost(k) + burst(k) - 0.1)], 40, 10),
+    c.kept_by_offset(runs[:1], 40, 10),
+]))
+"""
+
+
+def test_kept_by_offset_reads_a_saves_cost_and_not_a_burst_of_noise():
+    """The throughput kept read per offset from the save (the median over saves at each offset): a
+    burst of slow steps in one window, which the local reading counts as a cost in a run that never
+    saves, reads 1; a save's cost at the same offset in every window counts in full, burst or not;
+    fewer than five windows give no reading."""
+    proc = run_process([sys.executable, "-c", BY_OFFSET], timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    local, no_cost, cost, too_few = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert local < 0.99  # the burst reads as a cost locally
+    assert abs(no_cost - 1.0) < 1e-9
+    assert abs(cost - 1.0 / 1.05) < 1e-9
+    assert too_few is None  # one run's three windows
