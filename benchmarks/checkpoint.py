@@ -473,7 +473,11 @@ def main() -> None:
 
     by_offset = {  # every repeat's windows; the runs without checkpoints at the async runs' save steps
         mode: kept_by_offset(
-            [w for r, a in zip(rows, runs["async"]) for w in save_windows(r["durations"], a["timed"], every)]
+            [
+                w
+                for r, a in zip(rows, runs["async"])
+                for w in save_windows(r["durations"], (r if mode else a)["timed"], every)
+            ]
         )
         for mode, rows in runs.items()
     }
