@@ -115,26 +115,30 @@ def kept_local(durations: dict[int, float], saves: Iterable[int], every: int) ->
     if every - LOCAL_FROM < 3:
         return None
     reference = spent = 0.0
-    for save in saves:
-        window = [durations.get(save + o) for o in range(every)]
-        if None in window:
-            continue
+    for window in _windows(durations, saves, every):
         reference += every * statistics.median(window[LOCAL_FROM:])
         spent += sum(window)
     return reference / spent if spent else None
+
+
+def _windows(durations: dict[int, float], saves: Iterable[int], every: int) -> list[list[float]]:
+    """The durations of each save's ``every`` steps from the save on, for the saves whose steps are
+    all in ``durations``; none when ``every`` leaves fewer than 3 steps for a window's own median."""
+    if every - LOCAL_FROM < 3:
+        return []
+    windows = ([durations.get(save + o) for o in range(every)] for save in saves)
+    return [window for window in windows if None not in window]
 
 
 def save_windows(durations: dict[int, float], saves: Iterable[int], every: int) -> list[list[float]]:
     """Each save's window of ``every`` steps (``durations``: step -> seconds), every step over the
     window's own median step from :data:`LOCAL_FROM` steps after the save on (as :func:`kept_local`
     reads it); windows that do not fit are left out."""
-    windows = []
-    for save in saves:
-        window = [durations.get(save + o) for o in range(every)]
-        if None not in window and every - LOCAL_FROM >= 3:
-            reference = statistics.median(window[LOCAL_FROM:])
-            windows.append([d / reference for d in window])
-    return windows
+    scaled = []
+    for window in _windows(durations, saves, every):
+        reference = statistics.median(window[LOCAL_FROM:])
+        scaled.append([d / reference for d in window])
+    return scaled
 
 
 #: Fewer windows than this give no reading per offset: a median of two is their mean.
